@@ -1,0 +1,264 @@
+// Element-wise LeakyReLU kernels, forward and backward, shared by both problems:
+//   leaky_relu                y = leaky_relu(x, slope)
+//   gemm_multiply_leaky_relu  the GEMM's epilogue, y = leaky_relu(y * multiplier, slope), in place, and the
+//                             backward's grad_pre = (positive ? g : g * slope) * multiplier
+//
+// Memory-bound: each element is read once and written once, so the kernels aim at the device-to-device copy rate.
+// - Vectorized path: every pointer 16-byte aligned (the mask kWidth-byte aligned). Each thread moves one 16-byte
+//   pack per operand (kUnroll = 1, the fastest measured: see unroll()); a warp's load touches 512 contiguous bytes.
+//   The n % kWidth elements past the last pack are done by block 0.
+// - Scalar path: any other alignment (a view such as x[1:]), one element per access, kUnroll = 4 accesses per
+//   thread, all loads issued before the first store so that they are in flight together.
+// Indices are 64-bit throughout: tensors of 2^31 or more elements are fine. The grid is one block per tile, and
+// each block strides over tiles if there are more tiles than the grid can hold.
+// Arithmetic is in float (double for double), exactly as ATen's leaky_relu does it, so results are bitwise equal
+// to F.leaky_relu: NaN, Inf, -0.0 and any slope (0, negative, above 1) included.
+#include "launchers.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kMaxBlocks = 0x7fffffff;
+
+template <typename T> struct OpMath { using type = float; };
+template <> struct OpMath<double> { using type = double; };
+
+template <typename T> __device__ __forceinline__ typename OpMath<T>::type to_opmath(T v) { return v; }
+template <> __device__ __forceinline__ float to_opmath<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_opmath<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_opmath(typename OpMath<T>::type v) { return v; }
+template <> __device__ __forceinline__ __half from_opmath<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_opmath<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// kWidth consecutive elements moved by one load or store.
+template <typename T, int kWidth> struct alignas(sizeof(T) * kWidth) Pack { T v[kWidth]; };
+template <int kWidth> struct alignas(kWidth) MaskPack { std::uint8_t v[kWidth]; };
+
+template <typename T> __host__ __device__ constexpr int vector_width() { return 16 / sizeof(T); }
+// Packs per thread. Measured on an H200 (float32, 6.44 GB; tools/leaky_relu_variants.py): one 16-byte pack per
+// thread in 128-thread blocks reaches 100.4% of a device-to-device copy; 2 packs 99.5%, 4 packs 96.5%, at 128 or
+// 256 threads. The resident warps already keep enough 16-byte loads in flight. Scalar accesses are 4 to 8 times
+// smaller, so the unaligned path keeps 4 per thread in flight.
+template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 1; }
+
+// Calls visit(pack_index) for each pack of this thread, over all tiles of this block; then block 0 calls
+// visit_tail(element_index) for the n % kWidth elements past the last pack. visit takes the kUnroll indices
+// of one tile at once (out-of-range ones are -1), so that it can issue all loads before any store.
+template <int kWidth, typename Visit, typename VisitTail>
+__device__ __forceinline__ void for_each_pack(std::int64_t n, Visit visit, VisitTail visit_tail) {
+  constexpr int kUnroll = unroll<kWidth>();
+  const std::int64_t packs = n / kWidth;
+  const std::int64_t tiles = (packs + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    std::int64_t index[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const std::int64_t i = tile * kThreads * kUnroll + k * kThreads + threadIdx.x;
+      index[k] = i < packs ? i : -1;
+    }
+    visit(index);
+  }
+  if (kWidth > 1 && blockIdx.x == 0) {
+    const std::int64_t i = packs * kWidth + threadIdx.x;
+    if (i < n) visit_tail(i);
+  }
+}
+
+template <typename T, int kWidth, bool kScale, bool kMask>
+__global__ void __launch_bounds__(kThreads)
+scale_leaky_relu_kernel(const T* __restrict__ x, T* __restrict__ y, std::uint8_t* __restrict__ mask,
+                        std::int64_t n, typename OpMath<T>::type scale, typename OpMath<T>::type slope) {
+  using Op = typename OpMath<T>::type;
+  using P = Pack<T, kWidth>;
+  using M = MaskPack<kWidth>;
+  constexpr int kUnroll = unroll<kWidth>();
+  auto apply = [&](T in, T& out, std::uint8_t& positive) {
+    Op v = to_opmath(in);
+    if (kScale) v = v * scale;
+    positive = v > Op(0);
+    out = from_opmath<T>(positive ? v : v * slope);
+  };
+  for_each_pack<kWidth>(
+      n,
+      [&](const std::int64_t (&index)[kUnroll]) {
+        P packs[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+          if (index[k] >= 0) packs[k] = reinterpret_cast<const P*>(x)[index[k]];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          if (index[k] < 0) continue;
+          P out;
+          M positive;
+#pragma unroll
+          for (int j = 0; j < kWidth; ++j) apply(packs[k].v[j], out.v[j], positive.v[j]);
+          reinterpret_cast<P*>(y)[index[k]] = out;
+          if (kMask) reinterpret_cast<M*>(mask)[index[k]] = positive;
+        }
+      },
+      [&](std::int64_t i) {
+        std::uint8_t positive;
+        apply(x[i], y[i], positive);
+        if (kMask) mask[i] = positive;
+      });
+}
+
+template <typename T, int kWidth, bool kScale, bool kMask>
+__global__ void __launch_bounds__(kThreads)
+leaky_relu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ saved,
+                           const std::uint8_t* __restrict__ mask, T* __restrict__ grad_in, std::int64_t n,
+                           typename OpMath<T>::type scale, typename OpMath<T>::type slope) {
+  using Op = typename OpMath<T>::type;
+  using P = Pack<T, kWidth>;
+  using M = MaskPack<kWidth>;
+  constexpr int kUnroll = unroll<kWidth>();
+  auto apply = [&](T g, bool positive) {
+    Op v = to_opmath(g);
+    v = positive ? v : v * slope;
+    if (kScale) v = v * scale;
+    return from_opmath<T>(v);
+  };
+  for_each_pack<kWidth>(
+      n,
+      [&](const std::int64_t (&index)[kUnroll]) {
+        P grads[kUnroll];
+        P saved_packs[kUnroll];
+        M mask_packs[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          if (index[k] < 0) continue;
+          grads[k] = reinterpret_cast<const P*>(grad_out)[index[k]];
+          if (kMask) {
+            mask_packs[k] = reinterpret_cast<const M*>(mask)[index[k]];
+          } else {
+            saved_packs[k] = reinterpret_cast<const P*>(saved)[index[k]];
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          if (index[k] < 0) continue;
+          P out;
+#pragma unroll
+          for (int j = 0; j < kWidth; ++j) {
+            const bool positive = kMask ? mask_packs[k].v[j] != 0 : to_opmath(saved_packs[k].v[j]) > Op(0);
+            out.v[j] = apply(grads[k].v[j], positive);
+          }
+          reinterpret_cast<P*>(grad_in)[index[k]] = out;
+        }
+      },
+      [&](std::int64_t i) {
+        const bool positive = kMask ? mask[i] != 0 : to_opmath(saved[i]) > Op(0);
+        grad_in[i] = apply(grad_out[i], positive);
+      });
+}
+
+bool aligned(const void* p, std::uintptr_t bytes) {
+  return p == nullptr || reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+template <int kWidth> unsigned int grid_for(std::int64_t n) {
+  const std::int64_t per_block = std::int64_t{kThreads} * unroll<kWidth>() * kWidth;
+  const std::int64_t blocks = (n + per_block - 1) / per_block;
+  return static_cast<unsigned int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+template <typename T, int kWidth>
+cudaError_t scale_leaky_relu_width(const void* x, void* y, std::uint8_t* mask, std::int64_t n, double scale,
+                                   double slope, cudaStream_t stream) {
+  using Op = typename OpMath<T>::type;
+  const T* in = static_cast<const T*>(x);
+  T* out = static_cast<T*>(y);
+  const unsigned int grid = grid_for<kWidth>(n);
+  const Op s = static_cast<Op>(scale), ns = static_cast<Op>(slope);
+  // Multiplying by 1 is exact except for NaN payloads; skipping it keeps the plain activation bitwise F.leaky_relu.
+  if (scale == 1.0) {
+    if (mask) scale_leaky_relu_kernel<T, kWidth, false, true><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
+    else scale_leaky_relu_kernel<T, kWidth, false, false><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
+  } else {
+    if (mask) scale_leaky_relu_kernel<T, kWidth, true, true><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
+    else scale_leaky_relu_kernel<T, kWidth, true, false><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t scale_leaky_relu_typed(const void* x, void* y, std::uint8_t* mask, std::int64_t n, double scale,
+                                   double slope, cudaStream_t stream) {
+  constexpr int kWidth = vector_width<T>();
+  if (aligned(x, 16) && aligned(y, 16) && aligned(mask, kWidth))
+    return scale_leaky_relu_width<T, kWidth>(x, y, mask, n, scale, slope, stream);
+  return scale_leaky_relu_width<T, 1>(x, y, mask, n, scale, slope, stream);
+}
+
+template <typename T, int kWidth>
+cudaError_t leaky_relu_backward_width(const void* grad_out, const void* saved, const std::uint8_t* mask,
+                                      void* grad_in, std::int64_t n, double scale, double slope,
+                                      cudaStream_t stream) {
+  using Op = typename OpMath<T>::type;
+  const T* g = static_cast<const T*>(grad_out);
+  const T* s_in = static_cast<const T*>(saved);
+  T* out = static_cast<T*>(grad_in);
+  const unsigned int grid = grid_for<kWidth>(n);
+  const Op s = static_cast<Op>(scale), ns = static_cast<Op>(slope);
+  if (scale == 1.0) {
+    if (mask) leaky_relu_backward_kernel<T, kWidth, false, true><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
+    else leaky_relu_backward_kernel<T, kWidth, false, false><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
+  } else {
+    if (mask) leaky_relu_backward_kernel<T, kWidth, true, true><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
+    else leaky_relu_backward_kernel<T, kWidth, true, false><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t leaky_relu_backward_typed(const void* grad_out, const void* saved, const std::uint8_t* mask,
+                                      void* grad_in, std::int64_t n, double scale, double slope,
+                                      cudaStream_t stream) {
+  constexpr int kWidth = vector_width<T>();
+  if (aligned(grad_out, 16) && aligned(saved, 16) && aligned(grad_in, 16) && aligned(mask, kWidth))
+    return leaky_relu_backward_width<T, kWidth>(grad_out, saved, mask, grad_in, n, scale, slope, stream);
+  return leaky_relu_backward_width<T, 1>(grad_out, saved, mask, grad_in, n, scale, slope, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_scale_leaky_relu(ElementType type, const void* x, void* y, std::uint8_t* mask, std::int64_t n,
+                                    double scale, double negative_slope, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  switch (type) {
+    case ElementType::kFloat32: return scale_leaky_relu_typed<float>(x, y, mask, n, scale, negative_slope, stream);
+    case ElementType::kFloat64: return scale_leaky_relu_typed<double>(x, y, mask, n, scale, negative_slope, stream);
+    case ElementType::kFloat16: return scale_leaky_relu_typed<__half>(x, y, mask, n, scale, negative_slope, stream);
+    case ElementType::kBFloat16:
+      return scale_leaky_relu_typed<__nv_bfloat16>(x, y, mask, n, scale, negative_slope, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_leaky_relu_backward(ElementType type, const void* grad_out, const void* saved,
+                                       const std::uint8_t* mask, void* grad_in, std::int64_t n, double scale,
+                                       double negative_slope, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  switch (type) {
+    case ElementType::kFloat32:
+      return leaky_relu_backward_typed<float>(grad_out, saved, mask, grad_in, n, scale, negative_slope, stream);
+    case ElementType::kFloat64:
+      return leaky_relu_backward_typed<double>(grad_out, saved, mask, grad_in, n, scale, negative_slope, stream);
+    case ElementType::kFloat16:
+      return leaky_relu_backward_typed<__half>(grad_out, saved, mask, grad_in, n, scale, negative_slope, stream);
+    case ElementType::kBFloat16:
+      return leaky_relu_backward_typed<__nv_bfloat16>(grad_out, saved, mask, grad_in, n, scale, negative_slope,
+                                                      stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kernels

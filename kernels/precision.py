@@ -1,0 +1,28 @@
+"""The precision contract in one place: the error metric and the one tolerance table, for tests and bench.py."""
+
+import torch
+
+# allclose(atol=tol, rtol=tol) against the reference model in the same dtype: KernelBench's tolerances.
+ALLCLOSE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+# How large our error against a float64 reference may be, as a multiple of eager PyTorch's error on the same
+# inputs: float32 (and float64) at least as accurate as eager; float16 and bfloat16 within 2x.
+ERROR_RATIO_LIMIT = {torch.float32: 1.0, torch.float64: 1.0, torch.float16: 2.0, torch.bfloat16: 2.0}
+
+
+def relative_error(y: torch.Tensor, y64: torch.Tensor) -> float:
+    """||y - y64|| / ||y64|| in float64 over the finite reference entries; inf if y differs from y64 in which
+    entries are NaN or infinite (a NaN or Inf error is never small)."""
+    y = y.double()
+    finite = torch.isfinite(y64)
+    if not torch.equal(finite, torch.isfinite(y)) or not torch.equal(y[~finite].nan_to_num(), y64[~finite].nan_to_num()):
+        return float("inf")
+    diff = torch.linalg.vector_norm(y[finite] - y64[finite]).item()
+    norm = torch.linalg.vector_norm(y64[finite]).item()
+    return diff / norm if norm > 0 else diff
+
+
+def allclose(y: torch.Tensor, reference: torch.Tensor) -> bool:
+    tol = ALLCLOSE_TOLERANCE[reference.dtype]
+    return y.shape == reference.shape and y.dtype == reference.dtype and torch.allclose(
+        y, reference, atol=tol, rtol=tol, equal_nan=True)

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def poison_allocator(shape, dtype, device):
+    """Frees a NaN-filled block of the given size, so the allocator is likely to hand it to the next output of
+    that size: an element a kernel fails to write then shows up as NaN instead of a lucky stale value."""
+    torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_bitwise_equal(y, reference):
+    """Same shape, dtype, values (NaN where reference has NaN) and zero signs."""
+    assert y.shape == reference.shape and y.dtype == reference.dtype
+    torch.testing.assert_close(y, reference, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(y) | y.isnan(), torch.signbit(reference) | reference.isnan())

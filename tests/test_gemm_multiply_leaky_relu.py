@@ -1,0 +1,200 @@
+"""Gemm·Multiply·LeakyReLU: ModelNew against the reference model (same seed, same weights) on CPU and CUDA."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from conftest import poison_allocator, requires_cuda
+from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, allclose, relative_error
+from kernels import gemm_scale_leaky_relu
+from model_new import GemmMultiplyLeakyReLUModelNew
+from reference import GemmMultiplyLeakyReLUModel
+
+
+def make_pair(in_features, out_features, multiplier, slope, device, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    reference = GemmMultiplyLeakyReLUModel(in_features, out_features, multiplier, slope)
+    torch.manual_seed(seed)
+    new = GemmMultiplyLeakyReLUModelNew(in_features, out_features, multiplier, slope)
+    return reference.to(device, dtype), new.to(device, dtype)
+
+
+def float64_reference(reference, x):
+    """The reference model evaluated in float64 on the same (rounded) inputs and weights."""
+    with torch.no_grad():
+        return copy.deepcopy(reference).double()(x.double())
+
+
+@contextlib.contextmanager
+def matmul_precision(precision):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def check_against_reference(reference, new, x):
+    """allclose against eager in x's dtype, and an error vs float64 within the contract's multiple of eager's."""
+    poison_allocator((*x.shape[:-1], new.gemm.out_features), x.dtype, x.device)
+    with torch.no_grad():
+        y = new(x)
+        y_ref = reference(x)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    assert allclose(y, y_ref), (y - y_ref).abs().max()
+    if x.dtype != torch.float64 and y.numel():
+        y64 = float64_reference(reference, x)
+        ours, eager = relative_error(y, y64), relative_error(y_ref, y64)
+        assert ours <= ERROR_RATIO_LIMIT[x.dtype] * eager, (ours, eager)
+    return y, y_ref
+
+
+def test_same_seed_gives_same_weights_and_state_dict_round_trip():
+    reference, new = make_pair(64, 48, 2.0, 0.1, "cpu")
+    for (name, p), (name_ref, p_ref) in zip(new.state_dict().items(), reference.state_dict().items()):
+        assert name == name_ref and torch.equal(p, p_ref)
+    other = GemmMultiplyLeakyReLUModelNew(64, 48, 2.0, 0.1)
+    other.load_state_dict(reference.state_dict(), strict=True)
+    reference.load_state_dict(other.state_dict(), strict=True)
+
+
+SHAPES = {  # name: (batch shape, in_features, out_features)
+    "square": ((64,), 128, 128),
+    "m1": ((1,), 96, 80),
+    "odd": ((33,), 65, 17),
+    "3d": ((3, 5), 40, 24),
+    "1d": ((), 40, 24),
+    "empty": ((0,), 32, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(device, dtype, shape):
+    batch, in_features, out_features = SHAPES[shape]
+    reference, new = make_pair(in_features, out_features, 2.0, 0.1, device, dtype)
+    x = torch.randn(*batch, in_features, device=device, dtype=dtype)
+    check_against_reference(reference, new, x)
+
+
+@pytest.mark.parametrize("multiplier,slope", [(-1.5, 0.1), (2.0, -0.3), (-0.5, -2.0), (1.0, 0.0), (3.0, 1.7)])
+def test_signs_of_multiplier_and_slope(device, multiplier, slope):
+    reference, new = make_pair(72, 56, multiplier, slope, device)
+    check_against_reference(reference, new, torch.randn(40, 72, device=device))
+
+
+def test_non_contiguous_and_offset_inputs(device):
+    reference, new = make_pair(48, 40, 2.0, 0.1, device)
+    base = torch.randn(100, 130, device=device)
+    for x in (base[:, 1:49], base.t()[:48].t()[:60], base.view(-1)[3:3 + 37 * 48].view(37, 48),
+              torch.randn(48, 20, device=device).t()):
+        x_before = x.clone()
+        check_against_reference(reference, new, x)
+        assert torch.equal(x, x_before)
+
+
+def test_nan_and_inf_propagate_like_the_reference(device):
+    reference, new = make_pair(32, 24, 2.0, 0.1, device)
+    x = torch.randn(6, 32, device=device)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[3, 7] = float("-inf")
+    y, y_ref = check_against_reference(reference, new, x)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and torch.equal(y.isinf(), y_ref.isinf())
+
+
+def test_without_bias(device):
+    torch.manual_seed(1)
+    x, weight = torch.randn(9, 20, device=device), torch.randn(12, 20, device=device)
+    expected = torch.nn.functional.leaky_relu((x @ weight.t()) * -2.0, 0.2)
+    torch.testing.assert_close(gemm_scale_leaky_relu(x, weight, None, -2.0, 0.2), expected)
+
+
+@requires_cuda
+def test_tf32_follows_the_user_setting():
+    reference, new = make_pair(1024, 512, 2.0, 0.1, "cuda")
+    x = torch.randn(256, 1024, device="cuda")
+    y64 = float64_reference(reference, x)
+    with torch.no_grad():
+        ieee = relative_error(new(x), y64)
+        with matmul_precision("high"):
+            tf32, tf32_eager = relative_error(new(x), y64), relative_error(reference(x), y64)
+    assert ieee < 1e-5 < tf32  # TF32 used only when allowed...
+    assert tf32 <= 2 * tf32_eager  # ...and then as PyTorch uses it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("multiplier,slope", [(2.0, 0.1), (-1.5, -0.3), (0.5, 0.0)])
+def test_gradients_match_reference(device, dtype, multiplier, slope):
+    reference, new = make_pair(40, 24, multiplier, slope, device, dtype)
+    x = torch.randn(3, 11, 40, device=device, dtype=dtype)
+    grad = torch.randn(3, 11, 24, device=device, dtype=dtype)
+    x_new, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    new(x_new).backward(grad)
+    reference(x_ref).backward(grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12 if dtype == torch.float64 else ALLCLOSE_TOLERANCE[dtype] * 4
+    torch.testing.assert_close(x_new.grad, x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(new.gemm.weight.grad, reference.gemm.weight.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(new.gemm.bias.grad, reference.gemm.bias.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("slope", [0.1, -0.4])
+def test_gradcheck_float64(device, slope):
+    _, new = make_pair(7, 5, -1.5, slope, device, torch.float64)
+    x = torch.randn(4, 7, dtype=torch.float64, device=device, requires_grad=True)
+    weight, bias = new.gemm.weight, new.gemm.bias
+    assert torch.autograd.gradcheck(lambda a, w, b: gemm_scale_leaky_relu(a, w, b, -1.5, slope), (x, weight, bias))
+
+
+def test_opcheck(device):
+    x = torch.randn(6, 20, device=device)
+    weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)
+    op = torch.ops.kernels.gemm_scale_leaky_relu.default
+    for requires_grad in (False, True):
+        args = [t.clone().requires_grad_(requires_grad) for t in (x, weight, bias)]
+        torch.library.opcheck(op, (*args, 2.0, 0.1, False))
+        torch.library.opcheck(op, (*args, -2.0, -0.1, True))
+    torch.library.opcheck(op, (x, weight, None, 2.0, 0.1, False))
+
+
+def test_torch_compile_fullgraph_forward_and_backward(device):
+    torch._dynamo.reset()
+    reference, new = make_pair(64, 32, 2.0, -0.2, device)
+    compiled = torch.compile(new, fullgraph=True)
+    x = torch.randn(16, 64, device=device)
+    grad = torch.randn(16, 32, device=device)
+    x_new, x_ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = compiled(x_new)
+    y.backward(grad)
+    y_ref = reference(x_ref)
+    y_ref.backward(grad)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x_new.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(new.gemm.weight.grad, reference.gemm.weight.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_inputs_are_clear_errors(device):
+    _, new = make_pair(16, 8, 2.0, 0.1, device)
+    with pytest.raises(RuntimeError, match=r"x's last dimension is 15 but in_features is 16"):
+        new(torch.randn(4, 15, device=device))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        new(torch.randn(4, 16, device=device, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="must be a float32, float64, float16 or bfloat16 tensor"):
+        new(torch.ones(4, 16, device=device, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="at least 1 dimension"):
+        new(torch.tensor(1.0, device=device))
+    with pytest.raises(RuntimeError, match="weight must be 2-D"):
+        gemm_scale_leaky_relu(torch.randn(4, 16, device=device), torch.randn(8, 16, 1, device=device))
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[out_features\]"):
+        gemm_scale_leaky_relu(torch.randn(4, 16, device=device), torch.randn(8, 16, device=device),
+                              torch.randn(9, device=device))
+
+
+@requires_cuda
+def test_tensors_on_different_devices_are_a_clear_error():
+    _, new = make_pair(16, 8, 2.0, 0.1, "cuda")
+    with pytest.raises(RuntimeError, match="same device"):
+        new(torch.randn(4, 16))

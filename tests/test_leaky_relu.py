@@ -1,0 +1,178 @@
+"""LeakyReLU: the op and ModelNew against the reference model (F.leaky_relu), bit for bit, on CPU and CUDA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import FLOAT_DTYPES, HAS_CUDA, assert_bitwise_equal, poison_allocator, requires_cuda
+from model_new import LeakyReLUModelNew
+from reference import LeakyReLUModel
+
+SLOPES = [0.01, 0.0, -0.5, 2.5]
+
+
+def make_views(device, dtype):
+    """Contiguous, empty, size-1, odd, 3-D+, non-contiguous, transposed and misaligned (offset) inputs."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    base = randn(64, 70)
+    return {
+        "contiguous": randn(32, 96),
+        "empty": randn(0, 5),
+        "size1": randn(1),
+        "odd": randn(100_003),
+        "4d": randn(2, 3, 5, 7),
+        "strided": base[:, ::3],
+        "transposed": base.t(),
+        "offset1d": randn(4099)[1:],
+        "offset2d": randn(33 * 65).view(33, 65)[1:, 3:],
+        "expanded": randn(1, 9).expand(6, 9),
+    }
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("slope", SLOPES)
+def test_forward_matches_reference(device, dtype, slope):
+    for name, x in make_views(device, dtype).items():
+        x_before = x.clone()
+        poison_allocator(x.shape, dtype, device)
+        y = LeakyReLUModelNew(slope)(x)
+        reference = LeakyReLUModel(slope)(x)
+        assert_bitwise_equal(y, reference)
+        assert y.stride() == reference.stride() or y.numel() <= 1, name
+        assert torch.equal(x, x_before), f"{name}: the input was modified"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("slope", SLOPES)
+def test_special_values(device, dtype, slope):
+    special = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-30, -1e-30, 1e-45, -1e-45, 3.0, -3.0]
+    # Repeated to cover both the vectorized body and the scalar tail of each thread's tile.
+    x = torch.tensor(special * 101, dtype=dtype, device=device)
+    for view in (x, x[1:]):
+        assert_bitwise_equal(LeakyReLUModelNew(slope)(view), F.leaky_relu(view, slope))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_inplace(device, dtype):
+    for name, x in make_views(device, dtype).items():
+        if name == "expanded":
+            continue
+        reference = F.leaky_relu(x, 0.2)
+        out = LeakyReLUModelNew(0.2, inplace=True)(x)
+        assert out is x, name
+        assert_bitwise_equal(x, reference)
+
+
+def test_inplace_on_overlapping_memory_is_an_error(device):
+    x = torch.randn(1, 9, device=device).expand(6, 9)
+    with pytest.raises(RuntimeError, match="share memory"):
+        LeakyReLUModelNew(0.2, inplace=True)(x)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("slope", SLOPES)
+def test_gradient_matches_reference(device, dtype, slope):
+    for name, x in make_views(device, dtype).items():
+        x = x.detach().clone().requires_grad_(True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        grad = torch.randn_like(x)
+        (y,) = torch.autograd.grad(LeakyReLUModelNew(slope)(x), x, grad)
+        (y_ref,) = torch.autograd.grad(LeakyReLUModel(slope)(x_ref), x_ref, grad)
+        assert_bitwise_equal(y, y_ref)
+
+
+def test_gradient_with_transposed_grad(device):
+    """grad_output and the saved input in different memory layouts."""
+    x = torch.randn(40, 30, device=device).t().requires_grad_(True)
+    grad = torch.randn(30, 40, device=device)
+    (g,) = torch.autograd.grad(LeakyReLUModelNew(-0.3)(x), x, grad)
+    (g_ref,) = torch.autograd.grad(F.leaky_relu(x, -0.3), x, grad)
+    assert_bitwise_equal(g, g_ref)
+
+
+def test_inplace_gradient(device):
+    leaf = torch.randn(50, 7, device=device, requires_grad=True)
+    grad = torch.randn(50, 7, device=device)
+    (g,) = torch.autograd.grad(LeakyReLUModelNew(0.3, inplace=True)(leaf * 1.5), leaf, grad)
+    (g_ref,) = torch.autograd.grad(F.leaky_relu(leaf * 1.5, 0.3, inplace=True), leaf, grad)
+    assert_bitwise_equal(g, g_ref)
+    with pytest.raises(ValueError, match="negative slope"):
+        LeakyReLUModelNew(-0.3, inplace=True)(leaf * 1.5)
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        LeakyReLUModelNew(0.3, inplace=True)(leaf)
+
+
+@pytest.mark.parametrize("slope", [0.01, -0.7, 0.0])
+def test_gradcheck_float64(device, slope):
+    # Away from 0, where LeakyReLU has its kink and finite differences do not apply.
+    x = torch.randn(17, 9, dtype=torch.float64, device=device)
+    x = (x + 0.1 * x.sign()).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: LeakyReLUModelNew(slope)(t), (x,))
+
+
+def test_opcheck(device):
+    x = torch.randn(7, 33, device=device)
+    for requires_grad in (False, True):
+        torch.library.opcheck(torch.ops.kernels.leaky_relu.default, (x.clone().requires_grad_(requires_grad), 0.1))
+    torch.library.opcheck(torch.ops.kernels.leaky_relu_.default, (x.clone(), 0.1))
+    torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x, 0.1, 1.0))
+    torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x > 0, -0.2, 2.0))
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    model = torch.compile(LeakyReLUModelNew(0.05), fullgraph=True)
+    x = torch.randn(64, 129, device=device, requires_grad=True)
+    grad = torch.randn(64, 129, device=device)
+    y = model(x)
+    (g,) = torch.autograd.grad(y, x, grad)
+    x_ref = x.detach().requires_grad_(True)
+    y_ref = F.leaky_relu(x_ref, 0.05)
+    (g_ref,) = torch.autograd.grad(y_ref, x_ref, grad)
+    assert_bitwise_equal(y, y_ref)
+    assert_bitwise_equal(g, g_ref)
+
+    inplace = torch.compile(LeakyReLUModelNew(0.05, inplace=True), fullgraph=True)
+    x2 = x.detach().clone()
+    with torch.no_grad():
+        inplace(x2)
+    assert_bitwise_equal(x2, y_ref.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint8])
+def test_bad_dtype_is_a_clear_error(device, dtype):
+    x = torch.ones(4, 4, device=device).to(dtype)
+    with pytest.raises(RuntimeError, match="must be a float32, float64, float16 or bfloat16 tensor"):
+        LeakyReLUModelNew()(x)
+    with pytest.raises(RuntimeError, match="must be a float32, float64, float16 or bfloat16 tensor"):
+        LeakyReLUModelNew(inplace=True)(x)
+
+
+@requires_cuda
+def test_runs_on_the_current_stream():
+    base = torch.randn(1 << 20, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # the input below is written only after this delay, on `stream`
+        x = base * 3.0
+        y = LeakyReLUModelNew(0.1)(x)
+        expected = F.leaky_relu(x, 0.1)
+    stream.synchronize()
+    assert_bitwise_equal(y, expected)
+
+
+@requires_cuda
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_properties(0).total_memory < 24 << 30,
+                    reason="needs 24 GB of GPU memory")
+def test_more_than_2_to_the_31_elements():
+    n = (1 << 31) + 4099
+    x = torch.empty(n, dtype=torch.float16, device="cuda").uniform_(-2, 2)
+    y = LeakyReLUModelNew(0.25)(x)
+    assert torch.equal(y, F.leaky_relu(x, 0.25))
+    del y
+    x_offset = x[3:]  # misaligned: the scalar path over the same 64-bit range
+    assert torch.equal(LeakyReLUModelNew(0.25)(x_offset), F.leaky_relu(x_offset, 0.25))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one run (device machine, repo root): a cold build of the op library and a warm
+# import, timed; the SASS of the element-wise kernels; the full test suite; bench.py. Logs go to $OUT if set.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export TORCH_EXTENSIONS_DIR=$(mktemp -d)  # a cold build, whatever is cached elsewhere
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+
+seconds() { python3 -c 'import time; print(time.time())'; }
+t0=$(seconds); python3 -c "import kernels"; t1=$(seconds)
+python3 -c "print(f'cold build + import: {$t1 - $t0:.1f} s (includes python and torch start-up)')"
+t0=$(seconds); python3 -c "import kernels"; t1=$(seconds)
+python3 -c "print(f'warm import in a new process: {$t1 - $t0:.2f} s (python + torch + kernels)')"
+python3 -c "
+import time, torch
+start = time.perf_counter(); import kernels
+print(f'warm import of kernels alone (torch already imported): {time.perf_counter() - start:.2f} s')"
+
+so=$(ls "$TORCH_EXTENSIONS_DIR"/*/*.so | head -1)
+cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1
+echo "SASS: vectorized fp32 forward kernel's global accesses:"
+awk '/Function : .*scale_leaky_relu_kernelIfLi4ELb0ELb0E/{p=1; next} /Function :/{p=0} p && /LDG|STG/{print "   ", $2, $3}' "$OUT/sass.txt" | sort | uniq -c
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
