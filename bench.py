@@ -11,7 +11,6 @@ CPU at small sizes, and the output says so.
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import statistics
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import reference
-from kernels.precision import allclose, relative_error
+from kernels.precision import allclose, matmul_precision, relative_error
 from model_new import MODEL_NEW
 
 HAS_CUDA = torch.cuda.is_available()
@@ -62,15 +61,6 @@ def time_ms(fn, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True):
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) / calls_per_sample for start, end in events)
 
-
-@contextlib.contextmanager
-def matmul_precision(precision):
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def compiled(model, mode=None):

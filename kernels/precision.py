@@ -1,5 +1,7 @@
 """The precision contract in one place: the error metric and the one tolerance table, for tests and bench.py."""
 
+import contextlib
+
 import torch
 
 # allclose(atol=tol, rtol=tol) against the reference model in the same dtype: KernelBench's tolerances.
@@ -26,3 +28,14 @@ def allclose(y: torch.Tensor, reference: torch.Tensor) -> bool:
     tol = ALLCLOSE_TOLERANCE[reference.dtype]
     return y.shape == reference.shape and y.dtype == reference.dtype and torch.allclose(
         y, reference, atol=tol, rtol=tol, equal_nan=True)
+
+
+@contextlib.contextmanager
+def matmul_precision(precision):
+    """Runs the block under torch.set_float32_matmul_precision(precision), then restores the previous setting."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -1,13 +1,12 @@
 """Gemm·Multiply·LeakyReLU: ModelNew against the reference model (same seed, same weights) on CPU and CUDA."""
 
-import contextlib
 import copy
 
 import pytest
 import torch
 
 from conftest import poison_allocator, requires_cuda
-from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, allclose, relative_error
+from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, allclose, matmul_precision, relative_error
 from kernels import gemm_scale_leaky_relu
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
@@ -26,15 +25,6 @@ def float64_reference(reference, x):
     with torch.no_grad():
         return copy.deepcopy(reference).double()(x.double())
 
-
-@contextlib.contextmanager
-def matmul_precision(precision):
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def check_against_reference(reference, new, x):
