@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 import reference
 from kernels.precision import allclose, matmul_precision, relative_error
@@ -32,35 +31,47 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 _l2_flush_buffer = None
 
 
-def time_ms(fn, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True):
-    """Median milliseconds per call of fn(). On the GPU each sample is timed with CUDA events on the current
-    stream; with flush_l2 a buffer twice the L2 size is overwritten before it, outside the timed region."""
+def time_each_ms(fns, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True):
+    """Median milliseconds per call of each function in fns. Samples are taken round-robin (one of each function in
+    turn), so a drift in clocks or host speed hits every function alike. On the GPU each sample is timed with CUDA
+    events on the current stream; with flush_l2 a buffer twice the L2 size is overwritten before it, outside the
+    timed region."""
     global _l2_flush_buffer
-    for _ in range(warmup):
-        fn()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
     if not HAS_CUDA:
-        times = []
         for _ in range(samples):
-            start = time.perf_counter()
-            for _ in range(calls_per_sample):
-                fn()
-            times.append((time.perf_counter() - start) * 1e3 / calls_per_sample)
-        return statistics.median(times)
+            for fn, fn_times in zip(fns, times):
+                start = time.perf_counter()
+                for _ in range(calls_per_sample):
+                    fn()
+                fn_times.append((time.perf_counter() - start) * 1e3 / calls_per_sample)
+        return [statistics.median(fn_times) for fn_times in times]
     if flush_l2 and _l2_flush_buffer is None:
         l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
         _l2_flush_buffer = torch.empty(2 * l2_bytes // 4, dtype=torch.float32, device="cuda")
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+              for _ in fns]
     torch.cuda.synchronize()
-    for start, end in events:
-        if flush_l2:
-            _l2_flush_buffer.zero_()
-        start.record()
-        for _ in range(calls_per_sample):
-            fn()
-        end.record()
+    for i in range(samples):
+        for fn, fn_events in zip(fns, events):
+            start, end = fn_events[i]
+            if flush_l2:
+                _l2_flush_buffer.zero_()
+            start.record()
+            for _ in range(calls_per_sample):
+                fn()
+            end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) / calls_per_sample for start, end in events)
+    return [statistics.median(start.elapsed_time(end) / calls_per_sample for start, end in fn_events)
+            for fn_events in events]
 
+
+def time_ms(fn, **options):
+    """Median milliseconds per call of fn(); options as time_each_ms's."""
+    return time_each_ms([fn], **options)[0]
 
 
 def compiled(model, mode=None):
@@ -84,29 +95,29 @@ def bench_leaky_relu(rows):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(shape, device=DEVICE, dtype=dtype)
             out = torch.empty_like(x)
-            copy_ms = time_ms(lambda: out.copy_(x))
             y_ref = eager(x)
             case = f"forward {dtype_name(dtype)} {shape[0]}x{shape[1]}"
-            eager_ms = time_ms(lambda: eager(x))
-            versions = [("eager", eager), ("ModelNew", new)]
+            versions = [("eager", eager)]
             if HAS_CUDA:
-                versions.insert(1, ("torch.compile", compiled(eager)))
-            for version, model in versions:
-                ms = eager_ms if model is eager else time_ms(lambda: model(x))
+                versions.append(("torch.compile", compiled(eager)))
+            versions.append(("ModelNew", new))
+            copy_ms, *version_ms = time_each_ms([lambda: out.copy_(x)] + [lambda model=model: model(x) for _, model in versions])
+            for (version, model), ms in zip(versions, version_ms):
                 err = (model(x).float() - y_ref.float()).abs().max().item()
-                add(case, version, ms, 2 * x.nbytes, copy_ms, eager_ms, err)
+                add(case, version, ms, 2 * x.nbytes, copy_ms, version_ms[0], err)
             del x, out, y_ref
 
         # Backward: the kernel each autograd graph runs for grad of input (grad_output and input read, one write).
         x = torch.randn(shape, device=DEVICE)
         grad = torch.randn_like(x)
         out = torch.empty_like(x)
-        copy_ms = time_ms(lambda: out.copy_(x))
-        del out
         g_ref = torch.ops.aten.leaky_relu_backward(grad, x, slope, False)
         case = f"backward float32 {shape[0]}x{shape[1]}"
-        eager_ms = time_ms(lambda: torch.ops.aten.leaky_relu_backward(grad, x, slope, False))
-        new_ms = time_ms(lambda: torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0))
+        copy_ms, eager_ms, new_ms = time_each_ms([
+            lambda: out.copy_(x),
+            lambda: torch.ops.aten.leaky_relu_backward(grad, x, slope, False),
+            lambda: torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0)])
+        del out
         err = (torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0) - g_ref).abs().max().item()
         add(case, "eager", eager_ms, 3 * x.nbytes, 1.5 * copy_ms, eager_ms, 0.0)
         add(case, "ModelNew", new_ms, 3 * x.nbytes, 1.5 * copy_ms, eager_ms, err)
@@ -116,9 +127,8 @@ def bench_leaky_relu(rows):
         x = torch.randn(16, 16384, device=DEVICE)
         case = "per call, float32 16x16384"
         y_ref = eager(x)
-        eager_ms = time_ms(lambda: eager(x), calls_per_sample=200, samples=20, flush_l2=False)
-        new_ms = time_ms(lambda: new(x), calls_per_sample=200, samples=20, flush_l2=False)
-        copy_ms = time_ms(lambda: x.clone(), calls_per_sample=200, samples=20, flush_l2=False)
+        copy_ms, eager_ms, new_ms = time_each_ms([lambda: x.clone(), lambda: eager(x), lambda: new(x)],
+                                                 calls_per_sample=200, samples=50, flush_l2=False)
         add(case, "eager", eager_ms, 2 * x.nbytes, copy_ms, eager_ms, 0.0)
         add(case, "ModelNew", new_ms, 2 * x.nbytes, copy_ms, eager_ms, (new(x) - y_ref).abs().max().item())
 
@@ -149,37 +159,33 @@ def bench_gemm_multiply_leaky_relu(rows, with_max_autotune=True):
             x, grad = x32.to(dtype), grad32.to(dtype)
             weight_t = eager.gemm.weight.detach().t()
             with torch.no_grad():
-                cublas_ms = time_ms(lambda: torch.mm(x, weight_t))
                 versions = [("eager", eager)]
                 if label == "fp32" and HAS_CUDA:
                     versions.append(("torch.compile", compiled(eager)))
                     if with_max_autotune:
                         versions.append(("compile max-autotune", compiled(eager, "max-autotune-no-cudagraphs")))
                 versions.append(("ModelNew", new))
-                eager_ms = None
-                for version, model in versions:
-                    ms = time_ms(lambda: model(x))
-                    eager_ms = eager_ms or ms
+                cublas_ms, *version_ms = time_each_ms(
+                    [lambda: torch.mm(x, weight_t)] + [lambda model=model: model(x) for _, model in versions])
+                for (version, model), ms in zip(versions, version_ms):
                     y = model(x)
                     rows.append(dict(problem="gemm_multiply_leaky_relu", case=f"forward {label} {m}x{k}->{n}",
                                      version=version, ms=ms, tflops=flops / ms / 1e9,
-                                     pct_of_cublas=100 * cublas_ms / ms, speedup=eager_ms / ms,
+                                     pct_of_cublas=100 * cublas_ms / ms, speedup=version_ms[0] / ms,
                                      error=relative_error(y, y64), allclose_1e4=allclose(y.float(), y_eager32)))
 
             # Training step: forward and the grads of x, weight and bias.
             x_train = x.clone().requires_grad_(True)
-            eager_ms = None
-            for version, model in (("eager", eager), ("ModelNew", new)):
-                params = [x_train, model.gemm.weight, model.gemm.bias]
+            versions = (("eager", eager), ("ModelNew", new))
 
-                def step():
-                    return torch.autograd.grad(model(x_train), params, grad)
+            def train_step(model):
+                return torch.autograd.grad(model(x_train), [x_train, model.gemm.weight, model.gemm.bias], grad)
 
-                ms = time_ms(step)
-                eager_ms = eager_ms or ms
+            version_ms = time_each_ms([lambda model=model: train_step(model) for _, model in versions])
+            for (version, model), ms in zip(versions, version_ms):
                 rows.append(dict(problem="gemm_multiply_leaky_relu", case=f"train step {label} {m}x{k}->{n}",
                                  version=version, ms=ms, tflops=3 * flops / ms / 1e9, pct_of_cublas=None,
-                                 speedup=eager_ms / ms, error=None, allclose_1e4=None))
+                                 speedup=version_ms[0] / ms, error=None, allclose_1e4=None))
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
@@ -188,8 +194,9 @@ def dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
-def fmt(value, spec):
-    return "-" if value is None else format(value, spec)
+def fmt(value, spec, width):
+    """value formatted by spec, right-aligned in width characters; "-" where there is no value."""
+    return format("-" if value is None else format(value, spec), f">{width}")
 
 
 def print_table(rows):
@@ -212,8 +219,8 @@ def print_table(rows):
         for r in gemm:
             verdict = "-" if r["allclose_1e4"] is None else ("pass" if r["allclose_1e4"] else "FAIL")
             print(f"| {r['case']:<32} | {r['version']:<20} | {r['ms']:>8.4f} | {r['tflops']:>7.1f} | "
-                  f"{fmt(r['pct_of_cublas'], '>7.1f')}{'%' if r['pct_of_cublas'] else ' '} | "
-                  f"{r['speedup']:>7.3f}x | {fmt(r['error'], '>8.2e')} | {verdict:>8} |")
+                  f"{fmt(r['pct_of_cublas'], '.1f', 7)}{'%' if r['pct_of_cublas'] else ' '} | "
+                  f"{r['speedup']:>7.3f}x | {fmt(r['error'], '.2e', 8)} | {verdict:>8} |")
 
 
 BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu}

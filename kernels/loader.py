@@ -55,11 +55,14 @@ def load_library(sources):
     cuda_sources = [header] + [sources[name].replace(LAUNCHERS_INCLUDE, "")
                                for name in sorted(sources) if name.endswith(".cu")]
     # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
-    cflags = ["-O3", "-fno-trapping-math"] + (["-DKERNELS_WITH_CUDA"] if with_cuda else [])
+    # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
+    # with it too, the library shares the libgomp that torch has loaded (same soname).
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    cflags = ["-O3", "-fno-trapping-math", *openmp] + (["-DKERNELS_WITH_CUDA"] if with_cuda else [])
     cuda_cflags = ["-O3"] + (_cuda_arch_flags() if with_cuda else [])
 
     key = hashlib.sha256()
-    for part in [cpp_source, *cuda_sources, *cflags, *cuda_cflags, torch.__version__, str(torch.version.cuda),
+    for part in [cpp_source, *cuda_sources, *cflags, *cuda_cflags, *openmp, torch.__version__, str(torch.version.cuda),
                  sys.version, str(with_cuda)]:
         key.update(part.encode())
         key.update(b"\0")
@@ -86,6 +89,7 @@ def load_library(sources):
         cuda_sources=cuda_sources if with_cuda else None,
         extra_cflags=cflags,
         extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=openmp,
         build_directory=build_dir,
         with_cuda=with_cuda,
         is_python_module=False,

@@ -1,6 +1,7 @@
 // The torch side of the op library `torch.ops.kernels`: schemas, argument checks, dtype dispatch, and the CPU and
 // CUDA implementations. CUDA work goes through the plain launchers of kernels/*.cu (launchers.h), on the current
-// stream of the tensor's own device. Fake (meta) implementations and autograd are registered in kernels/ops.py.
+// stream of the tensor's own device. Fake (meta) implementations and the autograd formulas are registered in
+// kernels/ops.py; leaky_relu's Autograd kernel, which skips autograd where no gradient can flow, is here.
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 // Headers are kept to the few ATen pieces used, which keeps the JIT build short.
@@ -12,7 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <c10/core/GradMode.h>
 #include <torch/library.h>
 
 #ifdef KERNELS_WITH_CUDA
@@ -258,39 +259,41 @@ std::tuple<at::Tensor, at::Tensor> gemm_scale_leaky_relu(const at::Tensor& x, co
   return {y, mask};
 }
 
-// Autograd for leaky_relu lives here, not in Python: a Python autograd kernel costs about 5 us a call even when no
-// gradient is needed, which is most of a small LeakyReLU's time (bench.py's per-call row). Both directions go
-// through the dispatcher, so torch.compile traces them like any ATen op.
-class LeakyReluFunction : public torch::autograd::Function<LeakyReluFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, double negative_slope) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("kernels::leaky_relu", "")
-                               .typed<at::Tensor(const at::Tensor&, double)>();
-    ctx->save_for_backward({x});
-    ctx->saved_data["negative_slope"] = negative_slope;
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, negative_slope);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("kernels::leaky_relu_backward", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    return {op.call(grads[0], x, ctx->saved_data["negative_slope"].toDouble(), 1.0), at::Tensor()};
-  }
-};
-
+// The Autograd kernel of kernels::leaky_relu. Where no gradient can flow back (grad mode off, or x not requiring
+// grad) it goes straight to the CPU or CUDA kernel: a Python autograd kernel costs about 5 us a call even then,
+// most of a small LeakyReLU's time in inference (bench.py's per-call row). Where a graph is to be recorded it calls
+// kernels::_leaky_relu_with_grad, the same kernels with their backward formula registered in Python
+// (kernels/ops.py). A C++ autograd Function would do that too, but its header doubles the library's build time.
+// Forward mode is here: the tangent of y is leaky_relu_backward(tangent of x), which is linear in it.
 at::Tensor leaky_relu_autograd(const at::Tensor& x, double negative_slope) {
-  return LeakyReluFunction::apply(x, negative_slope);
+  using Signature = at::Tensor(const at::Tensor&, double);
+  static const auto kernel =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu", "").typed<Signature>();
+  static const auto with_grad =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::_leaky_relu_with_grad", "").typed<Signature>();
+  static const auto backward =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kernels::leaky_relu_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
+
+  const at::Tensor& tangent = x._fw_grad(/*level=*/0);
+  if (!(c10::GradMode::is_enabled() && x.requires_grad()) && !tangent.defined()) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return kernel.call(x, negative_slope);
+  }
+  // x without its tangent, which the Python autograd formulas do not take.
+  const at::Tensor primal = tangent.defined() ? x._fw_primal(/*level=*/0) : x;
+  at::Tensor y = with_grad.call(primal, negative_slope);
+  if (tangent.defined())
+    y._set_fw_grad(backward.call(tangent, primal, negative_slope, 1.0), /*level=*/0, /*is_inplace_op=*/false);
+  return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kernels, m) {
   m.def("leaky_relu(Tensor x, float negative_slope) -> Tensor");
+  m.def("_leaky_relu_with_grad(Tensor x, float negative_slope) -> Tensor");
   m.def("leaky_relu_(Tensor(a!) x, float negative_slope) -> ()");
   m.def("leaky_relu_backward(Tensor grad_output, Tensor saved, float negative_slope, float scale) -> Tensor");
   m.def("gemm_scale_leaky_relu(Tensor x, Tensor weight, Tensor? bias, float multiplier, float negative_slope, "
@@ -301,6 +304,7 @@ TORCH_LIBRARY_IMPL(kernels, Autograd, m) { m.impl("leaky_relu", &leaky_relu_auto
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) {
   m.impl("leaky_relu", &leaky_relu);
+  m.impl("_leaky_relu_with_grad", &leaky_relu);
   m.impl("leaky_relu_", &leaky_relu_);
   m.impl("leaky_relu_backward", &leaky_relu_backward);
   m.impl("gemm_scale_leaky_relu", &gemm_scale_leaky_relu);
@@ -309,6 +313,7 @@ TORCH_LIBRARY_IMPL(kernels, CPU, m) {
 #ifdef KERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(kernels, CUDA, m) {
   m.impl("leaky_relu", &leaky_relu);
+  m.impl("_leaky_relu_with_grad", &leaky_relu);
   m.impl("leaky_relu_", &leaky_relu_);
   m.impl("leaky_relu_backward", &leaky_relu_backward);
   m.impl("gemm_scale_leaky_relu", &gemm_scale_leaky_relu);

@@ -6,8 +6,10 @@ Ops (schemas in kernels/ops.cpp):
   leaky_relu_(x, negative_slope) -> ()                       in place
   leaky_relu_backward(grad_output, saved, negative_slope, scale) -> grad_input
   gemm_scale_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
+  _leaky_relu_with_grad(x, negative_slope) -> y              leaky_relu where a graph is recorded
 
-Autograd of leaky_relu is registered in C++ (kernels/ops.cpp, for its per-call overhead); the rest here.
+leaky_relu's Autograd kernel is C++ (kernels/ops.cpp): where no gradient can flow it runs the kernel directly, for
+the per-call overhead; else it calls _leaky_relu_with_grad, whose autograd formula is here like the others'.
 """
 
 import torch
@@ -27,6 +29,49 @@ def _leaky_relu_inplace_fake(x, negative_slope):
 
 def _leaky_relu_backward_fake(grad_output, saved, negative_slope, scale):
     return torch.empty_like(grad_output)
+
+
+def _leaky_relu_setup_context(ctx, inputs, output):
+    x, negative_slope = inputs
+    ctx.negative_slope = negative_slope
+    ctx.save_for_backward(x)
+
+
+def _leaky_relu_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.kernels.leaky_relu_backward(grad, x, ctx.negative_slope, 1.0), None
+
+
+def _leaky_relu_backward_setup_context(ctx, inputs, output):
+    grad_output, saved, negative_slope, scale = inputs
+    ctx.negative_slope, ctx.scale = negative_slope, scale
+    ctx.save_for_backward(saved)
+
+
+def _leaky_relu_backward_grad(ctx, grad):
+    """The backward is linear in grad_output, with the same slopes; `saved` only picks the branch (zero gradient)."""
+    (saved,) = ctx.saved_tensors
+    return torch.ops.kernels.leaky_relu_backward(grad, saved, ctx.negative_slope, ctx.scale), None, None, None
+
+
+class _LeakyReLU(torch.autograd.Function):
+    """LeakyReLU under autograd, for leaky_relu() below: the formulas of the op's own autograd path
+    (kernels::_leaky_relu_with_grad through torch.library, which serves direct calls of torch.ops.kernels.leaky_relu,
+    torch.compile and torch.func) in two thirds of its host time per call (tools/per_call.py). Forward mode too."""
+
+    @staticmethod
+    def forward(ctx, x, negative_slope):
+        ctx.negative_slope = negative_slope
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        return torch.ops.kernels.leaky_relu.default(x, negative_slope)
+
+    backward = staticmethod(_leaky_relu_grad)
+
+    @staticmethod
+    def jvp(ctx, x_tangent, _):
+        (x,) = ctx.saved_tensors
+        return torch.ops.kernels.leaky_relu_backward(x_tangent, x, ctx.negative_slope, 1.0)
 
 
 class _LeakyReLUInplace(torch.autograd.Function):
@@ -49,6 +94,11 @@ class _LeakyReLUInplace(torch.autograd.Function):
 def leaky_relu(x, negative_slope=0.01, inplace=False):
     """F.leaky_relu(x, negative_slope, inplace) on the project's kernels; same results, bit for bit."""
     if not inplace:
+        # torch.compile and torch.func take the op itself (they need a Function with setup_context, and Dynamo
+        # takes none with a jvp), whose autograd path serves them.
+        if (torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active()):
+            return _LeakyReLU.apply(x, negative_slope)
         return torch.ops.kernels.leaky_relu.default(x, negative_slope)
     if torch.is_grad_enabled() and x.requires_grad:
         if negative_slope < 0:
@@ -105,8 +155,13 @@ def gemm_scale_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0
 
 def _register_fake_and_autograd():
     torch.library.register_fake("kernels::leaky_relu", _leaky_relu_fake)
+    torch.library.register_fake("kernels::_leaky_relu_with_grad", _leaky_relu_fake)
     torch.library.register_fake("kernels::leaky_relu_", _leaky_relu_inplace_fake)
     torch.library.register_fake("kernels::leaky_relu_backward", _leaky_relu_backward_fake)
+    torch.library.register_autograd("kernels::_leaky_relu_with_grad", _leaky_relu_grad,
+                                    setup_context=_leaky_relu_setup_context)
+    torch.library.register_autograd("kernels::leaky_relu_backward", _leaky_relu_backward_grad,
+                                    setup_context=_leaky_relu_backward_setup_context)
     torch.library.register_fake("kernels::gemm_scale_leaky_relu", _gemm_scale_leaky_relu_fake)
     torch.library.register_autograd("kernels::gemm_scale_leaky_relu", _gemm_backward,
                                     setup_context=_gemm_setup_context)

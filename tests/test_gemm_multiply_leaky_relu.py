@@ -137,6 +137,8 @@ def test_gradcheck_float64(device, slope):
     x = torch.randn(4, 7, dtype=torch.float64, device=device, requires_grad=True)
     weight, bias = new.gemm.weight, new.gemm.bias
     assert torch.autograd.gradcheck(lambda a, w, b: gemm_scale_leaky_relu(a, w, b, -1.5, slope), (x, weight, bias))
+    assert torch.autograd.gradgradcheck(lambda a, w, b: gemm_scale_leaky_relu(a, w, b, -1.5, slope),
+                                        (x, weight, bias))
 
 
 def test_opcheck(device):

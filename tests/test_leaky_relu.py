@@ -10,6 +10,13 @@ from reference import LeakyReLUModel
 
 SLOPES = [0.01, 0.0, -0.5, 2.5]
 
+# The two ways in: ModelNew (the Python function, whose autograd is a torch.autograd.Function) and the op called
+# directly (whose autograd is the op's own path). Each must give eager's gradients.
+ENTRY_POINTS = {
+    "ModelNew": lambda slope: LeakyReLUModelNew(slope),
+    "op": lambda slope: lambda x: torch.ops.kernels.leaky_relu(x, slope),
+}
+
 
 def make_views(device, dtype):
     """Contiguous, empty, size-1, odd, 3-D+, non-contiguous, transposed and misaligned (offset) inputs."""
@@ -73,14 +80,15 @@ def test_inplace_on_overlapping_memory_is_an_error(device):
         LeakyReLUModelNew(0.2, inplace=True)(x)
 
 
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("slope", SLOPES)
-def test_gradient_matches_reference(device, dtype, slope):
+def test_gradient_matches_reference(device, dtype, slope, entry):
     for name, x in make_views(device, dtype).items():
         x = x.detach().clone().requires_grad_(True)
         x_ref = x.detach().clone().requires_grad_(True)
         grad = torch.randn_like(x)
-        (y,) = torch.autograd.grad(LeakyReLUModelNew(slope)(x), x, grad)
+        (y,) = torch.autograd.grad(ENTRY_POINTS[entry](slope)(x), x, grad)
         (y_ref,) = torch.autograd.grad(LeakyReLUModel(slope)(x_ref), x_ref, grad)
         assert_bitwise_equal(y, y_ref)
 
@@ -106,12 +114,55 @@ def test_inplace_gradient(device):
         LeakyReLUModelNew(0.3, inplace=True)(leaf)
 
 
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_graph_recorded_exactly_when_eager_records_one(device, entry):
+    """The op skips the autograd node when no gradient can flow; it must record one whenever eager does."""
+    for grad_mode in (True, False):
+        for requires_grad in (True, False):
+            x = torch.randn(6, 5, device=device, requires_grad=requires_grad)
+            with torch.set_grad_enabled(grad_mode):
+                y, y_ref = ENTRY_POINTS[entry](0.2)(x), F.leaky_relu(x, 0.2)
+            assert y.requires_grad == y_ref.requires_grad
+            assert (y.grad_fn is None) == (y_ref.grad_fn is None)
+            assert_bitwise_equal(y.detach(), y_ref.detach())
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("slope", [0.01, -0.7])
+def test_forward_mode_ad(device, slope, entry):
+    import torch.autograd.forward_ad as fwAD
+
+    x, tangent = torch.randn(30, 7, device=device), torch.randn(30, 7, device=device)
+    for requires_grad in (False, True):
+        primal = x.clone().requires_grad_(requires_grad)
+        with fwAD.dual_level():
+            y = fwAD.unpack_dual(ENTRY_POINTS[entry](slope)(fwAD.make_dual(primal, tangent)))
+            y_ref = fwAD.unpack_dual(F.leaky_relu(fwAD.make_dual(primal, tangent), slope))
+        assert_bitwise_equal(y.primal.detach(), y_ref.primal.detach())
+        assert_bitwise_equal(y.tangent, y_ref.tangent)
+    y, y_tangent = torch.func.jvp(ENTRY_POINTS[entry](slope), (x,), (tangent,))
+    y_ref, y_ref_tangent = torch.func.jvp(lambda t: F.leaky_relu(t, slope), (x,), (tangent,))
+    assert_bitwise_equal(y, y_ref)
+    assert_bitwise_equal(y_tangent, y_ref_tangent)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_torch_func_grad_is_a_clear_error(device, entry):
+    """torch.library's autograd registration does not support torch.func's grad transforms yet: they must raise,
+    never return a wrong gradient. (torch.func.jvp works: test_forward_mode_ad.)"""
+    x = torch.randn(30, 7, device=device)
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.grad(lambda t: ENTRY_POINTS[entry](-0.3)(t).sum())(x)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("slope", [0.01, -0.7, 0.0])
-def test_gradcheck_float64(device, slope):
+def test_gradcheck_float64(device, slope, entry):
     # Away from 0, where LeakyReLU has its kink and finite differences do not apply.
     x = torch.randn(17, 9, dtype=torch.float64, device=device)
     x = (x + 0.1 * x.sign()).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda t: LeakyReLUModelNew(slope)(t), (x,))
+    assert torch.autograd.gradcheck(ENTRY_POINTS[entry](slope), (x,))
+    assert torch.autograd.gradgradcheck(ENTRY_POINTS[entry](slope), (x,))
 
 
 def test_opcheck(device):

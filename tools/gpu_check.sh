@@ -5,6 +5,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
 export TORCH_EXTENSIONS_DIR=$(mktemp -d)  # a cold build, whatever is cached elsewhere
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
@@ -13,6 +14,11 @@ python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.versio
 seconds() { python3 -c 'import time; print(time.time())'; }
 t0=$(seconds); python3 -c "import kernels"; t1=$(seconds)
 python3 -c "print(f'cold build + import: {$t1 - $t0:.1f} s (includes python and torch start-up)')"
+# Per target of the build: seconds, from ninja's log (start and end in ms).
+awk 'NR > 1 {printf "    %-14s %5.1f s\n", $4, ($2 - $1) / 1000}' "$TORCH_EXTENSIONS_DIR"/*/.ninja_log
+# Again into an empty folder: the compilers' files are in the page cache now, so this shows how much of the first
+# build was cold disk.
+TORCH_EXTENSIONS_DIR=$(mktemp -d) python3 -c "import kernels" 2>&1 | grep built
 t0=$(seconds); python3 -c "import kernels"; t1=$(seconds)
 python3 -c "print(f'warm import in a new process: {$t1 - $t0:.2f} s (python + torch + kernels)')"
 python3 -c "

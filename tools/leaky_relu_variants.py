@@ -1,9 +1,15 @@
 """Device experiment: block size, packs per thread and cache hints of a float32 LeakyReLU streaming kernel, timed
 against eager F.leaky_relu and a device-to-device copy of the same 6.44 GB (cupy compiles the variants)."""
 
+import os
+import sys
+
 import cupy
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import time_ms  # noqa: E402
 
 SOURCE = r"""
 template <int kThreads, int kUnroll, int kHint>
@@ -34,16 +40,6 @@ VARIANTS = [(128, 1, 0), (256, 1, 0), (512, 1, 0), (128, 2, 0), (256, 2, 0), (12
             (256, 4, 1), (256, 4, 2), (256, 2, 2), (128, 1, 2), (256, 8, 0), (1024, 1, 0)]
 names = [f"lr<{t},{u},{h}>" for t, u, h in VARIANTS]
 module = cupy.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names)
-
-
-def time_ms(fn, samples=20):
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
-    for s, e in events:
-        s.record(); fn(); e.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in events)[samples // 2]
 
 
 x = torch.randn(4096, 393216, device="cuda")
