@@ -12,7 +12,11 @@ leaky_relu's Autograd kernel is C++ (kernels/ops.cpp): where no gradient can flo
 the per-call overhead; else it calls _leaky_relu_with_grad, whose autograd formula is here like the others'.
 """
 
+import functools
+
 import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 
 from .loader import load_library
 from .sources import read_sources
@@ -144,8 +148,31 @@ def _gemm_backward(ctx, grad_y, grad_mask):
     return grad_x, grad_weight, grad_bias, None, None, None
 
 
+def _gemm_scale_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope):
+    """The op with forward-mode tangents: the pre-activation's tangent is linear in theirs, and LeakyReLU scales it
+    by its slope at the pre-activation's sign (the mask). torch.library's autograd has no forward mode: called
+    plainly, the op would drop the tangents."""
+    primals, tangents = zip(*(fwAD.unpack_dual(t) if t is not None else (None, None) for t in (x, weight, bias)))
+    x, weight, bias = primals
+    y, mask = torch.ops.kernels.gemm_scale_leaky_relu.default(x, weight, bias, multiplier, negative_slope, True)
+    x_t, weight_t, bias_t = tangents
+    terms = []
+    if x_t is not None:
+        terms.append(F.linear(x_t, weight))
+    if weight_t is not None:
+        terms.append(F.linear(x, weight_t))
+    if bias_t is not None:
+        terms.append(bias_t.expand(y.shape))
+    if not terms:
+        return y
+    pre_tangent = functools.reduce(torch.add, terms)
+    return fwAD.make_dual(y, torch.ops.kernels.leaky_relu_backward(pre_tangent, mask, negative_slope, multiplier))
+
+
 def gemm_scale_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01):
     """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features)."""
+    if fwAD._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
+        return _gemm_scale_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     y, _ = torch.ops.kernels.gemm_scale_leaky_relu.default(

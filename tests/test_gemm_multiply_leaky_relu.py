@@ -141,6 +141,29 @@ def test_gradcheck_float64(device, slope):
                                         (x, weight, bias))
 
 
+@pytest.mark.parametrize("slope", [0.1, -0.4])
+def test_forward_mode_ad(device, slope):
+    """Tangents on x, weight and bias, one at a time and together, against eager's forward mode in float64."""
+    import torch.autograd.forward_ad as fwAD
+
+    reference, new = make_pair(7, 5, -1.5, slope, device, torch.float64)
+    primals = (torch.randn(4, 7, dtype=torch.float64, device=device), new.gemm.weight.detach(),
+               new.gemm.bias.detach())
+    tangents = [torch.randn_like(p) for p in primals]
+    for which in ([0], [1], [2], [0, 1, 2]):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(p, t) if i in which else p for i, (p, t) in enumerate(zip(primals, tangents))]
+            y = fwAD.unpack_dual(gemm_scale_leaky_relu(*duals, -1.5, slope))
+            y_ref = fwAD.unpack_dual(torch.nn.functional.leaky_relu(
+                torch.nn.functional.linear(*duals) * -1.5, slope))
+        torch.testing.assert_close(y.primal, y_ref.primal)
+        torch.testing.assert_close(y.tangent, y_ref.tangent)
+    x, weight, bias = primals
+    _, y_tangent = torch.func.jvp(lambda a: gemm_scale_leaky_relu(a, weight, bias, -1.5, slope), (x,), (tangents[0],))
+    _, y_ref_tangent = torch.func.jvp(lambda a: reference(a), (x,), (tangents[0],))
+    torch.testing.assert_close(y_tangent, y_ref_tangent)
+
+
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)
