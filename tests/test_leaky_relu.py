@@ -169,6 +169,10 @@ def test_opcheck(device):
     x = torch.randn(7, 33, device=device)
     for requires_grad in (False, True):
         torch.library.opcheck(torch.ops.kernels.leaky_relu.default, (x.clone().requires_grad_(requires_grad), 0.1))
+        torch.library.opcheck(torch.ops.kernels._leaky_relu_with_grad.default,
+                              (x.clone().requires_grad_(requires_grad), -0.2))
+        torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default,
+                              (torch.randn_like(x).requires_grad_(requires_grad), x, 0.1, 1.0))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_.default, (x.clone(), 0.1))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x, 0.1, 1.0))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x > 0, -0.2, 2.0))
