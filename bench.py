@@ -101,7 +101,8 @@ def bench_leaky_relu(rows):
             if HAS_CUDA:
                 versions.append(("torch.compile", compiled(eager)))
             versions.append(("ModelNew", new))
-            copy_ms, *version_ms = time_each_ms([lambda: out.copy_(x)] + [lambda model=model: model(x) for _, model in versions])
+            copy_ms, *version_ms = time_each_ms(
+                [lambda: out.copy_(x)] + [lambda model=model: model(x) for _, model in versions])
             for (version, model), ms in zip(versions, version_ms):
                 err = (model(x).float() - y_ref.float()).abs().max().item()
                 add(case, version, ms, 2 * x.nbytes, copy_ms, version_ms[0], err)

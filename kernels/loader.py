@@ -62,7 +62,7 @@ def load_library(sources):
     cuda_cflags = ["-O3"] + (_cuda_arch_flags() if with_cuda else [])
 
     key = hashlib.sha256()
-    for part in [cpp_source, *cuda_sources, *cflags, *cuda_cflags, *openmp, torch.__version__, str(torch.version.cuda),
+    for part in [cpp_source, *cuda_sources, *cflags, *cuda_cflags, torch.__version__, str(torch.version.cuda),
                  sys.version, str(with_cuda)]:
         key.update(part.encode())
         key.update(b"\0")

@@ -65,8 +65,7 @@ class _LeakyReLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, negative_slope):
-        ctx.negative_slope = negative_slope
-        ctx.save_for_backward(x)
+        _leaky_relu_setup_context(ctx, (x, negative_slope), None)
         ctx.save_for_forward(x)
         return torch.ops.kernels.leaky_relu.default(x, negative_slope)
 
@@ -74,8 +73,8 @@ class _LeakyReLU(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_tangent, _):
-        (x,) = ctx.saved_tensors
-        return torch.ops.kernels.leaky_relu_backward(x_tangent, x, ctx.negative_slope, 1.0)
+        # The tangent map is the backward's: both scale by the slope at x's sign.
+        return _leaky_relu_grad(ctx, x_tangent)[0]
 
 
 class _LeakyReLUInplace(torch.autograd.Function):
