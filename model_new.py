@@ -7,7 +7,7 @@ its class.
 import torch
 import torch.nn as nn
 
-from kernels.ops import gemm_scale_leaky_relu, leaky_relu
+from kernels.functional import gemm_multiply_leaky_relu, leaky_relu
 
 
 class LeakyReLUModelNew(nn.Module):
@@ -39,7 +39,7 @@ class GemmMultiplyLeakyReLUModelNew(nn.Module):
         self.negative_slope = negative_slope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_scale_leaky_relu(x, self.gemm.weight, self.gemm.bias, self.multiplier, self.negative_slope)
+        return gemm_multiply_leaky_relu(x, self.gemm.weight, self.gemm.bias, self.multiplier, self.negative_slope)
 
 
 MODEL_NEW = {

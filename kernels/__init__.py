@@ -1,8 +1,9 @@
-"""Fused CUDA kernels for PyTorch, compiled just in time: the op library `torch.ops.kernels` and its functions.
+"""Fused CUDA kernels for PyTorch, compiled just in time: the op library `torch.ops.kernels`, one kernel family per
+folder (kernels/manifest.py lists them).
 
-Importing this package builds the library on first use (kernels/loader.py) and loads it.
+    from kernels.functional import leaky_relu, gemm_multiply_leaky_relu
+
+Importing kernels.functional (or any family's module) builds the library on first use (kernels/loader.py) and
+loads it. Importing this package alone builds nothing, so pure-Python helpers such as kernels.precision import
+without a compiler.
 """
-
-from .ops import gemm_scale_leaky_relu, leaky_relu
-
-__all__ = ["gemm_scale_leaky_relu", "leaky_relu"]

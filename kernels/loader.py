@@ -1,32 +1,170 @@
-"""The one loader: builds the op library from its sources with torch.utils.cpp_extension.load_inline and loads it.
+"""The one loader: builds the op library `torch.ops.kernels` with torch.utils.cpp_extension.load_inline, one
+library per kernel family (kernels/manifest.py), and loads it.
 
-A build is named after a hash of everything that shapes it (the sources, torch and CUDA versions, the target GPU
-architectures, the flags), so it is made once per source content and found ready by later processes; builds live
-under $TORCH_EXTENSIONS_DIR, or torch's default extensions folder. Where torch has no CUDA or no GPU is visible,
-the library is built CPU-only, so the CPU implementations work on any machine.
+Sources. Each family's C++ files are joined, in the manifest's order, into one translation unit, and its CUDA files
+into another. A project header (`#include "x.h"` or `"x.cuh"`, looked up beside the including file, then under
+kernels/) is inlined at its first include in the unit and skipped after that; every inlined file is preceded by
+`#line 1 "kernels/<path>"` and followed by a `#line` back into the includer, so compiler errors name the real file
+and line. Quoted includes are for project headers only; system and toolkit headers use <...>.
+
+Builds. A build is named after a hash of everything that shapes it (the joined sources, so every inlined header
+too; the flags; torch, CUDA and Python versions; the target GPU architectures), so it is made once per content and
+found ready by later processes; builds live under $TORCH_EXTENSIONS_DIR, or torch's default extensions folder.
+Families that need building are built at the same time, one thread each (the compilers run as subprocesses).
+Where torch has no CUDA or no GPU is visible, the library is built CPU-only: no CUDA files, no KERNELS_WITH_CUDA.
+
+Environment switches (each changes the build's name, so it triggers a build of its own):
+  KERNELS_VERBOSE_BUILD=1   print the compiler commands and their output
+  KERNELS_LINEINFO=1        nvcc -lineinfo (source lines for compute-sanitizer and Nsight Compute)
+  KERNELS_PTXAS_REPORT=1    ptxas -v: registers, shared memory, spills of every kernel (implies a verbose build)
 """
 
+import concurrent.futures
 import hashlib
+import importlib
 import os
+import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.utils import cpp_extension
 
-LIBRARY_PREFIX = "kernels_ops"
-LAUNCHERS_INCLUDE = '#include "launchers.h"'
+from .manifest import FAMILIES
+
+SOURCE_ROOT = os.path.dirname(os.path.abspath(__file__))
+LIBRARY_PREFIX = "kernels"
+_PROJECT_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
 
 
-def _cuda_arch_flags():
-    """One -gencode per distinct visible GPU architecture; Hopper gets sm_90a so wgmma and setmaxnreg are there."""
+# ---- sources ----------------------------------------------------------------------------------------------------
+
+def joined_source(paths, root=SOURCE_ROOT):
+    """The text of one translation unit: the files at `paths` (relative to `root`) in order, with project headers
+    inlined once each and #line directives naming every file as <basename of root>/<path>."""
+    root = os.path.abspath(root)
+    inlined = set()
+    lines = []
+
+    def display_name(real):
+        return os.path.join(os.path.basename(root), os.path.relpath(real, root)).replace(os.sep, "/")
+
+    def emit(real):
+        if real in inlined:
+            return
+        inlined.add(real)
+        name = display_name(real)
+        lines.append(f'#line 1 "{name}"')
+        with open(real, encoding="utf-8") as f:
+            text = f.read().splitlines()
+        for number, line in enumerate(text, 1):
+            include = _PROJECT_INCLUDE.match(line)
+            if include:
+                candidates = [os.path.join(os.path.dirname(real), include.group(1)),
+                              os.path.join(root, include.group(1))]
+                found = next((os.path.normpath(c) for c in candidates if os.path.isfile(c)), None)
+                if found is None:
+                    raise FileNotFoundError(
+                        f'{name}:{number}: #include "{include.group(1)}" names no project header (looked beside '
+                        f'{name} and under {os.path.basename(root)}/); system headers take <...>')
+                emit(found)
+                lines.append(f'#line {number + 1} "{name}"')
+            elif _PRAGMA_ONCE.match(line):
+                lines.append("")  # the loader inlines each header once; the blank keeps line numbers
+            else:
+                lines.append(line)
+
+    for path in paths:
+        emit(os.path.normpath(os.path.join(root, path)))
+    return "\n".join(lines) + "\n"
+
+
+def family_sources(families, root=SOURCE_ROOT):
+    """(C++ text, CUDA text) of one library made of `families`: one family's, or all of them joined (as a
+    single-file build would take them; per-family namespaces keep their names apart)."""
+    cpp = joined_source([p for family in families for p in family.cpp_sources], root)
+    cuda_paths = [p for family in families for p in family.cuda_sources]
+    return cpp, joined_source(cuda_paths, root) if cuda_paths else ""
+
+
+# ---- flags ------------------------------------------------------------------------------------------------------
+
+def _env_flag(name):
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def with_cuda_build():
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def cuda_arch_flags():
+    """One -gencode per distinct visible GPU architecture. Hopper gets sm_90a, which has wgmma, TMA and setmaxnreg;
+    the Hopper-only kernels compile to a stub for any other target and their launchers report it, so dispatch falls
+    back there."""
     capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
     flags = []
     for major, minor in capabilities:
         arch = f"{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
         flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     return flags
+
+
+def build_flags(with_cuda):
+    """(C++ flags, CUDA flags, link flags)."""
+    # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
+    # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
+    # with it too, the library shares the libgomp that torch has loaded (same soname).
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    cflags = ["-O3", "-fno-trapping-math", *openmp] + (["-DKERNELS_WITH_CUDA"] if with_cuda else [])
+    cuda_cflags = []
+    if with_cuda:
+        cuda_cflags = ["-O3", *cuda_arch_flags()]
+        if _env_flag("KERNELS_LINEINFO"):
+            cuda_cflags.append("-lineinfo")
+        if _env_flag("KERNELS_PTXAS_REPORT"):
+            cuda_cflags += ["-Xptxas", "-v"]
+    return cflags, cuda_cflags, openmp
+
+
+# ---- building and loading ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Build:
+    """One library: its sources, flags and where it lives."""
+    label: str  # the family's name, or what the caller named a joined build
+    name: str
+    cpp_source: str
+    cuda_source: str
+    cflags: tuple
+    cuda_cflags: tuple
+    ldflags: tuple
+    with_cuda: bool
+    build_dir: str
+
+    @property
+    def library(self):
+        return os.path.join(self.build_dir, f"{self.name}.so")
+
+
+def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
+    """The Build of one library made of `families`, named kernels_<label>_<cuda|cpu>_<hash of its content>."""
+    with_cuda = with_cuda_build() if with_cuda is None else with_cuda
+    cpp_source, cuda_source = family_sources(families, root)
+    if not with_cuda:
+        cuda_source = ""
+    cflags, cuda_cflags, ldflags = build_flags(with_cuda)
+    key = hashlib.sha256()
+    for part in [cpp_source, cuda_source, *cflags, *cuda_cflags, *ldflags, torch.__version__,
+                 str(torch.version.cuda), sys.version, str(with_cuda)]:
+        key.update(part.encode())
+        key.update(b"\0")
+    name = f"{LIBRARY_PREFIX}_{label}_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
+    build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Build(label, name, cpp_source, cuda_source, tuple(cflags), tuple(cuda_cflags), tuple(ldflags), with_cuda,
+                 os.path.join(build_root, name))
 
 
 def _check_build_tools(with_cuda):
@@ -45,55 +183,65 @@ def _check_build_tools(with_cuda):
                 f"{torch.__version__}, or set CUDA_HOME to it.")
 
 
-def load_library(sources):
-    """Builds (if needed) and loads the op library; `sources` maps file names to their text:
-    ops.cpp, launchers.h and each kernel's .cu. Returns True if this call loaded it into the process, False if
-    it was loaded already."""
-    with_cuda = torch.version.cuda is not None and torch.cuda.is_available()
-    header = sources["launchers.h"].replace("#pragma once\n", "")  # inlined once into each translation unit
-    cpp_source = sources["ops.cpp"].replace(LAUNCHERS_INCLUDE, header if with_cuda else "")
-    cuda_sources = [header] + [sources[name].replace(LAUNCHERS_INCLUDE, "")
-                               for name in sorted(sources) if name.endswith(".cu")]
-    # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
-    # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
-    # with it too, the library shares the libgomp that torch has loaded (same soname).
-    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    cflags = ["-O3", "-fno-trapping-math", *openmp] + (["-DKERNELS_WITH_CUDA"] if with_cuda else [])
-    cuda_cflags = ["-O3"] + (_cuda_arch_flags() if with_cuda else [])
-
-    key = hashlib.sha256()
-    for part in [cpp_source, *cuda_sources, *cflags, *cuda_cflags, torch.__version__, str(torch.version.cuda),
-                 sys.version, str(with_cuda)]:
-        key.update(part.encode())
-        key.update(b"\0")
-    name = f"{LIBRARY_PREFIX}_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = os.path.join(root, name)
-    library = os.path.join(build_dir, f"{name}.so")
-    if library in torch.ops.loaded_libraries:
-        return False
-    if os.path.exists(library):
-        torch.ops.load_library(library)
-        return True
-
-    _check_build_tools(with_cuda)
-    target = f"CUDA ({', '.join(f[f.rindex('=') + 1:] for f in _cuda_arch_flags())})" if with_cuda else "CPU only"
-    print(f"kernels: compiling the op library for {target} (once per source version; about "
-          f"{'20' if with_cuda else '10'} s) into {build_dir}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    os.makedirs(build_dir, exist_ok=True)
-    # A compiler error raises here, with the compiler's own message.
+def _compile(build):
+    """Builds `build` with load_inline, which also loads it into the process. A compiler error raises here, with
+    the compiler's own message."""
+    os.makedirs(build.build_dir, exist_ok=True)
     cpp_extension.load_inline(
-        name=name,
-        cpp_sources=[cpp_source],
-        cuda_sources=cuda_sources if with_cuda else None,
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_cflags,
-        extra_ldflags=openmp,
-        build_directory=build_dir,
-        with_cuda=with_cuda,
+        name=build.name,
+        cpp_sources=[build.cpp_source],
+        cuda_sources=[build.cuda_source] if build.cuda_source else None,
+        extra_cflags=list(build.cflags),
+        extra_cuda_cflags=list(build.cuda_cflags),
+        extra_ldflags=list(build.ldflags),
+        build_directory=build.build_dir,
+        with_cuda=build.with_cuda,
         is_python_module=False,
         no_implicit_headers=True,
+        verbose=_env_flag("KERNELS_VERBOSE_BUILD") or _env_flag("KERNELS_PTXAS_REPORT"),
     )
-    print(f"kernels: built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    return True
+
+
+def build_and_load(builds):
+    """Builds the libraries of `builds` that are not built yet, all at once, then loads every one of them (in
+    order) that is not loaded yet."""
+    missing = [b for b in builds if not os.path.exists(b.library)]
+    if missing:
+        _check_build_tools(any(b.with_cuda for b in missing))
+        target = (f"CUDA ({', '.join(f[f.rindex('=') + 1:] for f in cuda_arch_flags())})"
+                  if missing[0].with_cuda else "the CPU only")
+        print(f"kernels: compiling {', '.join(b.label for b in missing)} for "
+              f"{target}, once per source version, into {os.path.dirname(missing[0].build_dir)}",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(missing)) as pool:
+            for future in [pool.submit(_compile, b) for b in missing]:
+                future.result()
+        print(f"kernels: built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    for build in builds:
+        if os.path.realpath(build.library) not in torch.ops.loaded_libraries:
+            torch.ops.load_library(build.library)
+
+
+_loaded = False
+_registered = set()
+
+
+def register_once(family_name, register):
+    """Calls register() (a family's fake and autograd registrations) once per process, also where the family's
+    module is executed again (importlib.reload)."""
+    if family_name not in _registered:
+        register()
+        _registered.add(family_name)
+
+
+def load_library():
+    """Builds (where needed) and loads every family of the manifest, then imports each family's Python module,
+    which registers its fake implementations and autograd. Once per process; later calls return at once."""
+    global _loaded
+    if _loaded:
+        return
+    build_and_load([plan_build(family.name, [family]) for family in FAMILIES])
+    _loaded = True  # before the imports below: each family module calls load_library() itself
+    for family in FAMILIES:
+        importlib.import_module(family.python_module)

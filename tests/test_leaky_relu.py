@@ -74,6 +74,25 @@ def test_inplace(device, dtype):
         assert_bitwise_equal(x, reference)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("multiplier,slope", [(2.0, 0.1), (-1.5, -0.3), (1.0, 0.01), (0.0, 0.2)])
+def test_multiply_leaky_relu_in_place_and_its_mask(device, dtype, multiplier, slope):
+    """The GEMM family's epilogue: x = leaky_relu(x * multiplier) in place, mask = x * multiplier > 0. The
+    arithmetic is in float (double for double) with one rounding at the end, so it is bitwise eager's two ops in
+    float32 and float64, and within eager's double rounding in float16 and bfloat16."""
+    for name, x in make_views(device, dtype).items():
+        if name == "expanded":
+            continue
+        product = x * multiplier
+        mask = torch.ops.kernels.multiply_leaky_relu_(x, multiplier, slope, True)
+        if dtype in (torch.float32, torch.float64):
+            assert_bitwise_equal(x, F.leaky_relu(product, slope))
+        else:
+            torch.testing.assert_close(x, F.leaky_relu(product, slope))
+        assert mask.dtype == torch.bool and torch.equal(mask, product > 0), name
+        assert torch.ops.kernels.multiply_leaky_relu_(x, multiplier, slope, False).numel() == 0
+
+
 def test_inplace_on_overlapping_memory_is_an_error(device):
     x = torch.randn(1, 9, device=device).expand(6, 9)
     with pytest.raises(RuntimeError, match="share memory"):
@@ -174,6 +193,8 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default,
                               (torch.randn_like(x).requires_grad_(requires_grad), x, 0.1, 1.0))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_.default, (x.clone(), 0.1))
+    torch.library.opcheck(torch.ops.kernels.multiply_leaky_relu_.default, (x.clone(), -2.0, 0.1, True))
+    torch.library.opcheck(torch.ops.kernels.multiply_leaky_relu_.default, (x.clone(), 3.0, -0.1, False))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x, 0.1, 1.0))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x > 0, -0.2, 2.0))
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one run (device machine, repo root): a cold build of the op library and a warm
 # import, timed; the SASS of the element-wise kernels; the full test suite; bench.py. Logs go to $OUT if set.
+#   SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; BENCH_ARGS are passed to bench.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
@@ -10,26 +11,29 @@ export TORCH_EXTENSIONS_DIR=$(mktemp -d)  # a cold build, whatever is cached els
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+nproc
 
 seconds() { python3 -c 'import time; print(time.time())'; }
-t0=$(seconds); python3 -c "import kernels"; t1=$(seconds)
+t0=$(seconds); python3 -c "import kernels.functional"; t1=$(seconds)
 python3 -c "print(f'cold build + import: {$t1 - $t0:.1f} s (includes python and torch start-up)')"
-# Per target of the build: seconds, from ninja's log (start and end in ms).
-awk 'NR > 1 {printf "    %-14s %5.1f s\n", $4, ($2 - $1) / 1000}' "$TORCH_EXTENSIONS_DIR"/*/.ninja_log
+# Per library and target of the build: seconds, from ninja's log (start and end in ms). The libraries build at once.
+for log in "$TORCH_EXTENSIONS_DIR"/*/.ninja_log; do
+  echo "  $(basename "$(dirname "$log")")"
+  awk 'NR > 1 && $4 !~ /\.so$/ {printf "    %-10s %5.1f s\n", $4, ($2 - $1) / 1000}' "$log"
+done
 # Again into an empty folder: the compilers' files are in the page cache now, so this shows how much of the first
 # build was cold disk.
-TORCH_EXTENSIONS_DIR=$(mktemp -d) python3 -c "import kernels" 2>&1 | grep built
-t0=$(seconds); python3 -c "import kernels"; t1=$(seconds)
+TORCH_EXTENSIONS_DIR=$(mktemp -d) python3 -c "import kernels.functional" 2>&1 | grep built
+t0=$(seconds); python3 -c "import kernels.functional"; t1=$(seconds)
 python3 -c "print(f'warm import in a new process: {$t1 - $t0:.2f} s (python + torch + kernels)')"
 python3 -c "
 import time, torch
-start = time.perf_counter(); import kernels
+start = time.perf_counter(); import kernels.functional
 print(f'warm import of kernels alone (torch already imported): {time.perf_counter() - start:.2f} s')"
 
-so=$(ls "$TORCH_EXTENSIONS_DIR"/*/*.so | head -1)
-cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1
+for so in "$TORCH_EXTENSIONS_DIR"/*/*.so; do cuobjdump --dump-sass "$so"; done > "$OUT/sass.txt" 2>&1
 echo "SASS: vectorized fp32 forward kernel's global accesses:"
-awk '/Function : .*scale_leaky_relu_kernelIfLi4ELb0ELb0E/{p=1; next} /Function :/{p=0} p && /LDG|STG/{print "   ", $2, $3}' "$OUT/sass.txt" | sort | uniq -c
+awk '/Function : .*multiply_leaky_relu_kernelIfLi4ELb0ELb0E/{p=1; next} /Function :/{p=0} p && /LDG|STG/{print "   ", $2, $3}' "$OUT/sass.txt" | sort | uniq -c
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25

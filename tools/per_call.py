@@ -23,7 +23,7 @@ import reference
 from bench import time_each_ms
 from model_new import LeakyReLUModelNew
 
-import kernels  # noqa: F401  (loads torch.ops.kernels)
+import kernels.functional  # noqa: F401  (loads torch.ops.kernels)
 
 PROBE_SOURCE = r"""
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -7,7 +7,7 @@ import torch
 
 from conftest import poison_allocator, requires_cuda
 from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, allclose, matmul_precision, relative_error
-from kernels import gemm_scale_leaky_relu
+from kernels.functional import gemm_multiply_leaky_relu
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
@@ -100,7 +100,7 @@ def test_without_bias(device):
     torch.manual_seed(1)
     x, weight = torch.randn(9, 20, device=device), torch.randn(12, 20, device=device)
     expected = torch.nn.functional.leaky_relu((x @ weight.t()) * -2.0, 0.2)
-    torch.testing.assert_close(gemm_scale_leaky_relu(x, weight, None, -2.0, 0.2), expected)
+    torch.testing.assert_close(gemm_multiply_leaky_relu(x, weight, None, -2.0, 0.2), expected)
 
 
 @requires_cuda
@@ -136,8 +136,8 @@ def test_gradcheck_float64(device, slope):
     _, new = make_pair(7, 5, -1.5, slope, device, torch.float64)
     x = torch.randn(4, 7, dtype=torch.float64, device=device, requires_grad=True)
     weight, bias = new.gemm.weight, new.gemm.bias
-    assert torch.autograd.gradcheck(lambda a, w, b: gemm_scale_leaky_relu(a, w, b, -1.5, slope), (x, weight, bias))
-    assert torch.autograd.gradgradcheck(lambda a, w, b: gemm_scale_leaky_relu(a, w, b, -1.5, slope),
+    assert torch.autograd.gradcheck(lambda a, w, b: gemm_multiply_leaky_relu(a, w, b, -1.5, slope), (x, weight, bias))
+    assert torch.autograd.gradgradcheck(lambda a, w, b: gemm_multiply_leaky_relu(a, w, b, -1.5, slope),
                                         (x, weight, bias))
 
 
@@ -153,13 +153,14 @@ def test_forward_mode_ad(device, slope):
     for which in ([0], [1], [2], [0, 1, 2]):
         with fwAD.dual_level():
             duals = [fwAD.make_dual(p, t) if i in which else p for i, (p, t) in enumerate(zip(primals, tangents))]
-            y = fwAD.unpack_dual(gemm_scale_leaky_relu(*duals, -1.5, slope))
+            y = fwAD.unpack_dual(gemm_multiply_leaky_relu(*duals, -1.5, slope))
             y_ref = fwAD.unpack_dual(torch.nn.functional.leaky_relu(
                 torch.nn.functional.linear(*duals) * -1.5, slope))
         torch.testing.assert_close(y.primal, y_ref.primal)
         torch.testing.assert_close(y.tangent, y_ref.tangent)
     x, weight, bias = primals
-    _, y_tangent = torch.func.jvp(lambda a: gemm_scale_leaky_relu(a, weight, bias, -1.5, slope), (x,), (tangents[0],))
+    _, y_tangent = torch.func.jvp(lambda a: gemm_multiply_leaky_relu(a, weight, bias, -1.5, slope), (x,),
+                                  (tangents[0],))
     _, y_ref_tangent = torch.func.jvp(lambda a: reference(a), (x,), (tangents[0],))
     torch.testing.assert_close(y_tangent, y_ref_tangent)
 
@@ -167,7 +168,7 @@ def test_forward_mode_ad(device, slope):
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)
-    op = torch.ops.kernels.gemm_scale_leaky_relu.default
+    op = torch.ops.kernels.gemm_multiply_leaky_relu.default
     for requires_grad in (False, True):
         args = [t.clone().requires_grad_(requires_grad) for t in (x, weight, bias)]
         torch.library.opcheck(op, (*args, 2.0, 0.1, False))
@@ -202,9 +203,9 @@ def test_bad_inputs_are_clear_errors(device):
     with pytest.raises(RuntimeError, match="at least 1 dimension"):
         new(torch.tensor(1.0, device=device))
     with pytest.raises(RuntimeError, match="weight must be 2-D"):
-        gemm_scale_leaky_relu(torch.randn(4, 16, device=device), torch.randn(8, 16, 1, device=device))
+        gemm_multiply_leaky_relu(torch.randn(4, 16, device=device), torch.randn(8, 16, 1, device=device))
     with pytest.raises(RuntimeError, match=r"bias must have shape \[out_features\]"):
-        gemm_scale_leaky_relu(torch.randn(4, 16, device=device), torch.randn(8, 16, device=device),
+        gemm_multiply_leaky_relu(torch.randn(4, 16, device=device), torch.randn(8, 16, device=device),
                               torch.randn(9, device=device))
 
 

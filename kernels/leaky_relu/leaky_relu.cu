@@ -1,7 +1,8 @@
-// Element-wise LeakyReLU kernels, forward and backward, shared by both problems:
+// Element-wise LeakyReLU kernels, forward and backward, shared by both problems (the GEMM family reaches them
+// through the ops kernels::multiply_leaky_relu_ and kernels::leaky_relu_backward):
 //   leaky_relu                y = leaky_relu(x, slope)
-//   gemm_multiply_leaky_relu  the GEMM's epilogue, y = leaky_relu(y * multiplier, slope), in place, and the
-//                             backward's grad_pre = (positive ? g : g * slope) * multiplier
+//   gemm_multiply_leaky_relu  the cuBLAS path's epilogue, y = leaky_relu(y * multiplier, slope), in place, and
+//                             the backward's grad_pre = (positive ? g : g * slope) * multiplier
 //
 // Memory-bound: each element is read once and written once, so the kernels aim at the device-to-device copy rate.
 // - Vectorized path: every pointer 16-byte aligned (the mask kWidth-byte aligned). Each thread moves one 16-byte
@@ -13,13 +14,13 @@
 // each block strides over tiles if there are more tiles than the grid can hold.
 // Arithmetic is in float (double for double), exactly as ATen's leaky_relu does it, so results are bitwise equal
 // to F.leaky_relu: NaN, Inf, -0.0 and any slope (0, negative, above 1) included.
-#include "launchers.h"
+#include "leaky_relu.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-namespace kernels {
+namespace kernels::leaky_relu {
 namespace {
 
 constexpr int kThreads = 128;
@@ -72,17 +73,17 @@ __device__ __forceinline__ void for_each_pack(std::int64_t n, Visit visit, Visit
   }
 }
 
-template <typename T, int kWidth, bool kScale, bool kMask>
+template <typename T, int kWidth, bool kMultiply, bool kMask>
 __global__ void __launch_bounds__(kThreads)
-scale_leaky_relu_kernel(const T* __restrict__ x, T* __restrict__ y, std::uint8_t* __restrict__ mask,
-                        std::int64_t n, typename OpMath<T>::type scale, typename OpMath<T>::type slope) {
+multiply_leaky_relu_kernel(const T* __restrict__ x, T* __restrict__ y, std::uint8_t* __restrict__ mask,
+                        std::int64_t n, typename OpMath<T>::type multiplier, typename OpMath<T>::type slope) {
   using Op = typename OpMath<T>::type;
   using P = Pack<T, kWidth>;
   using M = MaskPack<kWidth>;
   constexpr int kUnroll = unroll<kWidth>();
   auto apply = [&](T in, T& out, std::uint8_t& positive) {
     Op v = to_opmath(in);
-    if (kScale) v = v * scale;
+    if (kMultiply) v = v * multiplier;
     positive = v > Op(0);
     out = from_opmath<T>(positive ? v : v * slope);
   };
@@ -111,11 +112,11 @@ scale_leaky_relu_kernel(const T* __restrict__ x, T* __restrict__ y, std::uint8_t
       });
 }
 
-template <typename T, int kWidth, bool kScale, bool kMask>
+template <typename T, int kWidth, bool kMultiply, bool kMask>
 __global__ void __launch_bounds__(kThreads)
 leaky_relu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ saved,
                            const std::uint8_t* __restrict__ mask, T* __restrict__ grad_in, std::int64_t n,
-                           typename OpMath<T>::type scale, typename OpMath<T>::type slope) {
+                           typename OpMath<T>::type multiplier, typename OpMath<T>::type slope) {
   using Op = typename OpMath<T>::type;
   using P = Pack<T, kWidth>;
   using M = MaskPack<kWidth>;
@@ -123,7 +124,7 @@ leaky_relu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__
   auto apply = [&](T g, bool positive) {
     Op v = to_opmath(g);
     v = positive ? v : v * slope;
-    if (kScale) v = v * scale;
+    if (kMultiply) v = v * multiplier;
     return from_opmath<T>(v);
   };
   for_each_pack<kWidth>(
@@ -171,94 +172,100 @@ template <int kWidth> unsigned int grid_for(std::int64_t n) {
 }
 
 template <typename T, int kWidth>
-cudaError_t scale_leaky_relu_width(const void* x, void* y, std::uint8_t* mask, std::int64_t n, double scale,
-                                   double slope, cudaStream_t stream) {
+cudaError_t multiply_leaky_relu_width(const void* x, void* y, std::uint8_t* mask, std::int64_t n,
+                                      double multiplier, double slope, cudaStream_t stream) {
   using Op = typename OpMath<T>::type;
   const T* in = static_cast<const T*>(x);
   T* out = static_cast<T*>(y);
   const unsigned int grid = grid_for<kWidth>(n);
-  const Op s = static_cast<Op>(scale), ns = static_cast<Op>(slope);
+  const Op s = static_cast<Op>(multiplier), ns = static_cast<Op>(slope);
+  const auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns); };
   // Multiplying by 1 is exact except for NaN payloads; skipping it keeps the plain activation bitwise F.leaky_relu.
-  if (scale == 1.0) {
-    if (mask) scale_leaky_relu_kernel<T, kWidth, false, true><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
-    else scale_leaky_relu_kernel<T, kWidth, false, false><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
+  if (multiplier == 1.0) {
+    if (mask) launch(multiply_leaky_relu_kernel<T, kWidth, false, true>);
+    else launch(multiply_leaky_relu_kernel<T, kWidth, false, false>);
   } else {
-    if (mask) scale_leaky_relu_kernel<T, kWidth, true, true><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
-    else scale_leaky_relu_kernel<T, kWidth, true, false><<<grid, kThreads, 0, stream>>>(in, out, mask, n, s, ns);
+    if (mask) launch(multiply_leaky_relu_kernel<T, kWidth, true, true>);
+    else launch(multiply_leaky_relu_kernel<T, kWidth, true, false>);
   }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t scale_leaky_relu_typed(const void* x, void* y, std::uint8_t* mask, std::int64_t n, double scale,
-                                   double slope, cudaStream_t stream) {
+cudaError_t multiply_leaky_relu_typed(const void* x, void* y, std::uint8_t* mask, std::int64_t n,
+                                      double multiplier, double slope, cudaStream_t stream) {
   constexpr int kWidth = vector_width<T>();
   if (aligned(x, 16) && aligned(y, 16) && aligned(mask, kWidth))
-    return scale_leaky_relu_width<T, kWidth>(x, y, mask, n, scale, slope, stream);
-  return scale_leaky_relu_width<T, 1>(x, y, mask, n, scale, slope, stream);
+    return multiply_leaky_relu_width<T, kWidth>(x, y, mask, n, multiplier, slope, stream);
+  return multiply_leaky_relu_width<T, 1>(x, y, mask, n, multiplier, slope, stream);
 }
 
 template <typename T, int kWidth>
 cudaError_t leaky_relu_backward_width(const void* grad_out, const void* saved, const std::uint8_t* mask,
-                                      void* grad_in, std::int64_t n, double scale, double slope,
+                                      void* grad_in, std::int64_t n, double multiplier, double slope,
                                       cudaStream_t stream) {
   using Op = typename OpMath<T>::type;
   const T* g = static_cast<const T*>(grad_out);
   const T* s_in = static_cast<const T*>(saved);
   T* out = static_cast<T*>(grad_in);
   const unsigned int grid = grid_for<kWidth>(n);
-  const Op s = static_cast<Op>(scale), ns = static_cast<Op>(slope);
-  if (scale == 1.0) {
-    if (mask) leaky_relu_backward_kernel<T, kWidth, false, true><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
-    else leaky_relu_backward_kernel<T, kWidth, false, false><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
+  const Op s = static_cast<Op>(multiplier), ns = static_cast<Op>(slope);
+  const auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns); };
+  if (multiplier == 1.0) {
+    if (mask) launch(leaky_relu_backward_kernel<T, kWidth, false, true>);
+    else launch(leaky_relu_backward_kernel<T, kWidth, false, false>);
   } else {
-    if (mask) leaky_relu_backward_kernel<T, kWidth, true, true><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
-    else leaky_relu_backward_kernel<T, kWidth, true, false><<<grid, kThreads, 0, stream>>>(g, s_in, mask, out, n, s, ns);
+    if (mask) launch(leaky_relu_backward_kernel<T, kWidth, true, true>);
+    else launch(leaky_relu_backward_kernel<T, kWidth, true, false>);
   }
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t leaky_relu_backward_typed(const void* grad_out, const void* saved, const std::uint8_t* mask,
-                                      void* grad_in, std::int64_t n, double scale, double slope,
+                                      void* grad_in, std::int64_t n, double multiplier, double slope,
                                       cudaStream_t stream) {
   constexpr int kWidth = vector_width<T>();
   if (aligned(grad_out, 16) && aligned(saved, 16) && aligned(grad_in, 16) && aligned(mask, kWidth))
-    return leaky_relu_backward_width<T, kWidth>(grad_out, saved, mask, grad_in, n, scale, slope, stream);
-  return leaky_relu_backward_width<T, 1>(grad_out, saved, mask, grad_in, n, scale, slope, stream);
+    return leaky_relu_backward_width<T, kWidth>(grad_out, saved, mask, grad_in, n, multiplier, slope, stream);
+  return leaky_relu_backward_width<T, 1>(grad_out, saved, mask, grad_in, n, multiplier, slope, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_scale_leaky_relu(ElementType type, const void* x, void* y, std::uint8_t* mask, std::int64_t n,
-                                    double scale, double negative_slope, cudaStream_t stream) {
+cudaError_t launch_multiply_leaky_relu(ElementType type, const void* x, void* y, std::uint8_t* positive,
+                                       std::int64_t n, double multiplier, double negative_slope,
+                                       cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   switch (type) {
-    case ElementType::kFloat32: return scale_leaky_relu_typed<float>(x, y, mask, n, scale, negative_slope, stream);
-    case ElementType::kFloat64: return scale_leaky_relu_typed<double>(x, y, mask, n, scale, negative_slope, stream);
-    case ElementType::kFloat16: return scale_leaky_relu_typed<__half>(x, y, mask, n, scale, negative_slope, stream);
+    case ElementType::kFloat32:
+      return multiply_leaky_relu_typed<float>(x, y, positive, n, multiplier, negative_slope, stream);
+    case ElementType::kFloat64:
+      return multiply_leaky_relu_typed<double>(x, y, positive, n, multiplier, negative_slope, stream);
+    case ElementType::kFloat16:
+      return multiply_leaky_relu_typed<__half>(x, y, positive, n, multiplier, negative_slope, stream);
     case ElementType::kBFloat16:
-      return scale_leaky_relu_typed<__nv_bfloat16>(x, y, mask, n, scale, negative_slope, stream);
+      return multiply_leaky_relu_typed<__nv_bfloat16>(x, y, positive, n, multiplier, negative_slope, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_leaky_relu_backward(ElementType type, const void* grad_out, const void* saved,
-                                       const std::uint8_t* mask, void* grad_in, std::int64_t n, double scale,
+                                       const std::uint8_t* mask, void* grad_in, std::int64_t n, double multiplier,
                                        double negative_slope, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   switch (type) {
     case ElementType::kFloat32:
-      return leaky_relu_backward_typed<float>(grad_out, saved, mask, grad_in, n, scale, negative_slope, stream);
+      return leaky_relu_backward_typed<float>(grad_out, saved, mask, grad_in, n, multiplier, negative_slope, stream);
     case ElementType::kFloat64:
-      return leaky_relu_backward_typed<double>(grad_out, saved, mask, grad_in, n, scale, negative_slope, stream);
+      return leaky_relu_backward_typed<double>(grad_out, saved, mask, grad_in, n, multiplier, negative_slope, stream);
     case ElementType::kFloat16:
-      return leaky_relu_backward_typed<__half>(grad_out, saved, mask, grad_in, n, scale, negative_slope, stream);
+      return leaky_relu_backward_typed<__half>(grad_out, saved, mask, grad_in, n, multiplier, negative_slope, stream);
     case ElementType::kBFloat16:
-      return leaky_relu_backward_typed<__nv_bfloat16>(grad_out, saved, mask, grad_in, n, scale, negative_slope,
+      return leaky_relu_backward_typed<__nv_bfloat16>(grad_out, saved, mask, grad_in, n, multiplier, negative_slope,
                                                       stream);
   }
   return cudaErrorInvalidValue;
 }
 
-}  // namespace kernels
+}  // namespace kernels::leaky_relu

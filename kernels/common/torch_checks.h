@@ -1,0 +1,48 @@
+// Argument checks and layout helpers shared by the families' torch-side files (kernels/*/*.cpp). Torch headers
+// only; never included by a .cu file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+
+#include <string>
+
+namespace kernels::common {
+
+// Messages format numbers, shapes and devices as std::string here: on the GPU machine (library built by another
+// g++ than torch's) streaming an int64_t, an IntArrayRef or a Device into TORCH_CHECK's message crashed the
+// process; strings and ScalarType names stream safely.
+inline std::string shape_str(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline void check_float_tensor(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), "kernels.", op, ": ", name, " is an undefined tensor");
+  TORCH_CHECK(is_supported_float(t.scalar_type()), "kernels.", op, ": ", name,
+              " must be a float32, float64, float16 or bfloat16 tensor, got ", t.scalar_type());
+}
+
+inline void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), "kernels.", op, ": expected ", name, " and ", ref_name,
+              " on the same device, got ", name, " on ", t.device().str(), " and ", ref_name, " on ",
+              ref.device().str());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "kernels.", op, ": expected ", name, " and ", ref_name,
+              " to have the same dtype, got ", name, " ", t.scalar_type(), " and ", ref_name, " ", ref.scalar_type());
+}
+
+// The element-wise kernels walk memory linearly, so their operands must cover one dense block of memory in one
+// shared layout. Returns t itself where it already has layout's strides, else a copy of t in that layout.
+// `layout` must be dense (as at::empty_like makes it: same strides as a dense input, contiguous for any other).
+inline at::Tensor in_layout_of(const at::Tensor& t, const at::Tensor& layout) {
+  if (t.strides() == layout.strides()) return t;
+  return at::empty_like(layout, t.options()).copy_(t);
+}
+
+}  // namespace kernels::common

@@ -1,0 +1,90 @@
+"""The GEMM family's Python side: fake (meta) implementation, autograd (backward and forward mode) and the function
+gemm_multiply_leaky_relu().
+
+Op (schema in gemm.cpp):
+  gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
+"""
+
+import functools
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+
+from kernels import loader
+
+loader.load_library()
+
+
+def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, return_mask):
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "x's last dimension must equal weight.shape[1]")
+    y = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    mask = x.new_empty(y.shape if return_mask else (0,), dtype=torch.bool)
+    return y, mask
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    x, weight, bias, multiplier, negative_slope, return_mask = inputs
+    y, mask = output
+    if negative_slope < 0 and not return_mask:
+        raise ValueError("gemm_multiply_leaky_relu: with a negative slope the backward needs return_mask=True "
+                         "(the output's sign no longer tells the pre-activation's)")
+    ctx.multiplier = multiplier
+    ctx.negative_slope = negative_slope
+    # With slope >= 0 the output has the pre-activation's sign test, so the output itself serves; else the mask.
+    ctx.save_for_backward(x, weight, mask if return_mask else y)
+
+
+def _gemm_backward(ctx, grad_y, grad_mask):
+    x, weight, saved = ctx.saved_tensors
+    grad_pre = torch.ops.kernels.leaky_relu_backward(grad_y, saved, ctx.negative_slope, ctx.multiplier)
+    grad_pre = grad_pre.reshape(-1, weight.shape[0])
+    grad_x = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad_pre.mm(weight).reshape(x.shape)
+    if ctx.needs_input_grad[1]:
+        grad_weight = grad_pre.t().mm(x.reshape(-1, weight.shape[1]))
+    if ctx.needs_input_grad[2]:
+        grad_bias = grad_pre.sum(0)
+    return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _gemm_multiply_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope):
+    """The op with forward-mode tangents: the pre-activation's tangent is linear in theirs, and LeakyReLU scales it
+    by its slope at the pre-activation's sign (the mask). torch.library's autograd has no forward mode: called
+    plainly, the op would drop the tangents."""
+    primals, tangents = zip(*(fwAD.unpack_dual(t) if t is not None else (None, None) for t in (x, weight, bias)))
+    x, weight, bias = primals
+    y, mask = torch.ops.kernels.gemm_multiply_leaky_relu.default(x, weight, bias, multiplier, negative_slope, True)
+    x_t, weight_t, bias_t = tangents
+    terms = []
+    if x_t is not None:
+        terms.append(F.linear(x_t, weight))
+    if weight_t is not None:
+        terms.append(F.linear(x, weight_t))
+    if bias_t is not None:
+        terms.append(bias_t.expand(y.shape))
+    if not terms:
+        return y
+    pre_tangent = functools.reduce(torch.add, terms)
+    return fwAD.make_dual(y, torch.ops.kernels.leaky_relu_backward(pre_tangent, mask, negative_slope, multiplier))
+
+
+def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01):
+    """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features)."""
+    if fwAD._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
+        return _gemm_multiply_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    y, _ = torch.ops.kernels.gemm_multiply_leaky_relu.default(
+        x, weight, bias, multiplier, negative_slope, needs_grad and negative_slope < 0)
+    return y
+
+
+def _register_fake_and_autograd():
+    torch.library.register_fake("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_fake)
+    torch.library.register_autograd("kernels::gemm_multiply_leaky_relu", _gemm_backward,
+                                    setup_context=_gemm_setup_context)
+
+
+loader.register_once("gemm", _register_fake_and_autograd)

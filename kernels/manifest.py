@@ -1,0 +1,36 @@
+"""The op library's sources: one entry per kernel family, in build and load order.
+
+A family is one folder, kernels/<name>/, and the same stem in every layer: <name>.cu (kernels, no torch headers),
+<name>.h (their plain host launchers), <name>.cpp (the torch side: schemas, checks, CPU code, CUDA dispatch),
+<name>.py (fake implementations, autograd, the Python functions), NOTES.md, and tests/test_<name>.py. Project
+headers included with #include "x.h" are inlined by the loader (kernels/loader.py), so only the files listed here
+are named; the order of each list is the order in which the files are joined into one translation unit.
+
+This is data only (no torch import), so tools that read the sources need not build anything.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    cpp_sources: tuple  # paths under kernels/, joined into the family's C++ translation unit
+    cuda_sources: tuple  # paths under kernels/, joined into its CUDA translation unit (built where a GPU is)
+    python_module: str  # registers fakes and autograd; imported once the family's library is loaded
+
+
+FAMILIES = (
+    Family(
+        name="leaky_relu",
+        cpp_sources=("leaky_relu/leaky_relu.cpp",),
+        cuda_sources=("leaky_relu/leaky_relu.cu",),
+        python_module="kernels.leaky_relu.leaky_relu",
+    ),
+    Family(
+        name="gemm",
+        cpp_sources=("gemm/gemm.cpp",),
+        cuda_sources=(),
+        python_module="kernels.gemm.gemm",
+    ),
+)

@@ -1,0 +1,190 @@
+"""The loader (kernels/loader.py): joined translation units, inlined project headers with #line, the build key, and a
+second family added to a copy of the library whose names collide with the first's, built and called through the
+loader. The CUDA parts need nvcc (CI has it) or a GPU, and skip without."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from conftest import HAS_CUDA, requires_cuda
+from kernels import loader
+from kernels.manifest import FAMILIES, Family
+
+from test_cuda_compile import NVCC, compile_cuda
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The test family: its .cu reuses the LeakyReLU family's names (kThreads and a kernel called
+# multiply_leaky_relu_kernel, both in an anonymous namespace, as in leaky_relu.cu) and includes a project .cuh that
+# the .cpp includes too.
+TWIN_FILES = {
+    "twin/twin_factor.cuh": """\
+// The factor of the test family; included by twin.cu and twin.cpp.
+#pragma once
+#ifdef __CUDACC__
+#define TWIN_HOST_DEVICE __host__ __device__
+#else
+#define TWIN_HOST_DEVICE
+#endif
+namespace kernels::twin {
+constexpr float kFactor = 2.0f;
+TWIN_HOST_DEVICE inline float apply_factor(float v) { return v * kFactor; }
+}  // namespace kernels::twin
+""",
+    "twin/twin.h": """\
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+namespace kernels::twin {
+cudaError_t launch_twice(const float* x, float* y, std::int64_t n, cudaStream_t stream);
+}  // namespace kernels::twin
+""",
+    "twin/twin.cu": """\
+#include "twin.h"
+#include "twin_factor.cuh"
+namespace kernels::twin {
+namespace {
+constexpr int kThreads = 128;
+__global__ void multiply_leaky_relu_kernel(const float* x, float* y, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) y[i] = apply_factor(x[i]);
+}
+}  // namespace
+cudaError_t launch_twice(const float* x, float* y, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  multiply_leaky_relu_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(x, y, n);
+  return cudaGetLastError();
+}
+}  // namespace kernels::twin
+""",
+    "twin/twin.cpp": """\
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "common/torch_checks.h"
+#include "twin_factor.cuh"
+#ifdef KERNELS_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include "twin.h"
+#endif
+
+namespace kernels::twin {
+namespace {
+at::Tensor twice(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "_test_twin_twice takes contiguous float32");
+  at::Tensor y = at::empty_like(x);
+#ifdef KERNELS_WITH_CUDA
+  if (x.is_cuda()) {
+    TORCH_CHECK(launch_twice(x.const_data_ptr<float>(), y.mutable_data_ptr<float>(), x.numel(),
+                             c10::cuda::getCurrentCUDAStream().stream()) == cudaSuccess);
+    return y;
+  }
+#endif
+  for (int64_t i = 0; i < x.numel(); ++i) y.mutable_data_ptr<float>()[i] = apply_factor(x.const_data_ptr<float>()[i]);
+  return y;
+}
+}  // namespace
+}  // namespace kernels::twin
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) { m.def("_test_twin_twice(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(kernels, CPU, m) { m.impl("_test_twin_twice", &kernels::twin::twice); }
+#ifdef KERNELS_WITH_CUDA
+TORCH_LIBRARY_IMPL(kernels, CUDA, m) { m.impl("_test_twin_twice", &kernels::twin::twice); }
+#endif
+""",
+}
+TWIN = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="")
+
+
+@pytest.fixture
+def library_copy(tmp_path):
+    """A copy of kernels/ with the twin family added; returns its root."""
+    root = tmp_path / "kernels"
+    shutil.copytree(os.path.join(REPO, "kernels"), root, ignore=shutil.ignore_patterns("__pycache__"))
+    for path, text in TWIN_FILES.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+def test_pure_python_helpers_import_without_building():
+    code = ("import sys, kernels.precision, kernels.manifest; "
+            "assert 'kernels.loader' not in sys.modules, 'kernels.precision imported the loader'; "
+            "assert not any(m.startswith(('kernels.leaky_relu', 'kernels.gemm', 'kernels.functional')) "
+            "for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_headers_are_inlined_once_with_line_directives(library_copy):
+    text = loader.joined_source(["twin/twin.cu", "twin/twin.cu"], root=library_copy)
+    lines = text.splitlines()
+    assert lines[0] == '#line 1 "kernels/twin/twin.cu"'
+    assert text.count('#line 1 "kernels/twin/twin.h"') == 1
+    assert text.count('#line 1 "kernels/twin/twin_factor.cuh"') == 1
+    assert text.count("constexpr float kFactor") == 1  # inlined once, whatever includes it again
+    assert '#include "' not in text and "#pragma once" not in text
+    # After each header, a #line back into the includer at the line after its #include.
+    assert '#line 2 "kernels/twin/twin.cu"' in lines and '#line 3 "kernels/twin/twin.cu"' in lines
+
+
+def test_a_missing_project_header_names_file_and_line(library_copy):
+    (library_copy / "twin" / "twin.cu").write_text('// one\n#include "no_such_header.cuh"\n')
+    with pytest.raises(FileNotFoundError, match=r'kernels/twin/twin.cu:2: #include "no_such_header.cuh"'):
+        loader.joined_source(["twin/twin.cu"], root=library_copy)
+
+
+def test_editing_only_a_header_changes_the_build_key(library_copy):
+    before = loader.plan_build("twin", [TWIN], root=library_copy, with_cuda=False).name
+    assert loader.plan_build("twin", [TWIN], root=library_copy, with_cuda=False).name == before
+    header = library_copy / "twin" / "twin_factor.cuh"
+    header.write_text(header.read_text().replace("2.0f", "3.0f"))
+    assert loader.plan_build("twin", [TWIN], root=library_copy, with_cuda=False).name != before
+    assert loader.plan_build("twin", [TWIN], root=library_copy, with_cuda=True).name != before
+
+
+def test_second_family_builds_and_runs_through_the_loader(library_copy, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    loader.build_and_load([loader.plan_build("twin", [TWIN], root=library_copy)])
+    x = torch.randn(1000)
+    torch.testing.assert_close(torch.ops.kernels._test_twin_twice(x), x * 2, rtol=0, atol=0)
+    if HAS_CUDA:
+        torch.testing.assert_close(torch.ops.kernels._test_twin_twice(x.cuda()).cpu(), x * 2, rtol=0, atol=0)
+
+
+def test_joined_cpp_of_every_family_compiles_as_one_unit(library_copy, tmp_path):
+    """A single-file build (one C++ unit for all families) must see no name collide; g++ checks the syntax."""
+    cpp, _ = loader.family_sources([*FAMILIES, TWIN], root=library_copy)
+    source = tmp_path / "joined.cpp"
+    source.write_text(cpp)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *includes,
+                             f"-I{sys.base_prefix}/include", str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_joined_cuda_of_every_family_compiles_as_one_unit(library_copy, tmp_path, arch):
+    _, cuda = loader.family_sources([*FAMILIES, TWIN], root=library_copy)
+    compile_cuda(cuda, arch, tmp_path)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_compiler_errors_name_the_real_file_and_line(library_copy, tmp_path):
+    header = library_copy / "twin" / "twin_factor.cuh"
+    lines = header.read_text().splitlines()
+    lines.insert(2, "this line does not compile;")  # becomes line 3 of the header
+    header.write_text("\n".join(lines) + "\n")
+    _, cuda = loader.family_sources([TWIN], root=library_copy)
+    source = tmp_path / "cuda.cu"
+    source.write_text(cuda)
+    result = subprocess.run([NVCC, "-std=c++17", "-c", str(source), "-o", str(tmp_path / "out.o")],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "kernels/twin/twin_factor.cuh(3)" in result.stderr, result.stderr
