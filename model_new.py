@@ -26,7 +26,8 @@ class LeakyReLUModelNew(nn.Module):
 
 
 class GemmMultiplyLeakyReLUModelNew(nn.Module):
-    """leaky_relu((x @ W^T + b) * multiplier): the GEMM, then one fused pass for the multiply and the activation.
+    """leaky_relu((x @ W^T + b) * multiplier, negative_slope) in one call of kernels::gemm_multiply_leaky_relu
+    (kernels/gemm/gemm.cpp says which path a call takes and why).
 
     `self.gemm` is created first and is the same nn.Linear as the reference's, so a model built after the same
     seed has the same weights, and state_dicts load both ways.

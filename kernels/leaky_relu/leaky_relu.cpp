@@ -191,7 +191,7 @@ at::Tensor multiply_leaky_relu_in_place(const char* op, const at::Tensor& x, dou
   }
   TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, "kernels.", op,
               ": x has elements that share memory (an expanded view), which an in-place operation cannot write; "
-              "pass x.clone()");
+              "call it on x.clone()");
   const at::Tensor tmp = x.contiguous();
   at::Tensor mask = mask_like(tmp);
   run_multiply_leaky_relu(tmp, tmp, return_mask ? mask : at::Tensor(), multiplier, negative_slope);

@@ -1,0 +1,223 @@
+"""Writes one self-contained KernelBench candidate per problem: a Python file with a module-level ModelNew,
+get_inputs and get_init_inputs, and the whole op library inlined (every family of kernels/manifest.py, joined by
+the loader into one C++ and one CUDA translation unit) and built with load_inline when the file runs.
+
+    python -m kernels.export gemm_multiply_leaky_relu > candidate.py
+    python -m kernels.export leaky_relu --check          # also run the static rules on it (exit 1 if it fails)
+
+Everything in the file is generated from the library's own sources: the C++/CUDA text from the manifest, the build
+flags from the loader's functions, each family's Python module (with its loader calls replaced by the build
+above), the ModelNew class from model_new.py (renamed ModelNew) and the inputs from reference.py. A new family needs
+no change here, as long as its Python module uses the loader the way the others do (`loader.load_library()` and
+`loader.register_once(name, function)`).
+
+The file works exec'd from a string (no __file__, no package, no repository on the path), in a process that has
+not imported the `kernels` package (both would register the same ops). Where no GPU is visible it builds the
+CPU-only library, and where the GPU is not Hopper the GEMM takes its cuBLAS path.
+
+static_check() applies KernelBench's published static rules (kernel_static_checker.py) to a candidate's source:
+the same patterns, applied the same way (after dropping everything from a '#' or '//' to the end of its line).
+"""
+
+import argparse
+import ast
+import inspect
+import os
+import re
+import sys
+
+from kernels import loader
+from kernels.manifest import FAMILIES
+
+REPO_ROOT = os.path.dirname(loader.SOURCE_ROOT)
+
+# The functions of the loader the candidate runs to pick its build flags, copied from the loader's own source.
+_LOADER_FUNCTIONS = (loader._env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags)
+
+_BUILD = '''
+def _build_library():
+    """Builds (once per content, cached like any load_inline build) and loads the op library `torch.ops.kernels`."""
+    with_cuda = with_cuda_build()
+    cflags, cuda_cflags, ldflags = build_flags(with_cuda)
+    key = hashlib.sha256("\\0".join([CPP_SOURCE, CUDA_SOURCE if with_cuda else "", *cflags, *cuda_cflags, *ldflags,
+                                     torch.__version__, str(torch.version.cuda), sys.version]).encode())
+    load_inline(
+        name=f"kernels_candidate_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}",
+        cpp_sources=[CPP_SOURCE],
+        cuda_sources=[CUDA_SOURCE] if with_cuda else None,
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=ldflags,
+        with_cuda=with_cuda,
+        is_python_module=False,
+        no_implicit_headers=True,
+    )
+
+
+_build_library()
+'''
+
+
+def _string_literal(text):
+    """text as a Python literal: a raw triple-quoted string where that reads back exactly, else repr()."""
+    if '"""' not in text and not text.endswith("\\"):
+        return 'r"""' + text + '"""'
+    return repr(text)
+
+
+def _family_python(family):
+    """The family's Python module, with its loader calls replaced by the candidate's own build."""
+    path = os.path.join(REPO_ROOT, *family.python_module.split(".")) + ".py"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    text = text.replace("from kernels import loader\n", "")
+    text = re.sub(r"^loader\.load_library\(\)\n", "", text, flags=re.M)
+    text = re.sub(r'^loader\.register_once\("\w+", (\w+)\)$', r"\1()", text, flags=re.M)
+    leftover = re.search(r"^.*\b(loader\.|from kernels|import kernels).*$", text, flags=re.M)
+    if leftover:
+        raise ValueError(f"{path}: the export cannot inline this line: {leftover.group(0)!r}; a family module uses "
+                         "the loader only through loader.load_library() and loader.register_once(name, function)")
+    return f"# ---- {family.python_module} " + "-" * max(0, 100 - len(family.python_module)) + "\n\n" + text
+
+
+def _model_new_class(problem):
+    """The source of the problem's ModelNew class in model_new.py (read, not imported: importing builds), renamed."""
+    path = os.path.join(REPO_ROOT, "model_new.py")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    tree = ast.parse(source)
+    mapping = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "MODEL_NEW" for t in node.targets))
+    class_name = next(v.id for k, v in zip(mapping.keys, mapping.values) if k.value == problem)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    text = ast.get_source_segment(source, node)
+    return re.sub(rf"^class {class_name}\(", "class ModelNew(", text), class_name
+
+
+def _problem_functions(problem):
+    """get_inputs and get_init_inputs of reference.py's problem, with the constants they read."""
+    import reference
+
+    spec = reference.PROBLEMS[problem]
+    lines, constants = [], {}
+    for public_name, function in (("get_inputs", spec.get_inputs), ("get_init_inputs", spec.get_init_inputs)):
+        for name in function.__code__.co_names:
+            value = getattr(reference, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                constants[name] = value
+        lines.append(re.sub(r"^def \w+\(", f"def {public_name}(", inspect.getsource(function)))
+    header = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
+    return header + "\n\n" + "\n\n".join(lines)
+
+
+def candidate_source(problem):
+    """The text of the candidate file for `problem` (a key of reference.PROBLEMS)."""
+    cpp, cuda = loader.family_sources(FAMILIES)
+    model_class, class_name = _model_new_class(problem)
+    parts = [
+        f'"""KernelBench candidate for {problem}: ModelNew (this library\'s {class_name}), get_inputs and '
+        "get_init_inputs.\n\n"
+        "Generated by `python -m kernels.export` from the kernels library; every kernel is inlined below and built "
+        "with\nload_inline when this file runs. Precision contract: float32 results at least as accurate as eager "
+        "PyTorch's\n(error against a float64 reference no larger than eager's; bench.py prints both).\n"
+        '"""\n',
+        "import hashlib\nimport os\nimport sys\n\nimport torch\nimport torch.nn as nn\n"
+        "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
+        "CPP_SOURCE = " + _string_literal(cpp) + "\n",
+        "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
+        "\n\n".join(inspect.getsource(f) for f in _LOADER_FUNCTIONS),
+        _BUILD,
+        *(_family_python(family) for family in FAMILIES),
+        "# ---- the model " + "-" * 100 + "\n\n" + model_class + "\n",
+        "# ---- the problem " + "-" * 98 + "\n\n" + _problem_functions(problem),
+    ]
+    return "\n\n".join(part.rstrip("\n") + "\n" for part in parts)
+
+
+# ---- KernelBench's static rules -----------------------------------------------------------------------------------
+
+# Errors: any of these rejects a candidate.
+STATIC_ERRORS = {
+    "try-except block": [r"\btry\s*:", r"\bexcept\s*:", r"\bexcept\s+\w+"],
+    "'pass' statement": [r"\bpass\b"],
+    "timing function reassigned": [r"torch\.cuda\.Event\.record\s*=", r"torch\.cuda\.Event\.elapsed_time\s*=",
+                                   r"torch\.cuda\.synchronize\s*=", r"torch\.cuda\.Event\s*=",
+                                   r"time\.perf_counter\s*=", r"time\.time\s*="],
+    "threads or processes": [r"threading\.Thread\s*\(", r"import\s+threading", r"from\s+threading\s+import",
+                             r"multiprocessing\.(Process|Pool|Manager|Queue|Pipe)", r"import\s+multiprocessing",
+                             r"concurrent\.futures", r"ThreadPoolExecutor", r"ProcessPoolExecutor"],
+    "lazy tensor": [r"_make_subclass", r"class\s+\w+.*\(torch\.Tensor\)", r"class\s+\w+.*\(Tensor\)",
+                    r"torch\.Tensor\.__new__"],
+}
+# Warnings: reported, never a rejection (fp32 problems).
+STATIC_WARNINGS = {
+    "torch.nn compute layer": [r"torch\.nn\.(?!(Module|parameter|Parameter|ParameterList|ParameterDict|ModuleList|"
+                               r"ModuleDict|init)\b)"],
+    "torch.nn.functional op": [r"torch\.nn\.functional\.\w+", r"\bnn\.functional\.\w+",
+                               r"\bF\.(conv|linear|relu|gelu|softmax|batch_norm|layer_norm|dropout|max_pool|avg_pool)"],
+    "stream use": [r"torch\.cuda\.Stream\s*\(", r"cuda\.Stream\s*\(", r"with\s+torch\.cuda\.stream",
+                   r"\.wait_stream\s*\(", r"\.record_stream\s*\("],
+    "fp16 in an fp32 problem": [r"__float2half(_rn)?\s*\(", r"\(\s*__half\s*\)\s*[\w\->\.]+",
+                                r"static_cast\s*<\s*(__half|half)\s*>\s*\(", r"\.half\s*\(", r"\.float16\s*\(",
+                                r"\.to\s*\(\s*torch\.(float16|half)\b", r"\.to\s*\(\s*dtype\s*=\s*torch\.(float16|half)\b"],
+}
+
+
+def _strip_comments(code):
+    """Each line up to its first '#' and its first '//', as the harness strips comments (strings included)."""
+    lines = []
+    for line in code.split("\n"):
+        if "#" in line:
+            line = line[:line.index("#")]
+        if "//" in line:
+            line = line[:line.index("//")]
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def static_check(code):
+    """(errors, warnings) of KernelBench's static rules for a CUDA candidate: lists of (rule, matched text)."""
+    stripped = _strip_comments(code)
+
+    def matches(rules):
+        found = []
+        for rule, patterns in rules.items():
+            for pattern in patterns:
+                match = re.search(pattern, stripped)
+                if match:
+                    line = stripped.count("\n", 0, match.start()) + 1
+                    found.append((rule, f"line {line}: {match.group(0)!r}"))
+                    break
+        return found
+
+    errors = matches(STATIC_ERRORS)
+    if "__global__" not in stripped:
+        errors.append(("CUDA implementation", "no __global__ kernel"))
+    if "load_inline" not in stripped and "cpp_extension" not in stripped:
+        errors.append(("CUDA implementation", "neither load_inline nor cpp_extension"))
+    if not re.search(r"\b(threadIdx|blockIdx|blockDim|gridDim)\.|__syncthreads\s*\(|__shared__\s+|__device__\s+",
+                     stripped):
+        errors.append(("CUDA implementation", "no thread indexing or kernel features"))
+    return errors, matches(STATIC_WARNINGS)
+
+
+def main():
+    import reference
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("problem", choices=sorted(reference.PROBLEMS))
+    parser.add_argument("--check", action="store_true", help="run the static rules; report on stderr")
+    args = parser.parse_args()
+    source = candidate_source(args.problem)
+    sys.stdout.write(source)
+    if args.check:
+        errors, warnings = static_check(source)
+        for kind, found in (("error", errors), ("warning", warnings)):
+            for rule, where in found:
+                print(f"static check {kind}: {rule} ({where})", file=sys.stderr)
+        if errors:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The KernelBench export (kernels/export.py): each candidate passes KernelBench's static rules, the rule check
+rejects known-bad sources, and each candidate, exec'd from a string in a fresh process with no repository on its
+path, builds and matches the reference model (same seed, same weights) at 1e-4 on several seeds."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HAS_CUDA, requires_cuda
+from kernels.export import candidate_source, static_check
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBLEMS = ["leaky_relu", "gemm_multiply_leaky_relu"]
+
+
+@pytest.fixture(scope="module")
+def candidates():
+    return {problem: candidate_source(problem) for problem in PROBLEMS}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_candidate_passes_the_static_rules(candidates, problem):
+    errors, warnings = static_check(candidates[problem])
+    assert not errors, errors
+    # The split GEMM's fp16 parts are flagged as a possible precision downgrade: a warning, as expected.
+    assert {rule for rule, _ in warnings} <= {"torch.nn compute layer", "torch.nn.functional op",
+                                              "fp16 in an fp32 problem"}
+
+
+KNOWN_BAD = {
+    "try-except block": "try:\n    y = kernel(x)\nexcept Exception:\n    y = torch.relu(x)\n",
+    "'pass' statement": "class ModelNew(Model):\n    pass\n",
+    "threads or processes": "from concurrent.futures import ThreadPoolExecutor\n",
+    "lazy tensor": "class Lazy(torch.Tensor):\n    x = 1\n",
+    "timing function reassigned": "torch.cuda.Event.elapsed_time = lambda self, other: 0.001\n",
+}
+VALID_KERNEL = ('src = "__global__ void k(float* y) { y[threadIdx.x] = 1.0f; }"\n'
+                "from torch.utils.cpp_extension import load_inline\n")
+
+
+@pytest.mark.parametrize("rule", KNOWN_BAD)
+def test_static_rules_reject_known_bad_sources(rule):
+    errors, _ = static_check(VALID_KERNEL + KNOWN_BAD[rule])
+    assert rule in {r for r, _ in errors}, errors
+
+
+def test_static_rules_want_a_cuda_kernel_and_load_inline():
+    assert not static_check(VALID_KERNEL)[0]
+    assert static_check("from torch.utils.cpp_extension import load_inline\n")[0]  # no __global__
+    assert static_check('src = "__global__ void k(float* y) { y[threadIdx.x] = 1.0f; }"\n')[0]  # no load_inline
+    # A comment does not count, and comments are stripped before the rules apply.
+    assert static_check("# __global__ threadIdx.x\nfrom torch.utils.cpp_extension import load_inline\n")[0]
+    assert not static_check(VALID_KERNEL + "x = 1  # pass, try: except Exception\n")[0]
+
+
+# Runs in a fresh process: exec the candidate from a string (cwd is an empty folder and sys.path has no repository),
+# then, KernelBench's way, build Model and ModelNew after the same seed and compare on inputs of the given shapes.
+RUNNER = r"""
+import json, sys, torch
+source, repo, problem, device, seeds, shapes = sys.argv[1:7]
+namespace = {"__name__": "candidate"}
+exec(compile(open(source).read(), "<candidate>", "exec"), namespace)
+sys.path.insert(0, repo)
+import reference
+spec = reference.PROBLEMS[problem]
+init = namespace["get_init_inputs"]()
+assert init == spec.get_init_inputs(), (init, spec.get_init_inputs())
+shapes = json.loads(shapes)
+if shapes and problem == "gemm_multiply_leaky_relu":
+    init = [shapes[0][1], *init[1:]]  # in_features follows the test's smaller input
+results = []
+for seed in range(int(seeds)):
+    torch.manual_seed(seed)
+    model = spec.model(*init).to(device)
+    torch.manual_seed(seed)
+    model_new = namespace["ModelNew"](*init).to(device)
+    torch.manual_seed(1000 + seed)
+    inputs = [torch.rand(*shape, device=device) for shape in shapes] if shapes else [
+        t.to(device) for t in namespace["get_inputs"]()]
+    with torch.no_grad():
+        expected, got = model(*inputs), model_new(*inputs)
+    results.append(bool(got.shape == expected.shape and got.dtype == expected.dtype
+                        and torch.allclose(got, expected, atol=1e-4, rtol=1e-4)))
+print(json.dumps(results))
+"""
+
+
+def run_candidate(source, problem, device, seeds, shapes, tmp_path):
+    path = tmp_path / f"candidate_{problem}.py"
+    path.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", RUNNER, str(path), REPO, problem, device, str(seeds),
+                             json.dumps(shapes)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+SMALL_SHAPES = {"leaky_relu": [[64, 1000]], "gemm_multiply_leaky_relu": [[32, 256]]}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_candidate_runs_from_a_string_in_a_fresh_process(candidates, problem, tmp_path):
+    device = "cuda" if HAS_CUDA else "cpu"
+    assert all(run_candidate(candidates[problem], problem, device, 3, SMALL_SHAPES[problem], tmp_path))
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_candidate_at_the_problem_size_on_five_seeds(candidates, problem, tmp_path):
+    """KernelBench's own check: get_inputs() at full size, moved to the GPU, allclose 1e-4 on every seed."""
+    assert all(run_candidate(candidates[problem], problem, "cuda", 5, [], tmp_path))
