@@ -13,13 +13,19 @@ found ready by later processes; builds live under $TORCH_EXTENSIONS_DIR, or torc
 Families that need building are built at the same time, one thread each (the compilers run as subprocesses).
 Where torch has no CUDA or no GPU is visible, the library is built CPU-only: no CUDA files, no KERNELS_WITH_CUDA.
 
+Robustness: two processes that build the same library at once build it once (torch's lock file in the build
+folder; the second waits, then loads). A lock left by a killed build is removed when its process is gone, and a
+lock held too long is an error that names the file to delete; a library file that cannot be loaded is built again.
+
 Environment switches (each changes the build's name, so it triggers a build of its own):
   KERNELS_VERBOSE_BUILD=1   print the compiler commands and their output
   KERNELS_LINEINFO=1        nvcc -lineinfo (source lines for compute-sanitizer and Nsight Compute)
   KERNELS_PTXAS_REPORT=1    ptxas -v: registers, shared memory, spills of every kernel (implies a verbose build)
+and one that does not: KERNELS_BUILD_LOCK_TIMEOUT (seconds, default 600), how long to wait for another build.
 """
 
 import concurrent.futures
+import contextlib
 import hashlib
 import importlib
 import os
@@ -183,10 +189,50 @@ def _check_build_tools(with_cuda):
                 f"{torch.__version__}, or set CUDA_HOME to it.")
 
 
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_for_other_build(build):
+    """Waits while another process builds into the same folder (torch's lock file `lock` there). A lock left by a
+    builder that no longer runs (a killed build: its pid is in `builder_pid`) is removed at once; a lock held past
+    KERNELS_BUILD_LOCK_TIMEOUT seconds (default 600) is an error that says which file to delete."""
+    lock = os.path.join(build.build_dir, "lock")
+    timeout = float(os.environ.get("KERNELS_BUILD_LOCK_TIMEOUT", "600"))
+    deadline = time.monotonic() + timeout
+    while os.path.exists(lock):
+        try:
+            with open(os.path.join(build.build_dir, "builder_pid"), encoding="utf-8") as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and not _process_alive(pid):
+            print(f"kernels: removing the lock of a build that did not finish (process {pid} is gone): {lock}",
+                  file=sys.stderr, flush=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"kernels: the build folder {build.build_dir} has been locked for over {timeout:.0f} s by another "
+                f"build{f' (process {pid})' if pid else ''}. If no build of the op library is running, delete {lock} "
+                "and import again.")
+        time.sleep(0.2)
+
+
 def _compile(build):
-    """Builds `build` with load_inline, which also loads it into the process. A compiler error raises here, with
-    the compiler's own message."""
+    """Builds `build` with load_inline, which also loads it into the process (unless another process built it
+    meanwhile). A compiler error raises here, with the compiler's own message."""
     os.makedirs(build.build_dir, exist_ok=True)
+    _wait_for_other_build(build)
+    with open(os.path.join(build.build_dir, "builder_pid"), "w", encoding="utf-8") as f:
+        f.write(str(os.getpid()))
     cpp_extension.load_inline(
         name=build.name,
         cpp_sources=[build.cpp_source],
@@ -200,6 +246,17 @@ def _compile(build):
         no_implicit_headers=True,
         verbose=_env_flag("KERNELS_VERBOSE_BUILD") or _env_flag("KERNELS_PTXAS_REPORT"),
     )
+
+
+def _load(build):
+    """Loads a built library; one that cannot be loaded (a killed link can leave a partial file) is built again."""
+    try:
+        torch.ops.load_library(build.library)
+    except OSError as error:
+        print(f"kernels: {build.library} cannot be loaded ({error}); building it again", file=sys.stderr,
+              flush=True)
+        os.remove(build.library)
+        _compile(build)
 
 
 def build_and_load(builds):
@@ -220,7 +277,7 @@ def build_and_load(builds):
         print(f"kernels: built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     for build in builds:
         if os.path.realpath(build.library) not in torch.ops.loaded_libraries:
-            torch.ops.load_library(build.library)
+            _load(build)
 
 
 _loaded = False

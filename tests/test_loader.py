@@ -188,3 +188,82 @@ def test_compiler_errors_name_the_real_file_and_line(library_copy, tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "kernels/twin/twin_factor.cuh(3)" in result.stderr, result.stderr
+
+
+# ---- builds that meet each other, die, or leave a broken file (each in processes of their own: a library can be
+# loaded into a process only once) -----------------------------------------------------------------------------
+
+BUILD_TWIN = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from kernels import loader
+from kernels.manifest import Family
+twin = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="")
+build = loader.plan_build("twin", [twin], root=sys.argv[2])
+loader.build_and_load([build])
+x = torch.randn(100)
+assert torch.equal(torch.ops.kernels._test_twin_twice(x), x * 2)
+print(build.build_dir)
+"""
+
+
+def start_twin_build(library_copy, builds, **env):
+    return subprocess.Popen([sys.executable, "-c", BUILD_TWIN, REPO, str(library_copy)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(builds), **env})
+
+
+def finish(process, timeout=600):
+    stdout, stderr = process.communicate(timeout=timeout)
+    return process.returncode, stdout.strip(), stderr
+
+
+def twin_build_dir(library_copy, builds, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(builds))
+    return loader.plan_build("twin", [TWIN], root=library_copy).build_dir
+
+
+def test_two_cold_builds_at_once_both_succeed_and_build_once(library_copy, tmp_path):
+    builds = tmp_path / "builds"
+    first, second = start_twin_build(library_copy, builds), start_twin_build(library_copy, builds)
+    (rc1, dir1, err1), (rc2, dir2, err2) = finish(first), finish(second)
+    assert rc1 == 0 and rc2 == 0, err1 + err2
+    with open(os.path.join(dir1, ".ninja_log")) as f:
+        assert sum(line.split("\t")[3] == "main.o" for line in f if not line.startswith("#")) == 1
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(library_copy, tmp_path, monkeypatch):
+    build_dir = twin_build_dir(library_copy, tmp_path / "builds", monkeypatch)
+    os.makedirs(build_dir)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with open(os.path.join(build_dir, "lock"), "w") as f:
+        f.write("")
+    with open(os.path.join(build_dir, "builder_pid"), "w") as f:
+        f.write(str(gone.pid))
+    rc, _, err = finish(start_twin_build(library_copy, tmp_path / "builds"), timeout=300)
+    assert rc == 0, err
+    assert "removing the lock of a build that did not finish" in err
+
+
+def test_a_lock_held_too_long_is_an_error_naming_the_file(library_copy, tmp_path, monkeypatch):
+    build_dir = twin_build_dir(library_copy, tmp_path / "builds", monkeypatch)
+    os.makedirs(build_dir)
+    with open(os.path.join(build_dir, "lock"), "w") as f:
+        f.write("")  # no builder_pid: nothing tells whether its builder still runs
+    process = start_twin_build(library_copy, tmp_path / "builds", KERNELS_BUILD_LOCK_TIMEOUT="2")
+    rc, _, err = finish(process, timeout=120)
+    assert rc != 0 and f"delete {os.path.join(build_dir, 'lock')}" in err, err
+
+
+def test_a_library_file_that_cannot_be_loaded_is_built_again(library_copy, tmp_path):
+    builds = tmp_path / "builds"
+    rc, build_dir, err = finish(start_twin_build(library_copy, builds))
+    assert rc == 0, err
+    library = next(os.path.join(build_dir, n) for n in os.listdir(build_dir) if n.endswith(".so"))
+    with open(library, "r+b") as f:
+        f.truncate(100)  # what a link killed halfway leaves
+    rc, _, err = finish(start_twin_build(library_copy, builds))
+    assert rc == 0, err
+    assert "cannot be loaded" in err and "building it again" in err
