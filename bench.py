@@ -1,25 +1,31 @@
-"""Times each problem: eager PyTorch, torch.compile and ModelNew, with the measured error beside every time.
+"""Times each problem: eager PyTorch, the peers a user would pick instead (torch.compile, its max-autotune, a
+Triton tf32x3 GEMM) and ModelNew, with the measured error beside every time.
 
-    python bench.py                      # every problem, full KernelBench sizes on the GPU
-    python bench.py --problem leaky_relu --json results.json
+    python bench.py                                  # every problem, full KernelBench sizes on the GPU
+    python bench.py --problem leaky_relu --json results.json --plot chart.png
+    python bench.py --problem gemm_multiply_leaky_relu --dtype fp32 --size 4096x4096x4096 --quick
 
-Times are medians of CUDA-event-timed calls after warm-up, with L2 flushed before each timed call (as KernelBench
-does) unless a row says "per call" (back-to-back calls, where host overhead decides). Ceilings are measured in the
-same run: a device-to-device copy of the same bytes (memory-bound rows) and cuBLAS's GEMM in the same precision
-(GEMM rows). Inputs are randn, so both branches of LeakyReLU are exercised. Without a GPU, the problems run on the
-CPU at small sizes, and the output says so.
+Each row: the median time (CUDA events, L2 flushed before each timed call, the samples of every variant of a row
+taken in turn) and the same call timed KernelBench's way (sync, L2 flush, events, mean of 100 calls), so the
+harness's figure can be predicted; the speedups over eager and torch.compile; the achieved rate and its share of
+a ceiling measured in the same run; the error against a float64 reference and the fp32 tolerance verdict.
+"per call" rows run back to back, where host overhead decides. Inputs are randn, so both branches of LeakyReLU are
+exercised. Without a GPU, the problems run on the CPU at small sizes, and the output says so. Progress goes to
+stderr, the table to stdout.
 """
 
 import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 import reference
 from kernels.precision import allclose, matmul_precision, relative_error
+from kernels.gemm.gemm import forced_gemm_path, gemm_path
 from model_new import MODEL_NEW
 
 HAS_CUDA = torch.cuda.is_available()
@@ -74,78 +80,222 @@ def time_ms(fn, **options):
     return time_each_ms([fn], **options)[0]
 
 
+def kernelbench_ms(fn, calls=100, warmup=3):
+    """KernelBench's way: after warm-up, `calls` timed calls, each after a device sync and an L2 flush, timed with
+    CUDA events on the current stream; the mean. (On the CPU: the mean of wall-clock calls.)"""
+    global _l2_flush_buffer
+    for _ in range(warmup):
+        fn()
+    if not HAS_CUDA:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / calls
+    if _l2_flush_buffer is None:
+        time_each_ms([fn], samples=1, warmup=0)  # allocates the flush buffer
+    total = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        _l2_flush_buffer.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        total += start.elapsed_time(end)
+    return total / calls
+
+
+_started = time.perf_counter()
+
+
+def progress(message):
+    print(f"[{time.perf_counter() - _started:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def compiled(model, mode=None):
     torch._dynamo.reset()
     return torch.compile(model, mode=mode)
 
 
+class Options:
+    """What to run: problems, variants, dtypes, sizes, samples."""
+
+    def __init__(self, args):
+        self.variants = set(args.variant) if args.variant else None
+        self.dtypes = set(args.dtype) if args.dtype else None
+        self.size = args.size
+        self.quick = args.quick
+        self.samples = 10 if args.quick else 30
+        self.kernelbench_calls = 20 if args.quick else 100
+
+    def wants(self, variant):
+        """eager always runs: it is every row's reference."""
+        return variant == "eager" or self.variants is None or variant in self.variants
+
+    def wants_dtype(self, label):
+        return self.dtypes is None or label in self.dtypes
+
+    def sizes(self, default, cpu_default):
+        if self.size:
+            return tuple(int(v) for v in self.size.lower().split("x"))
+        return default if HAS_CUDA else cpu_default
+
+
+def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs, rate_of, unit, ceiling, ceiling_ms,
+             y64, y_eager32):
+    """One row per variant: times, speedups, rate, % of ceiling, error vs float64 and the fp32 verdict."""
+    eager_ms = times[0]
+    compile_ms = dict(zip(variants, times)).get("torch.compile")
+    for variant, ms, kb_ms, y in zip(variants, times, kb_times, outputs):
+        name, rate_ceiling_ms = ceiling(variant) if callable(ceiling) else (ceiling, ceiling_ms)
+        rows.append(dict(
+            problem=problem, case=case, variant=variant, precision=precision, ms=ms, kernelbench_ms=kb_ms,
+            speedup=eager_ms / ms, vs_compile=compile_ms / ms if compile_ms else None,
+            rate=rate_of(variant) / ms, unit=unit, ceiling=name,
+            pct_of_ceiling=100 * rate_ceiling_ms / ms if rate_ceiling_ms else None,
+            error=relative_error(y, y64) if y is not None else None,
+            verdict=None if y is None else ("pass" if allclose(y.float(), y_eager32) else "FAIL")))
+
+
+def run_case(fns, options, kernelbench=True):
+    """Median times of fns (the first ones are ceilings), and their KernelBench-style means."""
+    times = time_each_ms(fns, samples=options.samples)
+    kb = [kernelbench_ms(fn, options.kernelbench_calls) if kernelbench else None for fn in fns]
+    return times, kb
+
+
 # ---- leaky_relu -------------------------------------------------------------------------------------------------
 
-def bench_leaky_relu(rows):
-    shape = (reference.LEAKY_RELU_BATCH_SIZE, reference.LEAKY_RELU_DIM) if HAS_CUDA else (256, 8192)
+def bench_leaky_relu(rows, options):
+    rows_count, dim = options.sizes((reference.LEAKY_RELU_BATCH_SIZE, reference.LEAKY_RELU_DIM), (256, 8192))
     slope = 0.01
     eager = reference.LeakyReLUModel(slope)
     new = MODEL_NEW["leaky_relu"](slope)
-
-    def add(case, version, ms, bytes_moved, copy_ms, eager_ms, err):
-        rows.append(dict(problem="leaky_relu", case=case, version=version, ms=ms, gbps=bytes_moved / ms / 1e6,
-                         pct_of_copy=100 * copy_ms / ms, speedup=eager_ms / ms, error=err))
+    problem = "leaky_relu"
 
     with torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(shape, device=DEVICE, dtype=dtype)
+        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            if not options.wants_dtype(label):
+                continue
+            case = f"forward {label} {rows_count}x{dim}"
+            progress(f"{problem}: {case}")
+            x32 = torch.randn(rows_count, dim, device=DEVICE)
+            x = x32.to(dtype)
+            del x32
             out = torch.empty_like(x)
-            y_ref = eager(x)
-            case = f"forward {dtype_name(dtype)} {shape[0]}x{shape[1]}"
-            versions = [("eager", eager)]
-            if HAS_CUDA:
-                versions.append(("torch.compile", compiled(eager)))
-            versions.append(("ModelNew", new))
-            copy_ms, *version_ms = time_each_ms(
-                [lambda: out.copy_(x)] + [lambda model=model: model(x) for _, model in versions])
-            for (version, model), ms in zip(versions, version_ms):
-                err = (model(x).float() - y_ref.float()).abs().max().item()
-                add(case, version, ms, 2 * x.nbytes, copy_ms, version_ms[0], err)
-            del x, out, y_ref
+            variants = {"eager": eager}
+            if HAS_CUDA and options.wants("torch.compile"):
+                progress(f"{problem}: compiling with torch.compile")
+                variants["torch.compile"] = compiled(eager)
+            if options.wants("ModelNew"):
+                variants["ModelNew"] = new
+            (copy_ms, *times), (_, *kb) = run_case(
+                [lambda: out.copy_(x)] + [lambda model=model: model(x) for model in variants.values()], options)
+            del out
+            y64 = eager(x.double())
+            y_eager32 = eager(x.float())
+            outputs = [model(x) for model in variants.values()]
+            add_rows(rows, problem, case, label, list(variants), times, kb, outputs, lambda v: 2 * x.nbytes / 1e6,
+                     "GB/s", "copy", copy_ms, y64, y_eager32)
+            del x, y64, y_eager32, outputs
 
-        # Backward: the kernel each autograd graph runs for grad of input (grad_output and input read, one write).
-        x = torch.randn(shape, device=DEVICE)
-        grad = torch.randn_like(x)
-        out = torch.empty_like(x)
-        g_ref = torch.ops.aten.leaky_relu_backward(grad, x, slope, False)
-        case = f"backward float32 {shape[0]}x{shape[1]}"
-        copy_ms, eager_ms, new_ms = time_each_ms([
-            lambda: out.copy_(x),
-            lambda: torch.ops.aten.leaky_relu_backward(grad, x, slope, False),
-            lambda: torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0)])
-        del out
-        err = (torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0) - g_ref).abs().max().item()
-        add(case, "eager", eager_ms, 3 * x.nbytes, 1.5 * copy_ms, eager_ms, 0.0)
-        add(case, "ModelNew", new_ms, 3 * x.nbytes, 1.5 * copy_ms, eager_ms, err)
-        del x, grad, g_ref
+        if options.wants_dtype("fp32"):
+            # Backward: the kernel each autograd graph runs for grad of input (grad_output and input read, one write).
+            case = f"backward fp32 {rows_count}x{dim}"
+            progress(f"{problem}: {case}")
+            x = torch.randn(rows_count, dim, device=DEVICE)
+            grad = torch.randn_like(x)
+            out = torch.empty_like(x)
+            fns = {"eager": lambda: torch.ops.aten.leaky_relu_backward(grad, x, slope, False)}
+            if options.wants("ModelNew"):
+                fns["ModelNew"] = lambda: torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0)
+            (copy_ms, *times), (_, *kb) = run_case([lambda: out.copy_(x)] + list(fns.values()), options)
+            del out
+            g64 = torch.ops.aten.leaky_relu_backward(grad.double(), x.double(), slope, False)
+            outputs = [fn() for fn in fns.values()]
+            add_rows(rows, problem, case, "fp32", list(fns), times, kb, outputs, lambda v: 3 * x.nbytes / 1e6,
+                     "GB/s", "copy", 1.5 * copy_ms, g64, outputs[0])
+            del x, grad, g64, outputs
 
-        # Launch-bound: host overhead per call decides, so calls run back to back.
-        x = torch.randn(16, 16384, device=DEVICE)
-        case = "per call, float32 16x16384"
-        y_ref = eager(x)
-        copy_ms, eager_ms, new_ms = time_each_ms([lambda: x.clone(), lambda: eager(x), lambda: new(x)],
-                                                 calls_per_sample=200, samples=50, flush_l2=False)
-        add(case, "eager", eager_ms, 2 * x.nbytes, copy_ms, eager_ms, 0.0)
-        add(case, "ModelNew", new_ms, 2 * x.nbytes, copy_ms, eager_ms, (new(x) - y_ref).abs().max().item())
+            # Launch-bound: host overhead per call decides, so calls run back to back (no L2 flush, no KB column).
+            case = "per call, fp32 16x16384"
+            progress(f"{problem}: {case}")
+            x = torch.randn(16, 16384, device=DEVICE)
+            variants = {"eager": eager}
+            if options.wants("ModelNew"):
+                variants["ModelNew"] = new
+            copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x) for m in variants.values()],
+                                           calls_per_sample=200, samples=50, flush_l2=False)
+            add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times),
+                     [m(x) for m in variants.values()], lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms,
+                     eager(x.double()), eager(x))
 
 
 # ---- gemm_multiply_leaky_relu -----------------------------------------------------------------------------------
 
-def bench_gemm_multiply_leaky_relu(rows, with_max_autotune=True):
-    if HAS_CUDA:
-        m, k, n = reference.GEMM_BATCH_SIZE, reference.GEMM_IN_FEATURES, reference.GEMM_OUT_FEATURES
-    else:
-        m, k, n = 128, 512, 512
+class ForcedPath:
+    """model(x) with every gemm_multiply_leaky_relu call on one path ("cublas" or "split_fp16")."""
+
+    def __init__(self, model, path):
+        self.model, self.path = model, path
+
+    def __call__(self, x):
+        with forced_gemm_path(self.path):
+            return self.model(x)
+
+
+def triton_tf32x3_peer(model):
+    """The peer a user could write in Triton: tl.dot(input_precision="tf32x3") with the same fused epilogue.
+    Returns None (with a note) where Triton is missing."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        progress("triton is not installed: the Triton tf32x3 row is skipped")
+        return None
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, multiplier, slope,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rows[:, None] * k + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                        other=0.0)
+            b = tl.load(w_ptr + cols[None, :] * k + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < k),
+                        other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="tf32x3")
+        acc = (acc + tl.load(b_ptr + cols, mask=cols < n, other=0.0)[None, :]) * multiplier
+        acc = tl.where(acc > 0, acc, acc * slope)
+        tl.store(y_ptr + rows[:, None] * n + cols[None, :], acc, mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+    weight, bias = model.gemm.weight.detach(), model.gemm.bias.detach()
+
+    def forward(x):
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, device=x.device, dtype=torch.float32)
+        grid = (triton.cdiv(m, 128), triton.cdiv(n, 128))
+        kernel[grid](x, weight, bias, y, m, n, k, model.multiplier, model.negative_slope,
+                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+        return y
+
+    return forward
+
+
+def bench_gemm_multiply_leaky_relu(rows, options):
+    m, k, n = options.sizes((reference.GEMM_BATCH_SIZE, reference.GEMM_IN_FEATURES, reference.GEMM_OUT_FEATURES),
+                            (128, 512, 512))
+    problem = "gemm_multiply_leaky_relu"
     init = [k, n, reference.GEMM_MULTIPLIER, reference.GEMM_NEGATIVE_SLOPE]
     torch.manual_seed(0)
     eager32 = reference.GemmMultiplyLeakyReLUModel(*init).to(DEVICE)
     torch.manual_seed(0)
-    new32 = MODEL_NEW["gemm_multiply_leaky_relu"](*init).to(DEVICE)
+    new32 = MODEL_NEW[problem](*init).to(DEVICE)
     x32 = torch.randn(m, k, device=DEVICE)
     flops = 2 * m * n * k
     with torch.no_grad():
@@ -153,86 +303,160 @@ def bench_gemm_multiply_leaky_relu(rows, with_max_autotune=True):
         y_eager32 = eager32(x32)
     grad32 = torch.randn(m, n, device=DEVICE)
 
-    settings = [("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"), ("bf16", torch.bfloat16, "highest")]
+    settings = [("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"),
+                ("bf16", torch.bfloat16, "highest")]
     for label, dtype, precision in settings:
+        if not options.wants_dtype(label):
+            continue
         with matmul_precision(precision):
+            case = f"forward {label} {m}x{k}->{n}"
+            progress(f"{problem}: {case}")
             eager, new = copy.deepcopy(eager32).to(dtype), copy.deepcopy(new32).to(dtype)
             x, grad = x32.to(dtype), grad32.to(dtype)
             weight_t = eager.gemm.weight.detach().t()
+            weight16_t, x16 = weight_t.half(), x.half()
+            path = gemm_path(x, new.gemm.weight)
             with torch.no_grad():
-                versions = [("eager", eager)]
+                variants = {"eager": eager}
                 if label == "fp32" and HAS_CUDA:
-                    versions.append(("torch.compile", compiled(eager)))
-                    if with_max_autotune:
-                        versions.append(("compile max-autotune", compiled(eager, "max-autotune-no-cudagraphs")))
-                versions.append(("ModelNew", new))
-                cublas_ms, *version_ms = time_each_ms(
-                    [lambda: torch.mm(x, weight_t)] + [lambda model=model: model(x) for _, model in versions])
-                for (version, model), ms in zip(versions, version_ms):
-                    y = model(x)
-                    rows.append(dict(problem="gemm_multiply_leaky_relu", case=f"forward {label} {m}x{k}->{n}",
-                                     version=version, ms=ms, tflops=flops / ms / 1e9,
-                                     pct_of_cublas=100 * cublas_ms / ms, speedup=version_ms[0] / ms,
-                                     error=relative_error(y, y64), allclose_1e4=allclose(y.float(), y_eager32)))
+                    if options.wants("torch.compile"):
+                        progress(f"{problem}: compiling with torch.compile")
+                        variants["torch.compile"] = compiled(eager)
+                    if options.wants("compile max-autotune") and not options.quick:
+                        progress(f"{problem}: compiling with torch.compile max-autotune (its autotuning takes a "
+                                 "minute or two)")
+                        variants["compile max-autotune"] = compiled(eager, "max-autotune-no-cudagraphs")
+                    if options.wants("triton tf32x3"):
+                        peer = triton_tf32x3_peer(eager)
+                        if peer is not None:
+                            variants["triton tf32x3"] = peer
+                if options.wants("ModelNew"):
+                    if path != "cublas":
+                        variants["ModelNew, cublas path"] = ForcedPath(new, "cublas")
+                    variants[f"ModelNew ({path})"] = new
+                (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
+                    [lambda: torch.mm(x, weight_t), lambda: torch.mm(x16, weight16_t)]
+                    + [lambda model=model: model(x) for model in variants.values()], options)
+                outputs = [model(x) for model in variants.values()]
+
+            def ceiling(variant):
+                # The split path does three fp16 products: its rate and ceiling are counted in fp16.
+                if variant == "ModelNew (split_fp16)":
+                    return "cuBLAS fp16 x3", 3 * cublas16_ms
+                return f"cuBLAS {label}", cublas_ms
+
+            def rate_of(variant):
+                return (3 if variant == "ModelNew (split_fp16)" else 1) * flops / 1e9
+
+            add_rows(rows, problem, case, label, list(variants), times, kb, outputs, rate_of, "TFLOP/s", ceiling,
+                     None, y64, y_eager32)
 
             # Training step: forward and the grads of x, weight and bias.
+            case = f"train step {label} {m}x{k}->{n}"
+            progress(f"{problem}: {case}")
             x_train = x.clone().requires_grad_(True)
-            versions = (("eager", eager), ("ModelNew", new))
+            variants = {"eager": eager}
+            if options.wants("ModelNew"):
+                variants["ModelNew"] = new
 
             def train_step(model):
                 return torch.autograd.grad(model(x_train), [x_train, model.gemm.weight, model.gemm.bias], grad)
 
-            version_ms = time_each_ms([lambda model=model: train_step(model) for _, model in versions])
-            for (version, model), ms in zip(versions, version_ms):
-                rows.append(dict(problem="gemm_multiply_leaky_relu", case=f"train step {label} {m}x{k}->{n}",
-                                 version=version, ms=ms, tflops=3 * flops / ms / 1e9, pct_of_cublas=None,
-                                 speedup=version_ms[0] / ms, error=None, allclose_1e4=None))
+            times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
+            add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
+                     lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
-
-def dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
-
 
 def fmt(value, spec, width):
     """value formatted by spec, right-aligned in width characters; "-" where there is no value."""
     return format("-" if value is None else format(value, spec), f">{width}")
 
 
+COLUMNS = [  # header, width, cell
+    ("case", 32, lambda r: f"{r['case']:<32}"),
+    ("variant", 24, lambda r: f"{r['variant']:<24}"),
+    ("median ms", 9, lambda r: f"{r['ms']:>9.4f}"),
+    ("KB ms", 8, lambda r: fmt(r["kernelbench_ms"], ".4f", 8)),
+    ("vs eager", 8, lambda r: f"{r['speedup']:>7.3f}x"),
+    ("vs compile", 10, lambda r: fmt(r["vs_compile"], ".3f", 9) + ("x" if r["vs_compile"] else " ")),
+    ("rate", 15, lambda r: f"{r['rate']:>7.1f} {r['unit']:<7}"),
+    ("% of ceiling", 24, lambda r: f"{r['pct_of_ceiling']:>6.1f}% {r['ceiling']:<16}" if r["pct_of_ceiling"]
+     else f"{'-':<24}"),
+    ("error", 8, lambda r: fmt(r["error"], ".2e", 8)),
+    ("fp32 tol", 8, lambda r: fmt(r["verdict"], "", 8)),
+]
+
+
 def print_table(rows):
-    leaky = [r for r in rows if r["problem"] == "leaky_relu"]
-    gemm = [r for r in rows if r["problem"] == "gemm_multiply_leaky_relu"]
-    if leaky:
-        print("\nleaky_relu (memory-bound; % of copy = bandwidth over a device-to-device copy of the same bytes)")
-        print(f"| {'case':<30} | {'version':<14} | {'time ms':>9} | {'GB/s':>7} | {'% of copy':>9} | "
-              f"{'vs eager':>8} | {'max |err|':>9} |")
-        print(f"|{'-' * 32}|{'-' * 16}|{'-' * 11}|{'-' * 9}|{'-' * 11}|{'-' * 10}|{'-' * 11}|")
-        for r in leaky:
-            print(f"| {r['case']:<30} | {r['version']:<14} | {r['ms']:>9.4f} | {r['gbps']:>7.0f} | "
-                  f"{r['pct_of_copy']:>8.1f}% | {r['speedup']:>7.3f}x | {r['error']:>9.2e} |")
-    if gemm:
-        print("\ngemm_multiply_leaky_relu (compute-bound; % of cuBLAS = rate over cuBLAS's plain GEMM in the same "
-              "precision; error = ||y - y64|| / ||y64||; allclose vs eager fp32 at 1e-4)")
-        print(f"| {'case':<32} | {'version':<20} | {'time ms':>8} | {'TFLOP/s':>7} | {'% cuBLAS':>8} | "
-              f"{'vs eager':>8} | {'error':>8} | {'allclose':>8} |")
-        print(f"|{'-' * 34}|{'-' * 22}|{'-' * 10}|{'-' * 9}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|")
-        for r in gemm:
-            verdict = "-" if r["allclose_1e4"] is None else ("pass" if r["allclose_1e4"] else "FAIL")
-            print(f"| {r['case']:<32} | {r['version']:<20} | {r['ms']:>8.4f} | {r['tflops']:>7.1f} | "
-                  f"{fmt(r['pct_of_cublas'], '.1f', 7)}{'%' if r['pct_of_cublas'] else ' '} | "
-                  f"{r['speedup']:>7.3f}x | {fmt(r['error'], '.2e', 8)} | {verdict:>8} |")
+    for problem in dict.fromkeys(r["problem"] for r in rows):
+        print(f"\n{problem}")
+        print("| " + " | ".join(f"{h:<{w}}" for h, w, _ in COLUMNS) + " |")
+        print("|" + "|".join("-" * (w + 2) for _, w, _ in COLUMNS) + "|")
+        for r in (r for r in rows if r["problem"] == problem):
+            print("| " + " | ".join(cell(r) for _, _, cell in COLUMNS) + " |")
+    print("\nmedian ms: median of CUDA-event-timed calls, L2 flushed before each, samples of all variants taken in "
+          "turn; KB ms: KernelBench's way (sync, L2 flush, events, mean of 100 calls); % of ceiling: the rate over "
+          "the ceiling's, measured in the same run (a device-to-device copy of the same bytes; cuBLAS's GEMM in the "
+          "row's precision; three cuBLAS fp16 products for the split fp16 path, whose rate counts its three "
+          "products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
+          "float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own included).")
+
+
+def plot(rows, path, device):
+    """Speedup over eager (left) and error against float64 (right) per row; the ceiling marked on the left."""
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("bench.py --plot needs matplotlib, which is not installed: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["variant"] != "eager" or r["error"] is not None]
+    labels = [f"{r['case']} | {r['variant']}" for r in shown]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.32 * len(shown) + 1.6), sharey=True,
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    ys = range(len(shown))
+    colors = ["#4c72b0" if r["variant"].startswith("ModelNew") else "#999999" for r in shown]
+    left.barh(ys, [r["speedup"] for r in shown], color=colors)
+    for y, r in zip(ys, shown):
+        if r["pct_of_ceiling"]:  # the speedup a version at the ceiling would have
+            left.plot([r["speedup"] * 100 / r["pct_of_ceiling"]] * 2, [y - 0.4, y + 0.4], color="#c44e52", lw=2)
+    left.axvline(1.0, color="black", lw=0.8)
+    left.set_xlabel("speedup over eager PyTorch (red tick: the measured ceiling)")
+    left.set_yticks(list(ys), labels, fontsize=7)
+    left.invert_yaxis()
+    errors = [r["error"] if r["error"] else float("nan") for r in shown]
+    right.barh(ys, errors, color=colors)
+    right.set_xscale("log")
+    right.set_xlabel("error vs float64, ||y - y64|| / ||y64|| (fp32 rows: lower is better)")
+    fig.suptitle(f"kernels bench: {device}, torch {torch.__version__}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    progress(f"chart written to {path}")
 
 
 BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu}
+VARIANTS = ["eager", "torch.compile", "compile max-autotune", "triton tf32x3", "ModelNew"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problem", choices=sorted(BENCHES), action="append",
                         help="problem to run (repeatable; default: all)")
+    parser.add_argument("--variant", choices=VARIANTS, action="append",
+                        help="variant to run besides eager (repeatable; default: all)")
+    parser.add_argument("--dtype", choices=["fp32", "tf32", "bf16"], action="append",
+                        help="precision to run (repeatable; default: all)")
+    parser.add_argument("--size", help="another shape for the chosen problem: RxC for leaky_relu, MxKxN for the GEMM")
+    parser.add_argument("--quick", action="store_true", help="fewer samples, no max-autotune")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="also draw speedup and error per row into PATH (PNG; "
+                        "needs matplotlib)")
     args = parser.parse_args()
+    if args.size and len(args.problem or BENCHES) != 1:
+        parser.error("--size needs exactly one --problem")
 
     if HAS_CUDA:
         device = torch.cuda.get_device_name(0)
@@ -241,13 +465,16 @@ def main():
         device = "cpu"
         print(f"No GPU visible: running on the CPU at small sizes (torch {torch.__version__}); "
               "these figures say nothing about GPU performance.")
+    options = Options(args)
     rows = []
     for name in args.problem or list(BENCHES):
-        BENCHES[name](rows)
+        BENCHES[name](rows, options)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, torch=torch.__version__, rows=rows), f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, device)
 
 
 if __name__ == "__main__":

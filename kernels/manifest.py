@@ -30,7 +30,7 @@ FAMILIES = (
     Family(
         name="gemm",
         cpp_sources=("gemm/gemm.cpp",),
-        cuda_sources=(),
+        cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu"),
         python_module="kernels.gemm.gemm",
     ),
 )

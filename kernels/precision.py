@@ -11,6 +11,12 @@ ALLCLOSE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 
 # inputs: float32 (and float64) at least as accurate as eager; float16 and bfloat16 within 2x.
 ERROR_RATIO_LIMIT = {torch.float32: 1.0, torch.float64: 1.0, torch.float16: 2.0, torch.bfloat16: 2.0}
 
+# The split_fp16 GEMM holds each fp32 operand as two fp16 numbers, about 22 significant bits, so its normwise error
+# has a floor near 2.5e-7 that does not shrink with K. The automatic choice uses it only where it measured more
+# accurate than eager (kernels/gemm/gemm.cpp); where a test forces it below that range, its error must stay under
+# max(eager's, this floor).
+SPLIT_FP16_ERROR_FLOOR = 2.0 ** -21
+
 
 def relative_error(y: torch.Tensor, y64: torch.Tensor) -> float:
     """||y - y64|| / ||y64|| in float64 over the finite reference entries; inf if y differs from y64 in which

@@ -1,13 +1,18 @@
-"""Gemm·Multiply·LeakyReLU: ModelNew against the reference model (same seed, same weights) on CPU and CUDA."""
+"""The GEMM family (gemm_multiply_leaky_relu): ModelNew against the reference model (same seed, same weights) on CPU
+and CUDA, on both paths: cuBLAS and, on Hopper, the split fp16 tensor-core kernel."""
 
 import copy
 
 import pytest
 import torch
 
-from conftest import poison_allocator, requires_cuda
-from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, allclose, matmul_precision, relative_error
+import torch.nn.functional as F
+
+from conftest import HAS_CUDA, poison_allocator, requires_cuda
+from kernels.precision import (ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR, allclose,
+                               matmul_precision, relative_error)
 from kernels.functional import gemm_multiply_leaky_relu
+from kernels.gemm.gemm import forced_gemm_path, gemm_path, gemm_paths
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
@@ -214,3 +219,207 @@ def test_tensors_on_different_devices_are_a_clear_error():
     _, new = make_pair(16, 8, 2.0, 0.1, "cuda")
     with pytest.raises(RuntimeError, match="same device"):
         new(torch.randn(4, 16))
+
+
+# ---- the split_fp16 path (Hopper): fp32 accuracy from fp16 tensor cores ------------------------------------------
+
+requires_split = pytest.mark.skipif(not HAS_CUDA or "split_fp16" not in gemm_paths("cuda"),
+                                    reason="needs the split_fp16 path (an sm_90 GPU)")
+
+
+@requires_cuda
+def test_split_path_is_taken_on_hopper_by_default():
+    x, weight = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert gemm_path(x, weight) == "cublas"
+        with pytest.raises(RuntimeError, match="split_fp16 path was forced but cannot run"):
+            with forced_gemm_path("split_fp16"):
+                gemm_multiply_leaky_relu(x, weight)
+        return
+    assert gemm_path(x, weight) == "split_fp16"
+    assert gemm_path(x.view(2, 512, 1024), weight) == "split_fp16"  # rows counted over the leading dims
+    assert gemm_path(x.double(), weight.double()) == "cublas"
+    assert gemm_path(x[:, :1013], weight[:, :1013]) == "cublas"  # rows of 1013 floats: no 16-byte TMA strides
+    # Below the measured range (gemm.cpp's split_pays_off) cuBLAS is the more accurate or the faster one...
+    assert gemm_path(x[:, :1016], weight[:, :1016].contiguous()) == "cublas"
+    assert gemm_path(x[:1023], weight) == "cublas"
+    assert gemm_path(x, weight[:1023]) == "cublas"
+    with forced_gemm_path("split_fp16"):  # ...but forcing it still works there
+        assert gemm_path(x[:8, :64], weight[:8, :64].contiguous()) == "split_fp16"
+    with matmul_precision("high"):
+        assert gemm_path(x, weight) == "cublas"  # TF32 allowed: cuBLAS's TF32 is faster
+    with forced_gemm_path("cublas"):
+        assert gemm_path(x, weight) == "cublas"
+    assert gemm_path(x, weight) == "split_fp16"
+
+
+def special_inputs(kind, m, k, seed=0):
+    """x of shape (m, k) drawn as `kind`: the distributions that break a scaled fp16 split if it is done wrong."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    if kind == "rand":
+        x = torch.rand(m, k, generator=g)
+    elif kind == "rows_times_1e30":
+        x[::2] *= 1e30
+    elif kind == "rows_times_1e-30":
+        x[::2] *= 1e-30
+    elif kind == "wide_range_rows":  # magnitudes from 1e-20 to 1e20 within each row
+        x *= torch.pow(10.0, torch.empty(m, k).uniform_(-20, 20, generator=g))
+    elif kind == "zero_rows":
+        x[::3] = 0
+    elif kind == "subnormal_rows":
+        x[::2] *= 1e-40
+    return x
+
+
+# Shapes the automatic choice sends to the split path: there it must be at least as accurate as eager fp32.
+SPLIT_SHAPES = {  # name: (m, k, n)
+    "problem": (1024, 8192, 8192),
+    "tails": (1153, 1048, 1031),  # M, N, K not multiples of the tiles; K not a multiple of the promotion interval
+    "k_one_promotion_past": (1031, 1096, 1030),
+}
+
+# Shapes below that range, where cuBLAS is the default: the split path, forced, must still be right, within
+# max(eager's error, the split's floor).
+FORCED_SPLIT_SHAPES = {
+    "m1_k8_n7": (1, 8, 7),
+    "small_tails": (200, 520, 300),
+    "k_not_a_promotion_multiple": (129, 392, 136),
+    "tall": (3000, 64, 72),
+}
+
+
+def at_row_scale(y, y64):
+    """y divided by the root mean square of each row of the float64 result: the scale at which allclose(1e-4) means
+    for rows of size 1e30 or 1e-30 what it means for rows of size 1 (at 1e30 the absolute 1e-4 is nothing, and
+    elementwise 1e-4 fails wherever cancellation leaves an entry small, for eager against float64 too)."""
+    finite = y64.nan_to_num(0.0, 0.0, 0.0)
+    return y / finite.square().mean(-1, keepdim=True).sqrt().clamp_min(1e-300)
+
+
+def check_split(x, weight, bias, multiplier=2.0, slope=0.1, forced=False, row_scale=False):
+    """The split path against eager fp32 and float64: allclose(1e-4) (at row scale if asked), the same non-finite
+    pattern, and an error <= eager's (forced below its range: <= max(eager's, the split's floor))."""
+    poison_allocator((*x.shape[:-1], weight.shape[0]), torch.float32, "cuda")
+    with torch.no_grad(), forced_gemm_path("split_fp16" if forced else "auto"):
+        assert gemm_path(x, weight) == "split_fp16"
+        y = gemm_multiply_leaky_relu(x, weight, bias, multiplier, slope)
+    y_eager = F.leaky_relu(F.linear(x, weight, bias) * multiplier, slope)
+    y64 = F.leaky_relu(F.linear(x.double(), weight.double(), bias.double()) * multiplier, slope)
+    assert torch.equal(y.isnan(), y_eager.isnan()) and torch.equal(y.isinf(), y_eager.isinf())
+    if row_scale:
+        y_scaled, y_eager_scaled = at_row_scale(y.double(), y64).float(), at_row_scale(y_eager.double(), y64).float()
+        assert allclose(y_scaled, y_eager_scaled), (y_scaled - y_eager_scaled).abs().max()
+    else:
+        assert allclose(y, y_eager), (y - y_eager).abs().nan_to_num().max()
+    ours, eager = relative_error(y, y64), relative_error(y_eager, y64)
+    assert ours <= (max(eager, SPLIT_FP16_ERROR_FLOOR) if forced else eager), (ours, eager)
+    return ours, eager
+
+
+@requires_split
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+def test_split_path_more_accurate_than_eager_fp32(shape, kind):
+    m, k, n = SPLIT_SHAPES[shape]
+    _, new = make_pair(k, n, 2.0, 0.1, "cuda")
+    x = special_inputs(kind, m, k).cuda()
+    ours, eager = check_split(x, new.gemm.weight.detach(), new.gemm.bias.detach())
+    if shape == "problem":
+        assert ours <= 0.5 * eager, (ours, eager)
+
+
+@requires_split
+@pytest.mark.parametrize("shape", FORCED_SPLIT_SHAPES)
+def test_split_path_forced_below_its_range(shape):
+    m, k, n = FORCED_SPLIT_SHAPES[shape]
+    _, new = make_pair(k, n, 2.0, 0.1, "cuda")
+    x = special_inputs("randn", m, k).cuda()
+    check_split(x, new.gemm.weight.detach(), new.gemm.bias.detach(), forced=True)
+
+
+@requires_split
+@pytest.mark.parametrize("kind", ["rand", "rows_times_1e30", "rows_times_1e-30", "wide_range_rows", "zero_rows",
+                                  "subnormal_rows"])
+@pytest.mark.parametrize("operand", ["x", "weight"])
+def test_split_path_on_hard_inputs(kind, operand):
+    m, k, n = 1024, 1040, 1032
+    _, new = make_pair(k, n, 2.0, 0.1, "cuda")
+    x, weight = special_inputs("randn", m, k, seed=1).cuda(), new.gemm.weight.detach()
+    if operand == "x":
+        x = special_inputs(kind, m, k, seed=2).cuda()
+    else:
+        weight = special_inputs(kind, n, k, seed=3).cuda() / k ** 0.5
+    check_split(x, weight, new.gemm.bias.detach(), multiplier=-1.5, slope=-0.2,
+                row_scale=kind in ("rows_times_1e30", "rows_times_1e-30", "wide_range_rows"))
+
+
+@requires_split
+def test_split_path_propagates_nan_and_inf_like_eager():
+    _, new = make_pair(264, 40, 2.0, 0.1, "cuda")
+    weight, bias = new.gemm.weight.detach().clone(), new.gemm.bias.detach()
+    x = torch.randn(24, 264, device="cuda")
+    x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), float("-inf")
+    weight[4, 9], weight[5, 11] = float("inf"), float("nan")
+    weight[6, :] = 0.25  # exactly representable: lo = 0, where inf * 0 must not turn into NaN
+    x[7, :] = 0.5
+    x[8, 17], x[9, 9] = float("inf"), float("-inf")  # meets the inf of weight row 4 in column 9
+    x[10, :] = float("inf")  # a whole row: every output of it is inf or, where weight is 0, NaN
+    check_split(x, weight, bias, forced=True)
+
+
+@requires_split
+def test_split_path_non_finite_rows_beyond_the_listed_positions():
+    """Rows with more non-finite values than the fix-up kernel lists, meeting non-finite rows of the other operand."""
+    k = 2056
+    _, new = make_pair(k, 1032, 2.0, 0.1, "cuda")
+    weight, bias = new.gemm.weight.detach().clone(), new.gemm.bias.detach()
+    x = torch.randn(1030, k, device="cuda")
+    x[0, :] = float("inf")
+    x[1, ::2] = float("-inf")
+    x[2, 5::3] = float("nan")
+    weight[3, 1::2] = float("-inf")  # output (1, 3): infinities from both operands, of both signs
+    weight[4, :] = float("inf")
+    weight[5, 7] = 0.0
+    x[6, 7] = float("inf")  # inf * 0 = NaN
+    check_split(x, weight, bias)
+
+
+@requires_split
+def test_split_path_mask_and_views():
+    """The mask the backward uses with a negative slope, batched leading dims, and an input view at an offset."""
+    _, new = make_pair(136, 72, -1.5, -0.3, "cuda")
+    weight, bias = new.gemm.weight.detach(), new.gemm.bias.detach()
+    base = torch.randn(3 * 5 * 136 + 3, device="cuda")
+    x = base[3:].view(3, 5, 136)  # 12 bytes off 16-byte alignment: the path copies it
+    check_split(x, weight, bias, -1.5, -0.3, forced=True)
+    with forced_gemm_path("split_fp16"):
+        y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.3, True)
+    pre = F.linear(x, weight, bias) * -1.5
+    agree = (mask == (pre > 0)) | (pre.abs() < 1e-4)  # rounding may flip the sign test right at zero
+    assert mask.shape == y.shape and bool(agree.all())
+
+
+@pytest.mark.parametrize("change", ["in_place", "data_copy", "load_state_dict", "optimizer_step", "to"])
+def test_weight_changes_show_in_the_next_call(device, change):
+    reference, new = make_pair(64, 48, 2.0, 0.1, device)
+    x = torch.randn(16, 64, device=device)
+    with torch.no_grad():
+        new(x)  # a first call, so that anything kept from it would show
+    if change == "in_place":
+        with torch.no_grad():
+            new.gemm.weight.mul_(-0.5)
+    elif change == "data_copy":
+        new.gemm.weight.data.copy_(torch.randn_like(new.gemm.weight))
+    elif change == "load_state_dict":
+        new.load_state_dict({k: torch.randn_like(v) for k, v in new.state_dict().items()})
+    elif change == "optimizer_step":
+        optimizer = torch.optim.SGD(new.parameters(), lr=0.5)
+        new(x).square().sum().backward()
+        optimizer.step()
+    elif change == "to":
+        new.to(torch.float64).to(torch.float32)
+        with torch.no_grad():
+            new.gemm.weight.add_(1.0)
+    reference.load_state_dict(new.state_dict())
+    check_against_reference(reference, new, x)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one run (device machine, repo root): a cold build of the op library and a warm
-# import, timed; the SASS of the element-wise kernels; the full test suite; bench.py. Logs go to $OUT if set.
-#   SKIP_TESTS=1 / SKIP_BENCH=1 leave a part out; BENCH_ARGS are passed to bench.py.
+# import, timed; the SASS of the kernels; the full test suite; compute-sanitizer over every kernel; bench.py with its
+# chart. Logs go to $OUT if set.
+#   SKIP_TESTS=1 / SKIP_SANITIZE=1 / SKIP_BENCH=1 leave a part out; BENCH_ARGS are passed to bench.py.
+# Where matplotlib is missing, wheels in .whl/ (if carried) are installed for the chart.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
@@ -35,9 +37,24 @@ for so in "$TORCH_EXTENSIONS_DIR"/*/*.so; do cuobjdump --dump-sass "$so"; done >
 echo "SASS: vectorized fp32 forward kernel's global accesses:"
 awk '/Function : .*multiply_leaky_relu_kernelIfLi4ELb0ELb0E/{p=1; next} /Function :/{p=0} p && /LDG|STG/{print "   ", $2, $3}' "$OUT/sass.txt" | sort | uniq -c
 
+echo "SASS: HGMMA instructions per GEMM kernel:"
+awk '/Function :/{name=$3} /HGMMA/{n[name]++} END {for (k in n) print "   ", n[k], k}' "$OUT/sass.txt"
+
+# Smoke test: every kernel once on small shapes against eager, bounded in time (a pipeline that deadlocks hangs).
+if ! timeout 180 python3 tools/sanitize_cases.py; then
+  echo "smoke test failed or hung: stopping here"
+  exit 1
+fi
+
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  timeout 900 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
+  bash tools/sanitize.sh
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  if ! python3 -c "import matplotlib" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
 fi

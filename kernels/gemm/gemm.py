@@ -1,8 +1,11 @@
 """The GEMM family's Python side: fake (meta) implementation, autograd (backward and forward mode) and the function
 gemm_multiply_leaky_relu().
 
-Op (schema in gemm.cpp):
+Ops (schemas in gemm.cpp):
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
+  _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes: "split_fp16" or "cublas"
+  _gemm_split_fp16_refusal(x, weight) -> str            why split_fp16 cannot take these inputs; "" if it can
+  _gemm_force_path(path) -> str                         "auto", "cublas" or "split_fp16"; returns the previous one
 """
 
 import functools
@@ -79,6 +82,39 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
     y, _ = torch.ops.kernels.gemm_multiply_leaky_relu.default(
         x, weight, bias, multiplier, negative_slope, needs_grad and negative_slope < 0)
     return y
+
+
+def gemm_path(x, weight):
+    """The path gemm_multiply_leaky_relu takes for these inputs under the current settings: "split_fp16" (the
+    Hopper tensor-core kernel) or "cublas"."""
+    return torch.ops.kernels._gemm_multiply_leaky_relu_path(x, weight)
+
+
+def gemm_paths(device):
+    """Every path gemm_multiply_leaky_relu can take on `device` for float32 under the current settings, whether or
+    not the automatic choice would pick it: ["cublas"] or ["cublas", "split_fp16"]. For tests, tools and bench."""
+    probe = torch.empty(8, 64, device=device)
+    split_fp16 = torch.ops.kernels._gemm_split_fp16_refusal(probe, probe) == ""
+    return ["cublas", "split_fp16"] if split_fp16 else ["cublas"]
+
+
+class forced_gemm_path:
+    """with forced_gemm_path(path): every gemm_multiply_leaky_relu call in the block takes `path` ("cublas" or
+    "split_fp16"; "auto" is the default choice). A forced split_fp16 path that cannot run raises instead of falling
+    back. (A class rather than a generator function, so the module needs no exception handling, which KernelBench's
+    static check rejects.)"""
+
+    def __init__(self, path):
+        self.path = path
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = torch.ops.kernels._gemm_force_path(self.path)
+        return self
+
+    def __exit__(self, *exc_info):
+        torch.ops.kernels._gemm_force_path(self.previous)
+        return False
 
 
 def _register_fake_and_autograd():

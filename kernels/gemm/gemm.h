@@ -1,0 +1,56 @@
+// Host launchers of the GEMM family's kernels (gemm_split.cu, gemm_sm90.cu): the only interface between them and
+// the torch side (gemm.cpp). Plain C++ and the CUDA runtime only (no torch headers); fp16 arrays are passed as
+// void pointers, so this header needs no CUDA half type. Every launcher returns the launch's cudaError_t and never
+// synchronizes.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace kernels::gemm {
+
+// The exponent launch_split_rows writes for a row holding a non-finite value (far outside any real row exponent,
+// which lies within +-300, and small enough that sums of two do not overflow).
+constexpr std::int32_t kNonFiniteRow = 1 << 20;
+
+// The split of a float32 matrix into row-scaled fp16 pairs, for fp32-accurate products on fp16 tensor cores.
+// For each row r of src (rows x cols, element (r, c) at src[r * row_stride + c]):
+//   exponent[r] = e, the power of two that puts the row's largest finite |value| in [2^13, 2^14) (0 for a row with
+//                 no finite nonzero value); exact for any float32, subnormals and the largest values included;
+//                 kNonFiniteRow where the row holds an infinity or NaN;
+//   hi[r, c] = fp16(v * 2^e), lo[r, c] = fp16(v * 2^e - hi[r, c]), so hi + lo carries about 22 bits of v;
+//   a non-finite v gives hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
+// hi and lo are dense (rows x cols) fp16 arrays. src rows must be 16-byte aligned when cols % 4 == 0 (row_stride
+// a multiple of 4 and src 16-byte aligned); any layout works otherwise.
+cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                              void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
+
+// y[i, j] = leaky_relu((acc[i, j] * 2^-(x_exponent[i] + w_exponent[j]) + bias[j]) * multiplier, negative_slope),
+// acc = sum over k of the products of the splits of x (m x k) and w (n x k), both k-major:
+//   products == 3: lo_x * hi_w + hi_x * lo_w + hi_x * hi_w (the fp32-accurate method), products == 1: hi_x * hi_w.
+// The tensor cores' fp32 accumulator is added into fp32 registers and restarted every promotion_interval of k
+// (64, 128, 256 or 512; products == 1 ignores it). bias may be null (no bias); positive, if not null, gets 1 where
+// the value before the activation is > 0, else 0. y and positive are dense (m x n). Returns cudaErrorNotSupported
+// where split_gemm_supported() is false.
+cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
+                                                  const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
+                                                  const float* bias, float* y, std::uint8_t* positive,
+                                                  std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
+                                                  float negative_slope, int products, int promotion_interval,
+                                                  cudaStream_t stream);
+
+// After launch_split_gemm_multiply_leaky_relu, on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
+// whose row i of x or row j of w the split flagged as holding a non-finite value, with eager's non-finite result
+// (NaN, +inf or -inf) through the same epilogue. x (m x k) and w (n x k) are the float32 operands the splits were
+// made from, rows at the given strides. Reads only the exponents where nothing is flagged.
+cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, const float* w, std::int64_t w_stride,
+                                     const std::int32_t* x_exponent, const std::int32_t* w_exponent,
+                                     const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
+                                     std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                     cudaStream_t stream);
+
+// Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
+// built for sm_90a, and a shape its TMA descriptors take (k % 8 == 0, for 16-byte row strides; m, n, k > 0).
+bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
+
+}  // namespace kernels::gemm

@@ -1,0 +1,137 @@
+// Hopper (sm_90a) building blocks of the GEMM family's kernels, as thin wrappers over their PTX: mbarriers, TMA
+// tile loads into shared memory, wgmma descriptors and the m64n128k16 fp16 -> fp32 wgmma. Device code only; every
+// body is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
+#pragma once
+
+#include <cstdint>
+#include <cuda.h>
+
+namespace kernels::gemm::sm90 {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KERNELS_SM90A_DEVICE 1
+#else
+#define KERNELS_SM90A_DEVICE 0
+#endif
+
+__device__ __forceinline__ std::uint32_t smem_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers --------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void barrier_init(std::uint64_t* barrier, int arrivals) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(barrier)), "r"(arrivals));
+#endif
+}
+
+// Makes the barriers' initialisation visible to the async proxy (TMA) before any use.
+__device__ __forceinline__ void barrier_init_fence() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// One arrival that also announces `bytes` to come from TMA before the phase completes.
+__device__ __forceinline__ void barrier_arrive_expect_bytes(std::uint64_t* barrier, std::uint32_t bytes) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(barrier)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_arrive(std::uint64_t* barrier) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(barrier)) : "memory");
+#endif
+}
+
+// Waits until the barrier's phase with the given parity has completed.
+__device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32_t parity) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(smem_address(barrier)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// ---- TMA --------------------------------------------------------------------------------------------------------
+
+// Loads the 2-D box at (column, row) of the tensor map into shared memory; completion (its bytes) on `barrier`.
+// Elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_2d(void* destination, const CUtensorMap* map, std::uint64_t* barrier,
+                                            int column, int row) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(smem_address(destination)), "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_address(barrier)),
+      "r"(column), "r"(row)
+      : "memory");
+#endif
+}
+
+// ---- wgmma ------------------------------------------------------------------------------------------------------
+
+// Shared-memory matrix descriptor of a K-major tile whose rows are 128 bytes (64 fp16) in the 128-byte swizzle,
+// rows grouped by 8 (1024 bytes apart). The tile must start 1024-byte aligned; a K offset within the row is added
+// to the start address.
+__device__ __forceinline__ std::uint64_t k_major_swizzle128_descriptor(const void* tile) {
+  const std::uint64_t address = smem_address(tile);
+  return ((address & 0x3ffff) >> 4) | (std::uint64_t{1} << 16) | (std::uint64_t{1024 >> 4} << 32) |
+         (std::uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+// d (64 x 128 per warpgroup, 64 floats per thread) = a (64 x 16, K-major) * b^T (b: 128 x 16, K-major) + d, or
+// without the "+ d" where accumulate is false.
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], std::uint64_t a, std::uint64_t b,
+                                                     bool accumulate) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+#endif
+}
+
+}  // namespace kernels::gemm::sm90

@@ -1,0 +1,117 @@
+"""What long training jobs rely on, on the GPU: no host synchronisation inside any op, correct ordering with the
+caller's stream, capture in a CUDA graph (forward and backward) replayed with new inputs, and flat memory over many
+calls. Each test runs both LeakyReLU and the GEMM family, on every GEMM path the GPU has."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import HAS_CUDA, requires_cuda
+from kernels.gemm.gemm import forced_gemm_path, gemm_paths
+from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
+from reference import GemmMultiplyLeakyReLUModel
+
+pytestmark = requires_cuda
+
+
+def make_pair(in_features=136, out_features=72, multiplier=-1.5, slope=-0.2, seed=0):
+    torch.manual_seed(seed)
+    reference = GemmMultiplyLeakyReLUModel(in_features, out_features, multiplier, slope).cuda()
+    torch.manual_seed(seed)
+    new = GemmMultiplyLeakyReLUModelNew(in_features, out_features, multiplier, slope).cuda()
+    return reference, new
+
+
+@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+def test_no_host_synchronisation_in_forward_or_backward(path):
+    _, new = make_pair()
+    x = torch.randn(40, 136, device="cuda", requires_grad=True)
+    leaky = LeakyReLUModelNew(0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with forced_gemm_path(path):
+            y = leaky(new(x))
+            y.backward(torch.ones_like(y))
+            with torch.no_grad():
+                leaky(new(x))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+def test_work_on_a_side_stream_is_ordered_with_it(path):
+    reference, new = make_pair()
+    base = torch.randn(512, 136, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), forced_gemm_path(path), torch.no_grad():
+        torch.cuda._sleep(20_000_000)  # the input below is written only after this delay, on `stream`
+        x = base * 3.0
+        y = new(x)
+        expected = reference(x)
+    stream.synchronize()
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+def test_forward_and_backward_replay_in_a_cuda_graph(path):
+    reference, new = make_pair()
+    leaky = LeakyReLUModelNew(0.3)
+    static_x = torch.randn(64, 136, device="cuda", requires_grad=True)
+    static_grad = torch.randn(64, 72, device="cuda")
+
+    def step():
+        y = leaky(new(static_x))
+        y.backward(static_grad)
+        return y
+
+    with forced_gemm_path(path):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up outside the graph, as capture requires
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        for t in (static_x, new.gemm.weight, new.gemm.bias):
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = step()
+
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            x, grad = torch.randn(64, 136, device="cuda"), torch.randn(64, 72, device="cuda")
+            static_x.data.copy_(x)
+            static_grad.copy_(grad)
+            graph.replay()
+            x_ref = x.clone().requires_grad_(True)
+            reference.zero_grad(set_to_none=True)
+            y_ref = F.leaky_relu(reference(x_ref), 0.3)
+            y_ref.backward(grad)
+            torch.testing.assert_close(static_y, y_ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(static_x.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(new.gemm.weight.grad, reference.gemm.weight.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+def test_memory_stays_flat_over_many_calls(path):
+    _, new = make_pair()
+    leaky = LeakyReLUModelNew(0.1)
+    x = torch.randn(32, 136, device="cuda", requires_grad=True)
+
+    def step():
+        y = leaky(new(x))
+        y.backward(torch.ones_like(y))
+
+    with forced_gemm_path(path):
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(2000):
+            step()
+        torch.cuda.synchronize()
+    # A leak of the smallest block (512 bytes) per call would add 1 MB over these calls. The slack is for one-time
+    # allocations made by libraries after warm-up (seen once in a full-suite run: 168 KB), which do not grow.
+    assert torch.cuda.memory_allocated() - before <= 256 << 10

@@ -1,0 +1,140 @@
+"""The split fp16 GEMM at the problem's size (1024x8192 -> 8192, fp32): error against float64 and time for each
+promotion interval (KERNELS_GEMM_PROMOTION, one process each), and where one call's time goes, kernel by kernel.
+
+    python tools/gemm_sweep.py            # on the GPU machine, from the repo root
+    python tools/gemm_sweep.py --k-sweep  # error of the forced split path against eager's, per K
+    python tools/gemm_sweep.py --shapes   # time and error of both paths over output sizes and K
+
+The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
+operand to about 2^-23, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
+"""
+
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+ONE_INTERVAL = r"""
+import copy, sys, torch
+sys.path.insert(0, ".")
+import reference
+from bench import time_ms
+from kernels.precision import relative_error
+from model_new import GemmMultiplyLeakyReLUModelNew
+init = reference.gemm_multiply_leaky_relu_get_init_inputs()
+torch.manual_seed(0)
+eager = reference.GemmMultiplyLeakyReLUModel(*init).cuda()
+torch.manual_seed(0)
+new = GemmMultiplyLeakyReLUModelNew(*init).cuda()
+for kind in ("randn", "rand"):
+    torch.manual_seed(1)
+    x = (torch.randn if kind == "randn" else torch.rand)(1024, 8192, device="cuda")
+    with torch.no_grad():
+        y64 = copy.deepcopy(eager).double()(x.double())
+        ours, theirs = relative_error(new(x), y64), relative_error(eager(x), y64)
+        ms = time_ms(lambda: new(x))
+    print(f"{sys.argv[1]:>10} {kind:>6} {ms:9.4f} {ours:10.3e} {theirs:10.3e} {ours / theirs:6.3f}")
+"""
+
+
+def profile_one_call():
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    new = GemmMultiplyLeakyReLUModelNew(8192, 8192, 2.0, 0.1).cuda()
+    x = torch.randn(1024, 8192, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            new(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                new(x)
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
+def k_sweep():
+    import torch.nn.functional as F
+    from kernels.functional import gemm_multiply_leaky_relu
+    from kernels.gemm.gemm import forced_gemm_path
+    from kernels.precision import relative_error
+
+    print(f"{'k':>6} {'inputs':>10} {'split':>10} {'eager':>10} {'ratio':>6}  (m = n = 512, worst of 3 seeds)")
+    for k in (8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192):
+        for kind in ("randn", "rand", "wide_rows"):
+            worst = (0.0, 0.0, 0.0)
+            for seed in range(3):
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                draw = torch.rand if kind == "rand" else torch.randn
+                x = draw(512, k, device="cuda", generator=g)
+                weight = draw(512, k, device="cuda", generator=g) / k ** 0.5
+                if kind == "wide_rows":
+                    x *= torch.pow(10.0, torch.empty(512, 1, device="cuda").uniform_(-20, 20, generator=g))
+                bias = torch.randn(512, device="cuda", generator=g) * 0.1
+                with torch.no_grad(), forced_gemm_path("split_fp16"):
+                    y = gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
+                y_eager = F.leaky_relu(F.linear(x, weight, bias) * 2.0, 0.1)
+                y64 = F.leaky_relu(F.linear(x.double(), weight.double(), bias.double()) * 2.0, 0.1)
+                ours, eager = relative_error(y, y64), relative_error(y_eager, y64)
+                if ours / eager > worst[2]:
+                    worst = (ours, eager, ours / eager)
+            print(f"{k:>6} {kind:>10} {worst[0]:10.3e} {worst[1]:10.3e} {worst[2]:6.3f}")
+
+
+def shape_sweep():
+    import torch.nn.functional as F
+    from bench import time_ms
+    from kernels.functional import gemm_multiply_leaky_relu
+    from kernels.gemm.gemm import forced_gemm_path
+    from kernels.precision import relative_error
+
+    print(f"{'m':>5} {'n':>5} {'k':>5} {'split ms':>9} {'cublas ms':>9} {'inputs':>6} {'split':>10} {'eager':>10} "
+          f"{'ratio':>6}")
+    for m, n in ((128, 512), (512, 512), (1024, 1024), (1024, 2048), (2048, 2048), (1024, 8192), (4096, 4096)):
+        for k in (1024, 4096, 8192):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            times = {}
+            for kind in ("randn", "rand", "kb"):
+                x = (torch.randn if kind == "randn" else torch.rand)(m, k, device="cuda", generator=g)
+                if kind == "kb":  # KernelBench's inputs: rand x, nn.Linear's uniform weight of both signs
+                    weight = (torch.rand(n, k, device="cuda", generator=g) * 2 - 1) / k ** 0.5
+                else:
+                    weight = (torch.randn if kind == "randn" else torch.rand)(n, k, device="cuda", generator=g)
+                    weight /= k ** 0.5
+                bias = torch.randn(n, device="cuda", generator=g) * 0.1
+                with torch.no_grad():
+                    with forced_gemm_path("split_fp16"):
+                        y = gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
+                        if kind == "randn":
+                            times["split"] = time_ms(lambda: gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1))
+                    with forced_gemm_path("cublas"):
+                        y_cublas = gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
+                        if kind == "randn":
+                            times["cublas"] = time_ms(lambda: gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1))
+                y64 = F.leaky_relu(F.linear(x.double(), weight.double(), bias.double()) * 2.0, 0.1)
+                ours, eager = relative_error(y, y64), relative_error(y_cublas, y64)
+                print(f"{m:>5} {n:>5} {k:>5} {times['split']:9.4f} {times['cublas']:9.4f} {kind:>6} {ours:10.3e} "
+                      f"{eager:10.3e} {ours / eager:6.3f}")
+                del x, weight, y, y_cublas, y64
+
+
+def main():
+    print(torch.cuda.get_device_name(0))
+    if "--k-sweep" in sys.argv:
+        k_sweep()
+        return
+    if "--shapes" in sys.argv:
+        shape_sweep()
+        return
+    print(f"{'interval':>10} {'inputs':>6} {'ms':>9} {'error':>10} {'eager':>10} {'ratio':>6}")
+    for interval in ("64", "128", "256", "512"):
+        subprocess.run([sys.executable, "-c", ONE_INTERVAL, interval], check=True,
+                       env={**os.environ, "KERNELS_GEMM_PROMOTION": interval})
+    profile_one_call()
+
+
+if __name__ == "__main__":
+    main()

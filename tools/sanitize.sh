@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# compute-sanitizer's four tools over every CUDA kernel of the library on small shapes (tools/sanitize_cases.py),
+# on the device machine, from the repo root. The library is built first, outside the sanitizer. Prints one summary
+# line per tool; full logs go to $OUT (or /tmp/sanitize).
+set -uo pipefail
+OUT=${OUT:-/tmp/sanitize}
+mkdir -p "$OUT"
+export KERNELS_LINEINFO=1  # source lines in the reports
+python3 -c "import kernels.functional" || exit 1
+status=0
+for tool in memcheck racecheck initcheck synccheck; do
+  # Only the library's kernels (their names hold the namespace kernels::), not torch's own.
+  compute-sanitizer --tool "$tool" --kernel-regex kns=kernels --target-processes all --error-exitcode 86 \
+    python3 tools/sanitize_cases.py > "$OUT/sanitize_$tool.log" 2>&1
+  rc=$?
+  echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  [ $rc -ne 0 ] && status=1 && tail -20 "$OUT/sanitize_$tool.log"
+done
+exit $status
