@@ -4,6 +4,7 @@ promotion interval (KERNELS_GEMM_PROMOTION, one process each), and where one cal
     python tools/gemm_sweep.py            # on the GPU machine, from the repo root
     python tools/gemm_sweep.py --k-sweep  # error of the forced split path against eager's, per K
     python tools/gemm_sweep.py --shapes   # time and error of both paths over output sizes and K
+    python tools/gemm_sweep.py --profile  # only where one call's time goes
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
 operand to about 2^-23, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
@@ -125,6 +126,9 @@ def main():
     print(torch.cuda.get_device_name(0))
     if "--k-sweep" in sys.argv:
         k_sweep()
+        return
+    if "--profile" in sys.argv:
+        profile_one_call()
         return
     if "--shapes" in sys.argv:
         shape_sweep()

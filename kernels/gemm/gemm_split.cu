@@ -2,7 +2,8 @@
 // becomes a power-of-two row exponent and a pair of fp16 matrices hi, lo with hi + lo = v * 2^e to about 22 bits.
 //
 // Memory-bound: each element is read from DRAM once and its two halves written once (4 + 4 bytes). One block per
-// row: pass 1 finds the row's largest finite |v| (the row is then in L1/L2), pass 2 re-reads it and writes hi and lo.
+// row. Rows of up to 16384 floats, 16-byte aligned, are held in registers between finding the row's largest finite
+// |v| and writing hi and lo; longer or unaligned rows take two passes, the second re-reading the row from L1/L2.
 // Rows whose length is a multiple of 4 move 16-byte packs of src (8-byte packs of hi and lo); others go element by
 // element. Portable (any architecture).
 #include "gemm.h"
@@ -53,6 +54,65 @@ __device__ __forceinline__ Split split_one(float v, float scale_a, float scale_b
 
 __device__ __forceinline__ float finite_abs(float v) { return isfinite(v) ? fabsf(v) : 0.0f; }
 
+struct RowScale {
+  float a, b;  // 2^e = a * b, each factor a float
+};
+
+// The block's reduction of its threads' row maximum and non-finite flag into the row's exponent (written by thread
+// 0) and scale. Every thread of the block must call it.
+__device__ __forceinline__ RowScale row_scale(float max_abs, bool non_finite, std::int32_t* exponent) {
+  __shared__ float warp_max[kSplitThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = max_abs;
+  non_finite = __syncthreads_or(non_finite);  // also orders the warp_max writes before the reads below
+  max_abs = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kSplitThreads / 32; ++w) max_abs = fmaxf(max_abs, warp_max[w]);
+  const int e = row_exponent(max_abs);
+  if (threadIdx.x == 0) *exponent = non_finite ? kNonFiniteRow : e;
+  return {exact_power_of_two(e / 2), exact_power_of_two(e - e / 2)};
+}
+
+// Rows of up to kPacks * 4 * kSplitThreads floats, 16-byte aligned: each thread loads its packs of 4 into registers
+// at once (all of the row's loads in flight together), and the split is made from the registers: one DRAM read.
+template <int kPacks>
+__global__ void __launch_bounds__(kSplitThreads)
+split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride,
+                               __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
+  const std::int64_t row = blockIdx.x;
+  const float4* in = reinterpret_cast<const float4*>(src + row * row_stride);
+  const int packs = static_cast<int>(cols / 4);
+  float4 v[kPacks];
+  float max_abs = 0.0f;
+  bool non_finite = false;
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    const int i = threadIdx.x + p * kSplitThreads;
+    v[p] = i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // read once: no need to keep in L2
+  }
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    max_abs = fmaxf(max_abs, fmaxf(fmaxf(finite_abs(v[p].x), finite_abs(v[p].y)),
+                                   fmaxf(finite_abs(v[p].z), finite_abs(v[p].w))));
+    non_finite |= !isfinite(v[p].x) || !isfinite(v[p].y) || !isfinite(v[p].z) || !isfinite(v[p].w);
+  }
+  const RowScale scale = row_scale(max_abs, non_finite, exponent + row);
+  uint2* hi_row = reinterpret_cast<uint2*>(hi + row * cols);
+  uint2* lo_row = reinterpret_cast<uint2*>(lo + row * cols);
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    const int i = threadIdx.x + p * kSplitThreads;
+    if (i >= packs) break;
+    const Split a = split_one(v[p].x, scale.a, scale.b), b = split_one(v[p].y, scale.a, scale.b);
+    const Split c = split_one(v[p].z, scale.a, scale.b), d = split_one(v[p].w, scale.a, scale.b);
+    __half2 hi_pack[2] = {__halves2half2(a.hi, b.hi), __halves2half2(c.hi, d.hi)};
+    __half2 lo_pack[2] = {__halves2half2(a.lo, b.lo), __halves2half2(c.lo, d.lo)};
+    hi_row[i] = *reinterpret_cast<const uint2*>(hi_pack);
+    lo_row[i] = *reinterpret_cast<const uint2*>(lo_pack);
+  }
+}
+
+// Any row: pass 1 finds the row's maximum, pass 2 re-reads the row (from L1/L2) and splits it.
 template <bool kVector>
 __global__ void __launch_bounds__(kSplitThreads)
 split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride, __half* __restrict__ hi,
@@ -76,18 +136,8 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
       non_finite |= !isfinite(in[i]);
     }
   }
-  non_finite = __syncthreads_or(non_finite);
-  __shared__ float warp_max[kSplitThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = max_abs;
-  __syncthreads();
-  max_abs = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kSplitThreads / 32; ++w) max_abs = fmaxf(max_abs, warp_max[w]);
-
-  const int e = row_exponent(max_abs);
-  if (threadIdx.x == 0) exponent[row] = non_finite ? kNonFiniteRow : e;
-  const float scale_a = exact_power_of_two(e / 2), scale_b = exact_power_of_two(e - e / 2);
+  const RowScale scale = row_scale(max_abs, non_finite, exponent + row);
+  const float scale_a = scale.a, scale_b = scale.b;
 
   if (kVector) {
     for (std::int64_t i = threadIdx.x; i < cols / 4; i += kSplitThreads) {
@@ -109,14 +159,16 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
 }
 
 constexpr int kFixupThreads = 256;
+constexpr int kFixupRowsPerBlock = 32;
 constexpr int kListedPositions = 1024;  // non-finite positions of a row kept in shared memory; beyond: full scans
 
 // The outputs whose x row or w row holds a non-finite value. Such an output is itself non-finite (an infinity or
 // NaN times anything is), and which one depends only on the non-finite terms x[i, k] * w[j, k]: their IEEE sum is
-// NaN if any is NaN or infinities of both signs meet, else an infinity of their sign, as in eager's sum. One block
-// per flagged row (a grid-stride loop over the m rows of x, then the n rows of w): it lists the row's non-finite
-// positions, then computes every output the row reaches; where the other operand's row is flagged too, or the list
-// overflowed, it scans the whole of k. Unflagged rows cost one read of their exponent.
+// NaN if any is NaN or infinities of both signs meet, else an infinity of their sign, as in eager's sum. Each block
+// checks the flags of kFixupRowsPerBlock rows (those of x, then those of w) with one read per thread and leaves if
+// none is flagged, the common case; for each flagged row it lists the row's non-finite positions, then computes
+// every output the row reaches. Where the other operand's row is flagged too, or the list overflowed, it scans the
+// whole of k.
 __global__ void __launch_bounds__(kFixupThreads)
 nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, const float* __restrict__ w,
                          std::int64_t w_stride, const std::int32_t* __restrict__ x_exponent,
@@ -125,7 +177,13 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, con
                          std::int64_t k, float multiplier, float negative_slope) {
   __shared__ std::int32_t positions[kListedPositions];
   __shared__ int count;
-  for (std::int64_t r = blockIdx.x; r < m + n; r += gridDim.x) {
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kFixupRowsPerBlock;
+  const std::int64_t mine = first + threadIdx.x;
+  const bool flagged_mine = threadIdx.x < kFixupRowsPerBlock && mine < m + n &&
+                            (mine < m ? x_exponent[mine] : w_exponent[mine - m]) == kNonFiniteRow;
+  if (!__syncthreads_or(flagged_mine)) return;
+  const std::int64_t end = first + kFixupRowsPerBlock < m + n ? first + kFixupRowsPerBlock : m + n;
+  for (std::int64_t r = first; r < end; ++r) {
     const bool x_row = r < m;
     const std::int64_t row = x_row ? r : r - m;
     if ((x_row ? x_exponent : w_exponent)[row] != kNonFiniteRow) continue;  // the same for the whole block
@@ -173,11 +231,8 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, cons
                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
                                      cudaStream_t stream) {
   if (m <= 0 || n <= 0) return cudaSuccess;
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const std::int64_t blocks = std::min<std::int64_t>(m + n, 4 * static_cast<std::int64_t>(sms));
+  const std::int64_t blocks = (m + n + kFixupRowsPerBlock - 1) / kFixupRowsPerBlock;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   nonfinite_outputs_kernel<<<static_cast<unsigned>(blocks), kFixupThreads, 0, stream>>>(
       x, x_stride, w, w_stride, x_exponent, w_exponent, bias, y, positive, m, n, k, multiplier, negative_slope);
   return cudaGetLastError();
@@ -190,6 +245,16 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
   const bool vector = cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0 &&
                       reinterpret_cast<std::uintptr_t>(hi) % 8 == 0 && reinterpret_cast<std::uintptr_t>(lo) % 8 == 0;
   const dim3 grid(static_cast<unsigned>(rows));
+  const auto split = [&](auto kernel) {
+    kernel<<<grid, kSplitThreads, 0, stream>>>(src, cols, row_stride, static_cast<__half*>(hi),
+                                               static_cast<__half*>(lo), exponent);
+    return cudaGetLastError();
+  };
+  constexpr std::int64_t kPackFloats = 4 * kSplitThreads;
+  if (vector && cols <= 2 * kPackFloats) return split(split_rows_in_registers_kernel<2>);
+  if (vector && cols <= 4 * kPackFloats) return split(split_rows_in_registers_kernel<4>);
+  if (vector && cols <= 8 * kPackFloats) return split(split_rows_in_registers_kernel<8>);
+  if (vector && cols <= 16 * kPackFloats) return split(split_rows_in_registers_kernel<16>);
   if (vector) {
     split_rows_kernel<true><<<grid, kSplitThreads, 0, stream>>>(src, cols, row_stride, static_cast<__half*>(hi),
                                                                 static_cast<__half*>(lo), exponent);
