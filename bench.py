@@ -280,7 +280,7 @@ def triton_tf32x3_peer(model):
         n = weight.shape[0]
         y = torch.empty(m, n, device=x.device, dtype=torch.float32)
         grid = (triton.cdiv(m, 128), triton.cdiv(n, 128))
-        kernel[grid](x, weight, bias, y, m, n, k, model.multiplier, model.negative_slope,
+        kernel[grid](x, weight, bias, y, m, n, k, model.multiplier, model.leaky_relu.negative_slope,
                      BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
         return y
 

@@ -18,15 +18,23 @@ ERROR_RATIO_LIMIT = {torch.float32: 1.0, torch.float64: 1.0, torch.float16: 2.0,
 SPLIT_FP16_ERROR_FLOOR = 2.0 ** -21
 
 
-def relative_error(y: torch.Tensor, y64: torch.Tensor) -> float:
+def relative_error(y: torch.Tensor, y64: torch.Tensor, chunk: int = 1 << 26) -> float:
     """||y - y64|| / ||y64|| in float64 over the finite reference entries; inf if y differs from y64 in which
-    entries are NaN or infinite (a NaN or Inf error is never small)."""
-    y = y.double()
-    finite = torch.isfinite(y64)
-    if not torch.equal(finite, torch.isfinite(y)) or not torch.equal(y[~finite].nan_to_num(), y64[~finite].nan_to_num()):
+    entries are NaN or infinite (a NaN or Inf error is never small). Works through `chunk` elements at a time, so
+    that tensors of billions of elements need only a few float64 temporaries of that size."""
+    if y.shape != y64.shape:
         return float("inf")
-    diff = torch.linalg.vector_norm(y[finite] - y64[finite]).item()
-    norm = torch.linalg.vector_norm(y64[finite]).item()
+    y, y64 = y.reshape(-1), y64.reshape(-1)
+    diff_squares = norm_squares = 0.0
+    for start in range(0, y.numel(), chunk):
+        part, reference = y[start:start + chunk].double(), y64[start:start + chunk].double()
+        finite = torch.isfinite(reference)
+        if not torch.equal(finite, torch.isfinite(part)) or not torch.equal(part[~finite].nan_to_num(),
+                                                                              reference[~finite].nan_to_num()):
+            return float("inf")
+        diff_squares += torch.linalg.vector_norm(part[finite] - reference[finite]).item() ** 2
+        norm_squares += torch.linalg.vector_norm(reference[finite]).item() ** 2
+    diff, norm = diff_squares ** 0.5, norm_squares ** 0.5
     return diff / norm if norm > 0 else diff
 
 
