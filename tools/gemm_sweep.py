@@ -22,7 +22,7 @@ ONE_INTERVAL = r"""
 import copy, sys, torch
 sys.path.insert(0, ".")
 import reference
-from bench import time_ms
+from kernels.timing import time_ms
 from kernels.precision import relative_error
 from model_new import GemmMultiplyLeakyReLUModelNew
 init = reference.gemm_multiply_leaky_relu_get_init_inputs()
@@ -87,7 +87,7 @@ def k_sweep():
 
 def shape_sweep():
     import torch.nn.functional as F
-    from bench import time_ms
+    from kernels.timing import time_ms
     from kernels.functional import gemm_multiply_leaky_relu
     from kernels.gemm.gemm import forced_gemm_path
     from kernels.precision import relative_error

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 import reference
-from bench import time_each_ms
+from kernels.timing import time_each_ms
 from model_new import LeakyReLUModelNew
 
 import kernels.functional  # noqa: F401  (loads torch.ops.kernels)

@@ -1,0 +1,59 @@
+"""Issue check for the KernelBench export, on the GPU machine from the repo root: each problem's exported
+candidate, exec'd from a string in a fresh process (no package on the path but the pure-torch timing helper), is
+timed KernelBench's way on get_inputs(), and compared with bench.py's "KB ms" figure for ModelNew, measured in
+another process.
+
+    python tools/export_timing.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CANDIDATE_TIMING = r"""
+import importlib.util, sys, torch
+source = open(sys.argv[1]).read()
+namespace = {"__name__": "candidate"}
+exec(compile(source, "<candidate>", "exec"), namespace)
+spec = importlib.util.spec_from_file_location("timing", sys.argv[2])  # the timing helper alone, not the package
+timing = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(timing)
+torch.manual_seed(0)
+model = namespace["ModelNew"](*namespace["get_init_inputs"]()).cuda()
+inputs = [t.cuda() for t in namespace["get_inputs"]()]
+with torch.no_grad():
+    print(timing.kernelbench_ms(lambda: model(*inputs)))
+"""
+
+
+def main():
+    results = {}
+    for problem in ("leaky_relu", "gemm_multiply_leaky_relu"):
+        source = subprocess.run([sys.executable, "-m", "kernels.export", problem], cwd=REPO, check=True,
+                                capture_output=True, text=True).stdout
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "candidate.py")
+            with open(path, "w") as f:
+                f.write(source)
+            candidate_ms = float(subprocess.run(
+                [sys.executable, "-c", CANDIDATE_TIMING, path, os.path.join(REPO, "kernels", "timing.py")],
+                cwd=folder, check=True, capture_output=True, text=True).stdout.split()[-1])
+            report = os.path.join(folder, "bench.json")
+            subprocess.run([sys.executable, "bench.py", "--problem", problem, "--variant", "ModelNew", "--dtype",
+                            "fp32", "--json", report], cwd=REPO, check=True, capture_output=True, text=True)
+            rows = json.load(open(report))["rows"]
+        bench_ms = next(r["kernelbench_ms"] for r in rows if r["variant"].startswith("ModelNew")
+                        and r["case"].startswith("forward fp32"))
+        ratio = candidate_ms / bench_ms
+        results[problem] = ratio
+        print(f"{problem}: exported candidate {candidate_ms:.4f} ms, bench.py KB ms {bench_ms:.4f} ms, "
+              f"ratio {ratio:.3f} ({'within' if abs(ratio - 1) <= 0.05 else 'NOT within'} 5%)")
+    sys.exit(0 if all(abs(r - 1) <= 0.05 for r in results.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
