@@ -1,6 +1,7 @@
 """What long training jobs rely on, on the GPU: no host synchronisation inside any op, correct ordering with the
-caller's stream, capture in a CUDA graph (forward and backward) replayed with new inputs, and flat memory over many
-calls. Each test runs both LeakyReLU and the GEMM family, on every GEMM path the GPU has."""
+caller's stream, capture in a CUDA graph (forward and backward) replayed with new inputs, flat memory over many
+calls, and tensors of more than 2^31 elements. Each test runs both LeakyReLU and the GEMM family, on every GEMM path
+the GPU has."""
 
 import pytest
 import torch
@@ -109,9 +110,45 @@ def test_memory_stays_flat_over_many_calls(path):
             step()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        for _ in range(2000):
+        for _ in range(10_000):
             step()
         torch.cuda.synchronize()
-    # A leak of the smallest block (512 bytes) per call would add 1 MB over these calls. The slack is for one-time
+    # A leak of the smallest block (512 bytes) per call would add 5 MB over these calls. The slack is for one-time
     # allocations made by libraries after warm-up (seen once in a full-suite run: 168 KB), which do not grow.
     assert torch.cuda.memory_allocated() - before <= 256 << 10
+
+
+def enough_gpu_memory(gigabytes):
+    return HAS_CUDA and torch.cuda.get_device_properties(0).total_memory >= gigabytes << 30
+
+
+@pytest.mark.skipif(not enough_gpu_memory(40), reason="needs 40 GB of GPU memory")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_leaky_relu_on_more_than_2_to_the_31_elements(dtype):
+    n = (1 << 31) + 4099
+    x = torch.empty(n, dtype=dtype, device="cuda").uniform_(-2, 2)
+    y = LeakyReLUModelNew(0.25)(x)
+    expected = F.leaky_relu(x, 0.25)
+    assert torch.equal(y, expected)  # bitwise, over every element, the last ones past 2^31 included
+    del y
+    x_offset = x[1:]  # misaligned: the element-wise path over the same 64-bit range
+    assert torch.equal(LeakyReLUModelNew(0.25)(x_offset), expected[1:])
+
+
+@pytest.mark.skipif(not enough_gpu_memory(40), reason="needs 40 GB of GPU memory")
+@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+def test_gemm_output_of_more_than_2_to_the_31_elements(path):
+    m, k, n = 65539, 64, 32776  # m * n = 2^31 + 0.5 M
+    assert m * n > 1 << 31
+    reference, new = make_pair(k, n, -1.5, -0.2)
+    x = torch.randn(m, k, device="cuda")
+    with torch.no_grad(), forced_gemm_path(path):
+        y = new(x)
+    with torch.no_grad():
+        expected = reference(x)
+    # A sample of positions, the last row and column among them, and per-row checksums in float64.
+    rows = torch.cat([torch.randint(0, m, (64,), device="cuda"), torch.tensor([0, m // 2, m - 2, m - 1], device="cuda")])
+    torch.testing.assert_close(y[rows], expected[rows], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y[:, -1], expected[:, -1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.sum(1, dtype=torch.float64), expected.sum(1, dtype=torch.float64),
+                               atol=1e-2, rtol=1e-5)
