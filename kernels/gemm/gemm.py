@@ -75,6 +75,10 @@ def _gemm_multiply_leaky_relu_forward_mode(x, weight, bias, multiplier, negative
 
 def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01):
     """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and
+            (bias is None or isinstance(bias, torch.Tensor))):
+        raise TypeError("kernels.gemm_multiply_leaky_relu: x, weight and bias must be torch.Tensors (bias may be None), "
+                        f"got {type(x).__name__}, {type(weight).__name__}, {type(bias).__name__}")
     if fwAD._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
         return _gemm_multiply_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope)
     needs_grad = torch.is_grad_enabled() and (

@@ -98,6 +98,8 @@ class _LeakyReLUInplace(torch.autograd.Function):
 
 def leaky_relu(x, negative_slope=0.01, inplace=False):
     """F.leaky_relu(x, negative_slope, inplace) on the project's kernels; same results, bit for bit."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"kernels.leaky_relu: x must be a torch.Tensor, got {type(x).__name__}")
     if not inplace:
         # torch.compile and torch.func take the op itself (they need a Function with setup_context, and Dynamo
         # takes none with a jvp), whose autograd path serves them.
