@@ -13,6 +13,7 @@ from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
 pytestmark = requires_cuda
+GEMM_PATHS = gemm_paths("cuda") if HAS_CUDA else ["cublas"]
 
 
 def make_pair(in_features=136, out_features=72, multiplier=-1.5, slope=-0.2, seed=0):
@@ -23,7 +24,7 @@ def make_pair(in_features=136, out_features=72, multiplier=-1.5, slope=-0.2, see
     return reference, new
 
 
-@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+@pytest.mark.parametrize("path", GEMM_PATHS)
 def test_no_host_synchronisation_in_forward_or_backward(path):
     _, new = make_pair()
     x = torch.randn(40, 136, device="cuda", requires_grad=True)
@@ -41,7 +42,7 @@ def test_no_host_synchronisation_in_forward_or_backward(path):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+@pytest.mark.parametrize("path", GEMM_PATHS)
 def test_work_on_a_side_stream_is_ordered_with_it(path):
     reference, new = make_pair()
     base = torch.randn(512, 136, device="cuda")
@@ -55,7 +56,7 @@ def test_work_on_a_side_stream_is_ordered_with_it(path):
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+@pytest.mark.parametrize("path", GEMM_PATHS)
 def test_forward_and_backward_replay_in_a_cuda_graph(path):
     reference, new = make_pair()
     leaky = LeakyReLUModelNew(0.3)
@@ -95,7 +96,7 @@ def test_forward_and_backward_replay_in_a_cuda_graph(path):
             torch.testing.assert_close(new.gemm.weight.grad, reference.gemm.weight.grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+@pytest.mark.parametrize("path", GEMM_PATHS)
 def test_memory_stays_flat_over_many_calls(path):
     _, new = make_pair()
     leaky = LeakyReLUModelNew(0.1)
@@ -123,7 +124,7 @@ def enough_gpu_memory(gigabytes):
 
 
 @pytest.mark.skipif(not enough_gpu_memory(40), reason="needs 40 GB of GPU memory")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_leaky_relu_on_more_than_2_to_the_31_elements(dtype):
     n = (1 << 31) + 4099
     x = torch.empty(n, dtype=dtype, device="cuda").uniform_(-2, 2)
@@ -136,7 +137,7 @@ def test_leaky_relu_on_more_than_2_to_the_31_elements(dtype):
 
 
 @pytest.mark.skipif(not enough_gpu_memory(40), reason="needs 40 GB of GPU memory")
-@pytest.mark.parametrize("path", gemm_paths("cuda") if HAS_CUDA else ["cublas"])
+@pytest.mark.parametrize("path", GEMM_PATHS)
 def test_gemm_output_of_more_than_2_to_the_31_elements(path):
     m, k, n = 65539, 64, 32776  # m * n = 2^31 + 0.5 M
     assert m * n > 1 << 31

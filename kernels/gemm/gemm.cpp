@@ -60,6 +60,12 @@ void check_gemm_arguments(const char* op, const at::Tensor& x, const at::Tensor&
   }
 }
 
+// M of the GEMM: the rows of x over all its leading dimensions.
+int64_t gemm_rows(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t k = weight.size(1);
+  return k == 0 ? 0 : x.numel() / k;
+}
+
 enum class Path : int { kAuto = 0, kCublas = 1, kSplitFp16 = 2 };
 
 const char* path_name(Path path) {
@@ -104,9 +110,7 @@ const char* split_fp16_refusal(const at::Tensor& x, const at::Tensor& weight) {
   if (x.scalar_type() != at::kFloat) return "it computes float32 only";
   if (at::globalContext().allowTF32CuBLAS())
     return "TF32 is allowed (float32 matmul precision 'high' or 'medium'), and cuBLAS's TF32 is faster";
-  const int64_t k = weight.size(1);
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
-  if (!split_supported(x.device().index(), m, weight.size(0), k))
+  if (!split_supported(x.device().index(), gemm_rows(x, weight), weight.size(0), weight.size(1)))
     return "the GPU is not sm_90 or the library was not built for sm_90a, or the shape is one the kernel does not take";
   return nullptr;
 #else
@@ -125,9 +129,8 @@ constexpr int64_t kSplitMinRows = 1024;
 constexpr int64_t kSplitMinColumns = 1024;
 
 bool split_pays_off(const at::Tensor& x, const at::Tensor& weight) {
-  const int64_t k = weight.size(1);
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
-  return k >= kSplitMinReduction && m >= kSplitMinRows && weight.size(0) >= kSplitMinColumns;
+  return weight.size(1) >= kSplitMinReduction && gemm_rows(x, weight) >= kSplitMinRows &&
+         weight.size(0) >= kSplitMinColumns;
 }
 
 Path choose_path(const at::Tensor& x, const at::Tensor& weight) {
@@ -196,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
                                                                        double negative_slope, bool return_mask) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const int64_t n = weight.size(0), k = weight.size(1), m = x.numel() / k;
+  const int64_t n = weight.size(0), k = weight.size(1), m = gemm_rows(x, weight);
   const at::Tensor x2 = split_operand(x.reshape({m, k}));
   const at::Tensor w2 = split_operand(weight);
   const auto half = x.options().dtype(at::kHalf);
@@ -214,21 +217,19 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
+  const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
+  const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
   check_launch(launch_split_gemm_multiply_leaky_relu(
                    x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                   w_hi.const_data_ptr(), w_lo.const_data_ptr(), w_exponent.const_data_ptr<int32_t>(),
-                   b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(),
-                   return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr, m, n, k,
-                   static_cast<float>(multiplier), static_cast<float>(negative_slope), /*products=*/3,
+                   w_hi.const_data_ptr(), w_lo.const_data_ptr(), w_exponent.const_data_ptr<int32_t>(), bias_data,
+                   y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, /*products=*/3,
                    promotion_interval(), stream),
                "split GEMM");
   check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x2.stride(0), w2.const_data_ptr<float>(),
                                         w2.stride(0), x_exponent.const_data_ptr<int32_t>(),
-                                        w_exponent.const_data_ptr<int32_t>(),
-                                        b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(),
-                                        return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr,
-                                        m, n, k, static_cast<float>(multiplier), static_cast<float>(negative_slope),
-                                        stream),
+                                        w_exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
+                                        positive, m, n, k, multiplier_f, slope_f, stream),
                "non-finite outputs");
   return {y, mask};
 }

@@ -54,9 +54,32 @@ __device__ __forceinline__ Split split_one(float v, float scale_a, float scale_b
 
 __device__ __forceinline__ float finite_abs(float v) { return isfinite(v) ? fabsf(v) : 0.0f; }
 
+// Folds one element, or a pack of four, into a thread's running row maximum and non-finite flag.
+__device__ __forceinline__ void fold(float v, float& max_abs, bool& non_finite) {
+  max_abs = fmaxf(max_abs, finite_abs(v));
+  non_finite |= !isfinite(v);
+}
+
+__device__ __forceinline__ void fold(float4 v, float& max_abs, bool& non_finite) {
+  fold(v.x, max_abs, non_finite);
+  fold(v.y, max_abs, non_finite);
+  fold(v.z, max_abs, non_finite);
+  fold(v.w, max_abs, non_finite);
+}
+
 struct RowScale {
   float a, b;  // 2^e = a * b, each factor a float
 };
+
+// Splits a pack of four and stores its hi and lo halves as one 8-byte pack each.
+__device__ __forceinline__ void split_pack(float4 v, RowScale scale, uint2* hi, uint2* lo) {
+  const Split a = split_one(v.x, scale.a, scale.b), b = split_one(v.y, scale.a, scale.b);
+  const Split c = split_one(v.z, scale.a, scale.b), d = split_one(v.w, scale.a, scale.b);
+  __half2 hi_pack[2] = {__halves2half2(a.hi, b.hi), __halves2half2(c.hi, d.hi)};
+  __half2 lo_pack[2] = {__halves2half2(a.lo, b.lo), __halves2half2(c.lo, d.lo)};
+  *hi = *reinterpret_cast<const uint2*>(hi_pack);
+  *lo = *reinterpret_cast<const uint2*>(lo_pack);
+}
 
 // The block's reduction of its threads' row maximum and non-finite flag into the row's exponent (written by thread
 // 0) and scale. Every thread of the block must call it.
@@ -91,11 +114,7 @@ split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols,
     v[p] = i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // read once: no need to keep in L2
   }
 #pragma unroll
-  for (int p = 0; p < kPacks; ++p) {
-    max_abs = fmaxf(max_abs, fmaxf(fmaxf(finite_abs(v[p].x), finite_abs(v[p].y)),
-                                   fmaxf(finite_abs(v[p].z), finite_abs(v[p].w))));
-    non_finite |= !isfinite(v[p].x) || !isfinite(v[p].y) || !isfinite(v[p].z) || !isfinite(v[p].w);
-  }
+  for (int p = 0; p < kPacks; ++p) fold(v[p], max_abs, non_finite);
   const RowScale scale = row_scale(max_abs, non_finite, exponent + row);
   uint2* hi_row = reinterpret_cast<uint2*>(hi + row * cols);
   uint2* lo_row = reinterpret_cast<uint2*>(lo + row * cols);
@@ -103,12 +122,7 @@ split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols,
   for (int p = 0; p < kPacks; ++p) {
     const int i = threadIdx.x + p * kSplitThreads;
     if (i >= packs) break;
-    const Split a = split_one(v[p].x, scale.a, scale.b), b = split_one(v[p].y, scale.a, scale.b);
-    const Split c = split_one(v[p].z, scale.a, scale.b), d = split_one(v[p].w, scale.a, scale.b);
-    __half2 hi_pack[2] = {__halves2half2(a.hi, b.hi), __halves2half2(c.hi, d.hi)};
-    __half2 lo_pack[2] = {__halves2half2(a.lo, b.lo), __halves2half2(c.lo, d.lo)};
-    hi_row[i] = *reinterpret_cast<const uint2*>(hi_pack);
-    lo_row[i] = *reinterpret_cast<const uint2*>(lo_pack);
+    split_pack(v[p], scale, hi_row + i, lo_row + i);
   }
 }
 
@@ -125,33 +139,20 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
   float max_abs = 0.0f;
   bool non_finite = false;
   if (kVector) {
-    for (std::int64_t i = threadIdx.x; i < cols / 4; i += kSplitThreads) {
-      const float4 v = reinterpret_cast<const float4*>(in)[i];
-      max_abs = fmaxf(max_abs, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
-      non_finite |= !isfinite(v.x) || !isfinite(v.y) || !isfinite(v.z) || !isfinite(v.w);
-    }
+    for (std::int64_t i = threadIdx.x; i < cols / 4; i += kSplitThreads)
+      fold(reinterpret_cast<const float4*>(in)[i], max_abs, non_finite);
   } else {
-    for (std::int64_t i = threadIdx.x; i < cols; i += kSplitThreads) {
-      max_abs = fmaxf(max_abs, finite_abs(in[i]));
-      non_finite |= !isfinite(in[i]);
-    }
+    for (std::int64_t i = threadIdx.x; i < cols; i += kSplitThreads) fold(in[i], max_abs, non_finite);
   }
   const RowScale scale = row_scale(max_abs, non_finite, exponent + row);
-  const float scale_a = scale.a, scale_b = scale.b;
 
   if (kVector) {
-    for (std::int64_t i = threadIdx.x; i < cols / 4; i += kSplitThreads) {
-      const float4 v = reinterpret_cast<const float4*>(in)[i];
-      const Split a = split_one(v.x, scale_a, scale_b), b = split_one(v.y, scale_a, scale_b);
-      const Split c = split_one(v.z, scale_a, scale_b), d = split_one(v.w, scale_a, scale_b);
-      __half2 hi_pack[2] = {__halves2half2(a.hi, b.hi), __halves2half2(c.hi, d.hi)};
-      __half2 lo_pack[2] = {__halves2half2(a.lo, b.lo), __halves2half2(c.lo, d.lo)};
-      reinterpret_cast<uint2*>(hi_row)[i] = *reinterpret_cast<const uint2*>(hi_pack);
-      reinterpret_cast<uint2*>(lo_row)[i] = *reinterpret_cast<const uint2*>(lo_pack);
-    }
+    for (std::int64_t i = threadIdx.x; i < cols / 4; i += kSplitThreads)
+      split_pack(reinterpret_cast<const float4*>(in)[i], scale, reinterpret_cast<uint2*>(hi_row) + i,
+                 reinterpret_cast<uint2*>(lo_row) + i);
   } else {
     for (std::int64_t i = threadIdx.x; i < cols; i += kSplitThreads) {
-      const Split s = split_one(in[i], scale_a, scale_b);
+      const Split s = split_one(in[i], scale.a, scale.b);
       hi_row[i] = s.hi;
       lo_row[i] = s.lo;
     }
