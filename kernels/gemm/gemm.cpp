@@ -168,24 +168,11 @@ std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Ten
 }
 
 #ifdef KERNELS_WITH_CUDA
-// How often (in K) the split GEMM adds its tensor-core accumulator into fp32 registers: 64 by default (kernels/gemm/
-// NOTES.md has the measurements); KERNELS_GEMM_PROMOTION = 128, 256 or 512 picks another, for measuring.
-int promotion_interval() {
-  static const int interval = [] {
-    const char* value = std::getenv("KERNELS_GEMM_PROMOTION");
-    const int chosen = value ? std::atoi(value) : 64;
-    TORCH_CHECK(chosen == 64 || chosen == 128 || chosen == 256 || chosen == 512,
-                "kernels: KERNELS_GEMM_PROMOTION must be 64, 128, 256 or 512, got '", value ? value : "", "'");
-    return chosen;
-  }();
-  return interval;
-}
-
-// A float32 matrix the split kernel reads: rows with unit column stride, 16-byte aligned rows (a copy otherwise).
+// A float32 matrix the split kernels read: rows with unit column stride, 16-byte aligned rows (a copy otherwise).
 at::Tensor split_operand(const at::Tensor& t) {
   const bool aligned = t.stride(1) == 1 && t.stride(0) % 4 == 0 &&
                        reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  return aligned ? t : t.contiguous();
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);  // a fresh allocation: aligned
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -193,7 +180,8 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-// The split_fp16 path. Temporary memory per call: 4 bytes per element of x and of W (their fp16 hi and lo).
+// The split_fp16 path. Temporary memory per call: x's split, 4 bytes per element of x (its fp16 hi and lo, rows
+// padded to whole chunks of 64), and 4 bytes per row of x and of W (exponents, flags); W is read as it is.
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
                                                                        const at::Tensor& bias, double multiplier,
                                                                        double negative_slope, bool return_mask) {
@@ -202,16 +190,14 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   const int64_t n = weight.size(0), k = weight.size(1), m = gemm_rows(x, weight);
   const at::Tensor x2 = split_operand(x.reshape({m, k}));
   const at::Tensor w2 = split_operand(weight);
+  const int64_t split_k = split_row_length(k);
   const auto half = x.options().dtype(at::kHalf);
   const auto int32 = x.options().dtype(at::kInt);
-  at::Tensor x_hi = at::empty({m, k}, half), x_lo = at::empty({m, k}, half), x_exponent = at::empty({m}, int32);
-  at::Tensor w_hi = at::empty({n, k}, half), w_lo = at::empty({n, k}, half), w_exponent = at::empty({n}, int32);
+  at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
+  at::Tensor x_exponent = at::empty({m}, int32), w_flags = at::empty({n}, int32);
   check_launch(launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), x_hi.mutable_data_ptr(),
                                  x_lo.mutable_data_ptr(), x_exponent.mutable_data_ptr<int32_t>(), stream),
                "split (x)");
-  check_launch(launch_split_rows(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_hi.mutable_data_ptr(),
-                                 w_lo.mutable_data_ptr(), w_exponent.mutable_data_ptr<int32_t>(), stream),
-               "split (weight)");
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, x.options());
@@ -222,13 +208,12 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
   check_launch(launch_split_gemm_multiply_leaky_relu(
                    x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                   w_hi.const_data_ptr(), w_lo.const_data_ptr(), w_exponent.const_data_ptr<int32_t>(), bias_data,
-                   y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, /*products=*/3,
-                   promotion_interval(), stream),
+                   w2.const_data_ptr<float>(), w2.stride(0), w_flags.mutable_data_ptr<int32_t>(), bias_data,
+                   y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
                "split GEMM");
   check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x2.stride(0), w2.const_data_ptr<float>(),
                                         w2.stride(0), x_exponent.const_data_ptr<int32_t>(),
-                                        w_exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
+                                        w_flags.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
                                         positive, m, n, k, multiplier_f, slope_f, stream),
                "non-finite outputs");
   return {y, mask};

@@ -13,34 +13,48 @@ namespace kernels::gemm {
 // which lies within +-300, and small enough that sums of two do not overflow).
 constexpr std::int32_t kNonFiniteRow = 1 << 20;
 
-// The split of a float32 matrix into row-scaled fp16 pairs, for fp32-accurate products on fp16 tensor cores.
+#ifdef __CUDACC__
+#define KERNELS_GEMM_HOST_DEVICE __host__ __device__
+#else
+#define KERNELS_GEMM_HOST_DEVICE
+#endif
+
+// The split GEMM's unit along K: w is scaled per row and chunk of kSplitChunk, the accumulator promoted once a chunk.
+constexpr int kSplitChunk = 64;
+
+// The length of a row of x's split: k rounded up to whole chunks (the pad is zeros).
+KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_row_length(std::int64_t k) {
+  return (k + kSplitChunk - 1) / kSplitChunk * kSplitChunk;
+}
+
+// The split of x, a float32 matrix, into row-scaled fp16 pairs, for fp32-accurate products on fp16 tensor cores.
 // For each row r of src (rows x cols, element (r, c) at src[r * row_stride + c]):
 //   exponent[r] = e, the power of two that puts the row's largest finite |value| in [2^13, 2^14) (0 for a row with
 //                 no finite nonzero value); exact for any float32, subnormals and the largest values included;
 //                 kNonFiniteRow where the row holds an infinity or NaN;
-//   hi[r, c] = fp16(v * 2^e), lo[r, c] = fp16(v * 2^e - hi[r, c]), so hi + lo carries about 22 bits of v;
-//   a non-finite v gives hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
-// hi and lo are dense (rows x cols) fp16 arrays. src rows must be 16-byte aligned when cols % 4 == 0 (row_stride
-// a multiple of 4 and src 16-byte aligned); any layout works otherwise.
+//   hi = fp16(v * 2^e), lo = fp16(v * 2^e - hi), so hi + lo carries about 22 bits of v; a non-finite v gives
+//   hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
+// hi and lo are dense (rows x split_row_length(cols)) fp16 arrays in the GEMM's order along K (split_scale.cuh),
+// the pad zeros. Requires cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue else).
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                               void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
 
-// y[i, j] = leaky_relu((acc[i, j] * 2^-(x_exponent[i] + w_exponent[j]) + bias[j]) * multiplier, negative_slope),
-// acc = sum over k of the products of the splits of x (m x k) and w (n x k), both k-major:
-//   products == 3: lo_x * hi_w + hi_x * lo_w + hi_x * hi_w (the fp32-accurate method), products == 1: hi_x * hi_w.
-// The tensor cores' fp32 accumulator is added into fp32 registers and restarted every promotion_interval of k
-// (64, 128, 256 or 512; products == 1 ignores it). bias may be null (no bias); positive, if not null, gets 1 where
-// the value before the activation is > 0, else 0. y and positive are dense (m x n). Returns cudaErrorNotSupported
-// where split_gemm_supported() is false.
+// y[i, j] = leaky_relu((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier, negative_slope), acc = sum over k of
+// x[i, k] w[j, k] from x's split (launch_split_rows) and the float32 w (n x k, rows w_stride floats apart, w_stride
+// % 4 == 0, 16-byte aligned), which the kernel splits itself with a power of two per row and chunk of 64 of k: three
+// fp16 tensor-core products (lo_w hi_x + hi_w lo_x + hi_w hi_x), added into fp32 registers every 64 of k.
+// w_flags[j] gets kNonFiniteRow where row j of w holds an infinity or NaN, else 0 (for launch_nonfinite_outputs).
+// bias may be null (no bias); positive, if not null, gets 1 where the value before the activation is > 0, else 0.
+// y and positive are dense (m x n). Returns cudaErrorNotSupported where split_gemm_supported() is false.
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
-                                                  const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
+                                                  const float* w, std::int64_t w_stride, std::int32_t* w_flags,
                                                   const float* bias, float* y, std::uint8_t* positive,
                                                   std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
-                                                  float negative_slope, int products, int promotion_interval,
-                                                  cudaStream_t stream);
+                                                  float negative_slope, cudaStream_t stream);
 
 // After launch_split_gemm_multiply_leaky_relu, on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
-// whose row i of x or row j of w the split flagged as holding a non-finite value, with eager's non-finite result
+// whose row i of x or row j of w is flagged as holding a non-finite value (x_exponent from launch_split_rows,
+// w_exponent: the GEMM's w_flags), with eager's non-finite result
 // (NaN, +inf or -inf) through the same epilogue. x (m x k) and w (n x k) are the float32 operands the splits were
 // made from, rows at the given strides. Reads only the exponents where nothing is flagged.
 cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, const float* w, std::int64_t w_stride,
@@ -50,7 +64,7 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, cons
                                      cudaStream_t stream);
 
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
-// built for sm_90a, and a shape its TMA descriptors take (k % 8 == 0, for 16-byte row strides; m, n, k > 0).
+// built for sm_90a, and a shape its TMA descriptors take (k % 4 == 0, for 16-byte row strides of w; m, n, k > 0).
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
 }  // namespace kernels::gemm

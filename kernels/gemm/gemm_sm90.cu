@@ -1,21 +1,31 @@
 // The fp32-accurate GEMM of gemm_multiply_leaky_relu on Hopper tensor cores (gemm.h,
-// launch_split_gemm_multiply_leaky_relu): y = leaky_relu((x w^T + b) * multiplier) from the fp16 splits of x and w
-// (gemm_split.cu), three fp16 products per K step, fp32 promotion, the epilogue fused.
+// launch_split_gemm_multiply_leaky_relu): y = leaky_relu((x w^T + b) * multiplier) from the fp16 split of x
+// (gemm_split.cu) and the float32 weight itself, which this kernel splits in registers: three fp16 products per K
+// step, fp32 promotion, the epilogue fused.
 //
-// Tiles: 128 x 128 of y per CTA, K in blocks of 64 (one 128-byte swizzle row of fp16). Per stage, TMA loads the
-// tiles of x_hi, w_hi (and x_lo, w_lo for three products): 4 x 16 KB; 3 stages in 192 KB of shared memory.
-// Warp specialisation: warpgroup 0 is the producer (one thread issues the TMA loads, waiting on each stage's
-// "empty" mbarrier); warpgroups 1 and 2 are consumers, each owning 64 rows of the tile: they wait on the stage's
-// "full" mbarrier, issue wgmma m64n128k16 (A and B from shared memory, both K-major), wait for them, and release
-// the stage. The products go small terms first (lo_x hi_w, hi_x lo_w, hi_x hi_w) into the wgmma accumulator, which
-// is added into fp32 registers and restarted every promotion_interval of K (64, 128, 256 or 512; promotion: the
-// tensor cores' own accumulation over a long K loses precision). The CTAs walk M fastest, so those running together share W tiles.
-// Tails of M, N and K: TMA fills out-of-range elements with zeros; the epilogue guards its stores.
+// It computes y^T = w x^T, so that w is wgmma's A operand, which may come from registers. Tiles: 128 rows of w
+// (output features) by 128 rows of x per CTA, K in chunks of 64. Per stage, TMA loads the w tile as float32 (two
+// 128 x 32 boxes, 128-byte swizzle) and the x_hi, x_lo tiles (128 x 64 fp16 each): 64 KB; 3 stages in 192 KB of
+// shared memory. Warp specialisation: warpgroup 0 is the producer (one thread issues the TMA loads, waiting on
+// each stage's "empty" mbarrier) and keeps few registers; warpgroups 1 and 2 are consumers, each owning 64 rows of
+// w. Per chunk a consumer thread reads its 2 rows x 16 floats of w, finds each row's largest finite |value| over
+// the chunk (its quad of threads holds the row: two shuffles), splits the values with that row-and-chunk's power of
+// two into fp16 hi and lo registers, and issues 12 wgmma m64n128k16 (small terms first: lo_w hi_x, hi_w lo_x,
+// hi_w hi_x per 16 of K) into a fresh accumulator. Once they complete it releases the stage and adds the
+// accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the tensor cores' own
+// accumulation over a long K loses precision; the per-chunk scale needs no pass over w before the GEMM). The two
+// consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
+// The CTAs walk x's tiles fastest, so those running together share a w tile in L2.
+// A non-finite w value is split as 0 and its row flagged in w_flags (written by the CTAs of x's first tile);
+// launch_nonfinite_outputs then writes the outputs it reaches.
+// Tails: TMA fills out-of-range w elements with zeros; x's split is zero-padded to whole chunks and TMA fills rows
+// past m with zeros; the epilogue guards its stores.
 //
 // Requires sm_90a; built for any other target, the kernel is an empty stub, split_gemm_supported() is false and
 // the caller takes its cuBLAS path.
 #include "gemm.h"
 #include "sm90_primitives.cuh"
+#include "split_scale.cuh"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -24,43 +34,178 @@
 namespace kernels::gemm {
 namespace {
 
-constexpr int kBlockM = 128;
-constexpr int kBlockN = 128;
-constexpr int kBlockK = 64;
+constexpr int kBlockW = 128;                              // w rows per tile: wgmma's M, 64 per consumer
+constexpr int kBlockX = 128;                              // x rows per tile: wgmma's N
+constexpr int kBlockK = kSplitChunk;                      // one chunk: one scale per w row, one promotion
+constexpr int kBoxK = 32;                                 // floats in a 128-byte swizzle row of the w tile
 constexpr int kStages = 3;
-constexpr int kConsumers = 2;                          // warpgroups, 64 rows of the tile each
+constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kTileBytes = kBlockM * kBlockK * 2;      // one fp16 operand tile, 16 KB
-static_assert(kBlockM == kBlockN, "the x and w tiles share one TMA box and one size");
-static_assert(kBlockK * 2 == 128, "a K block is one 128-byte swizzle row");
-static_assert(kBlockM == 64 * kConsumers, "each consumer warpgroup owns 64 rows");
+constexpr int kWBoxBytes = kBlockW * kBoxK * 4;            // 16 KB
+constexpr int kXTileBytes = kBlockX * kBlockK * 2;         // 16 KB
+constexpr int kStageBytes = 2 * kWBoxBytes + 2 * kXTileBytes;
+constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // tiles, barriers, alignment
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows of w");
+static_assert(kBlockK == 2 * kBoxK && kBlockK * 2 == 128, "a chunk is two w boxes and one fp16 swizzle row of x");
+static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "the register file");
 
-__host__ __device__ constexpr int operands(int products) { return products == 3 ? 4 : 2; }
-__host__ __device__ constexpr int shared_bytes(int products) {
-  return kStages * operands(products) * kTileBytes + 2 * kStages * 8 + 1024;  // tiles, barriers, alignment
+// The thread's 2 rows (half 0: row g, half 1: row g + 8 of its warp's 16) x 16 values of w for one chunk: pack
+// [half][box][h] holds k = 32 box + 8 t + 4 h .. + 3 (split_scale.cuh: split_position).
+struct WChunk {
+  float4 pack[2][2][2];
+};
+
+// wgmma's A registers for one chunk: [step][register], steps of 16 along K in the split order.
+struct ARegisters {
+  std::uint32_t hi[4][4], lo[4][4];
+};
+
+// Each of the thread's two rows' power of two for the chunk, and its inverse for the promotion. Where every row of
+// the thread has 2^e and 2^-e as floats (e <= 126: all but rows whose largest |value| is below 2^-113), one
+// multiply applies each (single.a); else two (a, b).
+struct ChunkScales {
+  PowerOfTwo scale[2], inverse[2];
+  bool single;
+};
+
+__device__ __forceinline__ std::uint32_t bits(__half2 pair) { return *reinterpret_cast<std::uint32_t*>(&pair); }
+
+// max(a, |b|), NaN if either is NaN.
+__device__ __forceinline__ float max_abs_nan(float a, float b) {
+  float r;
+#if KERNELS_SM90A_DEVICE
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(fabsf(b)));
+#else
+  r = fmaxf(a, fabsf(b));
+#endif
+  return r;
 }
 
-// kPromoteBlocks: the accumulator is added into fp32 registers and restarted every kPromoteBlocks K blocks.
-template <int kProducts, int kPromoteBlocks>
+__device__ __forceinline__ float4 load_shared_float4(std::uint32_t address) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if KERNELS_SM90A_DEVICE
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address));
+#endif
+  return v;
+}
+
+// Loads the thread's values of w from the stage's two boxes (in the 128-byte swizzle, 16-byte unit u of row r sits
+// at unit u ^ (r % 8)) and finds each row's scale over the chunk. Non-finite values become 0; non_finite[half] is
+// set where the row held one.
+__device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int tile_row, int t, WChunk& w,
+                                                    bool (&non_finite)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = tile_row + 8 * half;
+#pragma unroll
+    for (int box = 0; box < 2; ++box) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int unit = (2 * t + h) ^ (row % 8);
+        w.pack[half][box][h] = load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
+      }
+    }
+  }
+  ChunkScales scales;
+  scales.single = true;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float max_abs = 0.0f;
+#pragma unroll
+    for (int box = 0; box < 2; ++box) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 v = w.pack[half][box][h];
+        max_abs = max_abs_nan(max_abs_nan(max_abs_nan(max_abs_nan(max_abs, v.x), v.y), v.z), v.w);
+      }
+    }
+    if (!is_finite(max_abs)) {  // rare: clean the row's values, then their finite maximum
+      non_finite[half] = true;
+      max_abs = 0.0f;
+#pragma unroll
+      for (int box = 0; box < 2; ++box) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float* v = reinterpret_cast<float*>(&w.pack[half][box][h]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            v[e] = is_finite(v[e]) ? v[e] : 0.0f;
+            max_abs = fmaxf(max_abs, fabsf(v[e]));
+          }
+        }
+      }
+    }
+    // The quad of threads t = 0..3 holds the row; a NaN from a neighbour reads as "its values were cleaned".
+    max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 1));
+    max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 2));
+    const int e = scale_exponent(is_finite(max_abs) ? max_abs : 0.0f);
+    scales.single &= e <= 126;
+    scales.scale[half] = power_of_two(e);
+    scales.inverse[half] = power_of_two(-e);
+    if (e <= 126) {
+      scales.scale[half] = {exact_power_of_two(e), 1.0f};
+      scales.inverse[half] = {exact_power_of_two(-e), 1.0f};
+    }
+  }
+  return scales;
+}
+
+// Splits the chunk into wgmma's A registers: lo and hi of v 2^e per row.
+template <bool kSingle>
+__device__ __forceinline__ void split_w_chunk(const WChunk& w, const ChunkScales& scales, ARegisters& a) {
+#pragma unroll
+  for (int box = 0; box < 2; ++box) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int step = 2 * box + h;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float4 v = w.pack[half][box][h];
+        const PowerOfTwo scale = kSingle ? PowerOfTwo{scales.scale[half].a, 1.0f} : scales.scale[half];
+        const SplitPair first = kSingle ? split_pair(v.x * scale.a, v.y * scale.a)     // k = 2 t, 2 t + 1
+                                        : split_pair(v.x, v.y, scale);
+        const SplitPair second = kSingle ? split_pair(v.z * scale.a, v.w * scale.a)    // k = 2 t + 8, 2 t + 9
+                                         : split_pair(v.z, v.w, scale);
+        a.hi[step][half] = bits(first.hi);
+        a.lo[step][half] = bits(first.lo);
+        a.hi[step][2 + half] = bits(second.hi);
+        a.lo[step][2 + half] = bits(second.lo);
+      }
+    }
+  }
+}
+
+// total += accumulator * 2^-e per row. Accumulator element j * 4 + half * 2 + c is at row g + 8 half.
+template <bool kSingle>
+__device__ __forceinline__ void promote(const float (&accumulator)[64], const ChunkScales& scales,
+                                        float (&total)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const PowerOfTwo inverse = scales.inverse[(i / 2) % 2];
+    total[i] = kSingle ? fmaf(accumulator[i], inverse.a, total[i])
+                       : fmaf(accumulator[i] * inverse.a, inverse.b, total[i]);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
-split_gemm_kernel(const __grid_constant__ CUtensorMap x_hi_map, const __grid_constant__ CUtensorMap x_lo_map,
-                  const __grid_constant__ CUtensorMap w_hi_map, const __grid_constant__ CUtensorMap w_lo_map,
-                  const std::int32_t* __restrict__ x_exponent, const std::int32_t* __restrict__ w_exponent,
-                  const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive,
-                  int m, int n, int k, float multiplier, float negative_slope) {
+split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_hi_map,
+                  const __grid_constant__ CUtensorMap x_lo_map, const std::int32_t* __restrict__ x_exponent,
+                  std::int32_t* __restrict__ w_flags, const float* __restrict__ bias, float* __restrict__ y,
+                  std::uint8_t* __restrict__ positive, int m, int n, int k, float multiplier, float negative_slope) {
 #if KERNELS_SM90A_DEVICE
   using namespace sm90;
-  constexpr int kOperands = operands(kProducts);
   extern __shared__ unsigned char shared_raw[];
   unsigned char* shared = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(shared_raw) + 1023) & ~std::uintptr_t{1023});
-  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(shared + kStages * kOperands * kTileBytes);
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(shared + kStages * kStageBytes);
   std::uint64_t* empty = full + kStages;
 
-  const int m_tiles = (m + kBlockM - 1) / kBlockM;
-  const int tile_m = static_cast<int>(blockIdx.x % m_tiles);
-  const int tile_n = static_cast<int>(blockIdx.x / m_tiles);
-  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  const int x_tiles = (m + kBlockX - 1) / kBlockX;
+  const int tile_x = static_cast<int>(blockIdx.x % x_tiles);
+  const int tile_w = static_cast<int>(blockIdx.x / x_tiles);
+  const int chunks = static_cast<int>(split_row_length(k) / kBlockK);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -73,94 +218,96 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap x_hi_map, const __grid_con
   __syncthreads();
 
   if (warpgroup == 0) {  // producer
+    registers_decrease<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      for (int block = 0; block < k_blocks; ++block) {
-        const int stage = block % kStages, round = block / kStages;
+      for (int chunk = 0; chunk < chunks; ++chunk) {
+        const int stage = chunk % kStages, round = chunk / kStages;
         if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
-        unsigned char* tiles = shared + stage * kOperands * kTileBytes;
-        barrier_arrive_expect_bytes(&full[stage], kOperands * kTileBytes);
-        tma_load_2d(tiles, &x_hi_map, &full[stage], block * kBlockK, tile_m * kBlockM);
-        tma_load_2d(tiles + kTileBytes, &w_hi_map, &full[stage], block * kBlockK, tile_n * kBlockN);
-        if (kProducts == 3) {
-          tma_load_2d(tiles + 2 * kTileBytes, &x_lo_map, &full[stage], block * kBlockK, tile_m * kBlockM);
-          tma_load_2d(tiles + 3 * kTileBytes, &w_lo_map, &full[stage], block * kBlockK, tile_n * kBlockN);
-        }
+        unsigned char* tiles = shared + stage * kStageBytes;
+        barrier_arrive_expect_bytes(&full[stage], kStageBytes);
+        tma_load_2d(tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
+        tma_load_2d(tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
+        tma_load_2d(tiles + 2 * kWBoxBytes, &x_hi_map, &full[stage], chunk * kBlockK, tile_x * kBlockX);
+        tma_load_2d(tiles + 2 * kWBoxBytes + kXTileBytes, &x_lo_map, &full[stage], chunk * kBlockK,
+                    tile_x * kBlockX);
       }
     }
     return;
   }
 
+  registers_increase<kConsumerRegisters>();
   const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int tile_row = consumer * 64 + warp * 16 + g;  // this thread's first w row in the tile; the second is + 8
+  const std::uint32_t shared_base = smem_address(shared);
   float accumulator[64], total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) accumulator[i] = total[i] = 0.0f;
+  bool non_finite[2] = {false, false};
 
-  for (int block = 0; block < k_blocks; ++block) {
-    const int stage = block % kStages, round = block / kStages;
-    barrier_wait(&full[stage], round & 1);
-    const unsigned char* tiles = shared + stage * kOperands * kTileBytes;
-    // This consumer's 64 rows of the x tiles start 64 rows x 128 bytes in.
-    const std::uint64_t x_hi = k_major_swizzle128_descriptor(tiles + consumer * 64 * 128);
-    const std::uint64_t w_hi = k_major_swizzle128_descriptor(tiles + kTileBytes);
-    const bool restart = block % kPromoteBlocks == 0;
+  // Software pipeline: chunk c + 1's w is loaded and scaled while chunk c's products run; it is split into the A
+  // registers once they have completed (wgmma reads them until then).
+  WChunk w;
+  ARegisters a;
+  barrier_wait(&full[0], 0);
+  ChunkScales scales = load_w_chunk(shared_base, tile_row, t, w, non_finite);
+  if (scales.single) split_w_chunk<true>(w, scales, a);
+  else split_w_chunk<false>(w, scales, a);
+
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int stage = chunk % kStages;
+    const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
+    const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
+    const std::uint64_t x_lo = k_major_swizzle128_descriptor(x_hi_tile + kXTileBytes);
     wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < kBlockK / 16; ++step) {
+    for (int step = 0; step < 4; ++step) {
       const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
-      if (kProducts == 3) {
-        const std::uint64_t x_lo = k_major_swizzle128_descriptor(tiles + 2 * kTileBytes + consumer * 64 * 128);
-        const std::uint64_t w_lo = k_major_swizzle128_descriptor(tiles + 3 * kTileBytes);
-        wgmma_m64n128k16_f16(accumulator, x_lo + offset, w_hi + offset, !(restart && step == 0));
-        wgmma_m64n128k16_f16(accumulator, x_hi + offset, w_lo + offset, true);
-        wgmma_m64n128k16_f16(accumulator, x_hi + offset, w_hi + offset, true);
-      } else {
-        wgmma_m64n128k16_f16(accumulator, x_hi + offset, w_hi + offset, !(restart && step == 0));
-      }
+      wgmma_m64n128k16_f16_rs(accumulator, a.lo[step], x_hi + offset, step != 0);
+      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_lo + offset, true);
+      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_hi + offset, true);
     }
     wgmma_commit();
+
+    const ChunkScales current = scales;
+    const bool more = chunk + 1 < chunks;
+    if (more) {
+      const int next = (chunk + 1) % kStages;
+      barrier_wait(&full[next], ((chunk + 1) / kStages) & 1);
+      scales = load_w_chunk(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
+    }
     wgmma_wait<0>();
-    if (threadIdx.x % 32 == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
-    if (block % kPromoteBlocks == kPromoteBlocks - 1 || block == k_blocks - 1) {
-#pragma unroll
-      for (int i = 0; i < 64; ++i) total[i] += accumulator[i];
+    if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
+    if (current.single) promote<true>(accumulator, current, total);
+    else promote<false>(accumulator, current, total);
+    if (more) {
+      if (scales.single) split_w_chunk<true>(w, scales, a);
+      else split_w_chunk<false>(w, scales, a);
     }
   }
 
-  // Epilogue. wgmma's m64n128 layout: thread (warp w, lane l) holds rows 16 w + l / 4 (+ 8) and, in each group j
-  // of 8 columns, columns 8 j + 2 (l % 4) (+ 1).
-  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const bool pairs = n % 2 == 0;  // two adjacent floats are then 8-byte aligned
+  // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + 8 half, x row 8 j + 2 t + c.
+  const bool flags_writer = tile_x == 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = tile_m * kBlockM + consumer * 64 + warp * 16 + lane / 4 + half * 8;
-    if (row >= m) continue;
-    const int row_exponent = x_exponent[row];
-    float* y_row = y + static_cast<std::int64_t>(row) * n;
-    std::uint8_t* positive_row = positive ? positive + static_cast<std::int64_t>(row) * n : nullptr;
+    bool bad = non_finite[half];
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+    const int column = tile_w * kBlockW + tile_row + 8 * half;
+    if (column >= n) continue;
+    if (flags_writer && t == 0) w_flags[column] = bad ? kNonFiniteRow : 0;
+    const float column_bias = bias ? bias[column] : 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int column = tile_n * kBlockN + j * 8 + (lane % 4) * 2;
-      float out[2];
-      bool is_positive[2];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const int col = column + c < n ? column + c : n - 1;  // clamped reads; the store below is guarded
-        float v = ldexpf(total[j * 4 + half * 2 + c], -(row_exponent + w_exponent[col]));
-        if (bias) v += bias[col];
-        v *= multiplier;
-        is_positive[c] = v > 0.0f;
-        out[c] = is_positive[c] ? v : v * negative_slope;
-      }
-      if (pairs && column + 1 < n) {
-        *reinterpret_cast<float2*>(y_row + column) = make_float2(out[0], out[1]);
-        if (positive_row) *reinterpret_cast<uchar2*>(positive_row + column) = make_uchar2(is_positive[0], is_positive[1]);
-      } else {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          if (column + c >= n) continue;
-          y_row[column + c] = out[c];
-          if (positive_row) positive_row[column + c] = is_positive[c];
-        }
+        const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
+        if (row >= m) continue;
+        const float v = (ldexpf(total[j * 4 + half * 2 + c], -x_exponent[row]) + column_bias) * multiplier;
+        const bool is_positive = v > 0.0f;
+        const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
+        y[at] = is_positive ? v : v * negative_slope;
+        if (positive) positive[at] = is_positive;
       }
     }
   }
@@ -181,43 +328,26 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
-// The TMA map of a dense (rows x k) fp16 matrix, in boxes of kBlockM rows by kBlockK columns, 128-byte swizzle.
-bool make_tile_map(CUtensorMap* map, const void* base, std::int64_t rows, std::int64_t k) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
-  const cuuint32_t box[2] = {kBlockK, kBlockM};
+// The TMA map of a (rows x columns) matrix whose rows are row_bytes apart, in boxes of box_rows rows by one
+// 128-byte swizzle row.
+bool make_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes, const void* base,
+                   std::int64_t rows, std::int64_t columns, std::int64_t row_bytes, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element_bytes), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  return tensor_map_encoder()(map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-template <int kProducts, int kPromoteBlocks>
-cudaError_t launch(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const void* w_hi,
-                   const void* w_lo, const std::int32_t* w_exponent, const float* bias, float* y,
-                   std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
-                   float negative_slope, cudaStream_t stream) {
-  CUtensorMap maps[4];
-  if (!make_tile_map(&maps[0], x_hi, m, k) || !make_tile_map(&maps[1], kProducts == 3 ? x_lo : x_hi, m, k) ||
-      !make_tile_map(&maps[2], w_hi, n, k) || !make_tile_map(&maps[3], kProducts == 3 ? w_lo : w_hi, n, k))
-    return cudaErrorInvalidValue;
-  const auto kernel = split_gemm_kernel<kProducts, kPromoteBlocks>;
-  constexpr int bytes = shared_bytes(kProducts);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  const std::int64_t tiles = ((m + kBlockM - 1) / kBlockM) * ((n + kBlockN - 1) / kBlockN);
-  kernel<<<static_cast<unsigned>(tiles), kThreads, bytes, stream>>>(
-      maps[0], maps[1], maps[2], maps[3], x_exponent, w_exponent, bias, y, positive, static_cast<int>(m),
-      static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope);
-  return cudaGetLastError();
 }
 
 }  // namespace
 
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
-  if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0) return false;  // TMA: 16-byte row strides
-  if (m >= (std::int64_t{1} << 31) || n >= (std::int64_t{1} << 31) || k >= (std::int64_t{1} << 31)) return false;
-  const std::int64_t tiles = ((m + kBlockM - 1) / kBlockM) * ((n + kBlockN - 1) / kBlockN);
+  if (m <= 0 || n <= 0 || k <= 0 || k % 4 != 0) return false;  // TMA: 16-byte row strides of w
+  if (m >= (std::int64_t{1} << 31) || n >= (std::int64_t{1} << 31) || k >= (std::int64_t{1} << 31) - kSplitChunk)
+    return false;
+  const std::int64_t tiles = ((m + kBlockX - 1) / kBlockX) * ((n + kBlockW - 1) / kBlockW);
   if (tiles >= (std::int64_t{1} << 31)) return false;
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -225,33 +355,35 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
       minor != 0)
     return false;
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<3, 1>) != cudaSuccess || attributes.binaryVersion != 90)
+  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel) != cudaSuccess || attributes.binaryVersion != 90)
     return false;  // the library holds no sm_90a code of the kernel
   return tensor_map_encoder() != nullptr;
 }
 
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
-                                                  const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
+                                                  const float* w, std::int64_t w_stride, std::int32_t* w_flags,
                                                   const float* bias, float* y, std::uint8_t* positive,
                                                   std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
-                                                  float negative_slope, int products, int promotion_interval,
-                                                  cudaStream_t stream) {
+                                                  float negative_slope, cudaStream_t stream) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (!split_gemm_supported(device, m, n, k) || (products != 1 && products != 3)) return cudaErrorNotSupported;
-  const auto run = [&](auto kernel_launch) {
-    return kernel_launch(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
-                         negative_slope, stream);
-  };
-  if (products == 1) return run(launch<1, 4>);
-  switch (promotion_interval) {
-    case 64: return run(launch<3, 1>);
-    case 128: return run(launch<3, 2>);
-    case 256: return run(launch<3, 4>);
-    case 512: return run(launch<3, 8>);
-    default: return cudaErrorInvalidValue;
-  }
+  if (!split_gemm_supported(device, m, n, k)) return cudaErrorNotSupported;
+  if (w_stride % 4 != 0 || w_stride < k || reinterpret_cast<std::uintptr_t>(w) % 16 != 0) return cudaErrorInvalidValue;
+  const std::int64_t x_row = split_row_length(k);
+  CUtensorMap maps[3];
+  if (!make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW) ||
+      !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
+      !make_tile_map(&maps[2], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
+    return cudaErrorInvalidValue;
+  const auto kernel = split_gemm_kernel;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (err != cudaSuccess) return err;
+  const std::int64_t tiles = ((m + kBlockX - 1) / kBlockX) * ((n + kBlockW - 1) / kBlockW);
+  kernel<<<static_cast<unsigned>(tiles), kThreads, kSharedBytes, stream>>>(
+      maps[0], maps[1], maps[2], x_exponent, w_flags, bias, y, positive, static_cast<int>(m), static_cast<int>(n),
+      static_cast<int>(k), multiplier, negative_slope);
+  return cudaGetLastError();
 }
 
 }  // namespace kernels::gemm

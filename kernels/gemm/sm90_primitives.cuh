@@ -1,5 +1,6 @@
 // Hopper (sm_90a) building blocks of the GEMM family's kernels, as thin wrappers over their PTX: mbarriers, TMA
-// tile loads into shared memory, wgmma descriptors and the m64n128k16 fp16 -> fp32 wgmma. Device code only; every
+// tile loads into shared memory, wgmma descriptors, the m64n128k16 fp16 -> fp32 wgmma with A from registers, and
+// the warpgroup register reallocation. Device code only; every
 // body is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
 #pragma once
 
@@ -82,8 +83,8 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const CUtensorMap
 // Shared-memory matrix descriptor of a K-major tile whose rows are 128 bytes (64 fp16) in the 128-byte swizzle,
 // rows grouped by 8 (1024 bytes apart). The tile must start 1024-byte aligned; a K offset within the row is added
 // to the start address.
-__device__ __forceinline__ std::uint64_t k_major_swizzle128_descriptor(const void* tile) {
-  const std::uint64_t address = smem_address(tile);
+__device__ __forceinline__ std::uint64_t k_major_swizzle128_descriptor(std::uint32_t tile_address) {
+  const std::uint64_t address = tile_address;
   return ((address & 0x3ffff) >> 4) | (std::uint64_t{1} << 16) | (std::uint64_t{1024 >> 4} << 32) |
          (std::uint64_t{1} << 62);
 }
@@ -107,20 +108,24 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
-// d (64 x 128 per warpgroup, 64 floats per thread) = a (64 x 16, K-major) * b^T (b: 128 x 16, K-major) + d, or
-// without the "+ d" where accumulate is false.
-__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], std::uint64_t a, std::uint64_t b,
-                                                     bool accumulate) {
+// d (64 x 128 per warpgroup, 64 floats per thread) = a (64 x 16, from registers) * b^T (b: 128 x 16, K-major in
+// shared memory) + d, or without the "+ d" where accumulate is false. a holds this thread's fp16 pairs in wgmma's
+// register layout: with g = lane / 4 and t = lane % 4 of warp w, a[0] = row 16 w + g, k = 2 t, 2 t + 1; a[1] = row
+// + 8; a[2] = k + 8; a[3] = row + 8, k + 8. The registers must not change until the wgmma has completed.
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t b,
+                                                        bool accumulate) {
 #if KERNELS_SM90A_DEVICE
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
+      "setp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n"
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -130,7 +135,22 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], std::uint64
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+#endif
+}
+
+// Warpgroup register reallocation: the producer gives registers back, the consumers take them.
+template <int kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+#endif
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void registers_increase() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
 #endif
 }
 

@@ -1,0 +1,75 @@
+// The power-of-two scales and the fp16 hi/lo split shared by the GEMM family's kernels (gemm_split.cu splits the
+// rows of x, gemm_sm90.cu splits W inside the GEMM), and the order along K in which both hand their fp16 halves to
+// the tensor cores. Device code only, portable.
+#pragma once
+
+#include <cstdint>
+#include <cuda_fp16.h>
+
+#include "gemm.h"
+
+namespace kernels::gemm {
+
+// A scaled row (or chunk of a row) has its largest |value| in [2^(kTargetExponent - 1), 2^kTargetExponent): far
+// from fp16's overflow (65504) and, for lo = 2^-11 below hi, from its subnormal range.
+constexpr int kTargetExponent = 14;
+
+// 2^p as a float, for -126 <= p <= 127.
+__device__ __forceinline__ float exact_power_of_two(int p) { return __int_as_float((127 + p) << 23); }
+
+// The exponent e with max_abs * 2^e in [2^13, 2^14), computed from the bits (exact for subnormals); 0 if max_abs is
+// 0. e lies in [-114, 162].
+__device__ __forceinline__ int scale_exponent(float max_abs) {
+  if (max_abs == 0.0f) return 0;
+  unsigned bits = __float_as_uint(max_abs);
+  int biased = static_cast<int>((bits >> 23) & 0xff);
+  int offset = 0;
+  if (biased == 0) {  // subnormal: scale by 2^64 (exact) to read its exponent
+    bits = __float_as_uint(max_abs * exact_power_of_two(64));
+    biased = static_cast<int>((bits >> 23) & 0xff);
+    offset = 64;
+  }
+  // max_abs = 1.f * 2^(biased - 127 - offset), with 1 <= f < 2; f * 2^(biased - 127 - offset + e) in [2^13, 2^14).
+  return (kTargetExponent - 1) - (biased - 127 - offset);
+}
+
+// 2^e as two float factors (2^e alone is not a float for e > 127, which subnormal rows reach): v * a * b is exact.
+struct PowerOfTwo {
+  float a, b;
+};
+
+__device__ __forceinline__ PowerOfTwo power_of_two(int e) {
+  return {exact_power_of_two(e / 2), exact_power_of_two(e - e / 2)};
+}
+
+__device__ __forceinline__ bool is_finite(float v) { return fabsf(v) <= 3.402823466e38f; }  // false for NaN
+
+// The splits of two finite values v0, v1 scaled by 2^e: hi = fp16(v 2^e), lo = fp16(v 2^e - hi), packed as fp16
+// pairs (v0 in the low half, as the tensor cores read a pair of consecutive k).
+struct SplitPair {
+  __half2 hi, lo;
+};
+
+__device__ __forceinline__ SplitPair split_pair(float s0, float s1) {  // already scaled
+  const __half2 hi = __floats2half2_rn(s0, s1);
+  const float2 back = __half22float2(hi);
+  return {hi, __floats2half2_rn(s0 - back.x, s1 - back.y)};
+}
+
+__device__ __forceinline__ SplitPair split_pair(float v0, float v1, PowerOfTwo scale) {
+  return split_pair((v0 * scale.a) * scale.b, (v1 * scale.a) * scale.b);
+}
+
+// The order along K in which the GEMM feeds the tensor cores, per chunk of kSplitChunk consecutive k (gemm.h). The GEMM's
+// threads read W (fp32, from TMA's 128-byte-swizzled tiles) as packs of 4 consecutive k; wgmma's register operand
+// wants each thread's pairs at k = 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-wide step (t = lane % 4). So pack q of a
+// chunk (k = 4q .. 4q + 3) is taken as the pairs at positions split_position(q) and split_position(q) + 8, and x,
+// which the GEMM reads as fp16 from shared memory, is split into that order (its fp16 pair of k = 4q, 4q + 1 at
+// position split_position(q), of 4q + 2, 4q + 3 at + 8). Thread t reads packs 2t, 2t + 1 of each 32-wide half of
+// the chunk: conflict-free 16-byte shared-memory reads under the 128-byte swizzle.
+__host__ __device__ constexpr int split_position(int q) {
+  // q = 8 b + 2 t + h (b: 32-wide half, t: thread in the quad, h: which of its two packs) -> step 2 b + h, pair t.
+  return 32 * (q / 8) + 16 * (q % 2) + 2 * ((q % 8) / 2);
+}
+
+}  // namespace kernels::gemm
