@@ -45,6 +45,7 @@ constexpr int kWBoxBytes = kBlockW * kBoxK * 4;            // 16 KB
 constexpr int kXTileBytes = kBlockX * kBlockK * 2;         // 16 KB
 constexpr int kStageBytes = 2 * kWBoxBytes + 2 * kXTileBytes;
 constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // tiles, barriers, alignment
+constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: consumer 0's and consumer 1's turn to issue products
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
 static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows of w");
@@ -259,6 +260,10 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
     const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
     const std::uint64_t x_lo = k_major_swizzle128_descriptor(x_hi_tile + kXTileBytes);
+    // The consumers take turns issuing their chunk's products, so that the tensor cores run one's while the other
+    // promotes and splits (issued at once, the two would interleave, finish together and leave the tensor cores
+    // idle while both split).
+    if (consumer == 1 || chunk > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
     wgmma_fence();
 #pragma unroll
     for (int step = 0; step < 4; ++step) {
@@ -268,6 +273,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
       wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_hi + offset, true);
     }
     wgmma_commit();
+    if (consumer == 0 || chunk + 1 < chunks) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
 
     const ChunkScales current = scales;
     const bool more = chunk + 1 < chunks;

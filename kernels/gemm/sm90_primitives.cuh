@@ -1,5 +1,5 @@
 // Hopper (sm_90a) building blocks of the GEMM family's kernels, as thin wrappers over their PTX: mbarriers, TMA
-// tile loads into shared memory, wgmma descriptors, the m64n128k16 fp16 -> fp32 wgmma with A from registers, and
+// tile loads into shared memory, named barriers, wgmma descriptors, the m64n128k16 fp16 -> fp32 wgmma with A from registers, and
 // the warpgroup register reallocation. Device code only; every
 // body is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
 #pragma once
@@ -60,6 +60,20 @@ __device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32
       "}\n" ::"r"(smem_address(barrier)),
       "r"(parity)
       : "memory");
+#endif
+}
+
+// ---- named barriers (bar.sync / bar.arrive), for ordering warpgroups -------------------------------------------
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 #endif
 }
 
