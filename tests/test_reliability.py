@@ -1,6 +1,6 @@
 """What long training jobs rely on, on the GPU: no host synchronisation inside any op, correct ordering with the
 caller's stream, capture in a CUDA graph (forward and backward) replayed with new inputs, flat memory over many
-calls, and tensors of more than 2^31 elements. Each test runs both LeakyReLU and the GEMM family, on every GEMM path
+calls, a forward's peak memory no higher than the reference's, and tensors of more than 2^31 elements. Each test runs both LeakyReLU and the GEMM family, on every GEMM path
 the GPU has."""
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA, requires_cuda
-from kernels.gemm.gemm import forced_gemm_path, gemm_paths
+from kernels.gemm.gemm import forced_gemm_path, gemm_path, gemm_paths
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
-from reference import GemmMultiplyLeakyReLUModel
+from reference import GemmMultiplyLeakyReLUModel, LeakyReLUModel
 
 pytestmark = requires_cuda
 GEMM_PATHS = gemm_paths("cuda") if HAS_CUDA else ["cublas"]
@@ -117,6 +117,73 @@ def test_memory_stays_flat_over_many_calls(path):
     # A leak of the smallest block (512 bytes) per call would add 5 MB over these calls. The slack is for one-time
     # allocations made by libraries after warm-up (seen once in a full-suite run: 168 KB), which do not grow.
     assert torch.cuda.memory_allocated() - before <= 256 << 10
+
+
+# The allocator rounds every block up to a multiple of 512 bytes, and the split path holds a few small arrays
+# besides its main temporaries (one 4-byte exponent per row of x and of W: 24 KB here); 1 MiB covers both with room,
+# and is far below any per-call temporary of these sizes (32 MiB for the split of x, 64 MiB for W's).
+PEAK_MEMORY_SLACK = 1 << 20
+
+
+def forward_peak(forward):
+    """The peak of allocated device memory during forward(), above what was allocated before it (inputs, weights,
+    anything held from earlier calls), the output counted."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = forward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del y
+    return peak
+
+
+def mib(n_bytes):
+    return f"{n_bytes / (1 << 20):.2f} MiB"
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad):
+    """At a size that takes the split path on Hopper, with the problem's multiplier and slope (positive: the
+    backward saves the output itself, as the reference saves its pre-activation). The reference peaks at two
+    outputs (the linear's and the multiply's, then the multiply's and the activation's); the split path's
+    temporaries must fit in that. The first call may also keep a cache of the split weight on the device (4 bytes
+    per weight element, the split of W, at most) if the library keeps one; later calls must not add to it."""
+    m, k, n = 2048, 4096, 4096
+    reference, new = make_pair(k, n, 2.0, 0.1)
+    x = torch.randn(m, k, device="cuda")
+    if "split_fp16" in GEMM_PATHS:
+        assert gemm_path(x, new.gemm.weight) == "split_fp16"
+    with torch.set_grad_enabled(grad):
+        reference(x)  # cuBLAS's workspace, held from here on, outside the measurements
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        first_peak = forward_peak(lambda: new(x))
+        cache = torch.cuda.memory_allocated() - held
+        reference_peak = forward_peak(lambda: reference(x))
+        new_peak = forward_peak(lambda: new(x))
+        kept = torch.cuda.memory_allocated() - held
+    assert kept <= cache + PEAK_MEMORY_SLACK, f"later calls added {mib(kept - cache)} to the {mib(cache)} kept"
+    assert cache <= 4 * new.gemm.weight.numel(), f"the first call kept {mib(cache)}"
+    assert new_peak <= reference_peak + PEAK_MEMORY_SLACK, (
+        f"ModelNew's forward peaks {mib(new_peak)} above the memory held before it, the reference's "
+        f"{mib(reference_peak)} (path {gemm_path(x, new.gemm.weight)})")
+    assert first_peak <= reference_peak + cache + PEAK_MEMORY_SLACK, (
+        f"the first call peaks at {mib(first_peak)}, the reference's {mib(reference_peak)}, the cache kept {mib(cache)}")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_leaky_relu_forward_peak_memory_is_no_more_than_the_reference(grad):
+    x = torch.randn(4096, 16384, device="cuda").requires_grad_(grad)  # 256 MiB
+    new, reference = LeakyReLUModelNew(0.01), LeakyReLUModel(0.01)
+    with torch.set_grad_enabled(grad):
+        reference(x)
+        new(x)
+        reference_peak = forward_peak(lambda: reference(x))
+        new_peak = forward_peak(lambda: new(x))
+    assert new_peak <= reference_peak + PEAK_MEMORY_SLACK, (
+        f"ModelNew's forward peaks {mib(new_peak)} above the memory held before it, the reference's "
+        f"{mib(reference_peak)}")
 
 
 def enough_gpu_memory(gigabytes):

@@ -1,0 +1,406 @@
+"""Several GPUs: every op of the library run on cuda:1 while cuda:0 is the current device (results on cuda:1, equal
+to eager's there, issued on cuda:1's current stream, nothing on cuda:0), two GPUs driven from two threads at once,
+no CUDA context made on a GPU the job does not use, and DistributedDataParallel training over NCCL
+(tools/ddp_check.py under torchrun) equal to the same model built from the reference modules. These need two GPUs
+and skip otherwise, except the check that every op of the library has a case here: it reads the op list from the
+library itself, so a family or op added later fails it until it is covered."""
+
+import contextlib
+import copy
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import assert_bitwise_equal
+from kernels.gemm.gemm import forced_gemm_path, gemm_path, gemm_paths
+from kernels.manifest import FAMILIES
+from kernels.precision import SPLIT_FP16_ERROR_FLOOR, relative_error
+from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
+from reference import GemmMultiplyLeakyReLUModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+requires_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
+
+FIRST, SECOND = torch.device("cuda", 0), torch.device("cuda", 1)
+PATHS_ON_SECOND = gemm_paths(SECOND) if TWO_GPUS else ["cublas"]
+PATHS_ON_BOTH = [p for p in PATHS_ON_SECOND if p in gemm_paths(FIRST)] if TWO_GPUS else ["cublas"]
+SPLIT_SIZED = (1024, 1024, 1024)  # M, K, N: the automatic choice takes split_fp16 here on Hopper (all >= 1024)
+
+# The environment of every process that may start NCCL: NVLink multicast stays off. Nothing here needs it, and on a
+# shared multi-GPU host a program that uses it can leave the GPUs unusable.
+NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# ---- the cases: one per family, each calling the family's ops through ModelNew, the functions and the ops ----------
+
+def grad_output_away_from_the_kink(pre, generator):
+    """A randn grad_output that is zero wherever the reference's pre-activation is within 1e-4 of its largest
+    magnitude from zero. There LeakyReLU's derivative jumps: a pre-activation a rounding error away on the other side
+    of zero (the split_fp16 path rounds differently from SGEMM, as SGEMM does from float64) changes that element's
+    gradient by (1 - slope) times its grad_output, a difference between two right answers. Everywhere else both
+    models apply the same formulas on the same branch, so their gradients must agree."""
+    grad = torch.randn(pre.shape, device=pre.device, generator=generator)
+    return grad.masked_fill(pre.abs() <= 1e-4 * pre.abs().max(), 0.0)
+
+
+class LeakyReLUCase:
+    """The LeakyReLU family: ModelNew forward and backward, the ops called directly (in place at an offset, with a
+    multiplier and its mask, the backward), against eager, bitwise. Odd length (the tail path), -0.0, Inf and NaN."""
+
+    family = "leaky_relu"
+    ops = {"leaky_relu", "_leaky_relu_with_grad", "leaky_relu_", "multiply_leaky_relu_", "leaky_relu_backward"}
+    slope, multiplier = -0.3, -1.5
+
+    def __str__(self):
+        return "leaky_relu"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        x = torch.randn(4099, device=device, generator=generator)
+        x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+        return {"x": x, "grad": torch.randn(4099, device=device, generator=generator)}
+
+    def ours(self, x, grad):
+        leaf = x.clone().requires_grad_(True)
+        y = LeakyReLUModelNew(self.slope)(leaf)
+        y.backward(grad)
+        op_leaf = x.clone().requires_grad_(True)
+        y_op = torch.ops.kernels._leaky_relu_with_grad(op_leaf, self.slope)
+        y_op.backward(grad)
+        in_place = x.clone()
+        torch.ops.kernels.leaky_relu_(in_place[1:], self.slope)
+        multiplied = x.clone()
+        mask = torch.ops.kernels.multiply_leaky_relu_(multiplied, self.multiplier, self.slope, True)
+        backward = torch.ops.kernels.leaky_relu_backward(grad, x, self.slope, 1.0)
+        return {"module": y.detach(), "module grad": leaf.grad, "op": y_op.detach(), "op grad": op_leaf.grad,
+                "in place": in_place, "multiplied": multiplied, "mask": mask, "backward": backward}
+
+    def eager(self, x, grad):
+        leaf = x.clone().requires_grad_(True)
+        y = F.leaky_relu(leaf, self.slope)
+        y.backward(grad)
+        in_place = x.clone()
+        F.leaky_relu(in_place[1:], self.slope, inplace=True)
+        product = x * self.multiplier
+        backward = torch.ops.aten.leaky_relu_backward(grad, x, self.slope, False)
+        return {"module": y.detach(), "module grad": leaf.grad, "op": y.detach(), "op grad": leaf.grad,
+                "in place": in_place, "multiplied": F.leaky_relu(product, self.slope), "mask": product > 0,
+                "backward": backward}
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            if expected[name].dtype == torch.bool:
+                assert torch.equal(got[name], expected[name]), name
+            else:
+                assert_bitwise_equal(got[name], expected[name])
+
+
+class GemmCase:
+    """The GEMM family: ModelNew forward and backward on one path ("auto": the automatic choice), against eager fp32:
+    allclose(1e-4) and an error against float64 no larger than eager's (or than the split path's floor where it is
+    forced below its range); the gradients allclose(1e-4)."""
+
+    family = "gemm"
+    ops = {"gemm_multiply_leaky_relu"}
+
+    def __init__(self, shape, multiplier, slope, path):
+        self.shape, self.multiplier, self.slope, self.path = shape, multiplier, slope, path
+        self.reference = self.new = None
+
+    def __str__(self):
+        m, k, n = self.shape
+        return f"gemm {m}x{k}->{n} multiplier={self.multiplier} slope={self.slope} path={self.path}"
+
+    def build(self, device):
+        """Both models, with the same weights, on `device`. Seeds the global generator: call from one thread."""
+        _, k, n = self.shape
+        torch.manual_seed(0)
+        self.reference = GemmMultiplyLeakyReLUModel(k, n, self.multiplier, self.slope).to(device)
+        self.new = GemmMultiplyLeakyReLUModelNew(k, n, self.multiplier, self.slope).to(device)
+        self.new.load_state_dict(self.reference.state_dict())
+
+    def draw(self, device, generator):
+        m, k, _ = self.shape
+        x = torch.randn(m, k, device=device, generator=generator)
+        with torch.no_grad():
+            pre = self.reference.gemm(x) * self.multiplier
+        return {"x": x, "grad": grad_output_away_from_the_kink(pre, generator)}
+
+    @staticmethod
+    def run(model, x, grad):
+        model.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_(True)
+        y = model(leaf)
+        y.backward(grad)
+        return {"y": y.detach(), "x grad": leaf.grad, "weight grad": model.gemm.weight.grad,
+                "bias grad": model.gemm.bias.grad}
+
+    def ours(self, x, grad):
+        with forced_gemm_path(self.path):
+            return self.run(self.new, x, grad)
+
+    def eager(self, x, grad):
+        return self.run(self.reference, x, grad)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-4, rtol=1e-4, msg=name)
+        with torch.no_grad():
+            y64 = copy.deepcopy(self.reference).double()(inputs["x"].double())
+        ours, eager = relative_error(got["y"], y64), relative_error(expected["y"], y64)
+        below_split_range = self.path == "split_fp16" and min(self.shape) < 1024
+        limit = max(eager, SPLIT_FP16_ERROR_FLOOR) if below_split_range else eager
+        assert ours <= limit, f"error against float64 {ours:.3g}, eager's {eager:.3g}"
+
+
+GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
+              for path in PATHS_ON_SECOND
+              for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
+                                               (SPLIT_SIZED, 2.0, 0.1)]]
+GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
+CASES = [LeakyReLUCase()] + GEMM_CASES
+
+
+def ops_that_compute():
+    """The name of every op of torch.ops.kernels that takes a tensor and returns or writes one: what must run right
+    on any device. Settings and queries (a string result) are left out."""
+    names = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace != "kernels":
+            continue
+        name = name.split(".")[0]
+        packet = getattr(torch.ops.kernels, name)
+        for overload in packet.overloads():
+            schema = getattr(packet, overload)._schema
+            takes_tensor = any("Tensor" in str(a.type) for a in schema.arguments)
+            returns_tensor = any("Tensor" in str(r.type) for r in schema.returns)
+            writes_tensor = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            if takes_tensor and (returns_tensor or writes_tensor):
+                names.add(name)
+    return names
+
+
+def test_every_family_and_op_of_the_library_has_a_case_here():
+    covered = set().union(*(case.ops for case in CASES))
+    assert {family.name for family in FAMILIES} <= {case.family for case in CASES}
+    assert ops_that_compute() <= covered, f"ops without a multi-GPU case: {sorted(ops_that_compute() - covered)}"
+
+
+# ---- one GPU's work, with another GPU current ----------------------------------------------------------------------
+
+class RecordedOps(TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher's Python key inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def current_stream_of(stream):
+    """Makes `stream` the current stream of its device while the current device stays what it was:
+    torch.cuda.stream alone would make the stream's device current too, and hide a kernel that lacks its guard."""
+    device = torch.cuda.current_device()
+    with torch.cuda.stream(stream), torch.cuda.device(device):
+        yield
+
+
+def sleep_cycles_per_second(device):
+    """How many cycles of torch.cuda._sleep make a second on `device`, from one timed sleep."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1 << 16)  # the first launch loads the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1 << 26)
+        end.record()
+        end.synchronize()
+        return (1 << 26) / (start.elapsed_time(end) / 1000)
+
+
+@pytest.fixture(scope="module")
+def sleep_rates():
+    return [sleep_cycles_per_second(FIRST), sleep_cycles_per_second(SECOND)]
+
+
+def run_on_second_gpu_with_first_busy(compute, inputs, sleep_rates, delay_s, busy_s):
+    """compute(**copies of `inputs`), with cuda:0 current and a new stream current on cuda:1. The copies are
+    NaN until written on that stream after a `delay_s` sleep there, so work issued on any other stream reads NaN.
+    cuda:0's stream sleeps for `busy_s` meanwhile: work issued there, or a wait on it, would not be done when cuda:1
+    is. Checks that cuda:0 is still asleep once cuda:1 is done (nothing waited on it), that nothing was allocated on
+    it, and that cuda:0 is still the current device. Returns the outputs and the ops that ran."""
+    ready = {name: torch.full_like(t, float("nan")) for name, t in inputs.items()}
+    stream = torch.cuda.Stream(SECOND)
+    torch.cuda.synchronize(FIRST)
+    torch.cuda.synchronize(SECOND)
+    held_on_first = torch.cuda.memory_allocated(FIRST)
+    torch.cuda.reset_peak_memory_stats(FIRST)
+    recorded = RecordedOps()
+    with current_stream_of(stream):
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(SECOND) == stream
+        torch.cuda._sleep(int(busy_s * sleep_rates[0]))  # on cuda:0, the current device
+        with torch.cuda.device(SECOND):
+            torch.cuda._sleep(int(delay_s * sleep_rates[1]))
+        with recorded:
+            with torch.no_grad():
+                for name, t in inputs.items():
+                    ready[name].copy_(t)
+            outputs = compute(**ready)
+        assert torch.cuda.current_device() == 0, "an op left cuda:1 current"
+    torch.cuda.synchronize(SECOND)
+    first_still_asleep = not torch.cuda.current_stream(FIRST).query()
+    peak_on_first = torch.cuda.max_memory_allocated(FIRST)
+    torch.cuda.synchronize(FIRST)
+    assert first_still_asleep, f"cuda:0 finished its {busy_s:.2f} s sleep before cuda:1 was done: something waited on it"
+    assert peak_on_first == held_on_first, f"{peak_on_first - held_on_first} bytes allocated on cuda:0"
+    return outputs, {name.partition("::")[2] for name in recorded.names if name.startswith("kernels::")}
+
+
+@requires_two_gpus
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_ops_run_on_the_inputs_gpu_and_its_current_stream(case, sleep_rates):
+    torch.cuda.set_device(FIRST)
+    case.build(SECOND)
+    inputs = case.draw(SECOND, torch.Generator(SECOND).manual_seed(1))
+    if isinstance(case, GemmCase) and case.path == "auto" and "split_fp16" in PATHS_ON_SECOND:
+        assert gemm_path(inputs["x"], case.new.gemm.weight) == "split_fp16"
+    # Twice without the sleeps: the first calls load kernels and make cuBLAS handles; the second's time sizes the
+    # sleeps, so that cuda:0 sleeps well past the end of cuda:1's work.
+    for _ in range(2):
+        start = time.perf_counter()
+        case.ours(**inputs)
+        torch.cuda.synchronize(SECOND)
+        seconds = time.perf_counter() - start
+    delay_s, busy_s = 0.1, 0.1 + 5 * seconds + 0.25
+    expected = case.eager(**inputs)
+    # Eager's own work through the same harness first: if it fails there, the harness does not hold on this
+    # machine, and the library cannot be judged by it.
+    try:
+        control, _ = run_on_second_gpu_with_first_busy(case.eager, inputs, sleep_rates, delay_s, busy_s)
+    except AssertionError as error:
+        pytest.skip(f"eager's own work fails this harness here: {error}")
+    case.check(control, expected, inputs)
+    got, ran = run_on_second_gpu_with_first_busy(case.ours, inputs, sleep_rates, delay_s, busy_s)
+    assert case.ops <= ran, f"ops not reached: {sorted(case.ops - ran)}"
+    assert all(t.device == SECOND for t in got.values()), {name: t.device for name, t in got.items()}
+    case.check(got, expected, inputs)
+
+
+# ---- two GPUs from two threads ------------------------------------------------------------------------------------
+
+@requires_two_gpus
+@pytest.mark.parametrize("path", PATHS_ON_BOTH)
+def test_two_gpus_driven_from_two_threads_at_once(path):
+    """Each thread loops forward and backward of both families on its own GPU, with fresh inputs every time, each
+    result checked against eager on that GPU; both start together."""
+    iterations = 30
+    cases = {index: [LeakyReLUCase(), GemmCase(SPLIT_SIZED, -1.5, -0.2, path)] for index in (0, 1)}
+    for index, device_cases in cases.items():
+        for case in device_cases:
+            case.build(torch.device("cuda", index))  # seeds the global generator: here, not in the threads
+    start = threading.Barrier(2)
+    failures = []
+
+    def drive(index):
+        try:
+            device = torch.device("cuda", index)
+            with torch.cuda.device(device):
+                generator = torch.Generator(device).manual_seed(index)
+                start.wait(timeout=60)
+                for _ in range(iterations):
+                    for case in cases[index]:
+                        inputs = case.draw(device, generator)
+                        got = case.ours(**inputs)
+                        assert all(t.device == device for t in got.values())
+                        case.check(got, case.eager(**inputs), inputs)
+                assert torch.cuda.current_device() == index
+        except BaseException:  # reported by the main thread
+            failures.append(f"cuda:{index}: {traceback.format_exc()}")
+
+    with forced_gemm_path(path):  # one setting for the process: both threads see it
+        threads = [threading.Thread(target=drive, args=(index,), daemon=True) for index in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=600)
+    assert not any(thread.is_alive() for thread in threads), "a thread still runs after 600 s: hung"
+    assert not failures, "\n".join(failures)
+
+
+# ---- no context on a GPU the process does not use -----------------------------------------------------------------
+
+CONTEXT_PROBE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.nn.functional as F
+from kernels.functional import gemm_multiply_leaky_relu, leaky_relu
+from kernels.gemm.gemm import forced_gemm_path, gemm_paths
+
+device = torch.device("cuda", 1)
+torch.manual_seed(0)
+x = torch.randn(1024, 1024, device=device, requires_grad=True)
+weight = (torch.randn(1024, 1024, device=device) / 32).requires_grad_(True)
+bias = torch.randn(1024, device=device, requires_grad=True)
+F.leaky_relu(F.linear(x, weight, bias) * 2.0, 0.1).sum().backward()
+F.leaky_relu(x, -0.3).sum().backward()
+torch.cuda.synchronize(device)
+print("eager made a context on cuda:0:", torch._C._cuda_hasPrimaryContext(0))
+for path in gemm_paths(device):
+    with forced_gemm_path(path):
+        gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1).sum().backward()
+        gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.2).sum().backward()
+leaky_relu(x, -0.3).sum().backward()
+torch.cuda.synchronize(device)
+print("the library made a context on cuda:0:", torch._C._cuda_hasPrimaryContext(0))
+"""
+
+
+@requires_two_gpus
+def test_a_process_that_uses_only_cuda_1_makes_no_context_on_cuda_0():
+    """A process of a multi-GPU job that uses only its own GPU must not hold a context (hundreds of MB) on GPU 0.
+    Runs in a fresh process, where nothing has touched cuda:0; eager's same work first, as the control."""
+    result = subprocess.run([sys.executable, "-c", CONTEXT_PROBE, ROOT], capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, **NO_NVLINK_MULTICAST))
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = dict(line.rsplit(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    if lines["eager made a context on cuda:0"] == "True":
+        pytest.skip("this torch makes a context on cuda:0 for eager work on cuda:1 already")
+    assert lines["the library made a context on cuda:0"] == "False"
+
+
+# ---- DistributedDataParallel ---------------------------------------------------------------------------------------
+
+@requires_two_gpus
+def test_distributed_data_parallel_trains_like_the_reference():
+    """tools/ddp_check.py on two processes, one GPU each, under torchrun (python -m torch.distributed.run)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "tools/ddp_check.py"]
+    # A session of its own, so that on a timeout the launcher and both ranks are killed together.
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, **NO_NVLINK_MULTICAST),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"ddp_check did not finish in 600 s:\n{output[-6000:]}")
+    assert process.returncode == 0, output[-6000:]
+    summaries = [line[line.index("ddp_check rank"):] for line in output.splitlines() if "ddp_check rank" in line]
+    assert len(summaries) == 2 and all(line.endswith(": ok") for line in summaries), output[-6000:]

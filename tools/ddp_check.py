@@ -1,0 +1,182 @@
+"""DistributedDataParallel over the op library: on every rank, ModelNew and the same model built from the reference
+modules, with the same weights, each wrapped in DistributedDataParallel (NCCL, one process per GPU), train two SGD
+steps on per-rank different randn data. After each backward the all-reduced gradients of ModelNew must equal the
+reference's, and be the same on every rank; after each step so must the weights. Models: the GEMM at a size where it
+takes its split_fp16 path on Hopper (1024 rows per rank, 1024 -> 1024), the GEMM at a small size (cuBLAS path), and
+a stack GEMM -> LeakyReLU -> GEMM.
+
+    torchrun --standalone --nproc_per_node=2 tools/ddp_check.py
+
+Equal means the fp32 contract: |ours - reference| <= 1e-4 * max|reference| + 1e-4 * |reference| elementwise
+(allclose at atol = rtol = 1e-4, atol relative to the tensor's scale, as gradients summed over a batch are not of
+unit size). Each rank prints its mismatches, then one summary line, "ddp_check rank R/W ...: ok" or "...: MISMATCH";
+the exit status is non-zero on a mismatch.
+"""
+
+import os
+import sys
+
+# NVLink multicast stays off: nothing here needs it, and on a shared multi-GPU host a program that uses it can leave
+# the GPUs unusable. Set before torch.distributed is imported, which reads them.
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from kernels.gemm.gemm import gemm_path, gemm_paths  # noqa: E402
+from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew  # noqa: E402
+from reference import GemmMultiplyLeakyReLUModel, LeakyReLUModel  # noqa: E402
+
+TOLERANCE = 1e-4
+STEPS = 2
+
+
+def gemm_pair(in_features, out_features, multiplier, slope):
+    return (GemmMultiplyLeakyReLUModel(in_features, out_features, multiplier, slope),
+            GemmMultiplyLeakyReLUModelNew(in_features, out_features, multiplier, slope))
+
+
+def stack_pair():
+    reference = nn.Sequential(GemmMultiplyLeakyReLUModel(256, 512, 2.0, 0.1), LeakyReLUModel(0.05),
+                              GemmMultiplyLeakyReLUModel(512, 128, -1.5, -0.2))
+    new = nn.Sequential(GemmMultiplyLeakyReLUModelNew(256, 512, 2.0, 0.1), LeakyReLUModelNew(0.05),
+                        GemmMultiplyLeakyReLUModelNew(512, 128, -1.5, -0.2))
+    return reference, new
+
+
+# name: (makes the reference model and ModelNew, rows of x per rank, whether the first GEMM should take split_fp16
+# wherever the GPU has that path)
+MODELS = {
+    "gemm 1024x1024->1024": (lambda: gemm_pair(1024, 1024, -1.5, -0.2), 1024, True),
+    "gemm 40x136->72": (lambda: gemm_pair(136, 72, 2.0, 0.1), 40, False),
+    "stack 64x256->512->128": (stack_pair, 64, False),
+}
+
+
+def layers(model):
+    return list(model) if isinstance(model, nn.Sequential) else [model]
+
+
+def last_preactivation(reference, x):
+    """The pre-activation of the model's last LeakyReLU, (x @ W^T + b) * multiplier of its last GEMM."""
+    with torch.no_grad():
+        *first, last = layers(reference)
+        for layer in first:
+            x = layer(x)
+        return last.gemm(x) * last.multiplier
+
+
+def grad_output_away_from_the_kink(pre, generator):
+    """A randn grad_output that is zero wherever the reference's last pre-activation is within 1e-4 of its largest
+    magnitude from zero. There LeakyReLU's derivative jumps: a pre-activation a rounding error away on the other side
+    of zero (the split_fp16 path rounds differently from SGEMM, as SGEMM does from float64) changes that element's
+    gradient by (1 - slope) times its grad_output, a difference between two right answers. The stack's inner layers
+    run on the cuBLAS path, whose pre-activations are eager's bit for bit, so they need no such care."""
+    grad = torch.randn(pre.shape, device=pre.device, generator=generator)
+    return grad.masked_fill(pre.abs() <= 1e-4 * pre.abs().max(), 0.0)
+
+
+class Comparisons:
+    """Every comparison of one rank: the worst max |diff| and normwise error seen, and the mismatches."""
+
+    def __init__(self):
+        self.count = 0
+        self.worst_max_abs = self.worst_normwise = 0.0
+        self.worst_where = ""
+        self.mismatches = []
+
+    def compare(self, where, got, expected):
+        self.count += 1
+        got, expected = got.detach().double(), expected.detach().double()
+        diff = (got - expected).abs()
+        max_abs = diff.max().item()
+        norm = torch.linalg.vector_norm(expected).item()
+        normwise = torch.linalg.vector_norm(got - expected).item() / norm if norm > 0 else max_abs
+        if max_abs >= self.worst_max_abs:
+            self.worst_max_abs, self.worst_where = max_abs, where
+        self.worst_normwise = max(self.worst_normwise, normwise)
+        scale = expected.abs().max().item()
+        if got.shape != expected.shape or not bool((diff <= TOLERANCE * scale + TOLERANCE * expected.abs()).all()):
+            self.mismatches.append(f"{where}: max |diff| {max_abs:.3e} (scale {scale:.3e}), normwise {normwise:.3e}")
+
+    def fail(self, message):
+        self.mismatches.append(message)
+
+
+def same_on_every_rank(t):
+    """Whether `t` equals, bit for bit, rank 0's tensor of the same name (every rank calls this in the same order)."""
+    from_rank_0 = t.detach().clone()
+    dist.broadcast(from_rank_0, src=0)
+    return torch.equal(t.detach(), from_rank_0)
+
+
+def check_model(name, make_pair, rows, split_expected, device, rank, comparisons):
+    torch.manual_seed(0)  # the same weights on every rank (DistributedDataParallel also broadcasts rank 0's)
+    reference, new = make_pair()
+    new.load_state_dict(reference.state_dict())
+    reference, new = reference.to(device), new.to(device)
+    first_weight = layers(new)[0].gemm.weight
+    ddp_reference = DistributedDataParallel(reference, device_ids=[device.index])
+    ddp_new = DistributedDataParallel(new, device_ids=[device.index])
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) for model in (ddp_reference, ddp_new)]
+    generator = torch.Generator(device).manual_seed(1000 + rank)  # different data on every rank
+    path = None
+    for step in range(1, STEPS + 1):
+        x = torch.randn(rows, first_weight.shape[1], device=device, generator=generator)
+        grad = grad_output_away_from_the_kink(last_preactivation(reference, x), generator)
+        path = gemm_path(x, first_weight)
+        if split_expected and "split_fp16" in gemm_paths(device) and path != "split_fp16":
+            comparisons.fail(f"{name}: the GEMM took the {path} path, not split_fp16")
+        outputs = []
+        for model, optimizer in zip((ddp_reference, ddp_new), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            y = model(x)
+            (y * grad).sum().backward()  # grad_output = grad; DistributedDataParallel averages over the ranks
+            outputs.append(y.detach())
+        comparisons.compare(f"{name} step {step} output", outputs[1], outputs[0])
+        for (param_name, p_ref), (_, p_new) in zip(reference.named_parameters(), new.named_parameters()):
+            comparisons.compare(f"{name} step {step} grad {param_name}", p_new.grad, p_ref.grad)
+            if not same_on_every_rank(p_new.grad):
+                comparisons.fail(f"{name} step {step} grad {param_name}: differs between ranks (not all-reduced)")
+        for optimizer in optimizers:
+            optimizer.step()
+        for (param_name, p_ref), (_, p_new) in zip(reference.named_parameters(), new.named_parameters()):
+            comparisons.compare(f"{name} step {step} weight {param_name}", p_new, p_ref)
+    return path
+
+
+def main():
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comparisons = Comparisons()
+    paths = {}
+    for name, (make_pair, rows, split_expected) in MODELS.items():
+        paths[name] = check_model(name, make_pair, rows, split_expected, device, rank, comparisons)
+    torch.cuda.synchronize(device)
+    for mismatch in comparisons.mismatches:
+        print(f"ddp_check mismatch on rank {rank}: {mismatch}", flush=True)
+    summary = (f"ddp_check rank {rank}/{world} {torch.cuda.get_device_name(device)}: {len(MODELS)} models x {STEPS} "
+               f"SGD steps, {comparisons.count} comparisons; worst max |diff| {comparisons.worst_max_abs:.3e} "
+               f"({comparisons.worst_where}), worst normwise {comparisons.worst_normwise:.3e}; first GEMM's path: "
+               + ", ".join(f"{name} {path}" for name, path in paths.items())
+               + (": ok" if not comparisons.mismatches else f": MISMATCH ({len(comparisons.mismatches)})"))
+    for turn in range(world):  # one rank at a time, each line in one write, so that lines do not interleave
+        if turn == rank:
+            sys.stdout.write(summary + "\n")
+            sys.stdout.flush()
+        dist.barrier(device_ids=[local_rank])
+    dist.destroy_process_group()
+    return 0 if not comparisons.mismatches else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
