@@ -99,6 +99,7 @@ bool split_supported(int device, int64_t m, int64_t n, int64_t k) {
   const auto found = answers.find(key);
   if (found != answers.end()) return found->second;
   if (answers.size() > 4096) answers.clear();  // a bound for programs that see ever new shapes
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // kernel attributes are per device
   return answers[key] = split_gemm_supported(device, m, n, k);
 }
 #endif
