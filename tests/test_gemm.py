@@ -400,10 +400,24 @@ def test_split_path_mask_and_views():
     assert mask.shape == y.shape and bool(agree.all())
 
 
+WEIGHT_CHANGE_PATHS = ["auto"] + (["split_fp16"] if HAS_CUDA and "split_fp16" in gemm_paths("cuda") else [])
+
+
+@pytest.mark.parametrize("path", WEIGHT_CHANGE_PATHS)
 @pytest.mark.parametrize("change", ["in_place", "data_copy", "load_state_dict", "optimizer_step", "to"])
-def test_weight_changes_show_in_the_next_call(device, change):
-    reference, new = make_pair(64, 48, 2.0, 0.1, device)
-    x = torch.randn(16, 64, device=device)
+def test_weight_changes_show_in_the_next_call(device, change, path):
+    if device == "cpu" and path != "auto":
+        pytest.skip("the split path is CUDA only")
+    # The split path at a size in its range, where its error is held to eager's.
+    features, rows = (1024, 1024) if path == "split_fp16" else (64, 16)
+    reference, new = make_pair(features, features - 16, 2.0, 0.1, device)
+    x = torch.randn(rows, features, device=device)
+    with forced_gemm_path(path):
+        check_weight_change(reference, new, x, change)
+
+
+def check_weight_change(reference, new, x, change):
+    """After a first call, the weight changes in one of the ways users change weights; the next call must see it."""
     with torch.no_grad():
         new(x)  # a first call, so that anything kept from it would show
     if change == "in_place":
