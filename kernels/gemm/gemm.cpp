@@ -104,14 +104,23 @@ bool split_supported(int device, int64_t m, int64_t n, int64_t k) {
 }
 #endif
 
-// Why the split_fp16 path cannot take this call, or nullptr if it can.
-const char* split_fp16_refusal(const at::Tensor& x, const at::Tensor& weight) {
+// The sizes of a product y (m x n) = x (m x k) times w (n x k)^T.
+struct ProductShape {
+  int64_t m, n, k;
+};
+
+ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight) {
+  return {gemm_rows(x, weight), weight.size(0), weight.size(1)};
+}
+
+// Why the split_fp16 path cannot take a product of this shape on x's device and dtype, or nullptr if it can.
+const char* split_fp16_refusal(const at::Tensor& x, ProductShape shape) {
 #ifdef KERNELS_WITH_CUDA
   if (!x.is_cuda()) return "the tensors are not on a CUDA device";
   if (x.scalar_type() != at::kFloat) return "it computes float32 only";
   if (at::globalContext().allowTF32CuBLAS())
     return "TF32 is allowed (float32 matmul precision 'high' or 'medium'), and cuBLAS's TF32 is faster";
-  if (!split_supported(x.device().index(), gemm_rows(x, weight), weight.size(0), weight.size(1)))
+  if (!split_supported(x.device().index(), shape.m, shape.n, shape.k))
     return "the GPU is not sm_90 or the library was not built for sm_90a, or the shape is one the kernel does not take";
   return nullptr;
 #else
@@ -129,29 +138,30 @@ constexpr int64_t kSplitMinReduction = 1024;
 constexpr int64_t kSplitMinRows = 1024;
 constexpr int64_t kSplitMinColumns = 1024;
 
-bool split_pays_off(const at::Tensor& x, const at::Tensor& weight) {
-  return weight.size(1) >= kSplitMinReduction && gemm_rows(x, weight) >= kSplitMinRows &&
-         weight.size(0) >= kSplitMinColumns;
+bool split_pays_off(ProductShape shape) {
+  return shape.k >= kSplitMinReduction && shape.m >= kSplitMinRows && shape.n >= kSplitMinColumns;
 }
 
-Path choose_path(const at::Tensor& x, const at::Tensor& weight) {
+// The path of one product (the forward's, or one of the backward's), chosen from x's device and dtype, the shape
+// and the settings. Empty products take the cuBLAS path.
+Path choose_path(const at::Tensor& x, ProductShape shape) {
   const Path forced = static_cast<Path>(forced_path.load());
   if (forced == Path::kCublas) return Path::kCublas;
-  const char* refusal = split_fp16_refusal(x, weight);
+  const char* refusal = split_fp16_refusal(x, shape);
   TORCH_CHECK(forced != Path::kSplitFp16 || refusal == nullptr,
               "kernels.gemm_multiply_leaky_relu: the split_fp16 path was forced but cannot run: ", refusal);
-  if (refusal != nullptr) return Path::kCublas;
-  return forced == Path::kSplitFp16 || split_pays_off(x, weight) ? Path::kSplitFp16 : Path::kCublas;
+  if (refusal != nullptr || shape.m == 0 || shape.n == 0 || shape.k == 0) return Path::kCublas;
+  return forced == Path::kSplitFp16 || split_pays_off(shape) ? Path::kSplitFp16 : Path::kCublas;
 }
 
 std::string gemm_multiply_leaky_relu_path(const at::Tensor& x, const at::Tensor& weight) {
-  return path_name(choose_path(x, weight));
+  return path_name(choose_path(x, linear_shape(x, weight)));
 }
 
 // Why the split_fp16 path cannot take these inputs under the current settings, whatever the automatic choice would
 // say; "" if it can (so that a forced split_fp16 path runs).
 std::string gemm_split_fp16_refusal(const at::Tensor& x, const at::Tensor& weight) {
-  const char* refusal = split_fp16_refusal(x, weight);
+  const char* refusal = split_fp16_refusal(x, linear_shape(x, weight));
   return refusal == nullptr ? "" : refusal;
 }
 
@@ -181,16 +191,17 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-// The split_fp16 path. Temporary memory per call: x's split, 4 bytes per element of x (its fp16 hi and lo, rows
-// padded to whole chunks of 64), and 4 bytes per row of x and of W (exponents, flags); W is read as it is.
-std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
-                                                                       const at::Tensor& bias, double multiplier,
-                                                                       double negative_slope, bool return_mask) {
+// The split_fp16 product y (m x n) = epilogue(x (m x k) times w (n x k)^T), both float32 on one GPU: x is split
+// by one pass, w inside the GEMM kernel; y and the mask (where positive is not null) are dense. Temporary memory:
+// x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes per row of
+// x and of w (exponents, flags); w is read as it is.
+void split_fp16_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, double multiplier,
+                        double negative_slope, at::Tensor& y, std::uint8_t* positive) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const int64_t n = weight.size(0), k = weight.size(1), m = gemm_rows(x, weight);
-  const at::Tensor x2 = split_operand(x.reshape({m, k}));
-  const at::Tensor w2 = split_operand(weight);
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Tensor x2 = split_operand(x);
+  const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
   const auto half = x.options().dtype(at::kHalf);
   const auto int32 = x.options().dtype(at::kInt);
@@ -199,13 +210,8 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   check_launch(launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), x_hi.mutable_data_ptr(),
                                  x_lo.mutable_data_ptr(), x_exponent.mutable_data_ptr<int32_t>(), stream),
                "split (x)");
-  std::vector<int64_t> out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x.options());
-  at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
   check_launch(launch_split_gemm_multiply_leaky_relu(
                    x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
@@ -217,7 +223,27 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
                                         w_flags.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
                                         positive, m, n, k, multiplier_f, slope_f, stream),
                "non-finite outputs");
+}
+
+// The forward on the split_fp16 path.
+std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
+                                                                       const at::Tensor& bias, double multiplier,
+                                                                       double negative_slope, bool return_mask) {
+  const int64_t m = gemm_rows(x, weight), k = weight.size(1);
+  std::vector<int64_t> out_shape = x.sizes().vec();
+  out_shape.back() = weight.size(0);
+  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
+  std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
+  split_fp16_product(x.reshape({m, k}), weight, bias, multiplier, negative_slope, y, positive);
   return {y, mask};
+}
+
+// a (m x k) times b (n x k)^T on the split_fp16 path: a plain product (no bias, multiplier 1, slope 1).
+at::Tensor split_fp16_matmul_transposed(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor y = at::empty({a.size(0), b.size(0)}, a.options());
+  split_fp16_product(a, b, at::Tensor(), 1.0, 1.0, y, nullptr);
+  return y;
 }
 #endif
 
@@ -230,10 +256,55 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
   check_gemm_arguments("gemm_multiply_leaky_relu", x, weight, bias);
   const at::Tensor b = bias.has_value() && bias->defined() ? *bias : at::Tensor();
 #ifdef KERNELS_WITH_CUDA
-  if (choose_path(x, weight) == Path::kSplitFp16 && x.numel() > 0 && weight.numel() > 0)
+  if (choose_path(x, linear_shape(x, weight)) == Path::kSplitFp16)
     return split_fp16_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
 #endif
   return cublas_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
+}
+
+#ifndef KERNELS_WITH_CUDA
+at::Tensor split_fp16_matmul_transposed(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "kernels: the split_fp16 path needs the library built with CUDA");
+}
+#endif
+
+// The gradients of gemm_multiply_leaky_relu, each where asked for (else an empty tensor): with grad_pre =
+// leaky_relu'(pre) * multiplier * grad_y (the LeakyReLU family's leaky_relu_backward, from `saved`: the output
+// where the slope is >= 0, else the forward's mask), grad_x = grad_pre w, grad_w = grad_pre^T x, grad_b = grad_pre's
+// column sums. Each of the two products takes its own path, chosen as the forward's is from its shape: on the
+// split_fp16 path, grad_x is grad_pre times (w^T)^T and grad_w is grad_pre^T times (x^T)^T, the transposes
+// materialized (w^T: 4 bytes per element of w, for the call).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
+    double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
+  check_gemm_arguments("gemm_multiply_leaky_relu_backward", x, weight, std::nullopt);
+  check_same("gemm_multiply_leaky_relu_backward", "grad_y", grad_y, "x", x);
+  const int64_t m = gemm_rows(x, weight), n = weight.size(0), k = weight.size(1);
+  std::vector<int64_t> y_shape = x.sizes().vec();
+  y_shape.back() = n;
+  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(y_shape), "kernels.gemm_multiply_leaky_relu_backward: grad_y must have "
+              "the output's shape ", shape_str(y_shape), ", got ", shape_str(grad_y.sizes()));
+  static const auto activation_backward =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kernels::leaky_relu_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
+  const at::Tensor grad_pre = activation_backward.call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
+  const at::Tensor x2 = x.reshape({m, k});
+  at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
+             grad_bias = at::empty({0}, x.options());
+  if (x_grad) {
+    grad_x = choose_path(grad_pre, {m, k, n}) == Path::kSplitFp16
+                 ? split_fp16_matmul_transposed(grad_pre, weight.t().contiguous())
+                 : grad_pre.mm(weight);
+    grad_x = grad_x.reshape(x.sizes());
+  }
+  if (weight_grad) {
+    grad_weight = choose_path(grad_pre, {n, k, m}) == Path::kSplitFp16
+                      ? split_fp16_matmul_transposed(grad_pre.t().contiguous(), x2.t().contiguous())
+                      : grad_pre.t().mm(x2);
+  }
+  if (bias_grad) grad_bias = grad_pre.sum(0);
+  return {grad_x, grad_weight, grad_bias};
 }
 
 }  // namespace
@@ -242,6 +313,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_multiply_leaky_relu(Tensor x, Tensor weight, Tensor? bias, float multiplier, float negative_slope, "
         "bool return_mask) -> (Tensor, Tensor)");
+  m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
+        "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_multiply_leaky_relu_path(Tensor x, Tensor weight) -> str");
   m.def("_gemm_split_fp16_refusal(Tensor x, Tensor weight) -> str");
   m.def("_gemm_force_path(str path) -> str");
@@ -250,6 +323,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 
 #define KERNELS_GEMM_IMPLS(m)                                                                     \
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu);                   \
+  m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
   m.impl("_gemm_split_fp16_refusal", &kernels::gemm::gemm_split_fp16_refusal)
 

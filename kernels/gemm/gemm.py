@@ -3,6 +3,8 @@ gemm_multiply_leaky_relu().
 
 Ops (schemas in gemm.cpp):
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
+  gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, multiplier, negative_slope, x_grad, weight_grad,
+                                    bias_grad) -> (grad_x, grad_weight, grad_bias)   (empty where not asked for)
   _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes: "split_fp16" or "cublas"
   _gemm_split_fp16_refusal(x, weight) -> str            why split_fp16 cannot take these inputs; "" if it can
   _gemm_force_path(path) -> str                         "auto", "cublas" or "split_fp16"; returns the previous one
@@ -26,6 +28,13 @@ def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, 
     return y, mask
 
 
+def _gemm_multiply_leaky_relu_backward_fake(grad_y, x, weight, saved, multiplier, negative_slope, x_grad,
+                                            weight_grad, bias_grad):
+    empty = x.new_empty((0,))
+    return (x.new_empty(x.shape) if x_grad else empty, weight.new_empty(weight.shape) if weight_grad else empty,
+            weight.new_empty((weight.shape[0],)) if bias_grad else empty)
+
+
 def _gemm_setup_context(ctx, inputs, output):
     x, weight, bias, multiplier, negative_slope, return_mask = inputs
     y, mask = output
@@ -40,6 +49,13 @@ def _gemm_setup_context(ctx, inputs, output):
 
 def _gemm_backward(ctx, grad_y, grad_mask):
     x, weight, saved = ctx.saved_tensors
+    if not torch.is_grad_enabled():
+        # No graph of the backward wanted (no double backward): one op, which takes the split_fp16 path for each
+        # product where the forward would.
+        grads = torch.ops.kernels.gemm_multiply_leaky_relu_backward(
+            grad_y, x, weight, saved, ctx.multiplier, ctx.negative_slope, *ctx.needs_input_grad[:3])
+        return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3])), None, None, None)
+    # Differentiable ops, so that the backward has a backward of its own.
     grad_pre = torch.ops.kernels.leaky_relu_backward(grad_y, saved, ctx.negative_slope, ctx.multiplier)
     grad_pre = grad_pre.reshape(-1, weight.shape[0])
     grad_x = grad_weight = grad_bias = None
@@ -123,6 +139,7 @@ class forced_gemm_path:
 
 def _register_fake_and_autograd():
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_fake)
+    torch.library.register_fake("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_fake)
     torch.library.register_autograd("kernels::gemm_multiply_leaky_relu", _gemm_backward,
                                     setup_context=_gemm_setup_context)
 
