@@ -10,7 +10,8 @@ taken in turn) and the same call timed KernelBench's way (sync, L2 flush, events
 harness's figure can be predicted; the speedups over eager and torch.compile; the achieved rate and its share of
 a ceiling measured in the same run; the error against a float64 reference and the fp32 tolerance verdict.
 "per call" rows run back to back, where host overhead decides. Inputs are randn, so both branches of LeakyReLU are
-exercised. Without a GPU, the problems run on the CPU at small sizes, and the output says so. Progress goes to
+exercised. The CPU tables (leaky_relu forward and backward, the GEMM's forward, in fp32, fp64, fp16 and bf16, at
+small sizes; wall-clock times) come after the GPU ones; without a GPU they are the only ones. Progress goes to
 stderr, the table to stdout.
 """
 
@@ -62,10 +63,10 @@ class Options:
     def wants_dtype(self, label):
         return self.dtypes is None or label in self.dtypes
 
-    def sizes(self, default, cpu_default):
+    def sizes(self, default):
         if self.size:
             return tuple(int(v) for v in self.size.lower().split("x"))
-        return default if HAS_CUDA else cpu_default
+        return default
 
 
 def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs, rate_of, unit, ceiling, ceiling_ms,
@@ -84,17 +85,18 @@ def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs,
             verdict=None if y is None else ("pass" if allclose(y.float(), y_eager32) else "FAIL")))
 
 
-def run_case(fns, options, kernelbench=True):
-    """Median times of fns (the first ones are ceilings), and their KernelBench-style means."""
-    times = time_each_ms(fns, samples=options.samples)
-    kb = [kernelbench_ms(fn, options.kernelbench_calls) if kernelbench else None for fn in fns]
+def run_case(fns, options, kernelbench=True, cpu=False):
+    """Median times of fns (the first ones are ceilings), and their KernelBench-style means; cpu=True for CPU
+    tensors (wall-clock time, also on a machine with a GPU)."""
+    times = time_each_ms(fns, samples=options.samples, cpu=cpu)
+    kb = [kernelbench_ms(fn, options.kernelbench_calls, cpu=cpu) if kernelbench else None for fn in fns]
     return times, kb
 
 
 # ---- leaky_relu -------------------------------------------------------------------------------------------------
 
 def bench_leaky_relu(rows, options):
-    rows_count, dim = options.sizes((reference.LEAKY_RELU_BATCH_SIZE, reference.LEAKY_RELU_DIM), (256, 8192))
+    rows_count, dim = options.sizes((reference.LEAKY_RELU_BATCH_SIZE, reference.LEAKY_RELU_DIM))
     slope = 0.01
     eager = reference.LeakyReLUModel(slope)
     new = MODEL_NEW["leaky_relu"](slope)
@@ -214,8 +216,7 @@ def triton_tf32x3_peer(model):
 
 
 def bench_gemm_multiply_leaky_relu(rows, options):
-    m, k, n = options.sizes((reference.GEMM_BATCH_SIZE, reference.GEMM_IN_FEATURES, reference.GEMM_OUT_FEATURES),
-                            (128, 512, 512))
+    m, k, n = options.sizes((reference.GEMM_BATCH_SIZE, reference.GEMM_IN_FEATURES, reference.GEMM_OUT_FEATURES))
     problem = "gemm_multiply_leaky_relu"
     init = [k, n, reference.GEMM_MULTIPLIER, reference.GEMM_NEGATIVE_SLOPE]
     torch.manual_seed(0)
@@ -293,6 +294,93 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                      lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
 
 
+# ---- CPU, every dtype, small sizes ------------------------------------------------------------------------------
+
+CPU_DTYPES = (("fp32", torch.float32), ("fp64", torch.float64), ("fp16", torch.float16), ("bf16", torch.bfloat16))
+
+
+def bench_leaky_relu_cpu(rows, options):
+    """The CPU loops (forward, backward) in every dtype, and the per-call time of a small call."""
+    rows_count, dim = options.sizes((256, 8192))
+    slope = 0.01
+    eager = reference.LeakyReLUModel(slope)
+    new = MODEL_NEW["leaky_relu"](slope)
+    problem = "leaky_relu, CPU"
+    with torch.no_grad():
+        for label, dtype in CPU_DTYPES:
+            if not options.wants_dtype(label):
+                continue
+            case = f"forward {label} {rows_count}x{dim}"
+            progress(f"{problem}: {case}")
+            x = torch.randn(rows_count, dim).to(dtype)
+            out = torch.empty_like(x)
+            variants = {"eager": eager}
+            if options.wants("ModelNew"):
+                variants["ModelNew"] = new
+            (copy_ms, *times), (_, *kb) = run_case(
+                [lambda: out.copy_(x)] + [lambda model=model: model(x) for model in variants.values()], options,
+                cpu=True)
+            add_rows(rows, problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()],
+                     lambda v: 2 * x.nbytes / 1e6, "GB/s", "copy", copy_ms, eager(x.double()), eager(x.float()))
+
+            case = f"backward {label} {rows_count}x{dim}"
+            progress(f"{problem}: {case}")
+            grad = torch.randn_like(x)
+            fns = {"eager": lambda: torch.ops.aten.leaky_relu_backward(grad, x, slope, False)}
+            if options.wants("ModelNew"):
+                fns["ModelNew"] = lambda: torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0)
+            (copy_ms, *times), (_, *kb) = run_case([lambda: out.copy_(x)] + list(fns.values()), options, cpu=True)
+            g64 = torch.ops.aten.leaky_relu_backward(grad.double(), x.double(), slope, False)
+            g32 = torch.ops.aten.leaky_relu_backward(grad.float(), x.float(), slope, False)
+            add_rows(rows, problem, case, label, list(fns), times, kb, [fn() for fn in fns.values()],
+                     lambda v: 3 * x.nbytes / 1e6, "GB/s", "copy", 1.5 * copy_ms, g64, g32)
+
+        if options.wants_dtype("fp32"):
+            # Host overhead decides: calls back to back.
+            case = "per call, fp32 16x16384"
+            progress(f"{problem}: {case}")
+            x = torch.randn(16, 16384)
+            variants = {"eager": eager}
+            if options.wants("ModelNew"):
+                variants["ModelNew"] = new
+            copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x) for m in variants.values()],
+                                           calls_per_sample=20, samples=50, flush_l2=False, cpu=True)
+            add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times),
+                     [m(x) for m in variants.values()], lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms,
+                     eager(x.double()), eager(x))
+
+
+def bench_gemm_multiply_leaky_relu_cpu(rows, options):
+    """The GEMM family's CPU path, forward, in every dtype."""
+    m, k, n = options.sizes((256, 512, 512))
+    problem = "gemm_multiply_leaky_relu, CPU"
+    init = [k, n, reference.GEMM_MULTIPLIER, reference.GEMM_NEGATIVE_SLOPE]
+    torch.manual_seed(0)
+    eager32 = reference.GemmMultiplyLeakyReLUModel(*init)
+    torch.manual_seed(0)
+    new32 = MODEL_NEW[problem.split(",")[0]](*init)
+    x32 = torch.randn(m, k)
+    with torch.no_grad():
+        y64 = copy.deepcopy(eager32).double()(x32.double())
+        y_eager32 = eager32(x32)
+        for label, dtype in CPU_DTYPES:
+            if not options.wants_dtype(label):
+                continue
+            case = f"forward {label} {m}x{k}->{n}"
+            progress(f"{problem}: {case}")
+            eager, new = copy.deepcopy(eager32).to(dtype), copy.deepcopy(new32).to(dtype)
+            x = x32.to(dtype)
+            weight_t = eager.gemm.weight.t()
+            variants = {"eager": eager}
+            if options.wants("ModelNew"):
+                variants["ModelNew"] = new
+            (mm_ms, *times), (_, *kb) = run_case(
+                [lambda: torch.mm(x, weight_t)] + [lambda model=model: model(x) for model in variants.values()],
+                options, cpu=True)
+            add_rows(rows, problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()],
+                     lambda v: 2 * m * n * k / 1e6, "GFLOP/s", f"torch.mm {label}", mm_ms, y64, y_eager32)
+
+
 # ---- report -----------------------------------------------------------------------------------------------------
 
 def fmt(value, spec, width):
@@ -327,7 +415,9 @@ def print_table(rows):
           "the ceiling's, measured in the same run (a device-to-device copy of the same bytes; cuBLAS's GEMM in the "
           "row's precision; three cuBLAS fp16 products for the split fp16 path, whose rate counts its three "
           "products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
-          "float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own included).")
+          "float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own included). CPU tables: "
+          "wall-clock times, no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are a copy of the "
+          "same bytes and torch.mm in the row's dtype.")
 
 
 def plot(rows, path, device):
@@ -363,17 +453,19 @@ def plot(rows, path, device):
     progress(f"chart written to {path}")
 
 
-BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu}
+GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu}
+CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
+BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
 VARIANTS = ["eager", "torch.compile", "compile max-autotune", "triton tf32x3", "ModelNew"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problem", choices=sorted(BENCHES), action="append",
-                        help="problem to run (repeatable; default: all)")
+                        help="problem to run (repeatable; default: all, the GPU ones only where a GPU is visible)")
     parser.add_argument("--variant", choices=VARIANTS, action="append",
                         help="variant to run besides eager (repeatable; default: all)")
-    parser.add_argument("--dtype", choices=["fp32", "tf32", "bf16"], action="append",
+    parser.add_argument("--dtype", choices=["fp32", "tf32", "fp64", "fp16", "bf16"], action="append",
                         help="precision to run (repeatable; default: all)")
     parser.add_argument("--size", help="another shape for the chosen problem: RxC for leaky_relu, MxKxN for the GEMM")
     parser.add_argument("--quick", action="store_true", help="fewer samples, no max-autotune")
@@ -381,7 +473,10 @@ def main():
     parser.add_argument("--plot", metavar="PATH", help="also draw speedup and error per row into PATH (PNG; "
                         "needs matplotlib)")
     args = parser.parse_args()
-    if args.size and len(args.problem or BENCHES) != 1:
+    problems = args.problem or list(BENCHES if HAS_CUDA else CPU_BENCHES)
+    if not HAS_CUDA and any(p in GPU_BENCHES for p in problems):
+        parser.error(f"no GPU visible: --problem takes {', '.join(CPU_BENCHES)} here")
+    if args.size and len(problems) != 1:
         parser.error("--size needs exactly one --problem")
 
     if HAS_CUDA:
@@ -389,11 +484,11 @@ def main():
         print(f"device: {device}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     else:
         device = "cpu"
-        print(f"No GPU visible: running on the CPU at small sizes (torch {torch.__version__}); "
-              "these figures say nothing about GPU performance.")
+        print(f"No GPU visible: the CPU tables only (torch {torch.__version__}, CPU capability "
+              f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads).")
     options = Options(args)
     rows = []
-    for name in args.problem or list(BENCHES):
+    for name in problems:
         BENCHES[name](rows, options)
     print_table(rows)
     if args.json:

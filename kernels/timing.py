@@ -12,17 +12,17 @@ HAS_CUDA = torch.cuda.is_available()
 _l2_flush_buffer = None
 
 
-def time_each_ms(fns, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True):
+def time_each_ms(fns, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True, cpu=False):
     """Median milliseconds per call of each function in fns. Samples are taken round-robin (one of each function in
     turn), so a drift in clocks or host speed hits every function alike. On the GPU each sample is timed with CUDA
     events on the current stream; with flush_l2 a buffer twice the L2 size is overwritten before it, outside the
-    timed region."""
+    timed region. Without a GPU, or with cpu=True (work on CPU tensors), each sample is wall-clock time."""
     global _l2_flush_buffer
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
-    if not HAS_CUDA:
+    if cpu or not HAS_CUDA:
         for _ in range(samples):
             for fn, fn_times in zip(fns, times):
                 start = time.perf_counter()
@@ -55,13 +55,13 @@ def time_ms(fn, **options):
     return time_each_ms([fn], **options)[0]
 
 
-def kernelbench_ms(fn, calls=100, warmup=3):
+def kernelbench_ms(fn, calls=100, warmup=3, cpu=False):
     """KernelBench's way: after warm-up, `calls` timed calls, each after a device sync and an L2 flush, timed with
-    CUDA events on the current stream; the mean. (On the CPU: the mean of wall-clock calls.)"""
+    CUDA events on the current stream; the mean. (Without a GPU or with cpu=True: the mean of wall-clock calls.)"""
     global _l2_flush_buffer
     for _ in range(warmup):
         fn()
-    if not HAS_CUDA:
+    if cpu or not HAS_CUDA:
         start = time.perf_counter()
         for _ in range(calls):
             fn()

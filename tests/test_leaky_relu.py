@@ -1,5 +1,9 @@
 """LeakyReLU: the op and ModelNew against the reference model (F.leaky_relu), bit for bit, on CPU and CUDA."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +65,50 @@ def test_special_values(device, dtype, slope):
     x = torch.tensor(special * 101, dtype=dtype, device=device)
     for view in (x, x[1:]):
         assert_bitwise_equal(LeakyReLUModelNew(slope)(view), F.leaky_relu(view, slope))
+
+
+def check_cpu_loops():
+    """Every CPU loop (forward, the multiply epilogue with and without its mask, backward from the input or from a
+    mask, with and without a multiplier) against eager or a reference computed the loops' way: in float (double for
+    double) with one rounding at the end. Lengths that are not a whole number of vectors, both signs, and the
+    special values."""
+    g = torch.Generator().manual_seed(1)
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-30, -1e-30, 3.0, -3.0])
+    for dtype in FLOAT_DTYPES:
+        opmath = torch.float64 if dtype == torch.float64 else torch.float32
+        for n in (1, 15, 17, 1000, 40_000):
+            x = torch.cat([special, torch.randn(n, generator=g)]).to(dtype)
+            grad = torch.randn(x.numel(), generator=g).to(dtype)
+            for slope in (0.01, -0.5, 2.5):
+                assert_bitwise_equal(torch.ops.kernels.leaky_relu(x, slope), F.leaky_relu(x, slope))
+                assert_bitwise_equal(torch.ops.kernels.leaky_relu_backward(grad, x, slope, 1.0),
+                                     torch.ops.aten.leaky_relu_backward(grad, x, slope, False))
+                for multiplier in (1.0, -1.5):
+                    product = x.to(opmath) * multiplier
+                    y = x.clone()
+                    mask = torch.ops.kernels.multiply_leaky_relu_(y, multiplier, slope, True)
+                    assert_bitwise_equal(y, F.leaky_relu(product, slope).to(dtype))
+                    assert torch.equal(mask, product > 0)
+                    y = x.clone()
+                    torch.ops.kernels.multiply_leaky_relu_(y, multiplier, slope, False)
+                    assert_bitwise_equal(y, F.leaky_relu(product, slope).to(dtype))
+                    g32 = grad.to(opmath)
+                    expected = (torch.where(mask, g32, g32 * slope) * multiplier).to(dtype)
+                    assert_bitwise_equal(torch.ops.kernels.leaky_relu_backward(grad, mask, slope, multiplier), expected)
+
+
+def test_cpu_loops():
+    check_cpu_loops()
+
+
+def test_cpu_loops_generic_build():
+    """The CPU loops have a generic build beside the AVX2 one, taken where the CPU lacks AVX2 or ATen's own kernels
+    are held to their generic build (ATEN_CPU_CAPABILITY=default, as here); it must give the same results."""
+    code = "import kernels.functional, test_leaky_relu; test_leaky_relu.check_cpu_loops()"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+           "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
