@@ -437,3 +437,124 @@ def check_weight_change(reference, new, x, change):
             new.gemm.weight.add_(1.0)
     reference.load_state_dict(new.state_dict())
     check_against_reference(reference, new, x)
+
+
+# ---- the backward on the split path --------------------------------------------------------------------------------
+
+def float64_gradients(x, weight, grad_y, positive, multiplier, slope):
+    """The layer's gradients in float64 on the same inputs, through the branch mask `positive` of the forward being
+    judged: a pre-activation within rounding of zero takes either branch, and each flip changes that gradient entry
+    by the slope's factor, which would hide the backward products' own error (kernels/gemm/NOTES.md)."""
+    grad_pre = (grad_y.double() * torch.where(positive, 1.0, slope).double() * multiplier).reshape(-1, weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    return (grad_pre @ weight.double()).reshape(x.shape), grad_pre.t() @ x2, grad_pre.sum(0)
+
+
+def gradients_and_errors(forward, x, weight, bias, grad_y, positive, multiplier, slope):
+    """forward's gradients of x, weight and bias, and each one's error against float64 through `positive`."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, bias)]
+    forward(*leaves).backward(grad_y)
+    grads = [leaf.grad for leaf in leaves]
+    references = float64_gradients(x, weight, grad_y, positive, multiplier, slope)
+    return grads, [relative_error(g, r) for g, r in zip(grads, references)]
+
+
+def check_split_backward(m, k, n, multiplier, slope, forced=False, kind="randn"):
+    _, new = make_pair(k, n, multiplier, slope, "cuda")
+    weight, bias = new.gemm.weight.detach(), new.gemm.bias.detach()
+    x = special_inputs(kind, m, k, seed=4).cuda()
+    grad_y = torch.randn(m, n, device="cuda")
+    with forced_gemm_path("split_fp16" if forced else "auto"), torch.no_grad():
+        assert gemm_path(x, weight) == "split_fp16"
+        _, ours_positive = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, multiplier, slope, True)
+    with forced_gemm_path("split_fp16" if forced else "auto"):
+        ours, ours_errors = gradients_and_errors(
+            lambda a, w, b: gemm_multiply_leaky_relu(a, w, b, multiplier, slope), x, weight, bias, grad_y,
+            ours_positive, multiplier, slope)
+    eager_positive = F.linear(x, weight, bias) * multiplier > 0
+    eager, eager_errors = gradients_and_errors(
+        lambda a, w, b: F.leaky_relu(F.linear(a, w, b) * multiplier, slope), x, weight, bias, grad_y,
+        eager_positive, multiplier, slope)
+    for name, got, expected, error, eager_error in zip(("x", "weight", "bias"), ours, eager, ours_errors,
+                                                       eager_errors):
+        # Against eager at allclose(1e-4) at the gradient's own scale (entries where the two forwards' masks differ
+        # differ by the slope's factor, so they are left out), and as accurate as eager's against float64.
+        same_branch = ours_positive == eager_positive
+        keep = same_branch.all(-1) if name == "x" else same_branch.all(0)  # rows of x; features of weight, bias
+        got, expected = got[keep], expected[keep]
+        scale = expected.abs().max().clamp_min(1e-30)
+        assert allclose(got / scale, expected / scale), (name, ((got - expected) / scale).abs().max())
+        limit = max(eager_error, SPLIT_FP16_ERROR_FLOOR) if forced or name == "bias" else eager_error
+        assert error <= limit, (name, error, eager_error)
+    return ours_errors, eager_errors
+
+
+BACKWARD_SHAPES = {  # name: (m, k, n); each backward product's reduction (n for grad_x, m for grad_W) >= 1024
+    "problem": (1024, 8192, 8192),
+    "tails": (1156, 1048, 1036),  # multiples of 4 (the kernel's rows), not of the tiles or chunks
+}
+
+
+@requires_split
+@pytest.mark.parametrize("multiplier,slope", [(2.0, 0.1), (-1.5, -0.2)])
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES)
+def test_split_backward_as_accurate_as_eager(shape, multiplier, slope):
+    check_split_backward(*BACKWARD_SHAPES[shape], multiplier, slope)
+
+
+FORCED_BACKWARD_SHAPES = {"m1_k8_n7": (1, 8, 7), "odd": (129, 392, 136), "rows_of_4": (132, 264, 72)}
+
+
+@requires_split
+@pytest.mark.parametrize("shape", FORCED_BACKWARD_SHAPES)
+def test_split_backward_forced_below_its_range(shape):
+    """Forced, each backward product takes the split path where the kernel takes its shape and cuBLAS elsewhere."""
+    check_split_backward(*FORCED_BACKWARD_SHAPES[shape], -1.5, -0.2, forced=True)
+
+
+@requires_split
+def test_split_backward_is_taken_and_graph_of_the_backward_still_works():
+    """The backward op runs where no graph of the backward is wanted; with create_graph the composite runs, so that
+    double backward works."""
+    _, new = make_pair(1024, 1024, 2.0, 0.1, "cuda")
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    y = new(x)
+    grad_x, = torch.autograd.grad(y, x, torch.randn_like(y), create_graph=True)
+    grad_x.square().sum().backward()  # through the composite backward
+    assert new.gemm.weight.grad is not None and torch.isfinite(new.gemm.weight.grad).all()
+
+
+def train_losses(model, x, target, steps, lr):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@requires_split
+def test_training_tracks_eager_loss_curve():
+    """300 SGD steps of a 2-layer MLP of these modules at a size the split path takes (1024 wide, 1024 rows, its
+    forward and both backward products on the split path) against the same MLP of the reference modules in float32
+    and in float64 (same seed, same data). Our loss curve must stay as close to float64's as eager float32's does
+    (within 2x its largest deviation, or 1e-5 relative)."""
+    def mlp(layer):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(layer(1024, 1024, 2.0, 0.1), layer(1024, 1024, 0.5, -0.2))
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1024, 1024, device="cuda", generator=g)
+    target = torch.randn(1024, 1024, device="cuda", generator=g)
+    ours = mlp(GemmMultiplyLeakyReLUModelNew).cuda()
+    assert gemm_path(x, ours[0].gemm.weight) == "split_fp16"
+    losses = train_losses(ours, x, target, 300, 0.5)
+    eager = train_losses(mlp(GemmMultiplyLeakyReLUModel).cuda(), x, target, 300, 0.5)
+    exact = train_losses(mlp(GemmMultiplyLeakyReLUModel).cuda().double(), x.double(), target.double(), 300, 0.5)
+    assert exact[-1] < 0.9 * exact[0], "the loss must move for the comparison to mean anything"
+    ours_deviation = ((losses - exact).abs() / exact).max().item()
+    eager_deviation = ((eager - exact).abs() / exact).max().item()
+    assert ours_deviation <= max(2 * eager_deviation, 1e-5), (ours_deviation, eager_deviation)

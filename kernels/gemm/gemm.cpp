@@ -143,12 +143,14 @@ bool split_pays_off(ProductShape shape) {
 }
 
 // The path of one product (the forward's, or one of the backward's), chosen from x's device and dtype, the shape
-// and the settings. Empty products take the cuBLAS path.
-Path choose_path(const at::Tensor& x, ProductShape shape) {
+// and the settings. Empty products take the cuBLAS path. A forced split_fp16 path that cannot run raises where
+// `strict` (the forward), and falls back to cuBLAS elsewhere (a backward product whose reduction the kernel does not
+// take, e.g. a batch of rows not a multiple of 4).
+Path choose_path(const at::Tensor& x, ProductShape shape, bool strict = true) {
   const Path forced = static_cast<Path>(forced_path.load());
   if (forced == Path::kCublas) return Path::kCublas;
   const char* refusal = split_fp16_refusal(x, shape);
-  TORCH_CHECK(forced != Path::kSplitFp16 || refusal == nullptr,
+  TORCH_CHECK(!strict || forced != Path::kSplitFp16 || refusal == nullptr,
               "kernels.gemm_multiply_leaky_relu: the split_fp16 path was forced but cannot run: ", refusal);
   if (refusal != nullptr || shape.m == 0 || shape.n == 0 || shape.k == 0) return Path::kCublas;
   return forced == Path::kSplitFp16 || split_pays_off(shape) ? Path::kSplitFp16 : Path::kCublas;
@@ -293,13 +295,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
   at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
              grad_bias = at::empty({0}, x.options());
   if (x_grad) {
-    grad_x = choose_path(grad_pre, {m, k, n}) == Path::kSplitFp16
+    grad_x = choose_path(grad_pre, {m, k, n}, /*strict=*/false) == Path::kSplitFp16
                  ? split_fp16_matmul_transposed(grad_pre, weight.t().contiguous())
                  : grad_pre.mm(weight);
     grad_x = grad_x.reshape(x.sizes());
   }
   if (weight_grad) {
-    grad_weight = choose_path(grad_pre, {n, k, m}) == Path::kSplitFp16
+    grad_weight = choose_path(grad_pre, {n, k, m}, /*strict=*/false) == Path::kSplitFp16
                       ? split_fp16_matmul_transposed(grad_pre.t().contiguous(), x2.t().contiguous())
                       : grad_pre.t().mm(x2);
   }
