@@ -423,10 +423,10 @@ def check_weight_change(reference, new, x, change):
     if change == "in_place":
         with torch.no_grad():
             new.gemm.weight.mul_(-0.5)
-    elif change == "data_copy":
-        new.gemm.weight.data.copy_(torch.randn_like(new.gemm.weight))
+    elif change == "data_copy":  # new values at nn.Linear's scale, 1 / sqrt(in_features)
+        new.gemm.weight.data.copy_(torch.randn_like(new.gemm.weight) * x.shape[-1] ** -0.5)
     elif change == "load_state_dict":
-        new.load_state_dict({k: torch.randn_like(v) for k, v in new.state_dict().items()})
+        new.load_state_dict({k: torch.randn_like(v) * x.shape[-1] ** -0.5 for k, v in new.state_dict().items()})
     elif change == "optimizer_step":
         optimizer = torch.optim.SGD(new.parameters(), lr=0.5)
         new(x).square().sum().backward()
