@@ -45,6 +45,18 @@ def gemm_cases():
             pre = F.linear(x, weight, bias) * -2.0
             check(f"gemm {path} {m}x{k}->{n}", y, F.leaky_relu(pre, -0.1))
             assert bool(((mask == (pre > 0)) | (pre.abs() < 1e-4)).all()), f"gemm {path} mask"
+        # The backward's products (on the split path: w and x read transposed by the kernel), slope 1 so that no
+        # branch flip can move a gradient.
+        m, k, n = 132, 264, 72
+        x = torch.randn(m, k, device="cuda", requires_grad=True)
+        weight = (torch.randn(n, k, device="cuda") / k ** 0.5).requires_grad_(True)
+        bias = torch.randn(n, device="cuda", requires_grad=True)
+        grad = torch.randn(m, n, device="cuda")
+        with forced_gemm_path(path):
+            ours = torch.autograd.grad(gemm_multiply_leaky_relu(x, weight, bias, -2.0, 1.0), (x, weight, bias), grad)
+        eager = torch.autograd.grad(F.linear(x, weight, bias) * -2.0, (x, weight, bias), grad)
+        for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
+            check(f"gemm backward {path} grad {name}", got, expected)
 
 
 if __name__ == "__main__":

@@ -104,9 +104,10 @@ bool split_supported(int device, int64_t m, int64_t n, int64_t k) {
 }
 #endif
 
-// The sizes of a product y (m x n) = x (m x k) times w (n x k)^T.
+// The sizes of a product y (m x n) = x (m x k) times w (n x k)^T, and whether w comes as its transpose (k x n).
 struct ProductShape {
   int64_t m, n, k;
+  bool w_transposed = false;
 };
 
 ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight) {
@@ -120,7 +121,7 @@ const char* split_fp16_refusal(const at::Tensor& x, ProductShape shape) {
   if (x.scalar_type() != at::kFloat) return "it computes float32 only";
   if (at::globalContext().allowTF32CuBLAS())
     return "TF32 is allowed (float32 matmul precision 'high' or 'medium'), and cuBLAS's TF32 is faster";
-  if (!split_supported(x.device().index(), shape.m, shape.n, shape.k))
+  if (!split_supported(x.device().index(), shape.m, shape.n, shape.k) || (shape.w_transposed && shape.n % 4 != 0))
     return "the GPU is not sm_90 or the library was not built for sm_90a, or the shape is one the kernel does not take";
   return nullptr;
 #else
@@ -183,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Ten
 #ifdef KERNELS_WITH_CUDA
 // A float32 matrix the split kernels read: rows with unit column stride, 16-byte aligned rows (a copy otherwise).
 at::Tensor split_operand(const at::Tensor& t) {
-  const bool aligned = t.stride(1) == 1 && t.stride(0) % 4 == 0 &&
+  const bool aligned = t.stride(1) == 1 && t.stride(0) % 4 == 0 && t.stride(0) >= t.size(1) &&
                        reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 16 == 0;
   return aligned ? t : t.clone(at::MemoryFormat::Contiguous);  // a fresh allocation: aligned
 }
@@ -193,15 +194,16 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-// The split_fp16 product y (m x n) = epilogue(x (m x k) times w (n x k)^T), both float32 on one GPU: x is split
-// by one pass, w inside the GEMM kernel; y and the mask (where positive is not null) are dense. Temporary memory:
+// The split_fp16 product y (m x n) = epilogue(x (m x k) times w (n x k)^T), both float32 on one GPU, w given as
+// itself or, where w_transposed, as its transpose (k x n): x is split by one pass, w inside the GEMM kernel; y and
+// the mask (where positive is not null) are dense. Temporary memory:
 // x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes per row of
 // x and of w (exponents, flags); w is read as it is.
-void split_fp16_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, double multiplier,
-                        double negative_slope, at::Tensor& y, std::uint8_t* positive) {
+void split_fp16_product(const at::Tensor& x, const at::Tensor& w, bool w_transposed, const at::Tensor& bias,
+                        double multiplier, double negative_slope, at::Tensor& y, std::uint8_t* positive) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(w_transposed ? 1 : 0);
   const at::Tensor x2 = split_operand(x);
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
@@ -209,7 +211,7 @@ void split_fp16_product(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const auto int32 = x.options().dtype(at::kInt);
   at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
   at::Tensor x_exponent = at::empty({m}, int32), w_flags = at::empty({n}, int32);
-  check_launch(launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), x_hi.mutable_data_ptr(),
+  check_launch(launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), w_transposed, x_hi.mutable_data_ptr(),
                                  x_lo.mutable_data_ptr(), x_exponent.mutable_data_ptr<int32_t>(), stream),
                "split (x)");
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
@@ -217,11 +219,13 @@ void split_fp16_product(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
   check_launch(launch_split_gemm_multiply_leaky_relu(
                    x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                   w2.const_data_ptr<float>(), w2.stride(0), w_flags.mutable_data_ptr<int32_t>(), bias_data,
-                   y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
+                   w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
+                   bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
                "split GEMM");
+  // Row j of w, element k: w2[j][k], or w2[k][j] where w came transposed.
+  const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
   check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x2.stride(0), w2.const_data_ptr<float>(),
-                                        w2.stride(0), x_exponent.const_data_ptr<int32_t>(),
+                                        w_row_stride, w_element_stride, x_exponent.const_data_ptr<int32_t>(),
                                         w_flags.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
                                         positive, m, n, k, multiplier_f, slope_f, stream),
                "non-finite outputs");
@@ -237,14 +241,15 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
-  split_fp16_product(x.reshape({m, k}), weight, bias, multiplier, negative_slope, y, positive);
+  split_fp16_product(x.reshape({m, k}), weight, /*w_transposed=*/false, bias, multiplier, negative_slope, y, positive);
   return {y, mask};
 }
 
-// a (m x k) times b (n x k)^T on the split_fp16 path: a plain product (no bias, multiplier 1, slope 1).
-at::Tensor split_fp16_matmul_transposed(const at::Tensor& a, const at::Tensor& b) {
-  at::Tensor y = at::empty({a.size(0), b.size(0)}, a.options());
-  split_fp16_product(a, b, at::Tensor(), 1.0, 1.0, y, nullptr);
+// a (m x k) times b (k x n) on the split_fp16 path: a plain product (no bias, multiplier 1, slope 1), b read as it
+// is (the GEMM's w given transposed).
+at::Tensor split_fp16_matmul(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor y = at::empty({a.size(0), b.size(1)}, a.options());
+  split_fp16_product(a, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr);
   return y;
 }
 #endif
@@ -265,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
 }
 
 #ifndef KERNELS_WITH_CUDA
-at::Tensor split_fp16_matmul_transposed(const at::Tensor&, const at::Tensor&) {
+at::Tensor split_fp16_matmul(const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "kernels: the split_fp16 path needs the library built with CUDA");
 }
 #endif
@@ -274,8 +279,8 @@ at::Tensor split_fp16_matmul_transposed(const at::Tensor&, const at::Tensor&) {
 // leaky_relu'(pre) * multiplier * grad_y (the LeakyReLU family's leaky_relu_backward, from `saved`: the output
 // where the slope is >= 0, else the forward's mask), grad_x = grad_pre w, grad_w = grad_pre^T x, grad_b = grad_pre's
 // column sums. Each of the two products takes its own path, chosen as the forward's is from its shape: on the
-// split_fp16 path, grad_x is grad_pre times (w^T)^T and grad_w is grad_pre^T times (x^T)^T, the transposes
-// materialized (w^T: 4 bytes per element of w, for the call).
+// split_fp16 path, the kernel reads w and x as they are (its w operand given transposed), and grad_pre^T is made
+// (4 bytes per element of grad_y, for the call) to be split along m.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
     double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
@@ -295,14 +300,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
   at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
              grad_bias = at::empty({0}, x.options());
   if (x_grad) {
-    grad_x = choose_path(grad_pre, {m, k, n}, /*strict=*/false) == Path::kSplitFp16
-                 ? split_fp16_matmul_transposed(grad_pre, weight.t().contiguous())
+    grad_x = choose_path(grad_pre, {m, k, n, true}, /*strict=*/false) == Path::kSplitFp16
+                 ? split_fp16_matmul(grad_pre, weight)
                  : grad_pre.mm(weight);
     grad_x = grad_x.reshape(x.sizes());
   }
   if (weight_grad) {
-    grad_weight = choose_path(grad_pre, {n, k, m}, /*strict=*/false) == Path::kSplitFp16
-                      ? split_fp16_matmul_transposed(grad_pre.t().contiguous(), x2.t().contiguous())
+    grad_weight = choose_path(grad_pre, {n, k, m, true}, /*strict=*/false) == Path::kSplitFp16
+                      ? split_fp16_matmul(grad_pre.t().contiguous(), x2)
                       : grad_pre.t().mm(x2);
   }
   if (bias_grad) grad_bias = grad_pre.sum(0);

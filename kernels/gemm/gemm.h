@@ -34,34 +34,39 @@ KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_row_length(std::int64_t k)
 //                 kNonFiniteRow where the row holds an infinity or NaN;
 //   hi = fp16(v * 2^e), lo = fp16(v * 2^e - hi), so hi + lo carries about 22 bits of v; a non-finite v gives
 //   hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
-// hi and lo are dense (rows x split_row_length(cols)) fp16 arrays in the GEMM's order along K (split_scale.cuh),
-// the pad zeros. Requires cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue else).
+// hi and lo are dense (rows x split_row_length(cols)) fp16 arrays in the order along K that the GEMM reads: k's own
+// order (natural_order, for a GEMM given w transposed), else split_scale.cuh's split_position; the pad zeros.
+// Requires cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue else).
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                              void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
+                              bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
 
 // y[i, j] = leaky_relu((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier, negative_slope), acc = sum over k of
-// x[i, k] w[j, k] from x's split (launch_split_rows) and the float32 w (n x k, rows w_stride floats apart, w_stride
-// % 4 == 0, 16-byte aligned), which the kernel splits itself with a power of two per row and chunk of 64 of k: three
-// fp16 tensor-core products (lo_w hi_x + hi_w lo_x + hi_w hi_x), added into fp32 registers every 64 of k.
-// w_flags[j] gets kNonFiniteRow where row j of w holds an infinity or NaN, else 0 (for launch_nonfinite_outputs).
-// bias may be null (no bias); positive, if not null, gets 1 where the value before the activation is > 0, else 0.
-// y and positive are dense (m x n). Returns cudaErrorNotSupported where split_gemm_supported() is false.
+// x[i, k] w[j, k], from x's split (launch_split_rows) and the float32 w, which the kernel splits itself with a power
+// of two per row and chunk of 64 of k: three fp16 tensor-core products (lo_w hi_x + hi_w lo_x + hi_w hi_x), added
+// into fp32 registers every 64 of k. w is (n x k) with rows w_stride floats apart, or, where w_transposed, given as
+// its transpose (k x n, rows w_stride apart; then n % 4 == 0 and x's split is in natural order); w_stride % 4 == 0,
+// w 16-byte aligned. w_flags[j] gets kNonFiniteRow where row j of w holds an infinity or NaN, else 0 (for
+// launch_nonfinite_outputs). bias may be null (no bias); positive, if not null, gets 1 where the value before the
+// activation is > 0, else 0. y and positive are dense (m x n). Returns cudaErrorNotSupported where
+// split_gemm_supported() is false.
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
-                                                  const float* w, std::int64_t w_stride, std::int32_t* w_flags,
-                                                  const float* bias, float* y, std::uint8_t* positive,
-                                                  std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
-                                                  float negative_slope, cudaStream_t stream);
+                                                  const float* w, std::int64_t w_stride, bool w_transposed,
+                                                  std::int32_t* w_flags, const float* bias, float* y,
+                                                  std::uint8_t* positive, std::int64_t m, std::int64_t n,
+                                                  std::int64_t k, float multiplier, float negative_slope,
+                                                  cudaStream_t stream);
 
 // After launch_split_gemm_multiply_leaky_relu, on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
 // whose row i of x or row j of w is flagged as holding a non-finite value (x_exponent from launch_split_rows,
-// w_exponent: the GEMM's w_flags), with eager's non-finite result
-// (NaN, +inf or -inf) through the same epilogue. x (m x k) and w (n x k) are the float32 operands the splits were
-// made from, rows at the given strides. Reads only the exponents where nothing is flagged.
+// w_exponent: the GEMM's w_flags) with eager's non-finite result (NaN, +inf or -inf) through the same epilogue.
+// x (m x k) and w (n x k) are the float32 operands the GEMM read: element k of x's row i at x[i * x_stride + k], of
+// w's row j at w[j * w_stride + k * w_element_stride] (w_element_stride > 1 where w was given transposed). Reads
+// only the flags where nothing is flagged.
 cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, const float* w, std::int64_t w_stride,
-                                     const std::int32_t* x_exponent, const std::int32_t* w_exponent,
-                                     const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                     std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
-                                     cudaStream_t stream);
+                                     std::int64_t w_element_stride, const std::int32_t* x_exponent,
+                                     const std::int32_t* w_exponent, const float* bias, float* y,
+                                     std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
+                                     float multiplier, float negative_slope, cudaStream_t stream);
 
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
 // built for sm_90a, and a shape its TMA descriptors take (k % 4 == 0, for 16-byte row strides of w; m, n, k > 0).

@@ -42,6 +42,7 @@ constexpr int kStages = 3;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kWBoxBytes = kBlockW * kBoxK * 4;            // 16 KB
+constexpr int kWTransposedBoxBytes = kBlockK * kBoxK * 4;  // 8 KB: 64 of k x 32 rows of w, when w comes transposed
 constexpr int kXTileBytes = kBlockX * kBlockK * 2;         // 16 KB
 constexpr int kStageBytes = 2 * kWBoxBytes + 2 * kXTileBytes;
 constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // tiles, barriers, alignment
@@ -50,6 +51,7 @@ constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
 static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows of w");
 static_assert(kBlockK == 2 * kBoxK && kBlockK * 2 == 128, "a chunk is two w boxes and one fp16 swizzle row of x");
+static_assert(4 * kWTransposedBoxBytes == 2 * kWBoxBytes, "either way, a stage holds 128 rows of w x 64 of k");
 static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "the register file");
 
 // The thread's 2 rows (half 0: row g, half 1: row g + 8 of its warp's 16) x 16 values of w for one chunk: pack
@@ -92,9 +94,24 @@ __device__ __forceinline__ float4 load_shared_float4(std::uint32_t address) {
   return v;
 }
 
-// Loads the thread's values of w from the stage's two boxes (in the 128-byte swizzle, 16-byte unit u of row r sits
-// at unit u ^ (r % 8)) and finds each row's scale over the chunk. Non-finite values become 0; non_finite[half] is
-// set where the row held one.
+__device__ __forceinline__ float load_shared_float(std::uint32_t address) {
+  float v = 0.0f;
+#if KERNELS_SM90A_DEVICE
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+#endif
+  return v;
+}
+
+// Loads the thread's values of w from the stage and finds each row's scale over the chunk. Non-finite values become
+// 0; non_finite[half] is set where the row held one. In the 128-byte swizzle, 16-byte unit u of a box's row r sits
+// at unit u ^ (r % 8).
+// kTransposed = false: w is (n x k), row-major; the stage holds two boxes of 128 rows of w x 32 of k, and the thread
+//   reads pack [half][box][h] as one 16-byte load: k = 32 box + 8 t + 4 h .. + 3, in x's split order
+//   (split_position).
+// kTransposed = true: w is given as its transpose (k x n, row-major); the stage holds four boxes of 64 of k x 32
+//   rows of w, and the thread reads each value alone: pack [half][box][h] holds k = 16 (2 box + h) + {0, 1, 8, 9}
+//   + 2 t, the natural order (its 4 lanes t read k of distinct k % 8 and so distinct banks).
+template <bool kTransposed>
 __device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int tile_row, int t, WChunk& w,
                                                     bool (&non_finite)[2]) {
 #pragma unroll
@@ -104,8 +121,19 @@ __device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int t
     for (int box = 0; box < 2; ++box) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int unit = (2 * t + h) ^ (row % 8);
-        w.pack[half][box][h] = load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
+        if constexpr (!kTransposed) {
+          const int unit = (2 * t + h) ^ (row % 8);
+          w.pack[half][box][h] = load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
+        } else {
+          const std::uint32_t column_box = w_tiles + (row / 32) * kWTransposedBoxBytes;
+          const int unit = (row % 32) / 4, word = row % 4;
+          float* v = reinterpret_cast<float*>(&w.pack[half][box][h]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int k = 16 * (2 * box + h) + 8 * (e / 2) + 2 * t + e % 2;
+            v[e] = load_shared_float(column_box + k * 128 + ((unit ^ (k % 8)) * 16) + word * 4);
+          }
+        }
       }
     }
   }
@@ -190,6 +218,7 @@ __device__ __forceinline__ void promote(const float (&accumulator)[64], const Ch
   }
 }
 
+template <bool kTransposed>
 __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_hi_map,
                   const __grid_constant__ CUtensorMap x_lo_map, const std::int32_t* __restrict__ x_exponent,
@@ -226,8 +255,14 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
         if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
         unsigned char* tiles = shared + stage * kStageBytes;
         barrier_arrive_expect_bytes(&full[stage], kStageBytes);
-        tma_load_2d(tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
-        tma_load_2d(tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
+        if constexpr (!kTransposed) {
+          tma_load_2d(tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
+          tma_load_2d(tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
+        } else {
+          for (int box = 0; box < 4; ++box)
+            tma_load_2d(tiles + box * kWTransposedBoxBytes, &w_map, &full[stage], tile_w * kBlockW + box * kBoxK,
+                        chunk * kBlockK);
+        }
         tma_load_2d(tiles + 2 * kWBoxBytes, &x_hi_map, &full[stage], chunk * kBlockK, tile_x * kBlockX);
         tma_load_2d(tiles + 2 * kWBoxBytes + kXTileBytes, &x_lo_map, &full[stage], chunk * kBlockK,
                     tile_x * kBlockX);
@@ -251,7 +286,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   WChunk w;
   ARegisters a;
   barrier_wait(&full[0], 0);
-  ChunkScales scales = load_w_chunk(shared_base, tile_row, t, w, non_finite);
+  ChunkScales scales = load_w_chunk<kTransposed>(shared_base, tile_row, t, w, non_finite);
   if (scales.single) split_w_chunk<true>(w, scales, a);
   else split_w_chunk<false>(w, scales, a);
 
@@ -280,7 +315,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     if (more) {
       const int next = (chunk + 1) % kStages;
       barrier_wait(&full[next], ((chunk + 1) / kStages) & 1);
-      scales = load_w_chunk(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
+      scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
     }
     wgmma_wait<0>();
     if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
@@ -361,28 +396,33 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
       minor != 0)
     return false;
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel) != cudaSuccess || attributes.binaryVersion != 90)
+  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false>) != cudaSuccess || attributes.binaryVersion != 90)
     return false;  // the library holds no sm_90a code of the kernel
   return tensor_map_encoder() != nullptr;
 }
 
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
-                                                  const float* w, std::int64_t w_stride, std::int32_t* w_flags,
-                                                  const float* bias, float* y, std::uint8_t* positive,
-                                                  std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
-                                                  float negative_slope, cudaStream_t stream) {
+                                                  const float* w, std::int64_t w_stride, bool w_transposed,
+                                                  std::int32_t* w_flags, const float* bias, float* y,
+                                                  std::uint8_t* positive, std::int64_t m, std::int64_t n,
+                                                  std::int64_t k, float multiplier, float negative_slope,
+                                                  cudaStream_t stream) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (!split_gemm_supported(device, m, n, k)) return cudaErrorNotSupported;
-  if (w_stride % 4 != 0 || w_stride < k || reinterpret_cast<std::uintptr_t>(w) % 16 != 0) return cudaErrorInvalidValue;
+  if (!split_gemm_supported(device, m, n, k) || (w_transposed && n % 4 != 0)) return cudaErrorNotSupported;
+  if (w_stride % 4 != 0 || w_stride < (w_transposed ? n : k) || reinterpret_cast<std::uintptr_t>(w) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
+    return cudaErrorInvalidValue;
   const std::int64_t x_row = split_row_length(k);
   CUtensorMap maps[3];
-  if (!make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW) ||
-      !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
+  const bool w_map = w_transposed
+                         ? make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, k, n, w_stride * 4, kBlockK)
+                         : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
+  if (!w_map || !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
       !make_tile_map(&maps[2], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
     return cudaErrorInvalidValue;
-  const auto kernel = split_gemm_kernel;
+  const auto kernel = w_transposed ? split_gemm_kernel<true> : split_gemm_kernel<false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (err != cudaSuccess) return err;
   const std::int64_t tiles = ((m + kBlockX - 1) / kBlockX) * ((n + kBlockW - 1) / kBlockW);

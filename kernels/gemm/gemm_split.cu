@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 namespace kernels::gemm {
 namespace {
 
@@ -35,16 +37,21 @@ __device__ __forceinline__ void fold(float4 v, float& max_abs, bool& non_finite)
 // non-finite v becomes 0 + 0: its row is flagged, and the outputs it reaches are computed by
 // nonfinite_outputs_kernel (the tensor cores would mix an infinity with the random signs of the other operand's lo
 // into NaN where eager gives an infinity).
+// kNatural: in k's own order (for the GEMM that reads w transposed); else in split_position's.
+template <bool kNatural>
 __device__ __forceinline__ void split_pack(float4 v, PowerOfTwo scale, std::int64_t i, __half* hi_row,
                                            __half* lo_row) {
   const auto clean = [](float e) { return is_finite(e) ? e : 0.0f; };
   const SplitPair first = split_pair(clean(v.x), clean(v.y), scale);
   const SplitPair second = split_pair(clean(v.z), clean(v.w), scale);
-  const std::int64_t place = i / (kSplitChunk / 4) * kSplitChunk + split_position(static_cast<int>(i % (kSplitChunk / 4)));
+  const std::int64_t chunk_start = i / (kSplitChunk / 4) * kSplitChunk;
+  const int q = static_cast<int>(i % (kSplitChunk / 4));
+  const std::int64_t place = chunk_start + (kNatural ? 4 * q : split_position(q));
+  const int second_offset = kNatural ? 2 : 8;
   *reinterpret_cast<__half2*>(hi_row + place) = first.hi;
   *reinterpret_cast<__half2*>(lo_row + place) = first.lo;
-  *reinterpret_cast<__half2*>(hi_row + place + 8) = second.hi;
-  *reinterpret_cast<__half2*>(lo_row + place + 8) = second.lo;
+  *reinterpret_cast<__half2*>(hi_row + place + second_offset) = second.hi;
+  *reinterpret_cast<__half2*>(lo_row + place + second_offset) = second.lo;
 }
 
 // The block's reduction of its threads' row maximum and non-finite flag into the row's exponent (written by thread
@@ -65,7 +72,7 @@ __device__ __forceinline__ PowerOfTwo row_scale(float max_abs, bool non_finite, 
 // Rows of up to kPacks * 4 * kSplitThreads floats (split length included): each thread loads its packs of 4 into
 // registers at once (all of the row's loads in flight together), and the split is made from the registers: one
 // DRAM read. Packs past the row's end (up to its split length) are written as zeros.
-template <int kPacks>
+template <int kPacks, bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
 split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride,
                                __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
@@ -89,11 +96,12 @@ split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols,
   for (int p = 0; p < kPacks; ++p) {
     const int i = threadIdx.x + p * kSplitThreads;
     if (i >= split_packs) break;
-    split_pack(v[p], scale, i, hi + row * length, lo + row * length);
+    split_pack<kNatural>(v[p], scale, i, hi + row * length, lo + row * length);
   }
 }
 
 // Any row length: pass 1 finds the row's maximum, pass 2 re-reads the row (from L1/L2) and splits it.
+template <bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
 split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride, __half* __restrict__ hi,
                   __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
@@ -105,7 +113,7 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
   for (std::int64_t i = threadIdx.x; i < packs; i += kSplitThreads) fold(in[i], max_abs, non_finite);
   const PowerOfTwo scale = row_scale(max_abs, non_finite, exponent + row);
   for (std::int64_t i = threadIdx.x; i < length / 4; i += kSplitThreads)
-    split_pack(i < packs ? in[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), scale, i, hi + row * length,
+    split_pack<kNatural>(i < packs ? in[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), scale, i, hi + row * length,
                lo + row * length);
 }
 
@@ -122,7 +130,8 @@ constexpr int kListedPositions = 1024;  // non-finite positions of a row kept in
 // whole of k.
 __global__ void __launch_bounds__(kFixupThreads)
 nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, const float* __restrict__ w,
-                         std::int64_t w_stride, const std::int32_t* __restrict__ x_exponent,
+                         std::int64_t w_stride, std::int64_t w_element_stride,
+                         const std::int32_t* __restrict__ x_exponent,
                          const std::int32_t* __restrict__ w_exponent, const float* __restrict__ bias,
                          float* __restrict__ y, std::uint8_t* __restrict__ positive, std::int64_t m, std::int64_t n,
                          std::int64_t k, float multiplier, float negative_slope) {
@@ -138,11 +147,13 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, con
     const bool x_row = r < m;
     const std::int64_t row = x_row ? r : r - m;
     if ((x_row ? x_exponent : w_exponent)[row] != kNonFiniteRow) continue;  // the same for the whole block
+    // Element i of a row: x's at unit stride, w's at w_element_stride (w may be given transposed).
     const float* flagged = x_row ? x + row * x_stride : w + row * w_stride;
+    const std::int64_t flagged_step = x_row ? 1 : w_element_stride, partner_step = x_row ? w_element_stride : 1;
     if (threadIdx.x == 0) count = 0;
     __syncthreads();
     for (std::int64_t i = threadIdx.x; i < k; i += kFixupThreads) {
-      if (isfinite(flagged[i])) continue;
+      if (isfinite(flagged[i * flagged_step])) continue;
       const int slot = atomicAdd(&count, 1);
       if (slot < kListedPositions) positions[slot] = static_cast<std::int32_t>(i);
     }
@@ -155,10 +166,11 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, con
       const bool partner_flagged = (x_row ? w_exponent : x_exponent)[other] == kNonFiniteRow;
       float sum = 0.0f;
       if (listed_all && !partner_flagged) {
-        for (int p = 0; p < listed; ++p) sum += flagged[positions[p]] * partner[positions[p]];
+        for (int p = 0; p < listed; ++p)
+          sum += flagged[positions[p] * flagged_step] * partner[positions[p] * partner_step];
       } else {
         for (std::int64_t i = 0; i < k; ++i) {
-          const float term = flagged[i] * partner[i];
+          const float term = flagged[i * flagged_step] * partner[i * partner_step];
           if (!isfinite(term)) sum += term;
         }
       }
@@ -177,7 +189,7 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, con
 }  // namespace
 
 cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, const float* w, std::int64_t w_stride,
-                                     const std::int32_t* x_exponent, const std::int32_t* w_exponent,
+                                     std::int64_t w_element_stride, const std::int32_t* x_exponent, const std::int32_t* w_exponent,
                                      const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
                                      cudaStream_t stream) {
@@ -185,12 +197,12 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, cons
   const std::int64_t blocks = (m + n + kFixupRowsPerBlock - 1) / kFixupRowsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   nonfinite_outputs_kernel<<<static_cast<unsigned>(blocks), kFixupThreads, 0, stream>>>(
-      x, x_stride, w, w_stride, x_exponent, w_exponent, bias, y, positive, m, n, k, multiplier, negative_slope);
+      x, x_stride, w, w_stride, w_element_stride, x_exponent, w_exponent, bias, y, positive, m, n, k, multiplier, negative_slope);
   return cudaGetLastError();
 }
 
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                              void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream) {
+                              bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (rows > 0x7fffffff || cols % 4 != 0 || row_stride % 4 != 0 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0 ||
       reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
@@ -201,13 +213,17 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
                                                static_cast<__half*>(lo), exponent);
     return cudaGetLastError();
   };
-  constexpr std::int64_t kPackFloats = 4 * kSplitThreads;
-  const std::int64_t length = split_row_length(cols);
-  if (length <= 2 * kPackFloats) return split(split_rows_in_registers_kernel<2>);
-  if (length <= 4 * kPackFloats) return split(split_rows_in_registers_kernel<4>);
-  if (length <= 8 * kPackFloats) return split(split_rows_in_registers_kernel<8>);
-  if (length <= 16 * kPackFloats) return split(split_rows_in_registers_kernel<16>);
-  return split(split_rows_kernel);
+  const auto in_order = [&](auto natural) {
+    constexpr bool kNatural = decltype(natural)::value;
+    constexpr std::int64_t kPackFloats = 4 * kSplitThreads;
+    const std::int64_t length = split_row_length(cols);
+    if (length <= 2 * kPackFloats) return split(split_rows_in_registers_kernel<2, kNatural>);
+    if (length <= 4 * kPackFloats) return split(split_rows_in_registers_kernel<4, kNatural>);
+    if (length <= 8 * kPackFloats) return split(split_rows_in_registers_kernel<8, kNatural>);
+    if (length <= 16 * kPackFloats) return split(split_rows_in_registers_kernel<16, kNatural>);
+    return split(split_rows_kernel<kNatural>);
+  };
+  return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
 }
 
 }  // namespace kernels::gemm
