@@ -429,7 +429,7 @@ def check_weight_change(reference, new, x, change):
         new.load_state_dict({k: torch.randn_like(v) * x.shape[-1] ** -0.5 for k, v in new.state_dict().items()})
     elif change == "optimizer_step":
         optimizer = torch.optim.SGD(new.parameters(), lr=0.5)
-        new(x).square().sum().backward()
+        new(x).square().mean().backward()
         optimizer.step()
     elif change == "to":
         new.to(torch.float64).to(torch.float32)

@@ -194,16 +194,19 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-// The split_fp16 product y (m x n) = epilogue(x (m x k) times w (n x k)^T), both float32 on one GPU, w given as
-// itself or, where w_transposed, as its transpose (k x n): x is split by one pass, w inside the GEMM kernel; y and
-// the mask (where positive is not null) are dense. Temporary memory:
-// x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes per row of
-// x and of w (exponents, flags); w is read as it is.
-void split_fp16_product(const at::Tensor& x, const at::Tensor& w, bool w_transposed, const at::Tensor& bias,
-                        double multiplier, double negative_slope, at::Tensor& y, std::uint8_t* positive) {
+// The split_fp16 product y (m x n) = epilogue(x (m x k) times w (n x k)^T), both float32 on one GPU, each given as
+// itself or as its transpose (x_transposed: x as (k x m), which needs w_transposed; w_transposed: w as (k x n)): x
+// is split by one pass (its rows, or the columns of its transpose; x_column_sums, if not null, then gets those
+// columns' sums), w inside the GEMM kernel; y and the mask (where positive is not null) are dense. Temporary
+// memory: x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes
+// per row of x and of w (exponents, flags); w is read as it is.
+void split_fp16_product(const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
+                        const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
+                        std::uint8_t* positive, float* x_column_sums = nullptr) {
+  TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(w_transposed ? 1 : 0);
+  const int64_t m = x.size(x_transposed ? 1 : 0), k = x.size(x_transposed ? 0 : 1), n = w.size(w_transposed ? 1 : 0);
   const at::Tensor x2 = split_operand(x);
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
@@ -211,8 +214,12 @@ void split_fp16_product(const at::Tensor& x, const at::Tensor& w, bool w_transpo
   const auto int32 = x.options().dtype(at::kInt);
   at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
   at::Tensor x_exponent = at::empty({m}, int32), w_flags = at::empty({n}, int32);
-  check_launch(launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), w_transposed, x_hi.mutable_data_ptr(),
-                                 x_lo.mutable_data_ptr(), x_exponent.mutable_data_ptr<int32_t>(), stream),
+  check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0),
+                                                   x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
+                                                   x_exponent.mutable_data_ptr<int32_t>(), x_column_sums, stream)
+                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), w_transposed,
+                                                x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
+                                                x_exponent.mutable_data_ptr<int32_t>(), stream),
                "split (x)");
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
@@ -222,12 +229,14 @@ void split_fp16_product(const at::Tensor& x, const at::Tensor& w, bool w_transpo
                    w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
                    bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
                "split GEMM");
-  // Row j of w, element k: w2[j][k], or w2[k][j] where w came transposed.
+  // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
+  const int64_t x_row_stride = x_transposed ? 1 : x2.stride(0), x_element_stride = x_transposed ? x2.stride(0) : 1;
   const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
-  check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x2.stride(0), w2.const_data_ptr<float>(),
-                                        w_row_stride, w_element_stride, x_exponent.const_data_ptr<int32_t>(),
-                                        w_flags.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
-                                        positive, m, n, k, multiplier_f, slope_f, stream),
+  check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x_row_stride, x_element_stride,
+                                        w2.const_data_ptr<float>(), w_row_stride, w_element_stride,
+                                        x_exponent.const_data_ptr<int32_t>(), w_flags.const_data_ptr<int32_t>(),
+                                        bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f,
+                                        slope_f, stream),
                "non-finite outputs");
 }
 
@@ -241,15 +250,18 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
-  split_fp16_product(x.reshape({m, k}), weight, /*w_transposed=*/false, bias, multiplier, negative_slope, y, positive);
+  split_fp16_product(x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias, multiplier,
+                     negative_slope, y, positive);
   return {y, mask};
 }
 
-// a (m x k) times b (k x n) on the split_fp16 path: a plain product (no bias, multiplier 1, slope 1), b read as it
-// is (the GEMM's w given transposed).
-at::Tensor split_fp16_matmul(const at::Tensor& a, const at::Tensor& b) {
-  at::Tensor y = at::empty({a.size(0), b.size(1)}, a.options());
-  split_fp16_product(a, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr);
+// a (m x k) times b (k x n) on the split_fp16 path, a plain product (no bias, multiplier 1, slope 1), b read as it
+// is (the GEMM's w given transposed); a given as itself or, where a_transposed, as its transpose (k x m), whose
+// column sums then go to a_column_sums if not null.
+at::Tensor split_fp16_matmul(const at::Tensor& a, bool a_transposed, const at::Tensor& b,
+                             float* a_column_sums = nullptr) {
+  at::Tensor y = at::empty({a.size(a_transposed ? 1 : 0), b.size(1)}, a.options());
+  split_fp16_product(a, a_transposed, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr, a_column_sums);
   return y;
 }
 #endif
@@ -270,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
 }
 
 #ifndef KERNELS_WITH_CUDA
-at::Tensor split_fp16_matmul(const at::Tensor&, const at::Tensor&) {
+at::Tensor split_fp16_matmul(const at::Tensor&, bool, const at::Tensor&, float* = nullptr) {
   TORCH_CHECK(false, "kernels: the split_fp16 path needs the library built with CUDA");
 }
 #endif
@@ -279,8 +291,8 @@ at::Tensor split_fp16_matmul(const at::Tensor&, const at::Tensor&) {
 // leaky_relu'(pre) * multiplier * grad_y (the LeakyReLU family's leaky_relu_backward, from `saved`: the output
 // where the slope is >= 0, else the forward's mask), grad_x = grad_pre w, grad_w = grad_pre^T x, grad_b = grad_pre's
 // column sums. Each of the two products takes its own path, chosen as the forward's is from its shape: on the
-// split_fp16 path, the kernel reads w and x as they are (its w operand given transposed), and grad_pre^T is made
-// (4 bytes per element of grad_y, for the call) to be split along m.
+// split_fp16 path, the kernel reads w and x as they are (its w operand given transposed), and grad_pre's columns
+// are split for grad_w in one pass that also sums them into grad_b.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
     double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
@@ -301,16 +313,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
              grad_bias = at::empty({0}, x.options());
   if (x_grad) {
     grad_x = choose_path(grad_pre, {m, k, n, true}, /*strict=*/false) == Path::kSplitFp16
-                 ? split_fp16_matmul(grad_pre, weight)
+                 ? split_fp16_matmul(grad_pre, /*a_transposed=*/false, weight)
                  : grad_pre.mm(weight);
     grad_x = grad_x.reshape(x.sizes());
   }
+  bool bias_done = false;
   if (weight_grad) {
-    grad_weight = choose_path(grad_pre, {n, k, m, true}, /*strict=*/false) == Path::kSplitFp16
-                      ? split_fp16_matmul(grad_pre.t().contiguous(), x2)
-                      : grad_pre.t().mm(x2);
+    if (choose_path(grad_pre, {n, k, m, true}, /*strict=*/false) == Path::kSplitFp16) {
+      // grad_pre's columns are split as they are read; their sums, made on the way, are grad_bias.
+      if (bias_grad) grad_bias = at::empty({n}, x.options());
+      grad_weight = split_fp16_matmul(grad_pre, /*a_transposed=*/true, x2,
+                                      bias_grad ? grad_bias.mutable_data_ptr<float>() : nullptr);
+      bias_done = bias_grad;
+    } else {
+      grad_weight = grad_pre.t().mm(x2);
+    }
   }
-  if (bias_grad) grad_bias = grad_pre.sum(0);
+  if (bias_grad && !bias_done) grad_bias = grad_pre.sum(0);
   return {grad_x, grad_weight, grad_bias};
 }
 

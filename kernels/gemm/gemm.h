@@ -40,6 +40,14 @@ KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_row_length(std::int64_t k)
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                               bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
 
+// The split of src's columns, as launch_split_rows splits rows, in natural order: for each column c of src (rows x
+// cols, element (r, c) at src[r * row_stride + c]), row c of hi and lo (cols x split_row_length(rows)) and
+// exponent[c]; column_sums[c] (if not null) gets the column's float32 sum. For the products of the backward, whose
+// reduction runs down the columns of grad_pre.
+cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                                 void* hi, void* lo, std::int32_t* exponent, float* column_sums,
+                                 cudaStream_t stream);
+
 // y[i, j] = leaky_relu((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier, negative_slope), acc = sum over k of
 // x[i, k] w[j, k], from x's split (launch_split_rows) and the float32 w, which the kernel splits itself with a power
 // of two per row and chunk of 64 of k: three fp16 tensor-core products (lo_w hi_x + hi_w lo_x + hi_w hi_x), added
@@ -59,10 +67,11 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
 // After launch_split_gemm_multiply_leaky_relu, on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
 // whose row i of x or row j of w is flagged as holding a non-finite value (x_exponent from launch_split_rows,
 // w_exponent: the GEMM's w_flags) with eager's non-finite result (NaN, +inf or -inf) through the same epilogue.
-// x (m x k) and w (n x k) are the float32 operands the GEMM read: element k of x's row i at x[i * x_stride + k], of
-// w's row j at w[j * w_stride + k * w_element_stride] (w_element_stride > 1 where w was given transposed). Reads
-// only the flags where nothing is flagged.
-cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, const float* w, std::int64_t w_stride,
+// x (m x k) and w (n x k) are the float32 operands the GEMM's were made from: element k of x's row i at
+// x[i * x_stride + k * x_element_stride], of w's row j at w[j * w_stride + k * w_element_stride] (element strides
+// > 1 where an operand was given transposed). Reads only the flags where nothing is flagged.
+cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std::int64_t x_element_stride,
+                                     const float* w, std::int64_t w_stride,
                                      std::int64_t w_element_stride, const std::int32_t* x_exponent,
                                      const std::int32_t* w_exponent, const float* bias, float* y,
                                      std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,

@@ -344,7 +344,12 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
       for (int c = 0; c < 2; ++c) {
         const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
         if (row >= m) continue;
-        const float v = (ldexpf(total[j * 4 + half * 2 + c], -x_exponent[row]) + column_bias) * multiplier;
+        // One exact multiply by 2^-e where that is a normal float (every row but those below ~2^-113 or above
+        // 2^126 in magnitude); ldexpf, rounding once, for the rest.
+        const int e = x_exponent[row];
+        const float unscaled = e >= -127 && e <= 126 ? total[j * 4 + half * 2 + c] * exact_power_of_two(-e)
+                                                     : ldexpf(total[j * 4 + half * 2 + c], -e);
+        const float v = (unscaled + column_bias) * multiplier;
         const bool is_positive = v > 0.0f;
         const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
         y[at] = is_positive ? v : v * negative_slope;

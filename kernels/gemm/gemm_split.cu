@@ -117,6 +117,80 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
                lo + row * length);
 }
 
+// The split of src's columns (src: rows x cols, row-major): row c of the result is column c of src, in natural
+// order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp a row at a time, 128 bytes)
+// for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them (from L2) through a shared
+// tile, transposed, and writes each column's hi and lo as rows.
+constexpr int kColumnTile = 32;
+
+__global__ void __launch_bounds__(kSplitThreads)
+split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
+                     float* __restrict__ column_sums) {
+  constexpr int kWarps = kSplitThreads / 32;
+  __shared__ float warp_max[kWarps][kColumnTile], warp_sum[kWarps][kColumnTile];
+  __shared__ bool warp_bad[kWarps][kColumnTile];
+  __shared__ PowerOfTwo scales[kColumnTile];
+  __shared__ float tile[kColumnTile][kColumnTile + 1];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + lane;
+  const bool inside = column < cols;
+  // Compensated (Kahan) sums, whose error does not grow with the number of rows; the plain sum beside them gives
+  // IEEE's inf or NaN where a value is not finite or the sum overflows (compensation would turn an inf into NaN).
+  float max_abs = 0.0f, sum = 0.0f, compensation = 0.0f, plain_sum = 0.0f;
+  bool non_finite = false;
+  for (std::int64_t r = warp; r < rows && inside; r += kWarps) {
+    const float v = src[r * row_stride + column];
+    max_abs = fmaxf(max_abs, is_finite(v) ? fabsf(v) : 0.0f);
+    non_finite |= !is_finite(v);
+    const float term = v - compensation, next = sum + term;
+    compensation = (next - sum) - term;
+    sum = next;
+    plain_sum += v;
+  }
+  warp_max[warp][lane] = max_abs;
+  warp_sum[warp][lane] = is_finite(sum) ? sum : plain_sum;
+  warp_bad[warp][lane] = non_finite;
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      max_abs = fmaxf(max_abs, warp_max[w][lane]);
+      sum += warp_sum[w][lane];
+      non_finite |= warp_bad[w][lane];
+    }
+    const int e = scale_exponent(max_abs);
+    scales[lane] = power_of_two(e);
+    if (inside) {
+      exponent[column] = non_finite ? kNonFiniteRow : e;
+      if (column_sums) column_sums[column] = sum;
+    }
+  }
+  __syncthreads();
+  const std::int64_t length = split_row_length(rows);
+  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
+  for (std::int64_t r0 = 0; r0 < length; r0 += kColumnTile) {
+    for (int i = warp; i < kColumnTile; i += kWarps) {  // row r0 + i of the tile, column lane
+      const std::int64_t r = r0 + i;
+      tile[i][lane] = r < rows && inside ? src[r * row_stride + column] : 0.0f;
+    }
+    __syncthreads();
+    for (int i = warp; i < kColumnTile; i += kWarps) {  // column first_column + i of src, its rows r0 + lane
+      if (first_column + i < cols) {
+        float v = tile[lane][i];
+        v = is_finite(v) ? v : 0.0f;
+        const PowerOfTwo scale = scales[i];
+        const float scaled = (v * scale.a) * scale.b;
+        const __half h = __float2half_rn(scaled);
+        const std::int64_t at = (first_column + i) * length + r0 + lane;
+        hi[at] = h;
+        lo[at] = __float2half_rn(scaled - __half2float(h));
+      }
+    }
+    __syncthreads();
+  }
+}
+
 constexpr int kFixupThreads = 256;
 constexpr int kFixupRowsPerBlock = 32;
 constexpr int kListedPositions = 1024;  // non-finite positions of a row kept in shared memory; beyond: full scans
@@ -129,7 +203,8 @@ constexpr int kListedPositions = 1024;  // non-finite positions of a row kept in
 // every output the row reaches. Where the other operand's row is flagged too, or the list overflowed, it scans the
 // whole of k.
 __global__ void __launch_bounds__(kFixupThreads)
-nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, const float* __restrict__ w,
+nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, std::int64_t x_element_stride,
+                         const float* __restrict__ w,
                          std::int64_t w_stride, std::int64_t w_element_stride,
                          const std::int32_t* __restrict__ x_exponent,
                          const std::int32_t* __restrict__ w_exponent, const float* __restrict__ bias,
@@ -147,9 +222,10 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, con
     const bool x_row = r < m;
     const std::int64_t row = x_row ? r : r - m;
     if ((x_row ? x_exponent : w_exponent)[row] != kNonFiniteRow) continue;  // the same for the whole block
-    // Element i of a row: x's at unit stride, w's at w_element_stride (w may be given transposed).
+    // Element i of a row: x's at x_element_stride, w's at w_element_stride (either may be given transposed).
     const float* flagged = x_row ? x + row * x_stride : w + row * w_stride;
-    const std::int64_t flagged_step = x_row ? 1 : w_element_stride, partner_step = x_row ? w_element_stride : 1;
+    const std::int64_t flagged_step = x_row ? x_element_stride : w_element_stride;
+    const std::int64_t partner_step = x_row ? w_element_stride : x_element_stride;
     if (threadIdx.x == 0) count = 0;
     __syncthreads();
     for (std::int64_t i = threadIdx.x; i < k; i += kFixupThreads) {
@@ -188,7 +264,8 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, con
 
 }  // namespace
 
-cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, const float* w, std::int64_t w_stride,
+cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std::int64_t x_element_stride,
+                                     const float* w, std::int64_t w_stride,
                                      std::int64_t w_element_stride, const std::int32_t* x_exponent, const std::int32_t* w_exponent,
                                      const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
@@ -197,7 +274,18 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, cons
   const std::int64_t blocks = (m + n + kFixupRowsPerBlock - 1) / kFixupRowsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   nonfinite_outputs_kernel<<<static_cast<unsigned>(blocks), kFixupThreads, 0, stream>>>(
-      x, x_stride, w, w_stride, w_element_stride, x_exponent, w_exponent, bias, y, positive, m, n, k, multiplier, negative_slope);
+      x, x_stride, x_element_stride, w, w_stride, w_element_stride, x_exponent, w_exponent, bias, y, positive, m, n, k, multiplier, negative_slope);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                                 void* hi, void* lo, std::int32_t* exponent, float* column_sums,
+                                 cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  const std::int64_t blocks = (cols + kColumnTile - 1) / kColumnTile;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  split_columns_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
+      src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums);
   return cudaGetLastError();
 }
 
