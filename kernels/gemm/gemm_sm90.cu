@@ -15,7 +15,8 @@
 // accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the tensor cores' own
 // accumulation over a long K loses precision; the per-chunk scale needs no pass over w before the GEMM). The two
 // consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
-// The CTAs walk x's tiles fastest, so those running together share a w tile in L2.
+// Persistent CTAs, one per multiprocessor, take tiles in turn, x's tiles fastest, so those running together share a
+// w tile in L2; the producer loads a tile's first chunks while the consumers write the last one's outputs.
 // A non-finite w value is split as 0 and its row flagged in w_flags (written by the CTAs of x's first tile);
 // launch_nonfinite_outputs then writes the outputs it reaches.
 // Tails: TMA fills out-of-range w elements with zeros; x's split is zero-padded to whole chunks and TMA fills rows
@@ -233,8 +234,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   std::uint64_t* empty = full + kStages;
 
   const int x_tiles = (m + kBlockX - 1) / kBlockX;
-  const int tile_x = static_cast<int>(blockIdx.x % x_tiles);
-  const int tile_w = static_cast<int>(blockIdx.x / x_tiles);
+  const int tiles = x_tiles * ((n + kBlockW - 1) / kBlockW);
   const int chunks = static_cast<int>(split_row_length(k) / kBlockK);
   const int warpgroup = threadIdx.x / 128;
 
@@ -247,25 +247,31 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   }
   __syncthreads();
 
+  // Persistent: the CTA takes tiles blockIdx.x, + gridDim.x, ...; the stages and their phases run on across tiles
+  // (`iteration` counts the CTA's chunks), so the producer loads the next tile's first chunks during the epilogue.
   if (warpgroup == 0) {  // producer
     registers_decrease<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      for (int chunk = 0; chunk < chunks; ++chunk) {
-        const int stage = chunk % kStages, round = chunk / kStages;
-        if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
-        unsigned char* tiles = shared + stage * kStageBytes;
-        barrier_arrive_expect_bytes(&full[stage], kStageBytes);
-        if constexpr (!kTransposed) {
-          tma_load_2d(tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
-          tma_load_2d(tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
-        } else {
-          for (int box = 0; box < 4; ++box)
-            tma_load_2d(tiles + box * kWTransposedBoxBytes, &w_map, &full[stage], tile_w * kBlockW + box * kBoxK,
-                        chunk * kBlockK);
+      int iteration = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int tile_x = tile % x_tiles, tile_w = tile / x_tiles;
+        for (int chunk = 0; chunk < chunks; ++chunk, ++iteration) {
+          const int stage = iteration % kStages, round = iteration / kStages;
+          if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
+          unsigned char* stage_tiles = shared + stage * kStageBytes;
+          barrier_arrive_expect_bytes(&full[stage], kStageBytes);
+          if constexpr (!kTransposed) {
+            tma_load_2d(stage_tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
+            tma_load_2d(stage_tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
+          } else {
+            for (int box = 0; box < 4; ++box)
+              tma_load_2d(stage_tiles + box * kWTransposedBoxBytes, &w_map, &full[stage],
+                          tile_w * kBlockW + box * kBoxK, chunk * kBlockK);
+          }
+          tma_load_2d(stage_tiles + 2 * kWBoxBytes, &x_hi_map, &full[stage], chunk * kBlockK, tile_x * kBlockX);
+          tma_load_2d(stage_tiles + 2 * kWBoxBytes + kXTileBytes, &x_lo_map, &full[stage], chunk * kBlockK,
+                      tile_x * kBlockX);
         }
-        tma_load_2d(tiles + 2 * kWBoxBytes, &x_hi_map, &full[stage], chunk * kBlockK, tile_x * kBlockX);
-        tma_load_2d(tiles + 2 * kWBoxBytes + kXTileBytes, &x_lo_map, &full[stage], chunk * kBlockK,
-                    tile_x * kBlockX);
       }
     }
     return;
@@ -278,82 +284,92 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   const std::uint32_t shared_base = smem_address(shared);
   float accumulator[64], total[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) accumulator[i] = total[i] = 0.0f;
-  bool non_finite[2] = {false, false};
+  for (int i = 0; i < 64; ++i) accumulator[i] = 0.0f;
+  int iteration = 0;
 
-  // Software pipeline: chunk c + 1's w is loaded and scaled while chunk c's products run; it is split into the A
-  // registers once they have completed (wgmma reads them until then).
-  WChunk w;
-  ARegisters a;
-  barrier_wait(&full[0], 0);
-  ChunkScales scales = load_w_chunk<kTransposed>(shared_base, tile_row, t, w, non_finite);
-  if (scales.single) split_w_chunk<true>(w, scales, a);
-  else split_w_chunk<false>(w, scales, a);
-
-  for (int chunk = 0; chunk < chunks; ++chunk) {
-    const int stage = chunk % kStages;
-    const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
-    const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
-    const std::uint64_t x_lo = k_major_swizzle128_descriptor(x_hi_tile + kXTileBytes);
-    // The consumers take turns issuing their chunk's products, so that the tensor cores run one's while the other
-    // promotes and splits (issued at once, the two would interleave, finish together and leave the tensor cores
-    // idle while both split).
-    if (consumer == 1 || chunk > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
-    wgmma_fence();
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int tile_x = tile % x_tiles, tile_w = tile / x_tiles;
+    const bool last_tile = tile + static_cast<int>(gridDim.x) >= tiles;
 #pragma unroll
-    for (int step = 0; step < 4; ++step) {
-      const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
-      wgmma_m64n128k16_f16_rs(accumulator, a.lo[step], x_hi + offset, step != 0);
-      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_lo + offset, true);
-      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_hi + offset, true);
+    for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+    bool non_finite[2] = {false, false};
+
+    // Software pipeline: chunk c + 1's w is loaded and scaled while chunk c's products run; it is split into the A
+    // registers once they have completed (wgmma reads them until then).
+    WChunk w;
+    ARegisters a;
+    barrier_wait(&full[iteration % kStages], (iteration / kStages) & 1);
+    ChunkScales scales =
+        load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, t, w, non_finite);
+    if (scales.single) split_w_chunk<true>(w, scales, a);
+    else split_w_chunk<false>(w, scales, a);
+
+    for (int chunk = 0; chunk < chunks; ++chunk, ++iteration) {
+      const int stage = iteration % kStages;
+      const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
+      const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
+      const std::uint64_t x_lo = k_major_swizzle128_descriptor(x_hi_tile + kXTileBytes);
+      // The consumers take turns issuing their chunk's products, so that the tensor cores run one's while the
+      // other promotes and splits (issued at once, the two would interleave, finish together and leave the tensor
+      // cores idle while both split). Consumer 1 goes after consumer 0 in every chunk; consumer 0 after consumer 1
+      // in every chunk but the CTA's first.
+      if (consumer == 1 || iteration > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
+        wgmma_m64n128k16_f16_rs(accumulator, a.lo[step], x_hi + offset, step != 0);
+        wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_lo + offset, true);
+        wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_hi + offset, true);
+      }
+      wgmma_commit();
+      const bool more = chunk + 1 < chunks;
+      if (consumer == 0 || more || !last_tile) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
+
+      const ChunkScales current = scales;
+      if (more) {
+        const int next = (iteration + 1) % kStages;
+        barrier_wait(&full[next], ((iteration + 1) / kStages) & 1);
+        scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
+      }
+      wgmma_wait<0>();
+      if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
+      if (current.single) promote<true>(accumulator, current, total);
+      else promote<false>(accumulator, current, total);
+      if (more) {
+        if (scales.single) split_w_chunk<true>(w, scales, a);
+        else split_w_chunk<false>(w, scales, a);
+      }
     }
-    wgmma_commit();
-    if (consumer == 0 || chunk + 1 < chunks) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
 
-    const ChunkScales current = scales;
-    const bool more = chunk + 1 < chunks;
-    if (more) {
-      const int next = (chunk + 1) % kStages;
-      barrier_wait(&full[next], ((chunk + 1) / kStages) & 1);
-      scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
-    }
-    wgmma_wait<0>();
-    if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
-    if (current.single) promote<true>(accumulator, current, total);
-    else promote<false>(accumulator, current, total);
-    if (more) {
-      if (scales.single) split_w_chunk<true>(w, scales, a);
-      else split_w_chunk<false>(w, scales, a);
-    }
-  }
-
-  // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + 8 half, x row 8 j + 2 t + c.
-  const bool flags_writer = tile_x == 0;
+    // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + 8 half, x row 8 j + 2 t + c.
+    const bool flags_writer = tile_x == 0;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    bool bad = non_finite[half];
-    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-    const int column = tile_w * kBlockW + tile_row + 8 * half;
-    if (column >= n) continue;
-    if (flags_writer && t == 0) w_flags[column] = bad ? kNonFiniteRow : 0;
-    const float column_bias = bias ? bias[column] : 0.0f;
+    for (int half = 0; half < 2; ++half) {
+      bool bad = non_finite[half];
+      bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+      bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+      const int column = tile_w * kBlockW + tile_row + 8 * half;
+      if (column >= n) continue;
+      if (flags_writer && t == 0) w_flags[column] = bad ? kNonFiniteRow : 0;
+      const float column_bias = bias ? bias[column] : 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < 16; ++j) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
-        if (row >= m) continue;
-        // One exact multiply by 2^-e where that is a normal float (every row but those below ~2^-113 or above
-        // 2^126 in magnitude); ldexpf, rounding once, for the rest.
-        const int e = x_exponent[row];
-        const float unscaled = e >= -127 && e <= 126 ? total[j * 4 + half * 2 + c] * exact_power_of_two(-e)
-                                                     : ldexpf(total[j * 4 + half * 2 + c], -e);
-        const float v = (unscaled + column_bias) * multiplier;
-        const bool is_positive = v > 0.0f;
-        const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
-        y[at] = is_positive ? v : v * negative_slope;
-        if (positive) positive[at] = is_positive;
+        for (int c = 0; c < 2; ++c) {
+          const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
+          if (row >= m) continue;
+          // One exact multiply by 2^-e where that is a normal float (every row but those below ~2^-113 or above
+          // 2^126 in magnitude); ldexpf, rounding once, for the rest.
+          const int e = x_exponent[row];
+          const float unscaled = e >= -127 && e <= 126 ? total[j * 4 + half * 2 + c] * exact_power_of_two(-e)
+                                                       : ldexpf(total[j * 4 + half * 2 + c], -e);
+          const float v = (unscaled + column_bias) * multiplier;
+          const bool is_positive = v > 0.0f;
+          const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
+          y[at] = is_positive ? v : v * negative_slope;
+          if (positive) positive[at] = is_positive;
+        }
       }
     }
   }
@@ -394,7 +410,7 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
   if (m >= (std::int64_t{1} << 31) || n >= (std::int64_t{1} << 31) || k >= (std::int64_t{1} << 31) - kSplitChunk)
     return false;
   const std::int64_t tiles = ((m + kBlockX - 1) / kBlockX) * ((n + kBlockW - 1) / kBlockW);
-  if (tiles >= (std::int64_t{1} << 31)) return false;
+  if (tiles >= (std::int64_t{1} << 31) - 4096) return false;  // tile indices plus a grid stay ints
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess || major != 9 ||
@@ -431,7 +447,11 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (err != cudaSuccess) return err;
   const std::int64_t tiles = ((m + kBlockX - 1) / kBlockX) * ((n + kBlockW - 1) / kBlockW);
-  kernel<<<static_cast<unsigned>(tiles), kThreads, kSharedBytes, stream>>>(
+  int processors = 0;
+  err = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const std::int64_t ctas = tiles < processors ? tiles : processors;  // persistent: one CTA per multiprocessor
+  kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
       maps[0], maps[1], maps[2], x_exponent, w_flags, bias, y, positive, static_cast<int>(m), static_cast<int>(n),
       static_cast<int>(k), multiplier, negative_slope);
   return cudaGetLastError();

@@ -122,12 +122,13 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
 // for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them (from L2) through a shared
 // tile, transposed, and writes each column's hi and lo as rows.
 constexpr int kColumnTile = 32;
+constexpr int kColumnThreads = 1024;  // a warp per row in flight: pass 1 is a strided walk down the columns
 
-__global__ void __launch_bounds__(kSplitThreads)
+__global__ void __launch_bounds__(kColumnThreads)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                      __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
                      float* __restrict__ column_sums) {
-  constexpr int kWarps = kSplitThreads / 32;
+  constexpr int kWarps = kColumnThreads / 32;
   __shared__ float warp_max[kWarps][kColumnTile], warp_sum[kWarps][kColumnTile];
   __shared__ bool warp_bad[kWarps][kColumnTile];
   __shared__ PowerOfTwo scales[kColumnTile];
@@ -284,7 +285,7 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const std::int64_t blocks = (cols + kColumnTile - 1) / kColumnTile;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  split_columns_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
+  split_columns_kernel<<<static_cast<unsigned>(blocks), kColumnThreads, 0, stream>>>(
       src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums);
   return cudaGetLastError();
 }
