@@ -120,7 +120,7 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
 // The split of src's columns (src: rows x cols, row-major): row c of the result is column c of src, in natural
 // order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp a row at a time, 128 bytes)
 // for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them (from L2) through a shared
-// tile, transposed, and writes each column's hi and lo as rows.
+// tile, transposed, and writes each column's hi and lo as rows. split_row_length(rows) is a multiple of 64.
 constexpr int kColumnTile = 32;
 constexpr int kColumnThreads = 1024;  // a warp per row in flight: pass 1 is a strided walk down the columns
 
@@ -132,7 +132,7 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   __shared__ float warp_max[kWarps][kColumnTile], warp_sum[kWarps][kColumnTile];
   __shared__ bool warp_bad[kWarps][kColumnTile];
   __shared__ PowerOfTwo scales[kColumnTile];
-  __shared__ float tile[kColumnTile][kColumnTile + 1];
+  __shared__ float tile[2 * kColumnTile][kColumnTile + 1];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + lane;
   const bool inside = column < cols;
@@ -170,22 +170,21 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   __syncthreads();
   const std::int64_t length = split_row_length(rows);
   const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
-  for (std::int64_t r0 = 0; r0 < length; r0 += kColumnTile) {
-    for (int i = warp; i < kColumnTile; i += kWarps) {  // row r0 + i of the tile, column lane
+  // Pass 2, 64 rows at a time: each warp loads two rows of the tile; then warp i writes column first_column + i's
+  // rows r0 .. r0 + 63 as fp16 pairs, 128 bytes of hi and of lo per warp.
+  for (std::int64_t r0 = 0; r0 < length; r0 += 2 * kColumnTile) {
+    for (int i = warp; i < 2 * kColumnTile; i += kWarps) {
       const std::int64_t r = r0 + i;
       tile[i][lane] = r < rows && inside ? src[r * row_stride + column] : 0.0f;
     }
     __syncthreads();
-    for (int i = warp; i < kColumnTile; i += kWarps) {  // column first_column + i of src, its rows r0 + lane
+    for (int i = warp; i < kColumnTile; i += kWarps) {
       if (first_column + i < cols) {
-        float v = tile[lane][i];
-        v = is_finite(v) ? v : 0.0f;
-        const PowerOfTwo scale = scales[i];
-        const float scaled = (v * scale.a) * scale.b;
-        const __half h = __float2half_rn(scaled);
-        const std::int64_t at = (first_column + i) * length + r0 + lane;
-        hi[at] = h;
-        lo[at] = __float2half_rn(scaled - __half2float(h));
+        const auto clean = [](float v) { return is_finite(v) ? v : 0.0f; };
+        const SplitPair pair = split_pair(clean(tile[2 * lane][i]), clean(tile[2 * lane + 1][i]), scales[i]);
+        const std::int64_t at = (first_column + i) * length + r0 + 2 * lane;
+        *reinterpret_cast<__half2*>(hi + at) = pair.hi;
+        *reinterpret_cast<__half2*>(lo + at) = pair.lo;
       }
     }
     __syncthreads();
