@@ -115,7 +115,7 @@ class GemmCase:
     forced below its range); the gradients allclose(1e-4)."""
 
     family = "gemm"
-    ops = {"gemm_multiply_leaky_relu"}
+    ops = {"gemm_multiply_leaky_relu", "gemm_multiply_leaky_relu_backward"}  # the backward: through autograd
 
     def __init__(self, shape, multiplier, slope, path):
         self.shape, self.multiplier, self.slope, self.path = shape, multiplier, slope, path
