@@ -181,6 +181,21 @@ def test_opcheck(device):
     torch.library.opcheck(op, (x, weight, None, 2.0, 0.1, False))
 
 
+def test_backward_op_opcheck_and_bad_inputs(device):
+    x, weight = torch.randn(6, 20, device=device), torch.randn(12, 20, device=device)
+    grad_y = torch.randn(6, 12, device=device)
+    saved = torch.randn(6, 12, device=device)
+    op = torch.ops.kernels.gemm_multiply_leaky_relu_backward.default
+    for needs in ((True, True, True), (True, False, False), (False, True, True)):
+        torch.library.opcheck(op, (grad_y, x, weight, saved, 2.0, 0.1, *needs))
+    grad_x, grad_weight, grad_bias = op(grad_y, x, weight, saved, 2.0, 0.1, False, True, False)
+    assert grad_x.numel() == 0 and grad_weight.shape == weight.shape and grad_bias.numel() == 0
+    with pytest.raises(RuntimeError, match="grad_y must have the output's shape"):
+        op(grad_y[:, :11], x, weight, saved, 2.0, 0.1, True, True, True)
+    with pytest.raises(RuntimeError, match="grad_y"):
+        op(grad_y.double(), x, weight, saved, 2.0, 0.1, True, True, True)
+
+
 def test_torch_compile_fullgraph_forward_and_backward(device):
     torch._dynamo.reset()
     reference, new = make_pair(64, 32, 2.0, -0.2, device)

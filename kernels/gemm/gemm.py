@@ -30,9 +30,8 @@ def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, 
 
 def _gemm_multiply_leaky_relu_backward_fake(grad_y, x, weight, saved, multiplier, negative_slope, x_grad,
                                             weight_grad, bias_grad):
-    empty = x.new_empty((0,))
-    return (x.new_empty(x.shape) if x_grad else empty, weight.new_empty(weight.shape) if weight_grad else empty,
-            weight.new_empty((weight.shape[0],)) if bias_grad else empty)
+    return (x.new_empty(x.shape if x_grad else (0,)), weight.new_empty(weight.shape if weight_grad else (0,)),
+            weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
 
 
 def _gemm_setup_context(ctx, inputs, output):
