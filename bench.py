@@ -60,6 +60,10 @@ class Options:
         """eager always runs: it is every row's reference."""
         return variant == "eager" or self.variants is None or variant in self.variants
 
+    def eager_and_new(self, eager, new):
+        """{"eager": eager, "ModelNew": new}, without ModelNew where --variant leaves it out."""
+        return {"eager": eager, **({"ModelNew": new} if self.wants("ModelNew") else {})}
+
     def wants_dtype(self, label):
         return self.dtypes is None or label in self.dtypes
 
@@ -150,9 +154,7 @@ def bench_leaky_relu(rows, options):
             case = "per call, fp32 16x16384"
             progress(f"{problem}: {case}")
             x = torch.randn(16, 16384, device=DEVICE)
-            variants = {"eager": eager}
-            if options.wants("ModelNew"):
-                variants["ModelNew"] = new
+            variants = options.eager_and_new(eager, new)
             copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x) for m in variants.values()],
                                            calls_per_sample=200, samples=50, flush_l2=False)
             add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times),
@@ -282,9 +284,7 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             case = f"train step {label} {m}x{k}->{n}"
             progress(f"{problem}: {case}")
             x_train = x.clone().requires_grad_(True)
-            variants = {"eager": eager}
-            if options.wants("ModelNew"):
-                variants["ModelNew"] = new
+            variants = options.eager_and_new(eager, new)
 
             def train_step(model):
                 return torch.autograd.grad(model(x_train), [x_train, model.gemm.weight, model.gemm.bias], grad)
@@ -314,9 +314,7 @@ def bench_leaky_relu_cpu(rows, options):
             progress(f"{problem}: {case}")
             x = torch.randn(rows_count, dim).to(dtype)
             out = torch.empty_like(x)
-            variants = {"eager": eager}
-            if options.wants("ModelNew"):
-                variants["ModelNew"] = new
+            variants = options.eager_and_new(eager, new)
             (copy_ms, *times), (_, *kb) = run_case(
                 [lambda: out.copy_(x)] + [lambda model=model: model(x) for model in variants.values()], options,
                 cpu=True)
@@ -340,9 +338,7 @@ def bench_leaky_relu_cpu(rows, options):
             case = "per call, fp32 16x16384"
             progress(f"{problem}: {case}")
             x = torch.randn(16, 16384)
-            variants = {"eager": eager}
-            if options.wants("ModelNew"):
-                variants["ModelNew"] = new
+            variants = options.eager_and_new(eager, new)
             copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x) for m in variants.values()],
                                            calls_per_sample=20, samples=50, flush_l2=False, cpu=True)
             add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times),
@@ -371,9 +367,7 @@ def bench_gemm_multiply_leaky_relu_cpu(rows, options):
             eager, new = copy.deepcopy(eager32).to(dtype), copy.deepcopy(new32).to(dtype)
             x = x32.to(dtype)
             weight_t = eager.gemm.weight.t()
-            variants = {"eager": eager}
-            if options.wants("ModelNew"):
-                variants["ModelNew"] = new
+            variants = options.eager_and_new(eager, new)
             (mm_ms, *times), (_, *kb) = run_case(
                 [lambda: torch.mm(x, weight_t)] + [lambda model=model: model(x) for model in variants.values()],
                 options, cpu=True)

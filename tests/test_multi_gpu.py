@@ -28,6 +28,7 @@ from kernels.manifest import FAMILIES
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, relative_error
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
+from tools.ddp_check import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -38,21 +39,7 @@ PATHS_ON_SECOND = gemm_paths(SECOND) if TWO_GPUS else ["cublas"]
 PATHS_ON_BOTH = [p for p in PATHS_ON_SECOND if p in gemm_paths(FIRST)] if TWO_GPUS else ["cublas"]
 SPLIT_SIZED = (1024, 1024, 1024)  # M, K, N: the automatic choice takes split_fp16 here on Hopper (all >= 1024)
 
-# The environment of every process that may start NCCL: NVLink multicast stays off. Nothing here needs it, and on a
-# shared multi-GPU host a program that uses it can leave the GPUs unusable.
-NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
 # ---- the cases: one per family, each calling the family's ops through ModelNew, the functions and the ops ----------
-
-def grad_output_away_from_the_kink(pre, generator):
-    """A randn grad_output that is zero wherever the reference's pre-activation is within 1e-4 of its largest
-    magnitude from zero. There LeakyReLU's derivative jumps: a pre-activation a rounding error away on the other side
-    of zero (the split_fp16 path rounds differently from SGEMM, as SGEMM does from float64) changes that element's
-    gradient by (1 - slope) times its grad_output, a difference between two right answers. Everywhere else both
-    models apply the same formulas on the same branch, so their gradients must agree."""
-    grad = torch.randn(pre.shape, device=pre.device, generator=generator)
-    return grad.masked_fill(pre.abs() <= 1e-4 * pre.abs().max(), 0.0)
 
 
 class LeakyReLUCase:

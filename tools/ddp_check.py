@@ -16,10 +16,11 @@ the exit status is non-zero on a mismatch.
 import os
 import sys
 
-# NVLink multicast stays off: nothing here needs it, and on a shared multi-GPU host a program that uses it can leave
-# the GPUs unusable. Set before torch.distributed is imported, which reads them.
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
+# NVLink multicast stays off, here and in every process that may start NCCL: nothing here needs it, and on a shared
+# multi-GPU host a program that uses it can leave the GPUs unusable. Set before torch.distributed is imported, which
+# reads them.
+NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _name, _value in NO_NVLINK_MULTICAST.items():
     os.environ.setdefault(_name, _value)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,11 +74,12 @@ def last_preactivation(reference, x):
 
 
 def grad_output_away_from_the_kink(pre, generator):
-    """A randn grad_output that is zero wherever the reference's last pre-activation is within 1e-4 of its largest
+    """A randn grad_output that is zero wherever the reference's pre-activation `pre` is within 1e-4 of its largest
     magnitude from zero. There LeakyReLU's derivative jumps: a pre-activation a rounding error away on the other side
     of zero (the split_fp16 path rounds differently from SGEMM, as SGEMM does from float64) changes that element's
-    gradient by (1 - slope) times its grad_output, a difference between two right answers. The stack's inner layers
-    run on the cuBLAS path, whose pre-activations are eager's bit for bit, so they need no such care."""
+    gradient by (1 - slope) times its grad_output, a difference between two right answers. Everywhere else both
+    models apply the same formulas on the same branch, so their gradients must agree. (The stack's inner layers run
+    on the cuBLAS path, whose pre-activations are eager's bit for bit, so only the last one needs this.)"""
     grad = torch.randn(pre.shape, device=pre.device, generator=generator)
     return grad.masked_fill(pre.abs() <= 1e-4 * pre.abs().max(), 0.0)
 

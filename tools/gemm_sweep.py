@@ -5,6 +5,8 @@ where one call's time goes, kernel by kernel.
     python tools/gemm_sweep.py --k-sweep  # error of the forced split path against eager's, per K
     python tools/gemm_sweep.py --shapes   # time and error of both paths over output sizes and K
     python tools/gemm_sweep.py --profile  # only where one call's time goes
+    python tools/gemm_sweep.py --train    # an fp32 training step: where its time goes, its peak memory and each
+                                          # gradient's error against float64, eager's beside ModelNew's
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
 operand to about 2^-22, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
@@ -41,20 +43,69 @@ def problem_size():
         print(f"{kind:>6} {ms:9.4f} {eager_ms:9.4f} {ours:10.3e} {theirs:10.3e} {ours / theirs:6.3f}")
 
 
+def profile(step, calls=10):
+    """The device time of `calls` runs of step(), kernel by kernel, after three unmeasured runs."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def profile_one_call():
     from model_new import GemmMultiplyLeakyReLUModelNew
 
     new = GemmMultiplyLeakyReLUModelNew(8192, 8192, 2.0, 0.1).cuda()
     x = torch.randn(1024, 8192, device="cuda")
     with torch.no_grad():
-        for _ in range(3):
-            new(x)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                new(x)
+        profile(lambda: new(x))
+
+
+def train_step():
+    """One fp32 training step at the problem's size (forward and the gradients of x, W and b): ModelNew's profile,
+    then eager's and ModelNew's peak memory over what is held and each gradient's error against float64 through that
+    forward's own branch mask (tests/test_gemm.py, float64_gradients)."""
+    import torch.nn.functional as F
+
+    import reference
+    from kernels.precision import relative_error
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from test_gemm import float64_gradients
+
+    init = reference.gemm_multiply_leaky_relu_get_init_inputs()
+    multiplier, slope = init[2], init[3]
+    torch.manual_seed(0)
+    eager = reference.GemmMultiplyLeakyReLUModel(*init).cuda()
+    torch.manual_seed(0)
+    new = GemmMultiplyLeakyReLUModelNew(*init).cuda()
+    x = torch.randn(1024, init[0], device="cuda", requires_grad=True)
+    grad_y = torch.randn(1024, init[1], device="cuda")
+    profile(lambda: torch.autograd.grad(new(x), [x, new.gemm.weight, new.gemm.bias], grad_y))
+    print(f"{'variant':>9} {'peak MiB over held':>18} {'err grad_x':>11} {'err grad_W':>11} {'err grad_b':>11}")
+    for name, model in (("eager", eager), ("ModelNew", new)):
+        for _ in range(2):  # the second step is measured: the first loads kernels and makes handles
+            model.zero_grad(set_to_none=True)
+            x.grad = None
             torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+            held = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            model(x).backward(grad_y)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - held
+        with torch.no_grad():
+            positive = F.linear(x, model.gemm.weight, model.gemm.bias) * multiplier > 0
+            if name == "ModelNew":
+                positive = torch.ops.kernels.gemm_multiply_leaky_relu(x, new.gemm.weight, new.gemm.bias, multiplier,
+                                                                      slope, True)[1]
+        references = float64_gradients(x.detach(), model.gemm.weight.detach(), grad_y, positive, multiplier, slope)
+        errors = [relative_error(g, r) for g, r in zip((x.grad, model.gemm.weight.grad, model.gemm.bias.grad),
+                                                       references)]
+        print(f"{name:>9} {peak / 2**20:18.1f} {errors[0]:11.3e} {errors[1]:11.3e} {errors[2]:11.3e}")
 
 
 def k_sweep():
@@ -129,6 +180,9 @@ def main():
         return
     if "--profile" in sys.argv:
         profile_one_call()
+        return
+    if "--train" in sys.argv:
+        train_step()
         return
     if "--shapes" in sys.argv:
         shape_sweep()
