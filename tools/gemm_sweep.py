@@ -86,6 +86,14 @@ def train_step():
     x = torch.randn(1024, init[0], device="cuda", requires_grad=True)
     grad_y = torch.randn(1024, init[1], device="cuda")
     profile(lambda: torch.autograd.grad(new(x), [x, new.gemm.weight, new.gemm.bias], grad_y))
+    # The backward's two products apart (the same kernel serves both): grad_x alone, then grad_W with grad_b.
+    with torch.no_grad():
+        saved = new(x)
+    for wanted in ((True, False, False), (False, True, True)):
+        print("backward op, x_grad, weight_grad, bias_grad =", wanted)
+        profile(lambda: torch.ops.kernels.gemm_multiply_leaky_relu_backward(
+            grad_y, x.detach(), new.gemm.weight.detach(), saved, multiplier, slope, *wanted))
+    del saved
     print(f"{'variant':>9} {'peak MiB over held':>18} {'err grad_x':>11} {'err grad_W':>11} {'err grad_b':>11}")
     for name, model in (("eager", eager), ("ModelNew", new)):
         for _ in range(2):  # the second step is measured: the first loads kernels and makes handles

@@ -16,11 +16,13 @@
 // accumulation over a long K loses precision; the per-chunk scale needs no pass over w before the GEMM). The two
 // consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
 // Persistent CTAs, one per multiprocessor, take tiles in turn, x's tiles fastest, so those running together share a
-// w tile in L2; the producer loads a tile's first chunks while the consumers write the last one's outputs.
+// w tile in L2; the producer loads a tile's first chunks while the consumers write the last one's outputs. The
+// consumers write outputs into shared memory and TMA stores them (y's rows 16-byte aligned; plain stores else), so
+// that a consumer goes on to the next tile's products without waiting on global stores.
 // A non-finite w value is split as 0 and its row flagged in w_flags (written by the CTAs of x's first tile);
 // launch_nonfinite_outputs then writes the outputs it reaches.
 // Tails: TMA fills out-of-range w elements with zeros; x's split is zero-padded to whole chunks and TMA fills rows
-// past m with zeros; the epilogue guards its stores.
+// past m with zeros; TMA stores and the plain stores' guards write nothing outside y.
 //
 // Requires sm_90a; built for any other target, the kernel is an empty stub, split_gemm_supported() is false and
 // the caller takes its cuBLAS path.
@@ -46,14 +48,21 @@ constexpr int kWBoxBytes = kBlockW * kBoxK * 4;            // 16 KB
 constexpr int kWTransposedBoxBytes = kBlockK * kBoxK * 4;  // 8 KB: 64 of k x 32 rows of w, when w comes transposed
 constexpr int kXTileBytes = kBlockX * kBlockK * 2;         // 16 KB
 constexpr int kStageBytes = 2 * kWBoxBytes + 2 * kXTileBytes;
-constexpr int kSharedBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // tiles, barriers, alignment
-constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: consumer 0's and consumer 1's turn to issue products
+constexpr int kOutBoxRows = 64;                             // y rows (rows of x) per TMA store box
+constexpr int kOutBoxBytes = kOutBoxRows * kBoxK * 4;       // 8 KB: 64 rows of y x 32 columns (rows of w)
+constexpr int kStagingBytes = 2 * kOutBoxBytes;             // per consumer: 64 rows of y x its 64 columns
+constexpr int kSharedBytes =
+    kStages * kStageBytes + kConsumers * kStagingBytes + 2 * kStages * 8 + 1024;  // tiles, staging, barriers, align
+constexpr int kTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and consumer 1's turn to issue products
+constexpr int kStagingBarrier = 3;  // named barriers 3 and 4: consumer 0's and consumer 1's staging buffer
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
 static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows of w");
 static_assert(kBlockK == 2 * kBoxK && kBlockK * 2 == 128, "a chunk is two w boxes and one fp16 swizzle row of x");
 static_assert(4 * kWTransposedBoxBytes == 2 * kWBoxBytes, "either way, a stage holds 128 rows of w x 64 of k");
 static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "the register file");
+static_assert(kSharedBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
+static_assert(2 * kOutBoxRows == kBlockX && 2 * kBoxK == kBlockW / kConsumers, "a consumer stores 2 x 2 boxes a tile");
 
 // The thread's 2 rows (half 0: row g, half 1: row g + 8 of its warp's 16) x 16 values of w for one chunk: pack
 // [half][box][h] holds k = 32 box + 8 t + 4 h .. + 3 (split_scale.cuh: split_position).
@@ -222,15 +231,16 @@ __device__ __forceinline__ void promote(const float (&accumulator)[64], const Ch
 template <bool kTransposed>
 __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_hi_map,
-                  const __grid_constant__ CUtensorMap x_lo_map, const std::int32_t* __restrict__ x_exponent,
-                  std::int32_t* __restrict__ w_flags, const float* __restrict__ bias, float* __restrict__ y,
-                  std::uint8_t* __restrict__ positive, int m, int n, int k, float multiplier, float negative_slope) {
+                  const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
+                  bool y_by_tma, const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
+                  const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
+                  int n, int k, float multiplier, float negative_slope) {
 #if KERNELS_SM90A_DEVICE
   using namespace sm90;
   extern __shared__ unsigned char shared_raw[];
   unsigned char* shared = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(shared_raw) + 1023) & ~std::uintptr_t{1023});
-  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(shared + kStages * kStageBytes);
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(shared + kStages * kStageBytes + kConsumers * kStagingBytes);
   std::uint64_t* empty = full + kStages;
 
   const int x_tiles = (m + kBlockX - 1) / kBlockX;
@@ -344,35 +354,99 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
 
     // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + 8 half, x row 8 j + 2 t + c.
     const bool flags_writer = tile_x == 0;
+    float column_bias[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       bool bad = non_finite[half];
       bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
       bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
       const int column = tile_w * kBlockW + tile_row + 8 * half;
-      if (column >= n) continue;
-      if (flags_writer && t == 0) w_flags[column] = bad ? kNonFiniteRow : 0;
-      const float column_bias = bias ? bias[column] : 0.0f;
+      if (flags_writer && t == 0 && column < n) w_flags[column] = bad ? kNonFiniteRow : 0;
+      column_bias[half] = bias && column < n ? bias[column] : 0.0f;
+    }
+    // The output of total[j * 4 + half * 2 + c] before the activation; e is its x row's exponent.
+    const auto output = [&](int j, int half, int c, int e) {
+      // One exact multiply by 2^-e where that is a normal float (every row but those below ~2^-113 or above 2^126
+      // in magnitude); ldexpf, rounding once, for the rest.
+      const float unscaled = e >= -127 && e <= 126 ? total[j * 4 + half * 2 + c] * exact_power_of_two(-e)
+                                                   : ldexpf(total[j * 4 + half * 2 + c], -e);
+      return (unscaled + column_bias[half]) * multiplier;
+    };
+    if (y_by_tma) {
+      // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores, which run on while the
+      // consumer goes on to the next tile: the tensor cores wait for no global store. The buffer holds two boxes
+      // (32 columns each) in the 128-byte swizzle: unit u of box row r at u ^ (r % 8), so that the warp's 32
+      // writes (4 rows x 8 columns) fall in 32 distinct banks.
+      const int staging_offset = kStages * kStageBytes + consumer * kStagingBytes;
+      const std::uint32_t staging = shared_base + staging_offset;
+      float* const staging_floats = reinterpret_cast<float*>(shared + staging_offset);  // plain stores: STS
+      const bool store_thread = threadIdx.x % 128 == 0;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
+        if (store_thread) tma_store_wait_read<0>();  // the buffer's previous stores have read it
+        named_barrier_sync(kStagingBarrier + consumer, 128);
+        // The part's x exponents loaded together, ahead of the outputs: one global latency per part.
+        int exponents[kOutBoxRows / 8][2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
-          if (row >= m) continue;
-          // One exact multiply by 2^-e where that is a normal float (every row but those below ~2^-113 or above
-          // 2^126 in magnitude); ldexpf, rounding once, for the rest.
-          const int e = x_exponent[row];
-          const float unscaled = e >= -127 && e <= 126 ? total[j * 4 + half * 2 + c] * exact_power_of_two(-e)
-                                                       : ldexpf(total[j * 4 + half * 2 + c], -e);
-          const float v = (unscaled + column_bias) * multiplier;
-          const bool is_positive = v > 0.0f;
-          const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
-          y[at] = is_positive ? v : v * negative_slope;
-          if (positive) positive[at] = is_positive;
+        for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int row = tile_x * kBlockX + part * kOutBoxRows + 8 * jj + 2 * t + c;
+            exponents[jj][c] = row < m ? x_exponent[row] : 0;
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
+          const int j = part * (kOutBoxRows / 8) + jj;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int local_column = tile_row - consumer * 64 + 8 * half;  // 0 .. 63 within the consumer's columns
+            const int box = local_column / kBoxK, box_column = local_column % kBoxK;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int box_row = 8 * jj + 2 * t + c, row = tile_x * kBlockX + 8 * j + 2 * t + c;
+              const int column = tile_w * kBlockW + tile_row + 8 * half;
+              const float v = output(j, half, c, exponents[jj][c]);
+              const bool is_positive = v > 0.0f;
+              staging_floats[(box * kOutBoxBytes + box_row * 128) / 4 + ((box_column / 4) ^ (box_row % 8)) * 4 +
+                             box_column % 4] = is_positive ? v : v * negative_slope;
+              if (positive && row < m && column < n)
+                positive[static_cast<std::int64_t>(row) * n + column] = is_positive;
+            }
+          }
+        }
+        fence_async_shared();
+        named_barrier_sync(kStagingBarrier + consumer, 128);
+        if (store_thread) {
+#pragma unroll
+          for (int box = 0; box < 2; ++box)
+            tma_store_2d(&y_map, staging + box * kOutBoxBytes, tile_w * kBlockW + consumer * 64 + box * kBoxK,
+                         tile_x * kBlockX + part * kOutBoxRows);
+          tma_store_commit();
+        }
+      }
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int column = tile_w * kBlockW + tile_row + 8 * half;
+        if (column >= n) continue;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
+            if (row >= m) continue;
+            const float v = output(j, half, c, x_exponent[row]);
+            const bool is_positive = v > 0.0f;
+            const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
+            y[at] = is_positive ? v : v * negative_slope;
+            if (positive) positive[at] = is_positive;
+          }
         }
       }
     }
   }
+  if (y_by_tma && threadIdx.x % 128 == 0) tma_store_wait<0>();  // the stores' writes are done before the CTA ends
 #endif
 }
 
@@ -436,13 +510,16 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
       reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
     return cudaErrorInvalidValue;
   const std::int64_t x_row = split_row_length(k);
-  CUtensorMap maps[3];
+  CUtensorMap maps[4] = {};
   const bool w_map = w_transposed
                          ? make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, k, n, w_stride * 4, kBlockK)
                          : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
   if (!w_map || !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
       !make_tile_map(&maps[2], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
     return cudaErrorInvalidValue;
+  // y through TMA stores where its rows are 16-byte aligned (TMA's rule for strides and addresses); plain stores else.
+  const bool y_by_tma = n % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
+                        make_tile_map(&maps[3], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, y, m, n, n * 4, kOutBoxRows);
   const auto kernel = w_transposed ? split_gemm_kernel<true> : split_gemm_kernel<false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (err != cudaSuccess) return err;
@@ -452,8 +529,8 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
   if (err != cudaSuccess) return err;
   const std::int64_t ctas = tiles < processors ? tiles : processors;  // persistent: one CTA per multiprocessor
   kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
-      maps[0], maps[1], maps[2], x_exponent, w_flags, bias, y, positive, static_cast<int>(m), static_cast<int>(n),
-      static_cast<int>(k), multiplier, negative_slope);
+      maps[0], maps[1], maps[2], maps[3], y_by_tma, x_exponent, w_flags, bias, y, positive, static_cast<int>(m),
+      static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope);
   return cudaGetLastError();
 }
 

@@ -130,6 +130,7 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
                      float* __restrict__ column_sums) {
   constexpr int kWarps = kColumnThreads / 32;
   __shared__ float warp_max[kWarps][kColumnTile], warp_sum[kWarps][kColumnTile];
+  __shared__ float warp_compensation[kWarps][kColumnTile];
   __shared__ bool warp_bad[kWarps][kColumnTile];
   __shared__ PowerOfTwo scales[kColumnTile];
   __shared__ float tile[2 * kColumnTile][kColumnTile + 1];
@@ -151,15 +152,23 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   }
   warp_max[warp][lane] = max_abs;
   warp_sum[warp][lane] = is_finite(sum) ? sum : plain_sum;
+  warp_compensation[warp][lane] = is_finite(sum) ? compensation : 0.0f;
   warp_bad[warp][lane] = non_finite;
   __syncthreads();
   if (warp == 0) {
+    // The warps' partial sums (each sum - compensation) added with Neumaier's two-sum, so that adding the 32 parts
+    // costs no more than one rounding of the total: plain adds here would double the error of 1024 rows' sums.
+    float total = warp_sum[0][lane], error = -warp_compensation[0][lane];
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) {
       max_abs = fmaxf(max_abs, warp_max[w][lane]);
-      sum += warp_sum[w][lane];
+      const float part = warp_sum[w][lane], next = total + part;
+      error += fabsf(total) >= fabsf(part) ? (total - next) + part : (part - next) + total;
+      error -= warp_compensation[w][lane];
+      total = next;
       non_finite |= warp_bad[w][lane];
     }
+    sum = is_finite(total) ? total + error : total;  // an inf or NaN total is IEEE's, as the plain sum's
     const int e = scale_exponent(max_abs);
     scales[lane] = power_of_two(e);
     if (inside) {

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the GEMM family's kernels, as thin wrappers over their PTX: mbarriers, TMA
-// tile loads into shared memory, named barriers, wgmma descriptors, the m64n128k16 fp16 -> fp32 wgmma with A from registers, and
-// the warpgroup register reallocation. Device code only; every
-// body is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
+// tile loads into shared memory and stores from it, named barriers, wgmma descriptors, the m64n128k16 fp16 -> fp32
+// wgmma with A from registers, and the warpgroup register reallocation. Device code only; every body is compiled
+// only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
 #pragma once
 
 #include <cstdint>
@@ -89,6 +89,47 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const CUtensorMap
       ::"r"(smem_address(destination)), "l"(reinterpret_cast<std::uint64_t>(map)), "r"(smem_address(barrier)),
       "r"(column), "r"(row)
       : "memory");
+#endif
+}
+
+// Stores the 2-D box at (column, row) of the tensor map from shared memory (at shared address `source`), in the
+// thread's current bulk group; elements outside the tensor are not written. The shared memory must have been
+// written before a fence_async_shared() (by every thread that wrote it) and a barrier.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, std::uint32_t source, int column, int row) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+               ::"l"(reinterpret_cast<std::uint64_t>(map)), "r"(source), "r"(column), "r"(row)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_store_commit() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending of the thread's bulk groups still read their shared memory (it may then be
+// overwritten).
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait_read() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Waits until at most kPending of the thread's bulk groups are incomplete (their writes done).
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Orders this thread's earlier shared-memory writes before later async-proxy (TMA) accesses.
+__device__ __forceinline__ void fence_async_shared() {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 
