@@ -213,6 +213,31 @@ def test_forward_mode_ad(device, slope, entry):
     assert_bitwise_equal(y_tangent, y_ref_tangent)
 
 
+@pytest.mark.parametrize("saved_kind", ["input", "mask"])
+def test_backward_op_paths(device, saved_kind):
+    """leaky_relu_backward goes straight to its kernel where no graph is recorded (no grad_fn), records one where
+    grad_output requires grad (a double backward), and carries grad_output's forward-mode tangent; each equal to
+    eager's leaky_relu_backward bit for bit."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, grad, tangent = (torch.randn(30, 7, device=device) for _ in range(3))
+    saved = x if saved_kind == "input" else x > 0
+    expected = torch.ops.aten.leaky_relu_backward(grad, x, -0.3, False) * 2.0
+    fast = torch.ops.kernels.leaky_relu_backward(grad, saved, -0.3, 2.0)
+    assert fast.grad_fn is None
+    assert_bitwise_equal(fast, expected)
+    grad_leaf = grad.clone().requires_grad_(True)
+    graphed = torch.ops.kernels.leaky_relu_backward(grad_leaf, saved, -0.3, 2.0)
+    assert graphed.grad_fn is not None
+    assert_bitwise_equal(graphed.detach(), expected)
+    (second,) = torch.autograd.grad(graphed, grad_leaf, tangent)
+    assert_bitwise_equal(second, torch.ops.aten.leaky_relu_backward(tangent, x, -0.3, False) * 2.0)
+    with fwAD.dual_level():
+        dual = fwAD.unpack_dual(torch.ops.kernels.leaky_relu_backward(fwAD.make_dual(grad, tangent), saved, -0.3, 2.0))
+    assert_bitwise_equal(dual.primal, expected)
+    assert_bitwise_equal(dual.tangent, torch.ops.aten.leaky_relu_backward(tangent, x, -0.3, False) * 2.0)
+
+
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_torch_func_grad_is_a_clear_error(device, entry):
     """torch.library's autograd registration does not support torch.func's grad transforms yet: they must raise,
@@ -240,6 +265,8 @@ def test_opcheck(device):
                               (x.clone().requires_grad_(requires_grad), -0.2))
         torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default,
                               (torch.randn_like(x).requires_grad_(requires_grad), x, 0.1, 1.0))
+        torch.library.opcheck(torch.ops.kernels._leaky_relu_backward_with_grad.default,
+                              (torch.randn_like(x).requires_grad_(requires_grad), x, -0.1, 2.0))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_.default, (x.clone(), 0.1))
     torch.library.opcheck(torch.ops.kernels.multiply_leaky_relu_.default, (x.clone(), -2.0, 0.1, True))
     torch.library.opcheck(torch.ops.kernels.multiply_leaky_relu_.default, (x.clone(), 3.0, -0.1, False))

@@ -47,7 +47,8 @@ class LeakyReLUCase:
     multiplier and its mask, the backward), against eager, bitwise. Odd length (the tail path), -0.0, Inf and NaN."""
 
     family = "leaky_relu"
-    ops = {"leaky_relu", "_leaky_relu_with_grad", "leaky_relu_", "multiply_leaky_relu_", "leaky_relu_backward"}
+    ops = {"leaky_relu", "_leaky_relu_with_grad", "leaky_relu_", "multiply_leaky_relu_", "leaky_relu_backward",
+           "_leaky_relu_backward_with_grad"}
     slope, multiplier = -0.3, -1.5
 
     def __str__(self):
@@ -73,8 +74,11 @@ class LeakyReLUCase:
         multiplied = x.clone()
         mask = torch.ops.kernels.multiply_leaky_relu_(multiplied, self.multiplier, self.slope, True)
         backward = torch.ops.kernels.leaky_relu_backward(grad, x, self.slope, 1.0)
+        grad_leaf = grad.clone().requires_grad_(True)  # a graph recorded: the _with_grad op
+        backward_graphed = torch.ops.kernels.leaky_relu_backward(grad_leaf, x, self.slope, 1.0)
         return {"module": y.detach(), "module grad": leaf.grad, "op": y_op.detach(), "op grad": op_leaf.grad,
-                "in place": in_place, "multiplied": multiplied, "mask": mask, "backward": backward}
+                "in place": in_place, "multiplied": multiplied, "mask": mask, "backward": backward,
+                "backward graphed": backward_graphed.detach()}
 
     def eager(self, x, grad):
         leaf = x.clone().requires_grad_(True)
@@ -86,7 +90,7 @@ class LeakyReLUCase:
         backward = torch.ops.aten.leaky_relu_backward(grad, x, self.slope, False)
         return {"module": y.detach(), "module grad": leaf.grad, "op": y.detach(), "op grad": leaf.grad,
                 "in place": in_place, "multiplied": F.leaky_relu(product, self.slope), "mask": product > 0,
-                "backward": backward}
+                "backward": backward, "backward graphed": backward}
 
     def check(self, got, expected, inputs):
         for name in expected:

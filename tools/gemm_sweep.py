@@ -7,6 +7,7 @@ where one call's time goes, kernel by kernel.
     python tools/gemm_sweep.py --profile  # only where one call's time goes
     python tools/gemm_sweep.py --train    # an fp32 training step: where its time goes, its peak memory and each
                                           # gradient's error against float64, eager's beside ModelNew's
+    python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
 operand to about 2^-22, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
@@ -116,6 +117,32 @@ def train_step():
         print(f"{name:>9} {peak / 2**20:18.1f} {errors[0]:11.3e} {errors[1]:11.3e} {errors[2]:11.3e}")
 
 
+def train_step_profile(label):
+    """Eager's and ModelNew's training step (bench.py's: the forward, then torch.autograd.grad of x, W and b) in one
+    dtype at the problem's size: each one's time over several rounds of interleaved samples, then each one's kernels."""
+    import reference
+    from kernels.timing import time_each_ms
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
+    init = reference.gemm_multiply_leaky_relu_get_init_inputs()
+    torch.manual_seed(0)
+    eager = reference.GemmMultiplyLeakyReLUModel(*init).cuda().to(dtype)
+    torch.manual_seed(0)
+    new = GemmMultiplyLeakyReLUModelNew(*init).cuda().to(dtype)
+    x = torch.randn(1024, init[0], device="cuda", dtype=dtype, requires_grad=True)
+    grad = torch.randn(1024, init[1], device="cuda", dtype=dtype)
+    steps = {name: (lambda model=model: torch.autograd.grad(model(x), [x, model.gemm.weight, model.gemm.bias], grad))
+             for name, model in (("eager", eager), ("ModelNew", new))}
+    for round_ in range(5):
+        times = time_each_ms(list(steps.values()), samples=30)
+        print(f"{label} train step, round {round_}: " + ", ".join(f"{n} {t:.4f} ms" for n, t in zip(steps, times))
+              + f", ratio {times[0] / times[1]:.3f}")
+    for name, step in steps.items():
+        print(f"{label} train step, {name}:")
+        profile(step)
+
+
 def k_sweep():
     import torch.nn.functional as F
     from kernels.functional import gemm_multiply_leaky_relu
@@ -191,6 +218,9 @@ def main():
         return
     if "--train" in sys.argv:
         train_step()
+        return
+    if "--train-profile" in sys.argv:
+        train_step_profile(sys.argv[sys.argv.index("--train-profile") + 1])
         return
     if "--shapes" in sys.argv:
         shape_sweep()

@@ -8,9 +8,12 @@ Ops (schemas in leaky_relu.cpp):
                                                              family's epilogue on its cuBLAS path
   leaky_relu_backward(grad_output, saved, negative_slope, multiplier) -> grad_input
   _leaky_relu_with_grad(x, negative_slope) -> y              leaky_relu where a graph is recorded
+  _leaky_relu_backward_with_grad(grad_output, saved, negative_slope, multiplier) -> grad_input
+                                                             leaky_relu_backward where a graph is recorded
 
-leaky_relu's Autograd kernel is C++ (leaky_relu.cpp): where no gradient can flow it runs the kernel directly, for
-the per-call overhead; else it calls _leaky_relu_with_grad, whose autograd formula is here like the others'.
+The Autograd kernels of leaky_relu and leaky_relu_backward are C++ (leaky_relu.cpp): where no gradient can flow
+they run the kernel directly, for the per-call overhead; else they call the _with_grad op, whose autograd formula is
+here like the others'.
 """
 
 import torch
@@ -134,9 +137,10 @@ def _register_fake_and_autograd():
     torch.library.register_fake("kernels::leaky_relu_", _leaky_relu_inplace_fake)
     torch.library.register_fake("kernels::multiply_leaky_relu_", _multiply_leaky_relu_inplace_fake)
     torch.library.register_fake("kernels::leaky_relu_backward", _leaky_relu_backward_fake)
+    torch.library.register_fake("kernels::_leaky_relu_backward_with_grad", _leaky_relu_backward_fake)
     torch.library.register_autograd("kernels::_leaky_relu_with_grad", _leaky_relu_grad,
                                     setup_context=_leaky_relu_setup_context)
-    torch.library.register_autograd("kernels::leaky_relu_backward", _leaky_relu_backward_grad,
+    torch.library.register_autograd("kernels::_leaky_relu_backward_with_grad", _leaky_relu_backward_grad,
                                     setup_context=_leaky_relu_backward_setup_context)
 
 
