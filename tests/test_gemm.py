@@ -499,7 +499,9 @@ def check_split_backward(m, k, n, multiplier, slope, forced=False, kind="randn")
         got, expected = got[keep], expected[keep]
         scale = expected.abs().max().clamp_min(1e-30)
         assert allclose(got / scale, expected / scale), (name, ((got - expected) / scale).abs().max())
-        limit = max(eager_error, SPLIT_FP16_ERROR_FLOOR) if forced or name == "bias" else eager_error
+        # grad_b too: its compensated column sums must beat eager's sum (they once lost to it, by adding 32 warps'
+        # partial sums plainly).
+        limit = max(eager_error, SPLIT_FP16_ERROR_FLOOR) if forced else eager_error
         assert error <= limit, (name, error, eager_error)
     return ours_errors, eager_errors
 
