@@ -37,6 +37,7 @@ namespace {
 
 using common::check_float_tensor;
 using common::in_layout_of;
+using common::output_like;
 using common::shape_str;
 
 // ---- CPU loops -------------------------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ void run_leaky_relu_backward(const at::Tensor& grad_out, const at::Tensor& saved
 at::Tensor leaky_relu(const at::Tensor& x, double negative_slope) {
   check_float_tensor("leaky_relu", "x", x);
   // Same layout as F.leaky_relu's output: x's strides if x is dense (a transpose too), contiguous otherwise.
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = output_like(x);
   run_multiply_leaky_relu(in_layout_of(x, y), y, at::Tensor(), 1.0, negative_slope);
   return y;
 }
@@ -392,7 +393,7 @@ at::Tensor leaky_relu_backward(const at::Tensor& grad_output, const at::Tensor& 
               "the same device, got ", grad_output.device().str(), " and ", saved.device().str());
   TORCH_CHECK(saved.sizes() == grad_output.sizes(), "kernels.leaky_relu_backward: grad_output has shape ",
               shape_str(grad_output.sizes()), " but saved has shape ", shape_str(saved.sizes()));
-  at::Tensor grad_in = at::empty_like(grad_output);
+  at::Tensor grad_in = output_like(grad_output);
   run_leaky_relu_backward(in_layout_of(grad_output, grad_in), in_layout_of(saved, grad_in), grad_in,
                           multiplier, negative_slope);
   return grad_in;
@@ -404,7 +405,7 @@ at::Tensor leaky_relu_backward(const at::Tensor& grad_output, const at::Tensor& 
 // kernels::_leaky_relu_with_grad, the same kernels with their backward formula registered in Python
 // (leaky_relu.py). A C++ autograd Function would do that too, but its header doubles the library's build time.
 // Forward mode is here: the tangent of y is leaky_relu_backward(tangent of x), which is linear in it.
-at::Tensor leaky_relu_autograd(const at::Tensor& x, double negative_slope) {
+at::Tensor leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
   using Signature = at::Tensor(const at::Tensor&, double);
   static const auto kernel =
       c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu", "").typed<Signature>();
@@ -416,10 +417,8 @@ at::Tensor leaky_relu_autograd(const at::Tensor& x, double negative_slope) {
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
 
   const at::Tensor& tangent = x._fw_grad(/*level=*/0);
-  if (!(c10::GradMode::is_enabled() && x.requires_grad()) && !tangent.defined()) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return kernel.call(x, negative_slope);
-  }
+  if (!(c10::GradMode::is_enabled() && x.requires_grad()) && !tangent.defined())
+    return kernel.redispatch(keys & c10::after_autograd_keyset, x, negative_slope);  // as VariableType does
   // x without its tangent, which the Python autograd formulas do not take.
   const at::Tensor primal = tangent.defined() ? x._fw_primal(/*level=*/0) : x;
   at::Tensor y = with_grad.call(primal, negative_slope);
@@ -434,8 +433,8 @@ at::Tensor leaky_relu_autograd(const at::Tensor& x, double negative_slope) {
 // Where a graph is to be recorded (a double backward) it calls kernels::_leaky_relu_backward_with_grad, whose
 // formula is registered in Python. Forward mode: the result is linear in grad_output (saved only picks the branch,
 // so its tangent contributes nothing).
-at::Tensor leaky_relu_backward_autograd(const at::Tensor& grad_output, const at::Tensor& saved, double negative_slope,
-                                        double multiplier) {
+at::Tensor leaky_relu_backward_autograd(c10::DispatchKeySet keys, const at::Tensor& grad_output,
+                                        const at::Tensor& saved, double negative_slope, double multiplier) {
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
   static const auto kernel =
       c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu_backward", "").typed<Signature>();
@@ -445,10 +444,8 @@ at::Tensor leaky_relu_backward_autograd(const at::Tensor& grad_output, const at:
 
   const at::Tensor& tangent = grad_output._fw_grad(/*level=*/0);
   if (!(c10::GradMode::is_enabled() && (grad_output.requires_grad() || saved.requires_grad())) &&
-      !tangent.defined()) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return kernel.call(grad_output, saved, negative_slope, multiplier);
-  }
+      !tangent.defined())
+    return kernel.redispatch(keys & c10::after_autograd_keyset, grad_output, saved, negative_slope, multiplier);
   const at::Tensor primal = tangent.defined() ? grad_output._fw_primal(/*level=*/0) : grad_output;
   at::Tensor grad_input = with_grad.call(primal, saved, negative_slope, multiplier);
   if (tangent.defined())
