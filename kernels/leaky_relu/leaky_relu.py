@@ -113,7 +113,7 @@ def leaky_relu(x, negative_slope=0.01, inplace=False):
         return _leaky_relu_inplace(x, negative_slope)
     # torch.compile and torch.func take the op too (they need a Function with setup_context, and Dynamo takes none
     # with a jvp), whose autograd path serves them.
-    if (torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+    if (torch.is_grad_enabled() and x.requires_grad and not _is_compiling()
             and not torch._C._are_functorch_transforms_active()):
         return _LeakyReLU.apply(x, negative_slope)
     return torch.ops.kernels.leaky_relu.default(x, negative_slope)
