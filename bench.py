@@ -9,7 +9,8 @@ Each row: the median time (CUDA events, L2 flushed before each timed call, the s
 taken in turn) and the same call timed KernelBench's way (sync, L2 flush, events, mean of 100 calls), so the
 harness's figure can be predicted; the speedups over eager and torch.compile; the achieved rate and its share of
 a ceiling measured in the same run; the error against a float64 reference and the fp32 tolerance verdict.
-"per call" rows run back to back, where host overhead decides. Inputs are randn, so both branches of LeakyReLU are
+"per call" rows run back to back, where host overhead decides (with grad: x requires grad, so each call records
+its autograd node). Inputs are randn, so both branches of LeakyReLU are
 exercised. The CPU tables (leaky_relu forward and backward, the GEMM's forward, in fp32, fp64, fp16 and bf16, at
 small sizes; wall-clock times) come after the GPU ones; without a GPU they are the only ones. Progress goes to
 stderr, the table to stdout.
@@ -97,6 +98,24 @@ def run_case(fns, options, kernelbench=True, cpu=False):
     return times, kb
 
 
+def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_sample):
+    """Small LeakyReLU calls back to back, where host overhead decides (no L2 flush, no KB column): one row without
+    grad, and one with x requiring grad, where each call also records its autograd node (freed with the output)."""
+    x = torch.randn(16, 16384, device=device)
+    variants = options.eager_and_new(eager, new)
+    for case, needs_grad in (("per call, fp32 16x16384", False), ("per call with grad, fp32 16x16384", True)):
+        progress(f"{problem}: {case}")
+        x_in = x.clone().requires_grad_(needs_grad)
+        with torch.set_grad_enabled(needs_grad):
+            copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x_in) for m in variants.values()],
+                                           calls_per_sample=calls_per_sample, samples=50, flush_l2=False,
+                                           cpu=device == "cpu")
+            outputs = [m(x_in).detach() for m in variants.values()]
+        with torch.no_grad():
+            add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times), outputs,
+                     lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms, eager(x.double()), eager(x))
+
+
 # ---- leaky_relu -------------------------------------------------------------------------------------------------
 
 def bench_leaky_relu(rows, options):
@@ -150,16 +169,8 @@ def bench_leaky_relu(rows, options):
                      "GB/s", "copy", 1.5 * copy_ms, g64, outputs[0])
             del x, grad, g64, outputs
 
-            # Launch-bound: host overhead per call decides, so calls run back to back (no L2 flush, no KB column).
-            case = "per call, fp32 16x16384"
-            progress(f"{problem}: {case}")
-            x = torch.randn(16, 16384, device=DEVICE)
-            variants = options.eager_and_new(eager, new)
-            copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x) for m in variants.values()],
-                                           calls_per_sample=200, samples=50, flush_l2=False)
-            add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times),
-                     [m(x) for m in variants.values()], lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms,
-                     eager(x.double()), eager(x))
+    if options.wants_dtype("fp32"):
+        add_per_call_rows(rows, problem, eager, new, options, DEVICE, calls_per_sample=200)
 
 
 # ---- gemm_multiply_leaky_relu -----------------------------------------------------------------------------------
@@ -333,17 +344,8 @@ def bench_leaky_relu_cpu(rows, options):
             add_rows(rows, problem, case, label, list(fns), times, kb, [fn() for fn in fns.values()],
                      lambda v: 3 * x.nbytes / 1e6, "GB/s", "copy", 1.5 * copy_ms, g64, g32)
 
-        if options.wants_dtype("fp32"):
-            # Host overhead decides: calls back to back.
-            case = "per call, fp32 16x16384"
-            progress(f"{problem}: {case}")
-            x = torch.randn(16, 16384)
-            variants = options.eager_and_new(eager, new)
-            copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x) for m in variants.values()],
-                                           calls_per_sample=20, samples=50, flush_l2=False, cpu=True)
-            add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times),
-                     [m(x) for m in variants.values()], lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms,
-                     eager(x.double()), eager(x))
+    if options.wants_dtype("fp32"):
+        add_per_call_rows(rows, problem, eager, new, options, "cpu", calls_per_sample=20)
 
 
 def bench_gemm_multiply_leaky_relu_cpu(rows, options):
@@ -383,7 +385,7 @@ def fmt(value, spec, width):
 
 
 COLUMNS = [  # header, width, cell
-    ("case", 32, lambda r: f"{r['case']:<32}"),
+    ("case", 34, lambda r: f"{r['case']:<34}"),
     ("variant", 24, lambda r: f"{r['variant']:<24}"),
     ("median ms", 9, lambda r: f"{r['ms']:>9.4f}"),
     ("KB ms", 8, lambda r: fmt(r["kernelbench_ms"], ".4f", 8)),

@@ -23,7 +23,7 @@ class Family:
 FAMILIES = (
     Family(
         name="leaky_relu",
-        cpp_sources=("leaky_relu/leaky_relu.cpp",),
+        cpp_sources=("leaky_relu/leaky_relu.cpp", "leaky_relu/leaky_relu_autograd.cpp"),
         cuda_sources=("leaky_relu/leaky_relu.cu",),
         python_module="kernels.leaky_relu.leaky_relu",
     ),

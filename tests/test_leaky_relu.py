@@ -14,8 +14,8 @@ from reference import LeakyReLUModel
 
 SLOPES = [0.01, 0.0, -0.5, 2.5]
 
-# The two ways in: ModelNew (the Python function, whose autograd is a torch.autograd.Function) and the op called
-# directly (whose autograd is the op's own path). Each must give eager's gradients.
+# The two ways in: ModelNew (through the Python function leaky_relu()) and the op called directly. Both reach the op's
+# C++ Autograd kernel; each must give eager's gradients.
 ENTRY_POINTS = {
     "ModelNew": lambda slope: LeakyReLUModelNew(slope),
     "op": lambda slope: lambda x: torch.ops.kernels.leaky_relu(x, slope),
@@ -239,12 +239,74 @@ def test_backward_op_paths(device, saved_kind):
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_torch_func_grad_is_a_clear_error(device, entry):
-    """torch.library's autograd registration does not support torch.func's grad transforms yet: they must raise,
-    never return a wrong gradient. (torch.func.jvp works: test_forward_mode_ad.)"""
-    x = torch.randn(30, 7, device=device)
-    with pytest.raises(RuntimeError, match="functorch transforms"):
-        torch.func.grad(lambda t: ENTRY_POINTS[entry](-0.3)(t).sum())(x)
+def test_torch_func_grad_and_vjp(device, entry):
+    """torch.func's reverse-mode transforms go through the C++ node as autograd does: eager's gradients, second
+    order too."""
+    x, cotangent = torch.randn(30, 7, device=device), torch.randn(30, 7, device=device)
+    ours, eager = ENTRY_POINTS[entry](-0.3), lambda t: F.leaky_relu(t, -0.3)
+    assert_bitwise_equal(torch.func.grad(lambda t: (ours(t) * cotangent).sum())(x),
+                         torch.func.grad(lambda t: (eager(t) * cotangent).sum())(x))
+    second = torch.func.grad(lambda t: (torch.func.grad(lambda u: (ours(u) * u).sum())(t) * cotangent).sum())(x)
+    second_ref = torch.func.grad(lambda t: (torch.func.grad(lambda u: (eager(u) * u).sum())(t) * cotangent).sum())(x)
+    assert_bitwise_equal(second, second_ref)
+    _, vjp = torch.func.vjp(ours, x)
+    _, vjp_ref = torch.func.vjp(eager, x)
+    assert_bitwise_equal(vjp(cotangent)[0], vjp_ref(cotangent)[0])
+
+
+def test_graph_node_keeps_autograd_rules(device):
+    """The C++ node behaves as eager's: a named grad_fn, an error where x was modified in place after the forward,
+    saved-tensor hooks applied, the saved input freed after backward (a second backward is an error), third-order
+    gradients, and a long chain of nodes freed without recursion."""
+    x = torch.randn(8, 9, device=device, requires_grad=True)
+    y = torch.ops.kernels.leaky_relu(x, 0.2)
+    assert y.grad_fn.name() == "kernels::LeakyReLUBackward"
+    z = torch.ops.kernels.leaky_relu_backward(y, x, 0.2, 1.0)
+    assert z.grad_fn.name() == "kernels::LeakyReLUBackwardBackward"
+
+    leaf = x.detach().clone().requires_grad_(True)
+    base = leaf * 1.0
+    y = torch.ops.kernels.leaky_relu(base, 0.2)
+    base.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = torch.ops.kernels.leaky_relu(x, 0.2)
+    assert len(packed) == 1 and torch.equal(packed[0], x)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+
+    cotangent = torch.randn_like(x)
+    orders, orders_ref = [], []
+    for fn, out in ((lambda t: torch.ops.kernels.leaky_relu(t, -0.4), orders), (lambda t: F.leaky_relu(t, -0.4),
+                                                                                 orders_ref)):
+        leaf = x.detach().clone().requires_grad_(True)
+        value = (fn(leaf) * leaf * leaf).sum()  # third derivative 6 f'(x): through every order of node
+        for _ in range(3):
+            (value,) = torch.autograd.grad(value, leaf, create_graph=True)
+            out.append(value.detach())
+            value = (value * cotangent).sum()
+    for got, expected in zip(orders, orders_ref):
+        assert_bitwise_equal(got, expected)
+
+    chain = torch.randn(4, device=device, requires_grad=True)
+    for _ in range(100_000):
+        chain = torch.ops.kernels.leaky_relu(chain, 0.5)
+    del chain  # 100,000 nodes: freed one by one, not by recursion (which would overflow the stack)
+
+
+def test_backward_op_records_a_graph_where_only_saved_requires_grad(device):
+    """As eager's leaky_relu_backward: the result requires grad if saved does, and saved's gradient is zero."""
+    grad, saved = torch.randn(5, 6, device=device), torch.randn(5, 6, device=device, requires_grad=True)
+    ours = torch.ops.kernels.leaky_relu_backward(grad, saved, 0.1, 1.0)
+    eager = torch.ops.aten.leaky_relu_backward(grad, saved, 0.1, False)
+    assert ours.requires_grad == eager.requires_grad
+    (g,) = torch.autograd.grad(ours.sum(), saved, allow_unused=True, materialize_grads=True)
+    (g_ref,) = torch.autograd.grad(eager.sum(), saved, allow_unused=True, materialize_grads=True)
+    assert_bitwise_equal(g, g_ref)
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
@@ -261,12 +323,10 @@ def test_opcheck(device):
     x = torch.randn(7, 33, device=device)
     for requires_grad in (False, True):
         torch.library.opcheck(torch.ops.kernels.leaky_relu.default, (x.clone().requires_grad_(requires_grad), 0.1))
-        torch.library.opcheck(torch.ops.kernels._leaky_relu_with_grad.default,
-                              (x.clone().requires_grad_(requires_grad), -0.2))
         torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default,
                               (torch.randn_like(x).requires_grad_(requires_grad), x, 0.1, 1.0))
-        torch.library.opcheck(torch.ops.kernels._leaky_relu_backward_with_grad.default,
-                              (torch.randn_like(x).requires_grad_(requires_grad), x, -0.1, 2.0))
+        torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default,
+                              (torch.randn_like(x).requires_grad_(requires_grad), x > 0, -0.1, 2.0))
     torch.library.opcheck(torch.ops.kernels.leaky_relu_.default, (x.clone(), 0.1))
     torch.library.opcheck(torch.ops.kernels.multiply_leaky_relu_.default, (x.clone(), -2.0, 0.1, True))
     torch.library.opcheck(torch.ops.kernels.multiply_leaky_relu_.default, (x.clone(), 3.0, -0.1, False))

@@ -47,8 +47,7 @@ class LeakyReLUCase:
     multiplier and its mask, the backward), against eager, bitwise. Odd length (the tail path), -0.0, Inf and NaN."""
 
     family = "leaky_relu"
-    ops = {"leaky_relu", "_leaky_relu_with_grad", "leaky_relu_", "multiply_leaky_relu_", "leaky_relu_backward",
-           "_leaky_relu_backward_with_grad"}
+    ops = {"leaky_relu", "leaky_relu_", "multiply_leaky_relu_", "leaky_relu_backward"}
     slope, multiplier = -0.3, -1.5
 
     def __str__(self):
@@ -67,14 +66,14 @@ class LeakyReLUCase:
         y = LeakyReLUModelNew(self.slope)(leaf)
         y.backward(grad)
         op_leaf = x.clone().requires_grad_(True)
-        y_op = torch.ops.kernels._leaky_relu_with_grad(op_leaf, self.slope)
+        y_op = torch.ops.kernels.leaky_relu(op_leaf, self.slope)
         y_op.backward(grad)
         in_place = x.clone()
         torch.ops.kernels.leaky_relu_(in_place[1:], self.slope)
         multiplied = x.clone()
         mask = torch.ops.kernels.multiply_leaky_relu_(multiplied, self.multiplier, self.slope, True)
         backward = torch.ops.kernels.leaky_relu_backward(grad, x, self.slope, 1.0)
-        grad_leaf = grad.clone().requires_grad_(True)  # a graph recorded: the _with_grad op
+        grad_leaf = grad.clone().requires_grad_(True)  # a graph recorded: the C++ node
         backward_graphed = torch.ops.kernels.leaky_relu_backward(grad_leaf, x, self.slope, 1.0)
         return {"module": y.detach(), "module grad": leaf.grad, "op": y_op.detach(), "op grad": op_leaf.grad,
                 "in place": in_place, "multiplied": multiplied, "mask": mask, "backward": backward,

@@ -1,12 +1,10 @@
 // The torch side of the LeakyReLU family of `torch.ops.kernels`: schemas, argument checks, dtype dispatch, and the
 // CPU and CUDA implementations. CUDA work goes through the plain launchers of leaky_relu.cu (leaky_relu.h), on the
-// current stream of the tensor's own device. Fake (meta) implementations and the autograd formulas are registered
-// in leaky_relu.py; the Autograd kernels of leaky_relu and leaky_relu_backward, which skip autograd where no
-// gradient can flow, are here.
+// current stream of the tensor's own device. Fake (meta) implementations are registered in leaky_relu.py; the
+// Autograd kernels of leaky_relu and leaky_relu_backward are in leaky_relu_autograd.cpp, a library of its own.
 //
 // Ops: leaky_relu, leaky_relu_ (in place), multiply_leaky_relu_ (in place, with the multiply and the branch mask:
-// the epilogue of the GEMM family's cuBLAS path), leaky_relu_backward, and _leaky_relu_with_grad and
-// _leaky_relu_backward_with_grad (the same two where a graph is recorded).
+// the epilogue of the GEMM family's cuBLAS path), leaky_relu_backward.
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 // Headers are kept to the few ATen pieces used, which keeps the JIT build short.
@@ -18,7 +16,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/core/GradMode.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -399,87 +396,22 @@ at::Tensor leaky_relu_backward(const at::Tensor& grad_output, const at::Tensor& 
   return grad_in;
 }
 
-// The Autograd kernel of kernels::leaky_relu. Where no gradient can flow back (grad mode off, or x not requiring
-// grad) it goes straight to the CPU or CUDA kernel: a Python autograd kernel costs about 5 us a call even then,
-// most of a small LeakyReLU's time in inference (bench.py's per-call row). Where a graph is to be recorded it calls
-// kernels::_leaky_relu_with_grad, the same kernels with their backward formula registered in Python
-// (leaky_relu.py). A C++ autograd Function would do that too, but its header doubles the library's build time.
-// Forward mode is here: the tangent of y is leaky_relu_backward(tangent of x), which is linear in it.
-at::Tensor leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
-  using Signature = at::Tensor(const at::Tensor&, double);
-  static const auto kernel =
-      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu", "").typed<Signature>();
-  static const auto with_grad =
-      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::_leaky_relu_with_grad", "").typed<Signature>();
-  static const auto backward =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kernels::leaky_relu_backward", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
-
-  const at::Tensor& tangent = x._fw_grad(/*level=*/0);
-  if (!(c10::GradMode::is_enabled() && x.requires_grad()) && !tangent.defined())
-    return kernel.redispatch(keys & c10::after_autograd_keyset, x, negative_slope);  // as VariableType does
-  // x without its tangent, which the Python autograd formulas do not take.
-  const at::Tensor primal = tangent.defined() ? x._fw_primal(/*level=*/0) : x;
-  at::Tensor y = with_grad.call(primal, negative_slope);
-  if (tangent.defined())
-    y._set_fw_grad(backward.call(tangent, primal, negative_slope, 1.0), /*level=*/0, /*is_inplace_op=*/false);
-  return y;
-}
-
-// The Autograd kernel of kernels::leaky_relu_backward, for the same reason as leaky_relu's: where no gradient can
-// flow (grad mode off, as in every first-order backward, or neither input requiring grad) it goes straight to the
-// kernel, where the Python autograd kernel cost ~15 us a call, a tenth of a small backward's time on a fast CPU.
-// Where a graph is to be recorded (a double backward) it calls kernels::_leaky_relu_backward_with_grad, whose
-// formula is registered in Python. Forward mode: the result is linear in grad_output (saved only picks the branch,
-// so its tangent contributes nothing).
-at::Tensor leaky_relu_backward_autograd(c10::DispatchKeySet keys, const at::Tensor& grad_output,
-                                        const at::Tensor& saved, double negative_slope, double multiplier) {
-  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
-  static const auto kernel =
-      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu_backward", "").typed<Signature>();
-  static const auto with_grad = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("kernels::_leaky_relu_backward_with_grad", "")
-                                    .typed<Signature>();
-
-  const at::Tensor& tangent = grad_output._fw_grad(/*level=*/0);
-  if (!(c10::GradMode::is_enabled() && (grad_output.requires_grad() || saved.requires_grad())) &&
-      !tangent.defined())
-    return kernel.redispatch(keys & c10::after_autograd_keyset, grad_output, saved, negative_slope, multiplier);
-  const at::Tensor primal = tangent.defined() ? grad_output._fw_primal(/*level=*/0) : grad_output;
-  at::Tensor grad_input = with_grad.call(primal, saved, negative_slope, multiplier);
-  if (tangent.defined())
-    grad_input._set_fw_grad(kernel.call(tangent, saved, negative_slope, multiplier), /*level=*/0,
-                            /*is_inplace_op=*/false);
-  return grad_input;
-}
-
 }  // namespace
 }  // namespace kernels::leaky_relu
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("leaky_relu(Tensor x, float negative_slope) -> Tensor");
-  m.def("_leaky_relu_with_grad(Tensor x, float negative_slope) -> Tensor");
   m.def("leaky_relu_(Tensor(a!) x, float negative_slope) -> ()");
   m.def("multiply_leaky_relu_(Tensor(a!) x, float multiplier, float negative_slope, bool return_mask) -> Tensor");
   m.def("leaky_relu_backward(Tensor grad_output, Tensor saved, float negative_slope, float multiplier) -> Tensor");
-  m.def("_leaky_relu_backward_with_grad(Tensor grad_output, Tensor saved, float negative_slope, float multiplier) "
-        "-> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
-  m.impl("leaky_relu", &kernels::leaky_relu::leaky_relu_autograd);
-  m.impl("leaky_relu_backward", &kernels::leaky_relu::leaky_relu_backward_autograd);
 }
 
 // The same functions serve both devices: each picks the CPU loop or the CUDA launch by the tensors' device.
 #define KERNELS_LEAKY_RELU_IMPLS(m)                                                  \
   m.impl("leaky_relu", &kernels::leaky_relu::leaky_relu);                            \
-  m.impl("_leaky_relu_with_grad", &kernels::leaky_relu::leaky_relu);                 \
   m.impl("leaky_relu_", &kernels::leaky_relu::leaky_relu_);                          \
   m.impl("multiply_leaky_relu_", &kernels::leaky_relu::multiply_leaky_relu_);        \
-  m.impl("leaky_relu_backward", &kernels::leaky_relu::leaky_relu_backward);          \
-  m.impl("_leaky_relu_backward_with_grad", &kernels::leaky_relu::leaky_relu_backward)
+  m.impl("leaky_relu_backward", &kernels::leaky_relu::leaky_relu_backward)
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_LEAKY_RELU_IMPLS(m); }
 #ifdef KERNELS_WITH_CUDA
