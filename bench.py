@@ -93,7 +93,9 @@ def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs,
 def run_case(fns, options, kernelbench=True, cpu=False):
     """Median times of fns (the first ones are ceilings), and their KernelBench-style means; cpu=True for CPU
     tensors (wall-clock time, also on a machine with a GPU)."""
-    times = time_each_ms(fns, samples=options.samples, cpu=cpu)
+    # CPU calls here take 0.05-1 ms and run on every core: a single late thread (a shared or virtual host) moves a
+    # sample by tens of percent, so CPU medians take 5x the samples, at a cost of well under a second a row.
+    times = time_each_ms(fns, samples=options.samples * (5 if cpu else 1), cpu=cpu)
     kb = [kernelbench_ms(fn, options.kernelbench_calls, cpu=cpu) if kernelbench else None for fn in fns]
     return times, kb
 

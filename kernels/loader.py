@@ -289,7 +289,7 @@ _registered = set()
 
 
 def register_once(family_name, register):
-    """Calls register() (a family's fake and autograd registrations) once per process, also where the family's
+    """Calls register() (a family's Python registrations: its fakes) once per process, also where the family's
     module is executed again (importlib.reload)."""
     if family_name not in _registered:
         register()
@@ -298,7 +298,7 @@ def register_once(family_name, register):
 
 def load_library():
     """Builds (where needed) and loads every family of the manifest, then imports each family's Python module,
-    which registers its fake implementations and autograd. Once per process; later calls return at once."""
+    which registers its fake implementations. Once per process; later calls return at once."""
     global _loaded
     if _loaded:
         return

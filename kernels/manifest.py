@@ -2,9 +2,10 @@
 
 A family is one folder, kernels/<name>/, and the same stem in every layer: <name>.cu (kernels, no torch headers),
 <name>.h (their plain host launchers), <name>.cpp (the torch side: schemas, checks, CPU code, CUDA dispatch),
-<name>.py (fake implementations, autograd, the Python functions), NOTES.md, and tests/test_<name>.py. Project
-headers included with #include "x.h" are inlined by the loader (kernels/loader.py), so only the files listed here
-are named; the order of each list is the order in which the files are joined into one translation unit.
+<name>_autograd.cpp (the ops' Autograd kernels and graph nodes), <name>.py (fake implementations, the Python
+functions), NOTES.md, and tests/test_<name>.py. Project headers included with #include "x.h" are inlined by the
+loader (kernels/loader.py), so only the files listed here are named; the order of each list is the order in which
+the files are joined into one translation unit.
 
 This is data only (no torch import), so tools that read the sources need not build anything.
 """
@@ -17,7 +18,7 @@ class Family:
     name: str
     cpp_sources: tuple  # paths under kernels/, joined into the family's C++ translation unit
     cuda_sources: tuple  # paths under kernels/, joined into its CUDA translation unit (built where a GPU is)
-    python_module: str  # registers fakes and autograd; imported once the family's library is loaded
+    python_module: str  # registers fakes; imported once the family's library is loaded
 
 
 FAMILIES = (
@@ -29,7 +30,7 @@ FAMILIES = (
     ),
     Family(
         name="gemm",
-        cpp_sources=("gemm/gemm.cpp",),
+        cpp_sources=("gemm/gemm.cpp", "gemm/gemm_autograd.cpp"),
         cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu"),
         python_module="kernels.gemm.gemm",
     ),

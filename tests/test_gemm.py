@@ -170,6 +170,27 @@ def test_forward_mode_ad(device, slope):
     torch.testing.assert_close(y_tangent, y_ref_tangent)
 
 
+@pytest.mark.parametrize("slope", [0.1, -0.4])
+def test_op_called_directly_differentiates_and_asks_for_its_mask(device, slope):
+    """The op's C++ Autograd kernel records its node (named as such) whatever the caller asked: called with
+    return_mask=False and a negative slope, it asks the kernel for the mask the backward needs and returns the empty
+    mask that was asked for. torch.func.grad goes through the same node."""
+    reference, new = make_pair(7, 5, -1.5, slope, device, torch.float64)
+    params, params_ref = [new.gemm.weight, new.gemm.bias], [reference.gemm.weight, reference.gemm.bias]
+    x = torch.randn(4, 7, dtype=torch.float64, device=device, requires_grad=True)
+    y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, *params, -1.5, slope, False)
+    assert mask.numel() == 0 and y.grad_fn.name() == "kernels::GemmMultiplyLeakyReLUBackward"
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *params], grad)
+    x_ref = x.detach().requires_grad_(True)
+    expected = torch.autograd.grad(reference(x_ref), [x_ref, *params_ref], grad)
+    for ours, eager in zip(got, expected):
+        torch.testing.assert_close(ours, eager)
+    weight, bias = (p.detach() for p in params)
+    grad_x = torch.func.grad(lambda a: (gemm_multiply_leaky_relu(a, weight, bias, -1.5, slope) * grad).sum())(x.detach())
+    torch.testing.assert_close(grad_x, expected[0])
+
+
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)

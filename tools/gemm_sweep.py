@@ -138,6 +138,22 @@ def train_step_profile(label):
         times = time_each_ms(list(steps.values()), samples=30)
         print(f"{label} train step, round {round_}: " + ", ".join(f"{n} {t:.4f} ms" for n, t in zip(steps, times))
               + f", ratio {times[0] / times[1]:.3f}")
+    # Host time: how long the host takes to enqueue each part of a step, the GPU idle before each (median of 50).
+    import statistics
+    import time
+    for name, model in (("eager", eager), ("ModelNew", new)):
+        forward_us, backward_us = [], []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            y = model(x)
+            middle = time.perf_counter()
+            torch.autograd.grad(y, [x, model.gemm.weight, model.gemm.bias], grad)
+            end = time.perf_counter()
+            forward_us.append((middle - start) * 1e6)
+            backward_us.append((end - middle) * 1e6)
+        print(f"{label} train step, {name}: host time to enqueue the forward {statistics.median(forward_us):.1f} us, "
+              f"the backward {statistics.median(backward_us):.1f} us")
     for name, step in steps.items():
         print(f"{label} train step, {name}:")
         profile(step)

@@ -1,5 +1,5 @@
-"""The GEMM family's Python side: fake (meta) implementation, autograd (backward and forward mode) and the function
-gemm_multiply_leaky_relu().
+"""The GEMM family's Python side: fake (meta) implementations and the function gemm_multiply_leaky_relu(). The op's
+autograd (reverse mode, to any order, and forward mode) is C++: gemm_autograd.cpp.
 
 Ops (schemas in gemm.cpp):
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
@@ -10,11 +10,7 @@ Ops (schemas in gemm.cpp):
   _gemm_force_path(path) -> str                         "auto", "cublas" or "split_fp16"; returns the previous one
 """
 
-import functools
-
 import torch
-import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 
 from kernels import loader
 
@@ -34,92 +30,18 @@ def _gemm_multiply_leaky_relu_backward_fake(grad_y, x, weight, saved, multiplier
             weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
 
 
-def _gemm_setup_context(ctx, inputs, output):
-    x, weight, bias, multiplier, negative_slope, return_mask = inputs
-    y, mask = output
-    if negative_slope < 0 and not return_mask:
-        raise ValueError("gemm_multiply_leaky_relu: with a negative slope the backward needs return_mask=True "
-                         "(the output's sign no longer tells the pre-activation's)")
-    ctx.multiplier = multiplier
-    ctx.negative_slope = negative_slope
-    # With slope >= 0 the output has the pre-activation's sign test, so the output itself serves; else the mask.
-    ctx.save_for_backward(x, weight, mask if return_mask else y)
-
-
-def _gemm_backward(ctx, grad_y, grad_mask):
-    x, weight, saved = ctx.saved_tensors
-    if not torch.is_grad_enabled():
-        # No graph of the backward wanted (no double backward): one op, which takes the split_fp16 path for each
-        # product where the forward would.
-        grads = torch.ops.kernels.gemm_multiply_leaky_relu_backward(
-            grad_y, x, weight, saved, ctx.multiplier, ctx.negative_slope, *ctx.needs_input_grad[:3])
-        return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3])), None, None, None)
-    # Differentiable ops, so that the backward has a backward of its own.
-    grad_pre = torch.ops.kernels.leaky_relu_backward(grad_y, saved, ctx.negative_slope, ctx.multiplier)
-    grad_pre = grad_pre.reshape(-1, weight.shape[0])
-    grad_x = grad_weight = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_x = grad_pre.mm(weight).reshape(x.shape)
-    if ctx.needs_input_grad[1]:
-        grad_weight = grad_pre.t().mm(x.reshape(-1, weight.shape[1]))
-    if ctx.needs_input_grad[2]:
-        grad_bias = grad_pre.sum(0)
-    return grad_x, grad_weight, grad_bias, None, None, None
-
-
-class _GemmMultiplyLeakyReLU(torch.autograd.Function):
-    """The op under autograd for eager calls that record a graph: the formulas of its torch.library registration
-    (which serves torch.compile, torch.func and direct calls of the op) in half its host time per call (36 against
-    82 us on a 2-core host for a tiny GEMM), which a training step pays before its first GEMM reaches the GPU."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, multiplier, negative_slope, return_mask):
-        with torch._C._AutoDispatchBelowAutograd():
-            y, mask = _gemm_handle(x, weight, bias, multiplier, negative_slope, return_mask)
-        _gemm_setup_context(ctx, (x, weight, bias, multiplier, negative_slope, return_mask), (y, mask))
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        return _gemm_backward(ctx, grad_y, None)
-
-
-def _gemm_multiply_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope):
-    """The op with forward-mode tangents: the pre-activation's tangent is linear in theirs, and LeakyReLU scales it
-    by its slope at the pre-activation's sign (the mask). torch.library's autograd has no forward mode: called
-    plainly, the op would drop the tangents."""
-    primals, tangents = zip(*(fwAD.unpack_dual(t) if t is not None else (None, None) for t in (x, weight, bias)))
-    x, weight, bias = primals
-    y, mask = torch.ops.kernels.gemm_multiply_leaky_relu.default(x, weight, bias, multiplier, negative_slope, True)
-    x_t, weight_t, bias_t = tangents
-    terms = []
-    if x_t is not None:
-        terms.append(F.linear(x_t, weight))
-    if weight_t is not None:
-        terms.append(F.linear(x, weight_t))
-    if bias_t is not None:
-        terms.append(bias_t.expand(y.shape))
-    if not terms:
-        return y
-    pre_tangent = functools.reduce(torch.add, terms)
-    return fwAD.make_dual(y, torch.ops.kernels.leaky_relu_backward(pre_tangent, mask, negative_slope, multiplier))
-
-
 def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01):
     """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features)."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and
             (bias is None or isinstance(bias, torch.Tensor))):
         raise TypeError("kernels.gemm_multiply_leaky_relu: x, weight and bias must be torch.Tensors (bias may be None), "
                         f"got {type(x).__name__}, {type(weight).__name__}, {type(bias).__name__}")
-    if fwAD._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
-        return _gemm_multiply_leaky_relu_forward_mode(x, weight, bias, multiplier, negative_slope)
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    return_mask = needs_grad and negative_slope < 0
-    if needs_grad and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
-        return _GemmMultiplyLeakyReLU.apply(x, weight, bias, multiplier, negative_slope, return_mask)
-    y, _ = torch.ops.kernels.gemm_multiply_leaky_relu.default(x, weight, bias, multiplier, negative_slope, return_mask)
-    return y
+    # The op's C++ Autograd kernel records the graph, and asks for the mask where the backward needs it. Called
+    # through its C++ handle, which is all that OpOverload.__call__ does, one Python frame less; Dynamo traces the
+    # OpOverload only.
+    if _is_compiling():
+        return torch.ops.kernels.gemm_multiply_leaky_relu.default(x, weight, bias, multiplier, negative_slope, False)[0]
+    return _gemm_handle(x, weight, bias, multiplier, negative_slope, False)[0]
 
 
 def gemm_path(x, weight):
@@ -156,13 +78,12 @@ class forced_gemm_path:
 
 
 _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
+_is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
 
 
-def _register_fake_and_autograd():
+def _register_fakes():
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_fake)
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_fake)
-    torch.library.register_autograd("kernels::gemm_multiply_leaky_relu", _gemm_backward,
-                                    setup_context=_gemm_setup_context)
 
 
-loader.register_once("gemm", _register_fake_and_autograd)
+loader.register_once("gemm", _register_fakes)

@@ -1,17 +1,17 @@
 // The autograd of the LeakyReLU family: the Autograd kernels of kernels::leaky_relu and kernels::leaky_relu_backward
 // (defined in leaky_relu.cpp, joined after it into the family's unit) and the graph node they record. It reaches
-// the ops through the dispatcher only. Its header, torch/csrc/autograd/function.h, is the unit's heaviest: with
-// ATen's per-operator headers (the loader's build flags) it adds about 4 s of parsing on a 2-core machine.
+// the ops through the dispatcher only. Its header, torch/csrc/autograd/function.h (common/autograd_node.h), is the
+// unit's heaviest: with ATen's per-operator headers (the loader's build flags) it adds about 4 s of parsing on a
+// 2-core machine.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/library.h>
 
 #include <mutex>
 #include <string>
-#include <type_traits>
-#include <utility>
+
+#include "common/autograd_node.h"
 
 namespace kernels::leaky_relu {
 namespace {
@@ -26,8 +26,11 @@ namespace {
 // autograd.Function costs more than eager's whole call). The node calls the op through the dispatcher, so a
 // double backward records the same node again, to any order.
 
+using common::make_node;
+using common::NodePtr;
+using common::primal_of;
+using common::redispatch_below_autograd;
 using torch::autograd::variable_list;
-using NodePtr = decltype(torch::autograd::Edge::function);  // std::shared_ptr or, in newer torch, c10::intrusive_ptr
 
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>&
 leaky_relu_backward_op() {
@@ -66,32 +69,19 @@ class LeakyReLUGrad final : public torch::autograd::Node {
   double multiplier_;
 };
 
-// A node as this torch holds them: shared_ptr nodes are deleted through deleteNode, which frees a long chain of
-// nodes without recursing through it (found by argument-dependent lookup, so only where that torch has it).
-template <typename... Args>
-NodePtr make_leaky_relu_grad(Args&&... args) {
-  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
-    return NodePtr(new LeakyReLUGrad(std::forward<Args>(args)...), [](auto* node) { deleteNode(node); });
-  } else {
-    return c10::make_intrusive<LeakyReLUGrad>(std::forward<Args>(args)...);
-  }
-}
-
 // Records `result`'s node (next edges: `inputs`, `linear_input` first) where grad mode is on and an input requires
 // grad, and sets its tangent where `linear_input` has one.
 template <typename... Inputs>
 void record_autograd(const char* node_name, at::Tensor& result, const at::Tensor& linear_input, const at::Tensor& saved,
                      double negative_slope, double multiplier, const Inputs&... inputs) {
   if (c10::GradMode::is_enabled() && (inputs.requires_grad() || ...)) {
-    NodePtr node = make_leaky_relu_grad(node_name, saved, negative_slope, multiplier);
+    NodePtr node = make_node<LeakyReLUGrad>(node_name, saved, negative_slope, multiplier);
     node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
     torch::autograd::create_gradient_edge(result, std::move(node));
   }
   const at::Tensor& tangent = linear_input._fw_grad(/*level=*/0);
   if (tangent.defined()) {
-    // saved without its own tangent, so the tangent's computation is not itself forward-differentiated.
-    const at::Tensor saved_primal = saved._fw_grad(/*level=*/0).defined() ? saved._fw_primal(/*level=*/0) : saved;
-    result._set_fw_grad(leaky_relu_backward_op().call(tangent, saved_primal, negative_slope, multiplier),
+    result._set_fw_grad(leaky_relu_backward_op().call(tangent, primal_of(saved), negative_slope, multiplier),
                         /*level=*/0, /*is_inplace_op=*/false);
   }
 }
@@ -100,15 +90,15 @@ at::Tensor leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, do
   static const auto kernel = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("kernels::leaky_relu", "")
                                  .typed<at::Tensor(const at::Tensor&, double)>();
-  at::Tensor y = kernel.redispatch(keys & c10::after_autograd_keyset, x, negative_slope);
+  at::Tensor y = redispatch_below_autograd(kernel, keys, x, negative_slope);
   record_autograd("kernels::LeakyReLUBackward", y, x, x, negative_slope, 1.0, x);
   return y;
 }
 
 at::Tensor leaky_relu_backward_autograd(c10::DispatchKeySet keys, const at::Tensor& grad_output,
                                         const at::Tensor& saved, double negative_slope, double multiplier) {
-  at::Tensor grad_input = leaky_relu_backward_op().redispatch(keys & c10::after_autograd_keyset, grad_output, saved,
-                                                              negative_slope, multiplier);
+  at::Tensor grad_input =
+      redispatch_below_autograd(leaky_relu_backward_op(), keys, grad_output, saved, negative_slope, multiplier);
   record_autograd("kernels::LeakyReLUBackwardBackward", grad_input, grad_output, saved, negative_slope, multiplier,
                   grad_output, saved);
   return grad_input;

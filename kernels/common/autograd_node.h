@@ -1,0 +1,47 @@
+// Autograd graph nodes for the families' C++ Autograd kernels, across torch versions. A kernel that records a graph
+// runs the op below autograd, makes a node (a torch::autograd::Node subclass holding what the backward needs), links
+// it to the inputs (collect_next_edges) and to the outputs (create_gradient_edge), as VariableType does for ATen's
+// own ops.
+#pragma once
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+namespace kernels::common {
+
+// How this torch holds nodes: std::shared_ptr<Node>, or c10::intrusive_ptr<Node> in newer versions.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// A new node of type T. Shared-pointer nodes are deleted through deleteNode, which frees a long chain of nodes
+// without recursing through it (looked up by argument-dependent lookup, so only where this torch has it).
+template <typename T, typename... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return NodePtr(new T(std::forward<Args>(args)...), [](auto* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+// op(args...) run by an Autograd kernel as VariableType runs ATen's kernels: redispatched past the Autograd keys, and
+// with the calls the kernel makes itself (at::linear, a copy) below autograd too, so that they record no graph and
+// set no tangent of their own.
+template <typename Op, typename... Args>
+auto redispatch_below_autograd(const Op& op, c10::DispatchKeySet keys, Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.redispatch(keys & c10::after_autograd_keyset, std::forward<Args>(args)...);
+}
+
+// t without its forward-mode tangent, so that computing a tangent from it is not itself forward-differentiated; t
+// itself where it has none.
+inline at::Tensor primal_of(const at::Tensor& t) {
+  return t._fw_grad(/*level=*/0).defined() ? t._fw_primal(/*level=*/0) : t;
+}
+
+}  // namespace kernels::common

@@ -1,0 +1,148 @@
+// The autograd of the GEMM family: the Autograd kernel of kernels::gemm_multiply_leaky_relu (defined in gemm.cpp,
+// joined after it into the family's unit) and the graph node it records: reverse mode (the backward op, or
+// differentiable ops where the backward is itself recorded, for a double backward) and forward mode. Recording in
+// C++ keeps a training step's host time below eager's three ops (a Python autograd.Function costs tens of us a
+// step, which a host-bound step pays in GPU idle time). It reaches the ops through the dispatcher only.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <c10/core/GradMode.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "common/autograd_node.h"
+
+namespace kernels::gemm {
+namespace {
+
+using common::make_node;
+using common::NodePtr;
+using common::primal_of;
+using common::redispatch_below_autograd;
+using torch::autograd::variable_list;
+
+using ActivationBackward = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
+
+const c10::TypedOperatorHandle<ActivationBackward>& activation_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu_backward", "").typed<ActivationBackward>();
+  return op;
+}
+
+// The gradients of y = leaky_relu((x w^T + b) * multiplier) for x, w and b (the node's outputs 0, 1, 2), from
+// `saved`: y itself where the slope is >= 0 (its sign test is the pre-activation's), else the forward's mask.
+class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
+ public:
+  GemmMultiplyLeakyReLUGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved, double multiplier,
+                            double negative_slope)
+      : x_(x, /*is_output=*/false),
+        weight_(weight, /*is_output=*/false),
+        saved_(saved, /*is_output=*/false),
+        multiplier_(multiplier),
+        negative_slope_(negative_slope) {}
+
+  variable_list apply(variable_list&& grads) override {
+    using Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, bool, bool, bool);
+    static const auto backward = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu_backward", "")
+                                     .typed<Backward>();
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list grad_inputs(3);
+    const at::Tensor& grad_y = grads[0];
+    if (!grad_y.defined()) return grad_inputs;
+    const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
+               bias_grad = should_compute_output(2);
+    const at::Tensor x = x_.unpack(), weight = weight_.unpack(), saved = saved_.unpack();
+    if (!c10::GradMode::is_enabled()) {
+      // No graph of the backward wanted: one op, which takes the split_fp16 path for each product where the
+      // forward would.
+      auto [grad_x, grad_weight, grad_bias] =
+          backward.call(grad_y, x, weight, saved, multiplier_, negative_slope_, x_grad, weight_grad, bias_grad);
+      if (x_grad) grad_inputs[0] = std::move(grad_x);
+      if (weight_grad) grad_inputs[1] = std::move(grad_weight);
+      if (bias_grad) grad_inputs[2] = std::move(grad_bias);
+      return grad_inputs;
+    }
+    // A double backward: differentiable ops, so that the backward has a backward of its own.
+    const at::Tensor grad_pre =
+        activation_backward_op().call(grad_y, saved, negative_slope_, multiplier_).reshape({-1, weight.size(0)});
+    if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
+    if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
+    if (bias_grad) grad_inputs[2] = grad_pre.sum(0);
+    return grad_inputs;
+  }
+
+  std::string name() const override { return "kernels::GemmMultiplyLeakyReLUBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    weight_.reset_data();
+    saved_.reset_data();
+  }
+
+ private:
+  torch::autograd::SavedVariable x_, weight_, saved_;
+  double multiplier_, negative_slope_;
+};
+
+// Where a gradient can flow (grad mode on and an input requiring grad), or a tangent is given, with a negative
+// slope, the backward needs the branch mask (the output's sign no longer tells the pre-activation's): the kernel is
+// then asked for it whatever the caller asked, and the caller gets the mask only where it asked.
+std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x,
+                                                                     const at::Tensor& weight,
+                                                                     const std::optional<at::Tensor>& bias,
+                                                                     double multiplier, double negative_slope,
+                                                                     bool return_mask) {
+  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       const std::optional<at::Tensor>&, double, double, bool);
+  static const auto kernel = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu", "")
+                                 .typed<Signature>();
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool needs_grad = c10::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
+  const at::Tensor& x_tangent = x._fw_grad(/*level=*/0);
+  const at::Tensor& weight_tangent = weight._fw_grad(/*level=*/0);
+  const at::Tensor bias_tangent = has_bias ? bias->_fw_grad(/*level=*/0) : at::Tensor();
+  const bool has_tangent = x_tangent.defined() || weight_tangent.defined() || bias_tangent.defined();
+  const bool mask_needed = (needs_grad || has_tangent) && negative_slope < 0;
+
+  auto [y, mask] = redispatch_below_autograd(kernel, keys, x, weight, bias, multiplier, negative_slope,
+                                             return_mask || mask_needed);
+  // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0).
+  // y is kept through a detached alias (same data and version counter, no grad_fn): a node holding y itself would
+  // hold its own output, a reference cycle.
+  const at::Tensor saved = mask_needed ? mask : y.detach();
+  if (needs_grad) {
+    NodePtr node = make_node<GemmMultiplyLeakyReLUGrad>(x, weight, saved, multiplier, negative_slope);
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+    torch::autograd::create_gradient_edge(y, std::move(node));
+  }
+  if (has_tangent) {
+    // The pre-activation's tangent is linear in theirs; LeakyReLU scales it by its slope at the pre-activation's sign.
+    const at::Tensor x_primal = primal_of(x), weight_primal = primal_of(weight);
+    at::Tensor pre_tangent;
+    const auto add = [&](const at::Tensor& term) { pre_tangent = pre_tangent.defined() ? pre_tangent.add(term) : term; };
+    if (x_tangent.defined()) add(at::linear(x_tangent, weight_primal));
+    if (weight_tangent.defined()) add(at::linear(x_primal, weight_tangent));
+    if (bias_tangent.defined()) add(bias_tangent.expand(y.sizes()));
+    y._set_fw_grad(activation_backward_op().call(pre_tangent, saved, negative_slope, multiplier), /*level=*/0,
+                   /*is_inplace_op=*/false);
+  }
+  if (mask_needed && !return_mask) mask = at::empty({0}, mask.options());
+  return {y, mask};
+}
+
+}  // namespace
+}  // namespace kernels::gemm
+
+TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
+  m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu_autograd);
+}
