@@ -193,27 +193,33 @@ void leaky_relu_backward_range(const scalar_t* grad_out, const scalar_t* saved, 
     if constexpr (kMultiplied) v = v * multiplier_v;
     return v;
   };
-  int64_t i = begin;
-  for (; i + Vec::size() <= end; i += Vec::size()) {
-    const Vec g = Vec::loadu(grad_out + i);
+  // One vector of scalar_t at `at`; two per iteration below, as eager's vectorized loops do.
+  const auto step = [&](int64_t at) {
+    const Vec g = Vec::loadu(grad_out + at);
     if constexpr (std::is_same_v<scalar_t, opmath_t>) {
       fVec is_positive;
-      if constexpr (kMask) is_positive = load_mask<opmath_t>(mask + i); else is_positive = Vec::loadu(saved + i) > zero;
-      apply(g, is_positive).store(grad_in + i);
+      if constexpr (kMask) is_positive = load_mask<opmath_t>(mask + at); else is_positive = Vec::loadu(saved + at) > zero;
+      apply(g, is_positive).store(grad_in + at);
     } else {
       auto [g0, g1] = at::vec::convert_to_float<scalar_t>(g);
       fVec p0, p1;
       if constexpr (kMask) {
-        p0 = load_mask<opmath_t>(mask + i);
-        p1 = load_mask<opmath_t>(mask + i + fVec::size());
+        p0 = load_mask<opmath_t>(mask + at);
+        p1 = load_mask<opmath_t>(mask + at + fVec::size());
       } else {
-        auto [s0, s1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(saved + i));
+        auto [s0, s1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(saved + at));
         p0 = s0 > zero;
         p1 = s1 > zero;
       }
-      at::vec::convert_from_float<scalar_t>(apply(g0, p0), apply(g1, p1)).store(grad_in + i);
+      at::vec::convert_from_float<scalar_t>(apply(g0, p0), apply(g1, p1)).store(grad_in + at);
     }
+  };
+  int64_t i = begin;
+  for (; i + 2 * Vec::size() <= end; i += 2 * Vec::size()) {
+    step(i);
+    step(i + Vec::size());
   }
+  for (; i + Vec::size() <= end; i += Vec::size()) step(i);
   leaky_relu::leaky_relu_backward_range<scalar_t, kMultiplied, kMask>(grad_out, saved, mask, grad_in, i, end,
                                                                       multiplier, slope);
 }
