@@ -418,8 +418,9 @@ def print_table(rows):
           "same bytes and torch.mm in the row's dtype.")
 
 
-def plot(rows, path, device):
-    """Speedup over eager (left) and error against float64 (right) per row; the ceiling marked on the left."""
+def plot(rows, path, device, torch_version=torch.__version__):
+    """Speedup over eager (left) and error against float64 (right) per row; the ceiling marked on the left. From a
+    saved run: plot(run["rows"], path, run["device"], run["torch"]) with run the --json file's contents."""
     try:
         import matplotlib
     except ImportError:
@@ -445,7 +446,7 @@ def plot(rows, path, device):
     right.barh(ys, errors, color=colors)
     right.set_xscale("log")
     right.set_xlabel("error vs float64, ||y - y64|| / ||y64|| (fp32 rows: lower is better)")
-    fig.suptitle(f"kernels bench: {device}, torch {torch.__version__}", fontsize=10)
+    fig.suptitle(f"kernels bench: {device}, torch {torch_version}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     progress(f"chart written to {path}")
