@@ -1,8 +1,18 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
-import pytest
-import torch
+# torch.compile's caches key on the traced graph, not on the library's code: a graph cached by an earlier version of
+# the library (an op's autograd traced differently) would be replayed as it was. The tests compile afresh, in a
+# folder of their own, unless one is given.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernels_tests_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
