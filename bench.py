@@ -6,14 +6,15 @@ Triton tf32x3 GEMM) and ModelNew, with the measured error beside every time.
     python bench.py --problem gemm_multiply_leaky_relu --dtype fp32 --size 4096x4096x4096 --quick
 
 Each row: the median time (CUDA events, L2 flushed before each timed call, the samples of every variant of a row
-taken in turn) and the same call timed KernelBench's way (sync, L2 flush, events, mean of 100 calls), so the
-harness's figure can be predicted; the speedups over eager and torch.compile; the achieved rate and its share of
-a ceiling measured in the same run; the error against a float64 reference and the fp32 tolerance verdict.
-"per call" rows run back to back, where host overhead decides (with grad: x requires grad, so each call records
-its autograd node). Inputs are randn, so both branches of LeakyReLU are
-exercised. The CPU tables (leaky_relu forward and backward, the GEMM's forward, in fp32, fp64, fp16 and bf16, at
-small sizes; wall-clock times) come after the GPU ones; without a GPU they are the only ones. Progress goes to
-stderr, the table to stdout.
+taken in turn, each round in a fresh order) and the same call timed KernelBench's way (sync, L2 flush, events, mean
+of 100 calls), so the harness's figure can be predicted; the speedups over eager and torch.compile; the achieved
+rate and its share of a ceiling measured in the same run; the error against a float64 reference and the fp32
+tolerance verdict.
+"per call" rows run back to back, where host overhead decides (with grad: x requires grad, so each call records its
+autograd node). Inputs are randn, so both branches of LeakyReLU are exercised. The CPU tables (leaky_relu forward
+and backward, the GEMM's forward, in fp32, fp64, fp16 and bf16, at small sizes; wall-clock times of samples of
+back-to-back calls, about 1 ms each) come after the GPU ones; without a GPU they are the only ones. Progress goes
+to stderr, the table to stdout.
 """
 
 import argparse
@@ -90,12 +91,22 @@ def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs,
             verdict=None if y is None else ("pass" if allclose(y.float(), y_eager32) else "FAIL")))
 
 
+CPU_SAMPLE_MS = 1.0
+
+
 def run_case(fns, options, kernelbench=True, cpu=False):
     """Median times of fns (the first ones are ceilings), and their KernelBench-style means; cpu=True for CPU
     tensors (wall-clock time, also on a machine with a GPU)."""
-    # CPU calls here take 0.05-1 ms and run on every core: a single late thread (a shared or virtual host) moves a
-    # sample by tens of percent, so CPU medians take 5x the samples, at a cost of well under a second a row.
-    times = time_each_ms(fns, samples=options.samples * (5 if cpu else 1), cpu=cpu)
+    if cpu:
+        # CPU calls here take 0.05-10 ms and run on every core: one late thread (a shared or virtual host), or what
+        # the call before left in the caches, moves a single call by tens of percent. So a CPU sample is as many
+        # back-to-back calls as make about CPU_SAMPLE_MS for the slowest function (the steady state of a loop of
+        # calls), and medians take 5x the samples, at a cost of about a second a row.
+        slowest_ms = max(time_ms(fn, samples=3, warmup=1, cpu=True) for fn in fns)
+        calls = max(1, min(50, round(CPU_SAMPLE_MS / slowest_ms)))
+        times = time_each_ms(fns, samples=options.samples * 5, calls_per_sample=calls, cpu=True)
+    else:
+        times = time_each_ms(fns, samples=options.samples)
     kb = [kernelbench_ms(fn, options.kernelbench_calls, cpu=cpu) if kernelbench else None for fn in fns]
     return times, kb
 
@@ -409,13 +420,14 @@ def print_table(rows):
         for r in (r for r in rows if r["problem"] == problem):
             print("| " + " | ".join(cell(r) for _, _, cell in COLUMNS) + " |")
     print("\nmedian ms: median of CUDA-event-timed calls, L2 flushed before each, samples of all variants taken in "
-          "turn; KB ms: KernelBench's way (sync, L2 flush, events, mean of 100 calls); % of ceiling: the rate over "
-          "the ceiling's, measured in the same run (a device-to-device copy of the same bytes; cuBLAS's GEMM in the "
-          "row's precision; three cuBLAS fp16 products for the split fp16 path, whose rate counts its three "
-          "products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
-          "float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own included). CPU tables: "
-          "wall-clock times, no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are a copy of the "
-          "same bytes and torch.mm in the row's dtype.")
+          "turn, each round in a fresh order; KB ms: KernelBench's way (sync, L2 flush, events, mean of 100 calls);"
+          " % of ceiling: the rate over the ceiling's, measured in the same run (a device-to-device copy of the "
+          "same bytes; cuBLAS's GEMM in the row's precision; three cuBLAS fp16 products for the split fp16 path, "
+          "whose rate counts its three products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; "
+          "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own "
+          "included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample), no L2 "
+          "flush; KB ms is the mean of back-to-back calls; the ceilings are a copy of the same bytes and torch.mm "
+          "in the row's dtype.")
 
 
 def plot(rows, path, device, torch_version=torch.__version__):

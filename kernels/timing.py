@@ -1,6 +1,7 @@
 """The one timing helper of the project (bench.py, tools, candidates checked the KernelBench way). Pure torch: it
 imports without building the op library, so a process that runs an exported candidate can time with it too."""
 
+import random
 import statistics
 import time
 
@@ -12,19 +13,29 @@ HAS_CUDA = torch.cuda.is_available()
 _l2_flush_buffer = None
 
 
+def _shuffled(items, rng):
+    items = list(items)
+    rng.shuffle(items)
+    return items
+
+
 def time_each_ms(fns, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True, cpu=False):
     """Median milliseconds per call of each function in fns. Samples are taken round-robin (one of each function in
-    turn), so a drift in clocks or host speed hits every function alike. On the GPU each sample is timed with CUDA
-    events on the current stream; with flush_l2 a buffer twice the L2 size is overwritten before it, outside the
-    timed region. Without a GPU, or with cpu=True (work on CPU tensors), each sample is wall-clock time."""
+    turn), so a drift in clocks or host speed hits every function alike, and each round in a fresh order (seeded, so
+    runs repeat), so every function follows every other about equally often: a call finds the caches (and, on the
+    CPU, the threads) as the call before it left them, and a fixed order favours one function over another by it.
+    On the GPU each sample is timed with CUDA events on the current stream; with flush_l2 a buffer twice the L2 size
+    is overwritten before it, outside the timed region. Without a GPU, or with cpu=True (work on CPU tensors), each
+    sample is wall-clock time."""
     global _l2_flush_buffer
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
+    order = random.Random(0)
     if cpu or not HAS_CUDA:
         for _ in range(samples):
-            for fn, fn_times in zip(fns, times):
+            for fn, fn_times in _shuffled(zip(fns, times), order):
                 start = time.perf_counter()
                 for _ in range(calls_per_sample):
                     fn()
@@ -37,7 +48,7 @@ def time_each_ms(fns, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True
               for _ in fns]
     torch.cuda.synchronize()
     for i in range(samples):
-        for fn, fn_events in zip(fns, events):
+        for fn, fn_events in _shuffled(zip(fns, events), order):
             start, end = fn_events[i]
             if flush_l2:
                 _l2_flush_buffer.zero_()
