@@ -12,7 +12,6 @@
 // Tests force either path with kernels::_gemm_force_path; kernels::_gemm_multiply_leaky_relu_path tells which
 // path a call would take.
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -25,6 +24,7 @@
 #include <tuple>
 
 #include "common/torch_checks.h"
+#include "leaky_relu/leaky_relu_op.h"
 
 #ifdef KERNELS_WITH_CUDA
 #include <ATen/Context.h>
@@ -172,12 +172,8 @@ std::string gemm_split_fp16_refusal(const at::Tensor& x, const at::Tensor& weigh
 std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
                                                                    const at::Tensor& bias, double multiplier,
                                                                    double negative_slope, bool return_mask) {
-  static const auto epilogue =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kernels::multiply_leaky_relu_", "")
-          .typed<at::Tensor(const at::Tensor&, double, double, bool)>();
   at::Tensor y = at::linear(x, weight, bias).contiguous();
-  at::Tensor mask = epilogue.call(y, multiplier, negative_slope, return_mask);
+  at::Tensor mask = leaky_relu::multiply_leaky_relu_op().call(y, multiplier, negative_slope, return_mask);
   return {y, mask};
 }
 
@@ -303,11 +299,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
   y_shape.back() = n;
   TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(y_shape), "kernels.gemm_multiply_leaky_relu_backward: grad_y must have "
               "the output's shape ", shape_str(y_shape), ", got ", shape_str(grad_y.sizes()));
-  static const auto activation_backward =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kernels::leaky_relu_backward", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
-  const at::Tensor grad_pre = activation_backward.call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
+  const at::Tensor grad_pre =
+      leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
   const at::Tensor x2 = x.reshape({m, k});
   at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
              grad_bias = at::empty({0}, x.options());

@@ -16,23 +16,10 @@
 #include <tuple>
 
 #include "common/autograd_node.h"
+#include "leaky_relu/leaky_relu_op.h"
 
 namespace kernels::gemm {
 namespace {
-
-using common::make_node;
-using common::NodePtr;
-using common::primal_of;
-using common::redispatch_below_autograd;
-using torch::autograd::variable_list;
-
-using ActivationBackward = at::Tensor(const at::Tensor&, const at::Tensor&, double, double);
-
-const c10::TypedOperatorHandle<ActivationBackward>& activation_backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu_backward", "").typed<ActivationBackward>();
-  return op;
-}
 
 // The gradients of y = leaky_relu((x w^T + b) * multiplier) for x, w and b (the node's outputs 0, 1, 2), from
 // `saved`: y itself where the slope is >= 0 (its sign test is the pre-activation's), else the forward's mask.
@@ -46,14 +33,14 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
         multiplier_(multiplier),
         negative_slope_(negative_slope) {}
 
-  variable_list apply(variable_list&& grads) override {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     using Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, bool, bool, bool);
     static const auto backward = c10::Dispatcher::singleton()
                                      .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu_backward", "")
                                      .typed<Backward>();
     std::lock_guard<std::mutex> lock(mutex_);
-    variable_list grad_inputs(3);
+    torch::autograd::variable_list grad_inputs(3);
     const at::Tensor& grad_y = grads[0];
     if (!grad_y.defined()) return grad_inputs;
     const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
@@ -70,8 +57,9 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
       return grad_inputs;
     }
     // A double backward: differentiable ops, so that the backward has a backward of its own.
-    const at::Tensor grad_pre =
-        activation_backward_op().call(grad_y, saved, negative_slope_, multiplier_).reshape({-1, weight.size(0)});
+    const at::Tensor grad_pre = leaky_relu::leaky_relu_backward_op()
+                                    .call(grad_y, saved, negative_slope_, multiplier_)
+                                    .reshape({-1, weight.size(0)});
     if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
     if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
     if (bias_grad) grad_inputs[2] = grad_pre.sum(0);
@@ -114,27 +102,27 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   const bool has_tangent = x_tangent.defined() || weight_tangent.defined() || bias_tangent.defined();
   const bool mask_needed = (needs_grad || has_tangent) && negative_slope < 0;
 
-  auto [y, mask] = redispatch_below_autograd(kernel, keys, x, weight, bias, multiplier, negative_slope,
-                                             return_mask || mask_needed);
+  auto [y, mask] = common::redispatch_below_autograd(kernel, keys, x, weight, bias, multiplier, negative_slope,
+                                                     return_mask || mask_needed);
   // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0).
   // y is kept through a detached alias (same data and version counter, no grad_fn): a node holding y itself would
   // hold its own output, a reference cycle.
   const at::Tensor saved = mask_needed ? mask : y.detach();
   if (needs_grad) {
-    NodePtr node = make_node<GemmMultiplyLeakyReLUGrad>(x, weight, saved, multiplier, negative_slope);
+    common::NodePtr node = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, saved, multiplier, negative_slope);
     node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
     torch::autograd::create_gradient_edge(y, std::move(node));
   }
   if (has_tangent) {
     // The pre-activation's tangent is linear in theirs; LeakyReLU scales it by its slope at the pre-activation's sign.
-    const at::Tensor x_primal = primal_of(x), weight_primal = primal_of(weight);
+    const at::Tensor x_primal = common::primal_of(x), weight_primal = common::primal_of(weight);
     at::Tensor pre_tangent;
     const auto add = [&](const at::Tensor& term) { pre_tangent = pre_tangent.defined() ? pre_tangent.add(term) : term; };
     if (x_tangent.defined()) add(at::linear(x_tangent, weight_primal));
     if (weight_tangent.defined()) add(at::linear(x_primal, weight_tangent));
     if (bias_tangent.defined()) add(bias_tangent.expand(y.sizes()));
-    y._set_fw_grad(activation_backward_op().call(pre_tangent, saved, negative_slope, multiplier), /*level=*/0,
-                   /*is_inplace_op=*/false);
+    y._set_fw_grad(leaky_relu::leaky_relu_backward_op().call(pre_tangent, saved, negative_slope, multiplier),
+                   /*level=*/0, /*is_inplace_op=*/false);
   }
   if (mask_needed && !return_mask) mask = at::empty({0}, mask.options());
   return {y, mask};

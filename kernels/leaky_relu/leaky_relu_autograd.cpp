@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/autograd_node.h"
+#include "leaky_relu_op.h"
 
 namespace kernels::leaky_relu {
 namespace {
@@ -26,20 +27,6 @@ namespace {
 // autograd.Function costs more than eager's whole call). The node calls the op through the dispatcher, so a
 // double backward records the same node again, to any order.
 
-using common::make_node;
-using common::NodePtr;
-using common::primal_of;
-using common::redispatch_below_autograd;
-using torch::autograd::variable_list;
-
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>&
-leaky_relu_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("kernels::leaky_relu_backward", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>();
-  return op;
-}
-
 class LeakyReLUGrad final : public torch::autograd::Node {
  public:
   // `name` is the node's name in grad_fn; `saved` is kept as autograd keeps an op's inputs (its version checked
@@ -47,9 +34,10 @@ class LeakyReLUGrad final : public torch::autograd::Node {
   LeakyReLUGrad(const char* name, const at::Tensor& saved, double negative_slope, double multiplier)
       : name_(name), saved_(saved, /*is_output=*/false), negative_slope_(negative_slope), multiplier_(multiplier) {}
 
-  variable_list apply(variable_list&& grads) override {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    variable_list grad_inputs(num_outputs());  // saved's gradient, where it has an edge, stays undefined (zero)
+    // saved's gradient, where it has an edge, stays undefined (zero).
+    torch::autograd::variable_list grad_inputs(num_outputs());
     if (grads[0].defined() && should_compute_output(0))
       grad_inputs[0] = leaky_relu_backward_op().call(grads[0], saved_.unpack(), negative_slope_, multiplier_);
     return grad_inputs;
@@ -75,13 +63,13 @@ template <typename... Inputs>
 void record_autograd(const char* node_name, at::Tensor& result, const at::Tensor& linear_input, const at::Tensor& saved,
                      double negative_slope, double multiplier, const Inputs&... inputs) {
   if (c10::GradMode::is_enabled() && (inputs.requires_grad() || ...)) {
-    NodePtr node = make_node<LeakyReLUGrad>(node_name, saved, negative_slope, multiplier);
+    common::NodePtr node = common::make_node<LeakyReLUGrad>(node_name, saved, negative_slope, multiplier);
     node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
     torch::autograd::create_gradient_edge(result, std::move(node));
   }
   const at::Tensor& tangent = linear_input._fw_grad(/*level=*/0);
   if (tangent.defined()) {
-    result._set_fw_grad(leaky_relu_backward_op().call(tangent, primal_of(saved), negative_slope, multiplier),
+    result._set_fw_grad(leaky_relu_backward_op().call(tangent, common::primal_of(saved), negative_slope, multiplier),
                         /*level=*/0, /*is_inplace_op=*/false);
   }
 }
@@ -90,7 +78,7 @@ at::Tensor leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, do
   static const auto kernel = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("kernels::leaky_relu", "")
                                  .typed<at::Tensor(const at::Tensor&, double)>();
-  at::Tensor y = redispatch_below_autograd(kernel, keys, x, negative_slope);
+  at::Tensor y = common::redispatch_below_autograd(kernel, keys, x, negative_slope);
   record_autograd("kernels::LeakyReLUBackward", y, x, x, negative_slope, 1.0, x);
   return y;
 }
@@ -98,7 +86,7 @@ at::Tensor leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, do
 at::Tensor leaky_relu_backward_autograd(c10::DispatchKeySet keys, const at::Tensor& grad_output,
                                         const at::Tensor& saved, double negative_slope, double multiplier) {
   at::Tensor grad_input =
-      redispatch_below_autograd(leaky_relu_backward_op(), keys, grad_output, saved, negative_slope, multiplier);
+      common::redispatch_below_autograd(leaky_relu_backward_op(), keys, grad_output, saved, negative_slope, multiplier);
   record_autograd("kernels::LeakyReLUBackwardBackward", grad_input, grad_output, saved, negative_slope, multiplier,
                   grad_output, saved);
   return grad_input;
