@@ -2,10 +2,11 @@
 
 A family is one folder, kernels/<name>/, and the same stem in every layer: <name>.cu (kernels, no torch headers),
 <name>.h (their plain host launchers), <name>.cpp (the torch side: schemas, checks, CPU code, CUDA dispatch),
-<name>_autograd.cpp (the ops' Autograd kernels and graph nodes), <name>.py (fake implementations, the Python
-functions), NOTES.md, and tests/test_<name>.py. Project headers included with #include "x.h" are inlined by the
-loader (kernels/loader.py), so only the files listed here are named; the order of each list is the order in which
-the files are joined into one translation unit.
+<name>_autograd.cpp (the ops' Autograd kernels and graph nodes), <name>_op.h (the ops' dispatcher handles, where C++
+code of this or another family calls them), <name>.py (fake implementations, the Python functions), NOTES.md, and
+tests/test_<name>.py. Project headers included with #include "x.h" are inlined by the loader (kernels/loader.py), so
+only the files listed here are named; the order of each list is the order in which the files are joined into one
+translation unit.
 
 This is data only (no torch import), so tools that read the sources need not build anything.
 """
