@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one run (device machine, repo root): a cold build of the op library and a warm
 # import, timed; the SASS of the kernels; the full test suite; compute-sanitizer over every kernel; bench.py with its
 # chart. Logs go to $OUT if set.
-#   SKIP_TESTS=1 / SKIP_SANITIZE=1 / SKIP_BENCH=1 leave a part out; BENCH_ARGS are passed to bench.py.
+#   SKIP_TESTS=1 / SKIP_SANITIZE=1 / SKIP_BENCH=1 leave a part out; BENCH_ARGS are passed to bench.py; BENCH_RUNS=3
+#   runs it three times (the first with the chart) and prints ModelNew's speedup per row over the runs.
 # Where matplotlib is missing, wheels in .whl/ (if carried) are installed for the chart.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -57,4 +58,11 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
   python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+  # More runs, tables to their logs only, then ModelNew's speedup per row across all of them.
+  for run in $(seq 2 "${BENCH_RUNS:-1}"); do
+    python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench$run.json" > "$OUT/bench$run.log" 2>&1
+  done
+  if [ "${BENCH_RUNS:-1}" -gt 1 ]; then
+    python3 tools/bench_runs.py "$OUT"/bench*.json
+  fi
 fi
