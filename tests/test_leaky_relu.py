@@ -169,16 +169,94 @@ def test_gradient_with_transposed_grad(device):
     assert_bitwise_equal(g, g_ref)
 
 
-def test_inplace_gradient(device):
+# The in-place ways in, each against F.leaky_relu(inplace=True): ModelNew, the op, and the GEMM epilogue's op with
+# a multiplier of 1 (the same LeakyReLU).
+def _returning_x(write):
+    """fn(x): write(x) (an in-place op), then x, as F.leaky_relu(inplace=True) returns it."""
+    def fn(x):
+        write(x)
+        return x
+    return fn
+
+
+INPLACE_ENTRY_POINTS = {
+    "ModelNew": lambda slope: LeakyReLUModelNew(slope, inplace=True),
+    "op": lambda slope: _returning_x(lambda x: torch.ops.kernels.leaky_relu_(x, slope)),
+    "multiply_op": lambda slope: _returning_x(lambda x: torch.ops.kernels.multiply_leaky_relu_(x, 1.0, slope, False)),
+}
+
+
+@pytest.mark.parametrize("entry", INPLACE_ENTRY_POINTS)
+def test_inplace_gradient(device, entry):
+    """As ATen's in-place ops: the gradient through x's new history (a view's base's too), x's version bumped with or
+    without grad, and the same errors: a leaf that requires grad, and a negative slope (which only the out-of-place
+    op can differentiate, its output no longer telling the input's sign; the GEMM's op keeps the mask instead)."""
+    ours, eager = INPLACE_ENTRY_POINTS[entry](0.3), lambda t: F.leaky_relu(t, 0.3, inplace=True)
     leaf = torch.randn(50, 7, device=device, requires_grad=True)
     grad = torch.randn(50, 7, device=device)
-    (g,) = torch.autograd.grad(LeakyReLUModelNew(0.3, inplace=True)(leaf * 1.5), leaf, grad)
-    (g_ref,) = torch.autograd.grad(F.leaky_relu(leaf * 1.5, 0.3, inplace=True), leaf, grad)
+    (g,) = torch.autograd.grad(ours(leaf * 1.5), leaf, grad)
+    (g_ref,) = torch.autograd.grad(eager(leaf * 1.5), leaf, grad)
     assert_bitwise_equal(g, g_ref)
-    with pytest.raises(ValueError, match="negative slope"):
-        LeakyReLUModelNew(-0.3, inplace=True)(leaf * 1.5)
+
+    gradients = []
+    for fn in (ours, eager):  # in place on a view: the base's gradient through CopySlices
+        base = leaf * 1.5
+        fn(base[:, 2:5])
+        assert base.grad_fn.name().endswith("CopySlices")
+        gradients.append(torch.autograd.grad(base, leaf, grad)[0])
+    assert_bitwise_equal(*gradients)
+
+    for grad_mode in (True, False):
+        x = leaf.detach() * 1.0
+        with torch.set_grad_enabled(grad_mode):
+            version = x._version
+            ours(x)
+        assert x._version > version
+
     with pytest.raises(RuntimeError, match="leaf Variable"):
-        LeakyReLUModelNew(0.3, inplace=True)(leaf)
+        ours(leaf)
+    with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+        ours(leaf[:, :3])
+    x = leaf * 1.5
+    x_before = x.detach().clone()
+    if entry == "multiply_op":
+        negative = torch.ops.kernels.multiply_leaky_relu_(x, -2.0, -0.3, False)
+        assert negative.numel() == 0
+        (g,) = torch.autograd.grad(x, leaf, grad)
+        (g_ref,) = torch.autograd.grad(F.leaky_relu(leaf * 1.5 * -2.0, -0.3), leaf, grad)
+        assert_bitwise_equal(g, g_ref)
+    else:
+        with pytest.raises(ValueError, match="negative slope"):
+            INPLACE_ENTRY_POINTS[entry](-0.3)(x)
+        assert torch.equal(x.detach(), x_before)  # raised before writing x
+
+
+@pytest.mark.parametrize("entry", INPLACE_ENTRY_POINTS)
+def test_inplace_write_is_seen_by_a_backward_that_saved_x(device, entry):
+    """exp saves its output; writing that output in place, with or without grad, makes its backward raise, as eager
+    does. (Without the version bump, the backward silently used the overwritten values.)"""
+    for grad_mode in (True, False):
+        leaf = torch.randn(6, 5, device=device, requires_grad=True)
+        saved_by_exp = leaf.exp()
+        with torch.set_grad_enabled(grad_mode):
+            INPLACE_ENTRY_POINTS[entry](0.2)(saved_by_exp)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved_by_exp.sum().backward()
+
+
+@pytest.mark.parametrize("entry", INPLACE_ENTRY_POINTS)
+def test_inplace_forward_mode_ad(device, entry):
+    import torch.autograd.forward_ad as fwAD
+
+    x, tangent = torch.randn(30, 7, device=device), torch.randn(30, 7, device=device)
+    results = []
+    for fn in (INPLACE_ENTRY_POINTS[entry](0.3), lambda t: F.leaky_relu(t, 0.3, inplace=True)):
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x.clone(), tangent.clone())
+            fn(dual[2:])  # a view: its tangent is a view of the base's, written in place
+            results.append(fwAD.unpack_dual(dual))
+    assert_bitwise_equal(results[0].primal, results[1].primal)
+    assert_bitwise_equal(results[0].tangent, results[1].tangent)
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
@@ -352,6 +430,13 @@ def test_torch_compile_fullgraph(device):
     with torch.no_grad():
         inplace(x2)
     assert_bitwise_equal(x2, y_ref.detach())
+
+    inplace_after_mul = torch.compile(lambda t: LeakyReLUModelNew(0.05, inplace=True)(t * 2.0), fullgraph=True)
+    y = inplace_after_mul(x)
+    (g,) = torch.autograd.grad(y, x, grad)
+    (g_ref,) = torch.autograd.grad(F.leaky_relu(x * 2.0, 0.05, inplace=True), x, grad)
+    assert_bitwise_equal(y.detach(), F.leaky_relu(x.detach() * 2.0, 0.05))
+    assert_bitwise_equal(g, g_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint8])

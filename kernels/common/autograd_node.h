@@ -38,6 +38,14 @@ auto redispatch_below_autograd(const Op& op, c10::DispatchKeySet keys, Args&&...
   return op.redispatch(keys & c10::after_autograd_keyset, std::forward<Args>(args)...);
 }
 
+// The same for an in-place op, as VariableType runs ATen's: through the ADInplaceOrView kernel below autograd, which
+// bumps the written tensor's version.
+template <typename Op, typename... Args>
+auto redispatch_in_place_below_autograd(const Op& op, c10::DispatchKeySet keys, Args&&... args) {
+  at::AutoDispatchBelowAutograd below_autograd;
+  return op.redispatch(keys & c10::after_autograd_keyset, std::forward<Args>(args)...);
+}
+
 // t without its forward-mode tangent, so that computing a tangent from it is not itself forward-differentiated; t
 // itself where it has none.
 inline at::Tensor primal_of(const at::Tensor& t) {

@@ -1,5 +1,4 @@
-"""The LeakyReLU family's Python side: fake (meta) implementations, the in-place autograd, and the function
-leaky_relu().
+"""The LeakyReLU family's Python side: fake (meta) implementations and the function leaky_relu().
 
 Ops (schemas in leaky_relu.cpp):
   leaky_relu(x, negative_slope) -> y
@@ -9,8 +8,9 @@ Ops (schemas in leaky_relu.cpp):
                                                              family's epilogue on its cuBLAS path
   leaky_relu_backward(grad_output, saved, negative_slope, multiplier) -> grad_input
 
-The autograd of leaky_relu and leaky_relu_backward is C++ (leaky_relu.cpp): their Autograd kernels run the kernel,
-then record a graph node where a gradient can flow (reverse mode, to any order) and set the tangent (forward mode).
+The autograd of every op is C++ (leaky_relu_autograd.cpp): the Autograd kernels run the kernel, then record a graph
+node where a gradient can flow (reverse mode, to any order) and set the tangent (forward mode); the in-place ops
+also bump the written tensor's version and rebase its history, as ATen's in-place ops do.
 """
 
 import torch
@@ -37,23 +37,6 @@ def _leaky_relu_backward_fake(grad_output, saved, negative_slope, multiplier):
     return torch.empty_like(grad_output)
 
 
-class _LeakyReLUInplace(torch.autograd.Function):
-    """In-place LeakyReLU under autograd: saves the output, whose sign test equals the input's when slope >= 0."""
-
-    @staticmethod
-    def forward(ctx, x, negative_slope):
-        torch.ops.kernels.leaky_relu_(x, negative_slope)
-        ctx.mark_dirty(x)
-        ctx.negative_slope = negative_slope
-        ctx.save_for_backward(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return torch.ops.kernels.leaky_relu_backward(grad, y, ctx.negative_slope, 1.0), None
-
-
 def leaky_relu(x, negative_slope=0.01, inplace=False):
     """F.leaky_relu(x, negative_slope, inplace) on the project's kernels; same results, bit for bit."""
     # The common call first, on the fewest and cheapest tests (host time decides a small call): a plain tensor takes
@@ -65,18 +48,9 @@ def leaky_relu(x, negative_slope=0.01, inplace=False):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"kernels.leaky_relu: x must be a torch.Tensor, got {type(x).__name__}")
     if inplace:
-        return _leaky_relu_inplace(x, negative_slope)
+        torch.ops.kernels.leaky_relu_.default(x, negative_slope)
+        return x
     return torch.ops.kernels.leaky_relu.default(x, negative_slope)
-
-
-def _leaky_relu_inplace(x, negative_slope):
-    if torch.is_grad_enabled() and x.requires_grad:
-        if negative_slope < 0:
-            raise ValueError("leaky_relu(inplace=True) cannot be differentiated with a negative slope "
-                             f"({negative_slope}): the output no longer tells the input's sign; use inplace=False")
-        return _LeakyReLUInplace.apply(x, negative_slope)
-    torch.ops.kernels.leaky_relu_.default(x, negative_slope)
-    return x
 
 
 _leaky_relu_handle = torch.ops.kernels.leaky_relu.default._op

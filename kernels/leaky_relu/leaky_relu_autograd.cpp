@@ -1,8 +1,9 @@
-// The autograd of the LeakyReLU family: the Autograd kernels of kernels::leaky_relu and kernels::leaky_relu_backward
-// (defined in leaky_relu.cpp, joined after it into the family's unit) and the graph node they record. It reaches
-// the ops through the dispatcher only. Its header, torch/csrc/autograd/function.h (common/autograd_node.h), is the
-// unit's heaviest: with ATen's per-operator headers (the loader's build flags) it adds about 4 s of parsing on a
-// 2-core machine.
+// The autograd of the LeakyReLU family: the Autograd kernels of kernels::leaky_relu, kernels::leaky_relu_backward
+// and the in-place kernels::leaky_relu_ and kernels::multiply_leaky_relu_ (all defined in leaky_relu.cpp, joined
+// after it into the family's unit), the in-place ops' ADInplaceOrView kernels (which bump the written tensor's
+// version), and the graph node they record. It reaches the ops through the dispatcher only. Its header,
+// torch/csrc/autograd/function.h (common/autograd_node.h), is the unit's heaviest: with ATen's per-operator headers
+// (the loader's build flags) it adds about 4 s of parsing on a 2-core machine.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
@@ -10,6 +11,8 @@
 
 #include <mutex>
 #include <string>
+
+#include <torch/csrc/autograd/VariableTypeUtils.h>  // check_inplace, rebase_history, increment_version
 
 #include "common/autograd_node.h"
 #include "leaky_relu_op.h"
@@ -92,10 +95,97 @@ at::Tensor leaky_relu_backward_autograd(c10::DispatchKeySet keys, const at::Tens
   return grad_input;
 }
 
+// ---- in place ---------------------------------------------------------------------------------------------------
+// x = leaky_relu(x * multiplier, negative_slope) written into x, as VariableType runs ATen's in-place ops: the checks
+// of an in-place op on a tensor that requires grad (a leaf, or a view of one, is an error), the kernel below autograd
+// but through the ADInplaceOrView kernel (x's version bumped, so a backward that saved x before sees the change), and
+// x's history rebased onto the node (a view's base too, through CopySlices). The node keeps x after the op (a
+// detached alias, which shares x's version counter; x itself would hold the node that holds it): its sign is that of
+// x * multiplier where the slope is >= 0. With a negative slope only the kernel's mask tells: multiply_leaky_relu_
+// asks for it, leaky_relu_ (which returns nothing) raises, before x is written, where eager's backward would.
+// `run_kernel(mask_needed)` runs the kernel and returns its mask (empty where not asked for).
+template <typename RunKernel>
+at::Tensor in_place_with_autograd(const char* op, const char* node_name, const at::Tensor& x, double negative_slope,
+                                  double multiplier, bool mask_available, const RunKernel& run_kernel) {
+  const bool needs_grad = c10::GradMode::is_enabled() && x.requires_grad();
+  const at::Tensor tangent = x._fw_grad(/*level=*/0);
+  const bool mask_needed = (needs_grad || tangent.defined()) && negative_slope < 0;
+  TORCH_CHECK_VALUE(!mask_needed || mask_available, "kernels.", op, ": in place, LeakyReLU cannot be differentiated "
+                    "with a negative slope (", negative_slope, "), as its output no longer tells the input's sign; "
+                    "use the out-of-place leaky_relu (inplace=False)");
+  torch::autograd::check_inplace(x, needs_grad);
+  at::Tensor mask = run_kernel(mask_needed);
+  if (!needs_grad && !tangent.defined()) return mask;
+  const at::Tensor saved = mask_needed ? mask : x.detach();
+  if (needs_grad) {
+    common::NodePtr node = common::make_node<LeakyReLUGrad>(node_name, saved, negative_slope, multiplier);
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    torch::autograd::rebase_history(x, std::move(node));
+  }
+  if (tangent.defined()) {
+    // In place, as ATen's in-place ops update theirs, so a view's tangent stays a view of its base's.
+    tangent.copy_(leaky_relu_backward_op().call(tangent, saved, negative_slope, multiplier));
+  }
+  return mask;
+}
+
+void leaky_relu_inplace_autograd(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
+  static const auto kernel = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("kernels::leaky_relu_", "")
+                                 .typed<void(const at::Tensor&, double)>();
+  in_place_with_autograd("leaky_relu_", "kernels::LeakyReLUBackward", x, negative_slope, 1.0,
+                         /*mask_available=*/false, [&](bool) {
+                           common::redispatch_in_place_below_autograd(kernel, keys, x, negative_slope);
+                           return at::Tensor();
+                         });
+}
+
+at::Tensor multiply_leaky_relu_inplace_autograd(c10::DispatchKeySet keys, const at::Tensor& x, double multiplier,
+                                                double negative_slope, bool return_mask) {
+  const at::Tensor mask = in_place_with_autograd(
+      "multiply_leaky_relu_", "kernels::MultiplyLeakyReLUBackward", x, negative_slope, multiplier,
+      /*mask_available=*/true, [&](bool mask_needed) {
+        return common::redispatch_in_place_below_autograd(multiply_leaky_relu_op(), keys, x, multiplier,
+                                                          negative_slope, return_mask || mask_needed);
+      });
+  return return_mask || mask.numel() == 0 ? mask : at::empty({0}, mask.options());
+}
+
+// Below autograd: the kernel, then x's version bumped, as ATen's ADInplaceOrView kernels do for its in-place ops.
+void leaky_relu_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
+  static const auto kernel = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("kernels::leaky_relu_", "")
+                                 .typed<void(const at::Tensor&, double)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    kernel.redispatch(keys & c10::after_ADInplaceOrView_keyset, x, negative_slope);
+  }
+  torch::autograd::increment_version(x);
+}
+
+at::Tensor multiply_leaky_relu_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& x, double multiplier,
+                                               double negative_slope, bool return_mask) {
+  at::Tensor mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    mask = multiply_leaky_relu_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, multiplier,
+                                               negative_slope, return_mask);
+  }
+  torch::autograd::increment_version(x);
+  return mask;
+}
+
 }  // namespace
 }  // namespace kernels::leaky_relu
 
 TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
   m.impl("leaky_relu", &kernels::leaky_relu::leaky_relu_autograd);
   m.impl("leaky_relu_backward", &kernels::leaky_relu::leaky_relu_backward_autograd);
+  m.impl("leaky_relu_", &kernels::leaky_relu::leaky_relu_inplace_autograd);
+  m.impl("multiply_leaky_relu_", &kernels::leaky_relu::multiply_leaky_relu_inplace_autograd);
+}
+
+TORCH_LIBRARY_IMPL(kernels, ADInplaceOrView, m) {
+  m.impl("leaky_relu_", &kernels::leaky_relu::leaky_relu_inplace_or_view);
+  m.impl("multiply_leaky_relu_", &kernels::leaky_relu::multiply_leaky_relu_inplace_or_view);
 }
