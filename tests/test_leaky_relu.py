@@ -199,12 +199,27 @@ def test_inplace_gradient(device, entry):
     assert_bitwise_equal(g, g_ref)
 
     gradients = []
-    for fn in (ours, eager):  # in place on a view: the base's gradient through CopySlices
+    for fn in (ours, eager):  # in place on a view: through the base (CopySlices) and through the view itself
         base = leaf * 1.5
-        fn(base[:, 2:5])
+        view = fn(base[:, 2:5])
         assert base.grad_fn.name().endswith("CopySlices")
-        gradients.append(torch.autograd.grad(base, leaf, grad)[0])
-    assert_bitwise_equal(*gradients)
+        gradients.append(torch.autograd.grad(base, leaf, grad, retain_graph=True)[0])
+        gradients.append(torch.autograd.grad(view, leaf, grad[:, 2:5])[0])
+    for got, expected in zip(gradients[:2], gradients[2:]):
+        assert_bitwise_equal(got, expected)
+
+    double = []  # double backward: the gradient depends on the saved output only through zeros, as eager's
+    for fn in (ours, eager):
+        (g,) = torch.autograd.grad(fn(leaf * 1.5), leaf, grad, create_graph=True)
+        assert g.requires_grad
+        double.append(torch.autograd.grad(g.sum(), leaf, allow_unused=True)[0])
+    assert_bitwise_equal(*double)
+
+    packed = []  # saved-tensor hooks get x itself, as eager's in-place ops pass their output
+    x = leaf * 1.5
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        ours(x)
+    assert len(packed) == 1 and packed[0] is x
 
     for grad_mode in (True, False):
         x = leaf.detach() * 1.0
@@ -234,7 +249,8 @@ def test_inplace_gradient(device, entry):
 @pytest.mark.parametrize("entry", INPLACE_ENTRY_POINTS)
 def test_inplace_write_is_seen_by_a_backward_that_saved_x(device, entry):
     """exp saves its output; writing that output in place, with or without grad, makes its backward raise, as eager
-    does. (Without the version bump, the backward silently used the overwritten values.)"""
+    does (without the version bump, the backward silently used the overwritten values). And the op's own saved
+    output: a later write through the base of the view it wrote makes its backward raise too."""
     for grad_mode in (True, False):
         leaf = torch.randn(6, 5, device=device, requires_grad=True)
         saved_by_exp = leaf.exp()
@@ -242,6 +258,12 @@ def test_inplace_write_is_seen_by_a_backward_that_saved_x(device, entry):
             INPLACE_ENTRY_POINTS[entry](0.2)(saved_by_exp)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved_by_exp.sum().backward()
+    leaf = torch.randn(6, 5, device=device, requires_grad=True)
+    base = leaf * 1.5
+    view = INPLACE_ENTRY_POINTS[entry](0.2)(base[1:])
+    base.detach().neg_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        view.sum().backward()
 
 
 @pytest.mark.parametrize("entry", INPLACE_ENTRY_POINTS)

@@ -18,14 +18,26 @@ namespace kernels::common {
 // How this torch holds nodes: std::shared_ptr<Node>, or c10::intrusive_ptr<Node> in newer versions.
 using NodePtr = decltype(torch::autograd::Edge::function);
 
-// A new node of type T. Shared-pointer nodes are deleted through deleteNode, which frees a long chain of nodes
-// without recursing through it (looked up by argument-dependent lookup, so only where this torch has it).
+// A new node of type T, held as this torch holds nodes (the holder converts to NodePtr). Shared-pointer nodes are
+// deleted through deleteNode, which frees a long chain of nodes without recursing through it (looked up by
+// argument-dependent lookup, so only where this torch has it).
 template <typename T, typename... Args>
-NodePtr make_node(Args&&... args) {
+auto make_node(Args&&... args) {
   if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
-    return NodePtr(new T(std::forward<Args>(args)...), [](auto* node) { deleteNode(node); });
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](auto* node) { deleteNode(node); });
   } else {
     return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+// A holder of `node` itself: what a node passes to SavedVariable::unpack for a saved output of its own (kept without
+// its grad_fn, the node, which would be a reference cycle).
+template <typename Ptr = NodePtr, typename T>
+Ptr holder_of(T* node) {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return node->shared_from_this();
+  } else {
+    return Ptr::reclaim_copy(node);
   }
 }
 

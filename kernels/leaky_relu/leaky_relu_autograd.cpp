@@ -6,13 +6,13 @@
 // (the loader's build flags) it adds about 4 s of parsing on a 2-core machine.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>  // check_inplace, rebase_history, increment_version
 #include <torch/library.h>
 
 #include <mutex>
 #include <string>
-
-#include <torch/csrc/autograd/VariableTypeUtils.h>  // check_inplace, rebase_history, increment_version
 
 #include "common/autograd_node.h"
 #include "leaky_relu_op.h"
@@ -32,17 +32,26 @@ namespace {
 
 class LeakyReLUGrad final : public torch::autograd::Node {
  public:
-  // `name` is the node's name in grad_fn; `saved` is kept as autograd keeps an op's inputs (its version checked
-  // when the backward reads it, saved-tensor hooks applied).
-  LeakyReLUGrad(const char* name, const at::Tensor& saved, double negative_slope, double multiplier)
-      : name_(name), saved_(saved, /*is_output=*/false), negative_slope_(negative_slope), multiplier_(multiplier) {}
+  // `name` is the node's name in grad_fn.
+  LeakyReLUGrad(const char* name, double negative_slope, double multiplier)
+      : name_(name), negative_slope_(negative_slope), multiplier_(multiplier) {}
+
+  // Keeps `saved` as autograd keeps an op's input or, with is_output, its output (an in-place op's written tensor,
+  // after the node is its grad_fn): its version checked when the backward reads it, saved-tensor hooks applied.
+  void save(const at::Tensor& saved, bool is_output = false, bool is_inplace_on_view = false) {
+    saved_ = torch::autograd::SavedVariable(saved, is_output, is_inplace_on_view);
+  }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    // saved's gradient, where it has an edge, stays undefined (zero).
     torch::autograd::variable_list grad_inputs(num_outputs());
-    if (grads[0].defined() && should_compute_output(0))
-      grad_inputs[0] = leaky_relu_backward_op().call(grads[0], saved_.unpack(), negative_slope_, multiplier_);
+    if (!grads[0].defined()) return grad_inputs;
+    if (should_compute_output(0)) {
+      grad_inputs[0] = leaky_relu_backward_op().call(grads[0], saved_.unpack(common::holder_of(this)),
+                                                     negative_slope_, multiplier_);
+    }
+    // saved's gradient, where it has an edge (leaky_relu_backward's `saved` requiring grad): zeros, as eager's.
+    if (num_outputs() > 1 && should_compute_output(1)) grad_inputs[1] = at::zeros_like(grads[0]);
     return grad_inputs;
   }
 
@@ -66,7 +75,8 @@ template <typename... Inputs>
 void record_autograd(const char* node_name, at::Tensor& result, const at::Tensor& linear_input, const at::Tensor& saved,
                      double negative_slope, double multiplier, const Inputs&... inputs) {
   if (c10::GradMode::is_enabled() && (inputs.requires_grad() || ...)) {
-    common::NodePtr node = common::make_node<LeakyReLUGrad>(node_name, saved, negative_slope, multiplier);
+    auto node = common::make_node<LeakyReLUGrad>(node_name, negative_slope, multiplier);
+    node->save(saved);
     node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
     torch::autograd::create_gradient_edge(result, std::move(node));
   }
@@ -97,34 +107,37 @@ at::Tensor leaky_relu_backward_autograd(c10::DispatchKeySet keys, const at::Tens
 
 // ---- in place ---------------------------------------------------------------------------------------------------
 // x = leaky_relu(x * multiplier, negative_slope) written into x, as VariableType runs ATen's in-place ops: the checks
-// of an in-place op on a tensor that requires grad (a leaf, or a view of one, is an error), the kernel below autograd
-// but through the ADInplaceOrView kernel (x's version bumped, so a backward that saved x before sees the change), and
-// x's history rebased onto the node (a view's base too, through CopySlices). The node keeps x after the op (a
-// detached alias, which shares x's version counter; x itself would hold the node that holds it): its sign is that of
-// x * multiplier where the slope is >= 0. With a negative slope only the kernel's mask tells: multiply_leaky_relu_
-// asks for it, leaky_relu_ (which returns nothing) raises, before x is written, where eager's backward would.
-// `run_kernel(mask_needed)` runs the kernel and returns its mask (empty where not asked for).
+// of an in-place op on a tensor that requires grad (a leaf, or a view of one, is an error), x's next edges taken
+// before the kernel (on a view, after it would rebuild the view's grad_fn past the node), the kernel below autograd
+// but through the ADInplaceOrView kernel (x's version bumped, so a backward that saved x before sees the change), x's
+// history rebased onto the node (a view's base too, through CopySlices), and x after the op saved as the node's
+// output: its sign is that of x * multiplier where the slope is >= 0. With a negative slope only the kernel's mask
+// tells: multiply_leaky_relu_ asks for it, leaky_relu_ (which returns nothing) raises, before x is written, where
+// eager's backward would. `run_kernel(mask_needed)` runs the kernel and returns its mask (empty where not asked for).
 template <typename RunKernel>
 at::Tensor in_place_with_autograd(const char* op, const char* node_name, const at::Tensor& x, double negative_slope,
                                   double multiplier, bool mask_available, const RunKernel& run_kernel) {
   const bool needs_grad = c10::GradMode::is_enabled() && x.requires_grad();
   const at::Tensor tangent = x._fw_grad(/*level=*/0);
   const bool mask_needed = (needs_grad || tangent.defined()) && negative_slope < 0;
+  torch::autograd::check_inplace(x, needs_grad);
   TORCH_CHECK_VALUE(!mask_needed || mask_available, "kernels.", op, ": in place, LeakyReLU cannot be differentiated "
                     "with a negative slope (", negative_slope, "), as its output no longer tells the input's sign; "
                     "use the out-of-place leaky_relu (inplace=False)");
-  torch::autograd::check_inplace(x, needs_grad);
+  torch::autograd::edge_list next_edges;
+  if (needs_grad) next_edges = torch::autograd::collect_next_edges(x);
   at::Tensor mask = run_kernel(mask_needed);
-  if (!needs_grad && !tangent.defined()) return mask;
-  const at::Tensor saved = mask_needed ? mask : x.detach();
   if (needs_grad) {
-    common::NodePtr node = common::make_node<LeakyReLUGrad>(node_name, saved, negative_slope, multiplier);
-    node->set_next_edges(torch::autograd::collect_next_edges(x));
-    torch::autograd::rebase_history(x, std::move(node));
+    auto node = common::make_node<LeakyReLUGrad>(node_name, negative_slope, multiplier);
+    node->set_next_edges(std::move(next_edges));
+    torch::autograd::rebase_history(x, node);
+    if (mask_needed) node->save(mask);
+    else node->save(x, /*is_output=*/true, /*is_inplace_on_view=*/x.is_view());
   }
   if (tangent.defined()) {
     // In place, as ATen's in-place ops update theirs, so a view's tangent stays a view of its base's.
-    tangent.copy_(leaky_relu_backward_op().call(tangent, saved, negative_slope, multiplier));
+    tangent.copy_(leaky_relu_backward_op().call(tangent, mask_needed ? mask : common::primal_of(x), negative_slope,
+                                                multiplier));
   }
   return mask;
 }
