@@ -88,10 +88,7 @@ void record_autograd(const char* node_name, at::Tensor& result, const at::Tensor
 }
 
 at::Tensor leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
-  static const auto kernel = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kernels::leaky_relu", "")
-                                 .typed<at::Tensor(const at::Tensor&, double)>();
-  at::Tensor y = common::redispatch_below_autograd(kernel, keys, x, negative_slope);
+  at::Tensor y = common::redispatch_below_autograd(leaky_relu_op(), keys, x, negative_slope);
   record_autograd("kernels::LeakyReLUBackward", y, x, x, negative_slope, 1.0, x);
   return y;
 }
@@ -143,12 +140,9 @@ at::Tensor in_place_with_autograd(const char* op, const char* node_name, const a
 }
 
 void leaky_relu_inplace_autograd(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
-  static const auto kernel = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kernels::leaky_relu_", "")
-                                 .typed<void(const at::Tensor&, double)>();
   in_place_with_autograd("leaky_relu_", "kernels::LeakyReLUBackward", x, negative_slope, 1.0,
                          /*mask_available=*/false, [&](bool) {
-                           common::redispatch_in_place_below_autograd(kernel, keys, x, negative_slope);
+                           common::redispatch_in_place_below_autograd(leaky_relu_inplace_op(), keys, x, negative_slope);
                            return at::Tensor();
                          });
 }
@@ -166,12 +160,9 @@ at::Tensor multiply_leaky_relu_inplace_autograd(c10::DispatchKeySet keys, const 
 
 // Below autograd: the kernel, then x's version bumped, as ATen's ADInplaceOrView kernels do for its in-place ops.
 void leaky_relu_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
-  static const auto kernel = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kernels::leaky_relu_", "")
-                                 .typed<void(const at::Tensor&, double)>();
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    kernel.redispatch(keys & c10::after_ADInplaceOrView_keyset, x, negative_slope);
+    leaky_relu_inplace_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, negative_slope);
   }
   torch::autograd::increment_version(x);
 }

@@ -8,6 +8,23 @@
 
 namespace kernels::leaky_relu {
 
+using LeakyReLU = at::Tensor(const at::Tensor& x, double negative_slope);
+
+// kernels::leaky_relu, looked up once.
+inline const c10::TypedOperatorHandle<LeakyReLU>& leaky_relu_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu", "").typed<LeakyReLU>();
+  return op;
+}
+
+using LeakyReLUInPlace = void(const at::Tensor& x, double negative_slope);
+
+// kernels::leaky_relu_ (in place), looked up once.
+inline const c10::TypedOperatorHandle<LeakyReLUInPlace>& leaky_relu_inplace_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::leaky_relu_", "").typed<LeakyReLUInPlace>();
+  return op;
+}
+
 using MultiplyLeakyReLU = at::Tensor(const at::Tensor& x, double multiplier, double negative_slope, bool return_mask);
 
 // kernels::multiply_leaky_relu_ (in place; returns the mask where return_mask), looked up once.
