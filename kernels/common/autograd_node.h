@@ -58,6 +58,24 @@ auto redispatch_in_place_below_autograd(const Op& op, c10::DispatchKeySet keys, 
   return op.redispatch(keys & c10::after_autograd_keyset, std::forward<Args>(args)...);
 }
 
+// An in-place op's ADInplaceOrView kernel, as ATen's: op(x, args...) redispatched below that key, then x's version
+// bumped, so that a backward which saved x sees the write.
+template <typename Op, typename... Args>
+auto redispatch_bumping_version(const Op& op, c10::DispatchKeySet keys, const at::Tensor& x, const Args&... args) {
+  const auto run = [&] {
+    at::AutoDispatchBelowADInplaceOrView below_inplace_or_view;
+    return op.redispatch(keys & c10::after_ADInplaceOrView_keyset, x, args...);
+  };
+  if constexpr (std::is_void_v<decltype(run())>) {
+    run();
+    torch::autograd::impl::bump_version(x);
+  } else {
+    auto result = run();
+    torch::autograd::impl::bump_version(x);
+    return result;
+  }
+}
+
 // t without its forward-mode tangent, so that computing a tangent from it is not itself forward-differentiated; t
 // itself where it has none.
 inline at::Tensor primal_of(const at::Tensor& t) {

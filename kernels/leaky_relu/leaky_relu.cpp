@@ -1,7 +1,8 @@
 // The torch side of the LeakyReLU family of `torch.ops.kernels`: schemas, argument checks, dtype dispatch, and the
 // CPU and CUDA implementations. CUDA work goes through the plain launchers of leaky_relu.cu (leaky_relu.h), on the
-// current stream of the tensor's own device. Fake (meta) implementations are registered in leaky_relu.py; the
-// Autograd kernels of leaky_relu and leaky_relu_backward are in leaky_relu_autograd.cpp, joined after this file.
+// current stream of the tensor's own device. Fake (meta) implementations are registered in leaky_relu.py; every
+// op's Autograd kernel, and the in-place ops' ADInplaceOrView kernels, are in leaky_relu_autograd.cpp, joined after
+// this file.
 //
 // Ops: leaky_relu, leaky_relu_ (in place), multiply_leaky_relu_ (in place, with the multiply and the branch mask:
 // the epilogue of the GEMM family's cuBLAS path), leaky_relu_backward.

@@ -8,7 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/VariableTypeUtils.h>  // check_inplace, rebase_history, increment_version
+#include <torch/csrc/autograd/VariableTypeUtils.h>  // check_inplace, rebase_history
 #include <torch/library.h>
 
 #include <mutex>
@@ -158,25 +158,15 @@ at::Tensor multiply_leaky_relu_inplace_autograd(c10::DispatchKeySet keys, const 
   return return_mask || mask.numel() == 0 ? mask : at::empty({0}, mask.options());
 }
 
-// Below autograd: the kernel, then x's version bumped, as ATen's ADInplaceOrView kernels do for its in-place ops.
+// Below autograd: the kernel, then x's version bumped.
 void leaky_relu_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& x, double negative_slope) {
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    leaky_relu_inplace_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, negative_slope);
-  }
-  torch::autograd::increment_version(x);
+  common::redispatch_bumping_version(leaky_relu_inplace_op(), keys, x, negative_slope);
 }
 
 at::Tensor multiply_leaky_relu_inplace_or_view(c10::DispatchKeySet keys, const at::Tensor& x, double multiplier,
                                                double negative_slope, bool return_mask) {
-  at::Tensor mask;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    mask = multiply_leaky_relu_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, multiplier,
-                                               negative_slope, return_mask);
-  }
-  torch::autograd::increment_version(x);
-  return mask;
+  return common::redispatch_bumping_version(multiply_leaky_relu_op(), keys, x, multiplier, negative_slope,
+                                            return_mask);
 }
 
 }  // namespace
