@@ -9,13 +9,20 @@
 #include <ATen/cuda/EmptyTensor.h>
 #endif
 
+#include <cstdio>
 #include <string>
 
 namespace kernels::common {
 
 // Messages format numbers, shapes and devices as std::string here: on the GPU machine (library built by another
-// g++ than torch's) streaming an int64_t, an IntArrayRef or a Device into TORCH_CHECK's message crashed the
-// process; strings and ScalarType names stream safely.
+// g++ than torch's) streaming an int64_t, a double, an IntArrayRef or a Device into TORCH_CHECK's message crashed
+// the process (a null num_put facet: SIGSEGV at address 0); strings and ScalarType names stream safely.
+inline std::string number_str(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
+}
+
 inline std::string shape_str(at::IntArrayRef shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/autograd_node.h"
+#include "common/torch_checks.h"
 #include "leaky_relu_op.h"
 
 namespace kernels::leaky_relu {
@@ -119,7 +120,7 @@ at::Tensor in_place_with_autograd(const char* op, const char* node_name, const a
   const bool mask_needed = (needs_grad || tangent.defined()) && negative_slope < 0;
   torch::autograd::check_inplace(x, needs_grad);
   TORCH_CHECK_VALUE(!mask_needed || mask_available, "kernels.", op, ": in place, LeakyReLU cannot be differentiated "
-                    "with a negative slope (", negative_slope, "), as its output no longer tells the input's sign; "
+                    "with a negative slope (", common::number_str(negative_slope), "), as its output no longer tells the input's sign; "
                     "use the out-of-place leaky_relu (inplace=False)");
   torch::autograd::edge_list next_edges;
   if (needs_grad) next_edges = torch::autograd::collect_next_edges(x);

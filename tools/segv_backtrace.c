@@ -1,0 +1,34 @@
+// A native backtrace when a process dies of SIGSEGV, for machines without gdb (the GPU machine has none): preloaded,
+// it prints each frame as library + offset (and the nearest exported symbol) to stderr, then exits with 139.
+//   gcc -shared -fPIC -o /tmp/segv_backtrace.so tools/segv_backtrace.c -ldl
+//   LD_PRELOAD=/tmp/segv_backtrace.so python3 repro.py
+// Offsets in our library map to functions with `addr2line -f -C -e <library.so> <offset>` (its .symtab has the
+// local ones, which the nearest exported symbol printed here is not).
+#define _GNU_SOURCE
+#include <execinfo.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <dlfcn.h>
+static void print_backtrace_and_exit(int sig, siginfo_t* info, void* ctx) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  fprintf(stderr, "SIGSEGV at %p\n", info->si_addr);
+  for (int i = 0; i < n; ++i) {
+    Dl_info d;
+    if (dladdr(frames[i], &d) && d.dli_fname) {
+      fprintf(stderr, "#%d %s +0x%lx %s\n", i, d.dli_fname, (unsigned long)((char*)frames[i] - (char*)d.dli_fbase),
+              d.dli_sname ? d.dli_sname : "?");
+    } else {
+      fprintf(stderr, "#%d %p\n", i, frames[i]);
+    }
+  }
+  _exit(139);
+}
+__attribute__((constructor)) static void install(void) {
+  struct sigaction sa = {0};
+  sa.sa_sigaction = print_backtrace_and_exit;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigaction(SIGSEGV, &sa, NULL);
+}
