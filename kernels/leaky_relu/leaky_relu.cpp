@@ -164,20 +164,26 @@ void multiply_leaky_relu_range(const scalar_t* in, scalar_t* out, bool* positive
     if constexpr (kMask) v.store(product + at);
     return select_positive(v > zero, v, slope_v);
   };
-  int64_t i = begin;
-  for (; i + Vec::size() <= end; i += Vec::size()) {
-    const Vec x = Vec::loadu(in + i);
+  // One vector of scalar_t at `at`; two per iteration below, as eager's vectorized loops do.
+  const auto step = [&](int64_t at) {
+    const Vec x = Vec::loadu(in + at);
     if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-      apply(x, 0).store(out + i);
+      apply(x, 0).store(out + at);
     } else {
       auto [x0, x1] = at::vec::convert_to_float<scalar_t>(x);
       const fVec y0 = apply(x0, 0), y1 = apply(x1, fVec::size());
-      at::vec::convert_from_float<scalar_t>(y0, y1).store(out + i);
+      at::vec::convert_from_float<scalar_t>(y0, y1).store(out + at);
     }
     if constexpr (kMask) {
-      for (int k = 0; k < Vec::size(); ++k) positive[i + k] = product[k] > opmath_t(0);
+      for (int k = 0; k < Vec::size(); ++k) positive[at + k] = product[k] > opmath_t(0);
     }
+  };
+  int64_t i = begin;
+  for (; i + 2 * Vec::size() <= end; i += 2 * Vec::size()) {
+    step(i);
+    step(i + Vec::size());
   }
+  for (; i + Vec::size() <= end; i += Vec::size()) step(i);
   leaky_relu::multiply_leaky_relu_range<scalar_t, kMultiplied, kMask>(in, out, positive, i, end, multiplier, slope);
 }
 
