@@ -63,6 +63,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench$run.json" > "$OUT/bench$run.log" 2>&1
   done
   if [ "${BENCH_RUNS:-1}" -gt 1 ]; then
-    python3 tools/bench_runs.py "$OUT"/bench*.json
+    # In run order (a glob's order depends on the locale: bench2.json can sort before bench.json).
+    python3 tools/bench_runs.py "$OUT/bench.json" $(seq -f "$OUT/bench%g.json" 2 "$BENCH_RUNS")
   fi
 fi
