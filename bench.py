@@ -92,6 +92,7 @@ def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs,
 
 
 CPU_SAMPLE_MS = 1.0
+CPU_SAMPLES_FACTOR = 20
 
 
 def run_case(fns, options, kernelbench=True, cpu=False):
@@ -101,10 +102,12 @@ def run_case(fns, options, kernelbench=True, cpu=False):
         # CPU calls here take 0.05-10 ms and run on every core: one late thread (a shared or virtual host), or what
         # the call before left in the caches, moves a single call by tens of percent. So a CPU sample is as many
         # back-to-back calls as make about CPU_SAMPLE_MS for the slowest function (the steady state of a loop of
-        # calls), and medians take 5x the samples, at a cost of about a second a row.
+        # calls), and medians take CPU_SAMPLES_FACTOR times the samples: on a shared 2-core host, where both variants
+        # of a row run at a copy's rate, the ratio of medians of 150 samples moved by a standard deviation of 3% from
+        # one measurement to the next, of 600 by 1.3%. About 2 s a row.
         slowest_ms = max(time_ms(fn, samples=3, warmup=1, cpu=True) for fn in fns)
         calls = max(1, min(50, round(CPU_SAMPLE_MS / slowest_ms)))
-        times = time_each_ms(fns, samples=options.samples * 5, calls_per_sample=calls, cpu=True)
+        times = time_each_ms(fns, samples=options.samples * CPU_SAMPLES_FACTOR, calls_per_sample=calls, cpu=True)
     else:
         times = time_each_ms(fns, samples=options.samples)
     kb = [kernelbench_ms(fn, options.kernelbench_calls, cpu=cpu) if kernelbench else None for fn in fns]
@@ -121,7 +124,8 @@ def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_samp
         x_in = x.clone().requires_grad_(needs_grad)
         with torch.set_grad_enabled(needs_grad):
             copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x_in) for m in variants.values()],
-                                           calls_per_sample=calls_per_sample, samples=50, flush_l2=False,
+                                           calls_per_sample=calls_per_sample, samples=200 if device == "cpu" else 50,
+                                           flush_l2=False,
                                            cpu=device == "cpu")
             outputs = [m(x_in).detach() for m in variants.values()]
         with torch.no_grad():
@@ -425,8 +429,8 @@ def print_table(rows):
           "same bytes; cuBLAS's GEMM in the row's precision; three cuBLAS fp16 products for the split fp16 path, "
           "whose rate counts its three products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; "
           "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own "
-          "included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample), no L2 "
-          "flush; KB ms is the mean of back-to-back calls; the ceilings are a copy of the same bytes and torch.mm "
+          "included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample; 20 times "
+          "the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are a copy of the same bytes and torch.mm "
           "in the row's dtype.")
 
 
