@@ -114,7 +114,7 @@ def run_case(fns, options, kernelbench=True, cpu=False):
     return times, kb
 
 
-def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_sample):
+def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_sample, samples):
     """Small LeakyReLU calls back to back, where host overhead decides (no L2 flush, no KB column): one row without
     grad, and one with x requiring grad, where each call also records its autograd node (freed with the output)."""
     x = torch.randn(16, 16384, device=device)
@@ -124,8 +124,7 @@ def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_samp
         x_in = x.clone().requires_grad_(needs_grad)
         with torch.set_grad_enabled(needs_grad):
             copy_ms, *times = time_each_ms([lambda: x.clone()] + [lambda m=m: m(x_in) for m in variants.values()],
-                                           calls_per_sample=calls_per_sample, samples=200 if device == "cpu" else 50,
-                                           flush_l2=False,
+                                           calls_per_sample=calls_per_sample, samples=samples, flush_l2=False,
                                            cpu=device == "cpu")
             outputs = [m(x_in).detach() for m in variants.values()]
         with torch.no_grad():
@@ -187,7 +186,7 @@ def bench_leaky_relu(rows, options):
             del x, grad, g64, outputs
 
     if options.wants_dtype("fp32"):
-        add_per_call_rows(rows, problem, eager, new, options, DEVICE, calls_per_sample=200)
+        add_per_call_rows(rows, problem, eager, new, options, DEVICE, calls_per_sample=200, samples=50)
 
 
 # ---- gemm_multiply_leaky_relu -----------------------------------------------------------------------------------
@@ -362,7 +361,8 @@ def bench_leaky_relu_cpu(rows, options):
                      lambda v: 3 * x.nbytes / 1e6, "GB/s", "copy", 1.5 * copy_ms, g64, g32)
 
     if options.wants_dtype("fp32"):
-        add_per_call_rows(rows, problem, eager, new, options, "cpu", calls_per_sample=20)
+        # 4x the GPU rows' samples: a CPU call's time moves more from sample to sample (run_case).
+        add_per_call_rows(rows, problem, eager, new, options, "cpu", calls_per_sample=20, samples=200)
 
 
 def bench_gemm_multiply_leaky_relu_cpu(rows, options):
@@ -430,8 +430,8 @@ def print_table(rows):
           "whose rate counts its three products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; "
           "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own "
           "included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample; 20 times "
-          "the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are a copy of the same bytes and torch.mm "
-          "in the row's dtype.")
+          "the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are "
+          "a copy of the same bytes and torch.mm in the row's dtype.")
 
 
 def plot(rows, path, device, torch_version=torch.__version__):

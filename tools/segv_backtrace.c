@@ -8,10 +8,11 @@
 #include <execinfo.h>
 #include <signal.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <unistd.h>
 #include <dlfcn.h>
-static void print_backtrace_and_exit(int sig, siginfo_t* info, void* ctx) {
+static void print_backtrace_and_exit(int signal_number, siginfo_t* info, void* context) {
+  (void)signal_number;
+  (void)context;
   void* frames[64];
   int n = backtrace(frames, 64);
   fprintf(stderr, "SIGSEGV at %p\n", info->si_addr);
