@@ -104,14 +104,58 @@ def test_unusual_multiplier_gives_pytorchs_result(multiplier):
 def test_meta_tensors_give_pytorchs_shape_and_device():
     x = torch.empty(2, 4, device="meta")
     assert leaky_relu(x).device.type == "meta" and leaky_relu(x).shape == (2, 4)
-    y = gemm_multiply_leaky_relu(x, torch.randn(3, 4))
-    expected = eager_gemm(x, torch.randn(3, 4), None, 1.0, 0.01)
+    weight, bias = torch.empty(3, 4, device="meta"), torch.empty(3, device="meta")
+    y, expected = gemm_multiply_leaky_relu(x, weight, bias), eager_gemm(x, weight, bias, 1.0, 0.01)
     assert y.device == expected.device and y.shape == expected.shape and y.dtype == expected.dtype
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_x_with_a_meta_weight_does_what_eager_does():
-    """PyTorch accepts it too: a result of eager's shape on x's device, its values undefined (meta has no data)."""
-    x, weight = torch.randn(2, 4, device="cuda"), torch.empty(3, 4, device="meta")
-    y, expected = gemm_multiply_leaky_relu(x, weight, None, 2.0, 0.1), eager_gemm(x, weight, None, 2.0, 0.1)
-    assert y.device == expected.device and y.shape == expected.shape and y.dtype == expected.dtype
+# Every op with more than one tensor argument, called with one of them on another device. (leaky_relu, leaky_relu_
+# and multiply_leaky_relu_ take one tensor.) Where a tensor is on meta the dispatcher runs the op's Meta kernel
+# whatever the others' device, so only a check there stops a CPU or CUDA result of uninitialized memory.
+MIXED_DEVICE_OPS = {
+    "gemm_multiply_leaky_relu": (
+        ("x", "weight", "bias"),
+        lambda d: torch.ops.kernels.gemm_multiply_leaky_relu(
+            torch.randn(2, 4, device=d[0]), torch.randn(3, 4, device=d[1]), torch.randn(3, device=d[2]), 2.0, 0.1,
+            False)),
+    "gemm_multiply_leaky_relu_backward": (
+        ("grad_y", "x", "weight", "saved"),
+        lambda d: torch.ops.kernels.gemm_multiply_leaky_relu_backward(
+            torch.randn(2, 3, device=d[0]), torch.randn(2, 4, device=d[1]), torch.randn(3, 4, device=d[2]),
+            torch.randn(2, 3, device=d[3]), 2.0, 0.1, True, True, True)),
+    "leaky_relu_backward": (
+        ("grad_output", "saved"),
+        lambda d: torch.ops.kernels.leaky_relu_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]),
+                                                        0.1, 1.0)),
+}
+DEVICE_PAIRS = [(a, b) for a in ("cpu", "cuda", "meta") for b in ("cpu", "cuda", "meta") if a != b]
+
+
+@pytest.mark.parametrize("op", MIXED_DEVICE_OPS)
+@pytest.mark.parametrize("devices", DEVICE_PAIRS, ids=lambda p: "-".join(p))
+def test_mixed_devices_raise(op, devices):
+    """Each argument in turn on the second device, the rest on the first: a RuntimeError naming a device, as eager
+    raises for F.linear with a bias (never a result)."""
+    if "cuda" in devices and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    names, call = MIXED_DEVICE_OPS[op]
+    for odd in range(len(names)):
+        placed = [devices[1] if i == odd else devices[0] for i in range(len(names))]
+        with pytest.raises(RuntimeError, match=r"device"):
+            call(placed)
+
+
+@pytest.mark.parametrize("weight_device", ["meta", "cpu"])
+def test_model_on_meta_weights_raises_as_the_reference_does(weight_device):
+    """Deferred initialization: a model built under torch.device("meta") and called with real data (or a real
+    model with meta data) raises, as the reference model does, forward and backward."""
+    from model_new import GemmMultiplyLeakyReLUModelNew
+    from reference import GemmMultiplyLeakyReLUModel
+
+    x_device = "cpu" if weight_device == "meta" else "meta"
+    x = torch.randn(4, 8, device=x_device, requires_grad=x_device != "meta")
+    for model_class in (GemmMultiplyLeakyReLUModel, GemmMultiplyLeakyReLUModelNew):
+        with torch.device(weight_device):
+            model = model_class(8, 6, 2.0, 0.1)
+        with pytest.raises(RuntimeError, match=r"device"):
+            model(x)

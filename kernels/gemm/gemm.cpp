@@ -11,9 +11,13 @@
 //   the branch mask in one pass), reached through the dispatcher.
 // Tests force either path with kernels::_gemm_force_path; kernels::_gemm_multiply_leaky_relu_path tells which
 // path a call would take.
+//
+// Under torch.autocast the op's Autocast kernels (end of this file) cast its inputs as eager's autocast casts
+// nn.Linear's, so the product runs in the autocast dtype (cuBLAS's tensor cores) and so does the epilogue.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -24,6 +28,7 @@
 #include <tuple>
 
 #include "common/torch_checks.h"
+#include "gemm_op.h"
 #include "leaky_relu/leaky_relu_op.h"
 
 #ifdef KERNELS_WITH_CUDA
@@ -329,6 +334,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
 }  // namespace
 }  // namespace kernels::gemm
 
+// ---- autocast -----------------------------------------------------------------------------------------------------
+// Two functions of ATen's autocast, declared here as ATen/autocast_mode.h declares them: that header includes
+// ATen/ATen.h, every op's declaration, which adds 4 s to this unit's build on a 2-core machine.
+namespace at::autocast {
+at::ScalarType get_autocast_dtype(at::DeviceType device_type);
+at::Tensor cached_cast(at::ScalarType to_type, const at::Tensor& arg, c10::DeviceType device_type);
+}  // namespace at::autocast
+
+namespace kernels::gemm {
+namespace {
+
+// The op under torch.autocast on `kDevice`, by eager's policy for the composite it replaces: nn.Linear's at::linear
+// is a lower-precision op (its float32 and float16/bfloat16 tensors on that device cast to the autocast dtype,
+// leaf tensors that require grad through autocast's cache, float64 left as it is), and the multiply and LeakyReLU
+// run in their input's dtype, the product's. So the output has eager's dtype, the product takes cuBLAS's path in
+// that dtype, and the casts are recorded by autograd, as eager's are. Then the op runs with autocast off, as ATen's
+// autocast kernels run theirs.
+template <c10::DeviceType kDevice, c10::DispatchKey kAutocastKey>
+std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autocast(const at::Tensor& x, const at::Tensor& weight,
+                                                                     const std::optional<at::Tensor>& bias,
+                                                                     double multiplier, double negative_slope,
+                                                                     bool return_mask) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  const std::optional<at::Tensor> cast_bias =
+      bias.has_value() && bias->defined() ? std::optional<at::Tensor>(cast(*bias)) : bias;
+  return gemm_multiply_leaky_relu_op().call(cast(x), cast(weight), cast_bias, multiplier, negative_slope,
+                                            return_mask);
+}
+
+}  // namespace
+}  // namespace kernels::gemm
+
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_multiply_leaky_relu(Tensor x, Tensor weight, Tensor? bias, float multiplier, float negative_slope, "
         "bool return_mask) -> (Tensor, Tensor)");
@@ -345,6 +384,15 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
   m.impl("_gemm_split_fp16_refusal", &kernels::gemm::gemm_split_fp16_refusal)
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCPU, m) {
+  m.impl("gemm_multiply_leaky_relu",
+         &kernels::gemm::gemm_multiply_leaky_relu_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+}
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("gemm_multiply_leaky_relu",
+         &kernels::gemm::gemm_multiply_leaky_relu_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+}
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_GEMM_IMPLS(m); }
 #ifdef KERNELS_WITH_CUDA

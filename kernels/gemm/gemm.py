@@ -18,6 +18,10 @@ loader.load_library()
 
 
 def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, return_mask):
+    # The fake also runs as the op's Meta kernel, which the dispatcher picks where any tensor is on meta: a CPU or
+    # CUDA x beside meta weights (a model built under torch.device("meta")) must raise here, as eager does, not
+    # return an uninitialized tensor on x's device.
+    _check_same_device(x, weight, bias)
     torch._check(x.shape[-1] == weight.shape[1], lambda: "x's last dimension must equal weight.shape[1]")
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
     mask = x.new_empty(y.shape if return_mask else (0,), dtype=torch.bool)
@@ -26,8 +30,14 @@ def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, 
 
 def _gemm_multiply_leaky_relu_backward_fake(grad_y, x, weight, saved, multiplier, negative_slope, x_grad,
                                             weight_grad, bias_grad):
+    _check_same_device(grad_y, x, weight, saved)
     return (x.new_empty(x.shape if x_grad else (0,)), weight.new_empty(weight.shape if weight_grad else (0,)),
             weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
+
+
+def _check_same_device(*tensors):
+    """Eager's own check (and message: "Tensor on device cpu is not on the expected device meta!")."""
+    torch._prims_common.check_same_device(*(t for t in tensors if t is not None), allow_cpu_scalar_tensors=False)
 
 
 def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01):

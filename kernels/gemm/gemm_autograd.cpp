@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "common/autograd_node.h"
+#include "gemm_op.h"
 #include "leaky_relu/leaky_relu_op.h"
 
 namespace kernels::gemm {
@@ -34,11 +35,6 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
         negative_slope_(negative_slope) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    using Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, bool, bool, bool);
-    static const auto backward = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu_backward", "")
-                                     .typed<Backward>();
     std::lock_guard<std::mutex> lock(mutex_);
     torch::autograd::variable_list grad_inputs(3);
     const at::Tensor& grad_y = grads[0];
@@ -49,8 +45,8 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
     if (!c10::GradMode::is_enabled()) {
       // No graph of the backward wanted: one op, which takes the split_fp16 path for each product where the
       // forward would.
-      auto [grad_x, grad_weight, grad_bias] =
-          backward.call(grad_y, x, weight, saved, multiplier_, negative_slope_, x_grad, weight_grad, bias_grad);
+      auto [grad_x, grad_weight, grad_bias] = gemm_multiply_leaky_relu_backward_op().call(
+          grad_y, x, weight, saved, multiplier_, negative_slope_, x_grad, weight_grad, bias_grad);
       if (x_grad) grad_inputs[0] = std::move(grad_x);
       if (weight_grad) grad_inputs[1] = std::move(grad_weight);
       if (bias_grad) grad_inputs[2] = std::move(grad_bias);
@@ -88,11 +84,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
                                                                      const std::optional<at::Tensor>& bias,
                                                                      double multiplier, double negative_slope,
                                                                      bool return_mask) {
-  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                       const std::optional<at::Tensor>&, double, double, bool);
-  static const auto kernel = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu", "")
-                                 .typed<Signature>();
   const bool has_bias = bias.has_value() && bias->defined();
   const bool needs_grad = c10::GradMode::is_enabled() &&
                           (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
@@ -102,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   const bool has_tangent = x_tangent.defined() || weight_tangent.defined() || bias_tangent.defined();
   const bool mask_needed = (needs_grad || has_tangent) && negative_slope < 0;
 
-  auto [y, mask] = common::redispatch_below_autograd(kernel, keys, x, weight, bias, multiplier, negative_slope,
-                                                     return_mask || mask_needed);
+  auto [y, mask] = common::redispatch_below_autograd(gemm_multiply_leaky_relu_op(), keys, x, weight, bias, multiplier,
+                                                     negative_slope, return_mask || mask_needed);
   // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0).
   // y is kept through a detached alias (same data and version counter, no grad_fn): a node holding y itself would
   // hold its own output, a reference cycle.

@@ -34,6 +34,8 @@ def _multiply_leaky_relu_inplace_fake(x, multiplier, negative_slope, return_mask
 
 
 def _leaky_relu_backward_fake(grad_output, saved, negative_slope, multiplier):
+    # Also the op's Meta kernel, picked where either tensor is on meta: mixed devices raise, as eager's.
+    torch._prims_common.check_same_device(grad_output, saved, allow_cpu_scalar_tensors=False)
     return torch.empty_like(grad_output)
 
 

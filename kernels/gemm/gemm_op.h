@@ -1,0 +1,39 @@
+// The GEMM family's ops as C++ code calls them: through the dispatcher, so that a call takes every layer below the
+// caller's (autograd, the device kernel). Used by the family's Autograd kernel and graph node (gemm_autograd.cpp)
+// and its Autocast kernels (gemm.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <tuple>
+
+namespace kernels::gemm {
+
+using GemmMultiplyLeakyReLU = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& weight,
+                                                                 const std::optional<at::Tensor>& bias,
+                                                                 double multiplier, double negative_slope,
+                                                                 bool return_mask);
+
+// kernels::gemm_multiply_leaky_relu, looked up once.
+inline const c10::TypedOperatorHandle<GemmMultiplyLeakyReLU>& gemm_multiply_leaky_relu_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu", "")
+                             .typed<GemmMultiplyLeakyReLU>();
+  return op;
+}
+
+using GemmMultiplyLeakyReLUBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
+    double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad);
+
+// kernels::gemm_multiply_leaky_relu_backward, looked up once.
+inline const c10::TypedOperatorHandle<GemmMultiplyLeakyReLUBackward>& gemm_multiply_leaky_relu_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu_backward", "")
+                             .typed<GemmMultiplyLeakyReLUBackward>();
+  return op;
+}
+
+}  // namespace kernels::gemm
