@@ -20,6 +20,7 @@ class Family:
     cpp_sources: tuple  # paths under kernels/, joined into the family's C++ translation unit
     cuda_sources: tuple  # paths under kernels/, joined into its CUDA translation unit (built where a GPU is)
     python_module: str  # registers fakes; imported once the family's library is loaded
+    requires: tuple = ()  # the families whose ops this one's C++ calls (built and loaded before it)
 
 
 FAMILIES = (
@@ -34,5 +35,18 @@ FAMILIES = (
         cpp_sources=("gemm/gemm.cpp", "gemm/gemm_autograd.cpp"),
         cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu"),
         python_module="kernels.gemm.gemm",
+        requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops
     ),
 )
+
+
+def with_requirements(name):
+    """The families that family `name` needs, itself last, in the manifest's order."""
+    by_name = {family.name: family for family in FAMILIES}
+    needed, pending = set(), [name]
+    while pending:
+        family = by_name[pending.pop()]
+        if family.name not in needed:
+            needed.add(family.name)
+            pending.extend(family.requires)
+    return tuple(family for family in FAMILIES if family.name in needed)

@@ -25,7 +25,8 @@ def candidates():
 def test_candidate_passes_the_static_rules(candidates, problem):
     errors, warnings = static_check(candidates[problem])
     assert not errors, errors
-    # The split GEMM's fp16 parts are flagged as a possible precision downgrade: a warning, as expected.
+    # The split GEMM's fp16 parts are flagged as a possible precision downgrade, and so are the LeakyReLU kernels'
+    # float16 conversions (the float16 dtype's kernel, which a float32 input never runs): warnings, as expected.
     assert {rule for rule, _ in warnings} <= {"torch.nn compute layer", "torch.nn.functional op",
                                               "fp16 in an fp32 problem"}
 
@@ -105,6 +106,59 @@ SMALL_SHAPES = {"leaky_relu": [[64, 1000]], "gemm_multiply_leaky_relu": [[32, 25
 def test_candidate_runs_from_a_string_in_a_fresh_process(candidates, problem, tmp_path):
     device = "cuda" if HAS_CUDA else "cpu"
     assert all(run_candidate(candidates[problem], problem, device, 3, SMALL_SHAPES[problem], tmp_path))
+
+
+# Execs the candidate twice in one process, as a harness judging several samples does: the second exec must load the
+# built library and skip the registrations already made, and its ModelNew give the first's results.
+TWICE_RUNNER = r"""
+import sys, time, torch
+source, device, in_shape = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
+outputs, seconds = [], []
+for attempt in range(2):
+    namespace = {"__name__": "candidate"}
+    start = time.perf_counter()
+    exec(compile(open(source).read(), "<candidate>", "exec"), namespace)
+    seconds.append(time.perf_counter() - start)
+    init = namespace["get_init_inputs"]()
+    if len(init) > 1:
+        init = [in_shape[-1], *init[1:]]
+    torch.manual_seed(0)
+    model = namespace["ModelNew"](*init).to(device)
+    torch.manual_seed(1)
+    x = torch.randn(*in_shape, device=device)
+    with torch.no_grad():
+        outputs.append(model(x))
+assert torch.equal(outputs[0], outputs[1])
+print(f"TWICE OK {seconds[1]:.2f}")
+"""
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_candidate_execd_twice_in_one_process(candidates, problem, tmp_path):
+    path = tmp_path / f"candidate_{problem}.py"
+    path.write_text(candidates[problem])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    shape = ",".join(map(str, SMALL_SHAPES[problem][0]))
+    result = subprocess.run([sys.executable, "-c", TWICE_RUNNER, str(path), "cuda" if HAS_CUDA else "cpu", shape],
+                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "TWICE OK" in result.stdout, result.stderr[-5000:]
+
+
+def test_candidate_inlines_only_the_families_its_problem_uses(candidates):
+    gemm_schema, leaky_relu_schema = "gemm_multiply_leaky_relu(Tensor x", "leaky_relu(Tensor x"
+    assert gemm_schema not in candidates["leaky_relu"] and "namespace kernels::gemm" not in candidates["leaky_relu"]
+    assert leaky_relu_schema in candidates["leaky_relu"]
+    assert gemm_schema in candidates["gemm_multiply_leaky_relu"]
+    assert leaky_relu_schema in candidates["gemm_multiply_leaky_relu"]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_check_prints_a_verdict_not_the_source(problem):
+    result = subprocess.run([sys.executable, "-m", "kernels.export", problem, "--check"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{problem}: passed KernelBench's static rules")
+    assert len(result.stdout.splitlines()) < 10 and "__global__" not in result.stdout
 
 
 @requires_cuda

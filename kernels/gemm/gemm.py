@@ -91,9 +91,49 @@ _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
 
 
+# ---- torch.func.vmap -------------------------------------------------------------------------------------------------
+# Batching rules: in_dims gives each tensor's batch dimension (None where it has none); a rule returns the outputs
+# and theirs.
+
+def _batch_first(t, dim, batch_size):
+    """t with its batch dimension first: moved there, or (where t has none) a broadcast view."""
+    return t.movedim(dim, 0) if dim is not None else t.expand(batch_size, *t.shape)
+
+
+def _member(t, dim, i):
+    return t if t is None or dim is None else t.select(dim, i)
+
+
+def _gemm_multiply_leaky_relu_vmap(info, in_dims, x, weight, bias, multiplier, negative_slope, return_mask):
+    x_dim, weight_dim, bias_dim = in_dims[:3]  # in_dims has an entry per argument, None for non-tensors
+    if weight_dim is None and bias_dim is None:
+        # Batched inputs, one weight: the batch is more rows of x, one call.
+        y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(_batch_first(x, x_dim, info.batch_size), weight, bias,
+                                                             multiplier, negative_slope, return_mask)
+        return (y, mask), (0, 0 if return_mask else None)
+    # Batched weights (an ensemble of models, torch.func.stack_module_state): one product per member.
+    outputs = [torch.ops.kernels.gemm_multiply_leaky_relu(_member(x, x_dim, i), _member(weight, weight_dim, i),
+                                                          _member(bias, bias_dim, i), multiplier, negative_slope,
+                                                          return_mask) for i in range(info.batch_size)]
+    y = torch.stack([y for y, _ in outputs])
+    return (y, torch.stack([m for _, m in outputs]) if return_mask else outputs[0][1]), (0, 0 if return_mask else None)
+
+
+def _gemm_multiply_leaky_relu_backward_vmap(info, in_dims, grad_y, x, weight, saved, multiplier, negative_slope,
+                                            x_grad, weight_grad, bias_grad):
+    # One backward per member: each member's gradients of the weight are sums over its own rows. (jacrev maps this
+    # over the rows of an identity.)
+    outputs = [torch.ops.kernels.gemm_multiply_leaky_relu_backward(
+        *(_member(t, d, i) for t, d in zip((grad_y, x, weight, saved), in_dims)), multiplier, negative_slope, x_grad,
+        weight_grad, bias_grad) for i in range(info.batch_size)]
+    return tuple(torch.stack(g) for g in zip(*outputs)), (0, 0, 0)
+
+
 def _register_fakes():
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_fake)
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_fake)
+    torch.library.register_vmap("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_vmap)
+    torch.library.register_vmap("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_vmap)
 
 
 loader.register_once("gemm", _register_fakes)

@@ -59,11 +59,41 @@ _leaky_relu_handle = torch.ops.kernels.leaky_relu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
 
 
+# ---- torch.func.vmap -------------------------------------------------------------------------------------------------
+# Batching rules: element-wise ops apply to the batched tensor as they are (in_dims gives each tensor's batch
+# dimension, None where it has none; a rule returns the outputs and theirs). The in-place ops have no fallback
+# (vmap's generic one does not take in-place ops).
+
+def _leaky_relu_vmap(info, in_dims, x, negative_slope):
+    return torch.ops.kernels.leaky_relu(x, negative_slope), in_dims[0]
+
+
+def _leaky_relu_inplace_vmap(info, in_dims, x, negative_slope):
+    torch.ops.kernels.leaky_relu_(x, negative_slope)
+    return None, None
+
+
+def _multiply_leaky_relu_inplace_vmap(info, in_dims, x, multiplier, negative_slope, return_mask):
+    mask = torch.ops.kernels.multiply_leaky_relu_(x, multiplier, negative_slope, return_mask)
+    return mask, in_dims[0] if return_mask else None
+
+
+def _leaky_relu_backward_vmap(info, in_dims, grad_output, saved, negative_slope, multiplier):
+    # Both operands with the batch first (one of them may have none: a broadcast view).
+    grad_output, saved = (t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+                          for t, d in zip((grad_output, saved), in_dims))
+    return torch.ops.kernels.leaky_relu_backward(grad_output, saved, negative_slope, multiplier), 0
+
+
 def _register_fakes():
     torch.library.register_fake("kernels::leaky_relu", _leaky_relu_fake)
     torch.library.register_fake("kernels::leaky_relu_", _leaky_relu_inplace_fake)
     torch.library.register_fake("kernels::multiply_leaky_relu_", _multiply_leaky_relu_inplace_fake)
     torch.library.register_fake("kernels::leaky_relu_backward", _leaky_relu_backward_fake)
+    torch.library.register_vmap("kernels::leaky_relu", _leaky_relu_vmap)
+    torch.library.register_vmap("kernels::leaky_relu_", _leaky_relu_inplace_vmap)
+    torch.library.register_vmap("kernels::multiply_leaky_relu_", _multiply_leaky_relu_inplace_vmap)
+    torch.library.register_vmap("kernels::leaky_relu_backward", _leaky_relu_backward_vmap)
 
 
 loader.register_once("leaky_relu", _register_fakes)
