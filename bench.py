@@ -320,6 +320,41 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
                      lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
 
+    # Mixed precision: the float32 models and input under torch.autocast, as mixed-precision training runs them (the
+    # casts of x and the weights are part of each call, eager's and ours).
+    if not options.wants_dtype("autocast"):
+        return
+    for label, dtype in (("autocast bf16", torch.bfloat16), ("autocast fp16", torch.float16)):
+        case = f"forward {label} {m}x{k}->{n}"
+        progress(f"{problem}: {case}")
+        variants = options.eager_and_new(eager32, new32)
+        x_low, weight_low_t = x32.to(dtype), eager32.gemm.weight.detach().t().to(dtype)
+
+        def autocast_call(model, x=x32, dtype=dtype):
+            with torch.autocast("cuda", dtype=dtype):
+                return model(x)
+
+        with torch.no_grad():
+            (ceiling_ms, *times), (_, *kb) = run_case(
+                [lambda: torch.mm(x_low, weight_low_t)] + [lambda model=model: autocast_call(model)
+                                                           for model in variants.values()], options)
+            outputs = [autocast_call(model) for model in variants.values()]
+        add_rows(rows, problem, case, label, list(variants), times, kb, outputs, lambda v: flops / 1e9, "TFLOP/s",
+                 f"cuBLAS {label[-4:]}", ceiling_ms, y64, y_eager32)
+
+        case = f"train step {label} {m}x{k}->{n}"
+        progress(f"{problem}: {case}")
+        x_train = x32.clone().requires_grad_(True)
+
+        def train_step(model, dtype=dtype):
+            with torch.autocast("cuda", dtype=dtype):
+                y = model(x_train)
+            return torch.autograd.grad(y, [x_train, model.gemm.weight, model.gemm.bias], grad32.to(y.dtype))
+
+        times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
+        add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
+                 lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
+
 
 # ---- CPU, every dtype, small sizes ------------------------------------------------------------------------------
 
@@ -428,8 +463,8 @@ def print_table(rows):
           " % of ceiling: the rate over the ceiling's, measured in the same run (a device-to-device copy of the "
           "same bytes; cuBLAS's GEMM in the row's precision; three cuBLAS fp16 products for the split fp16 path, "
           "whose rate counts its three products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; "
-          "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32 and bf16 fail it by design, eager's own "
-          "included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample; 20 times "
+          "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32, fp16, bf16 and autocast fail it by design, "
+          "eager's own included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample; 20 times "
           "the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are "
           "a copy of the same bytes and torch.mm in the row's dtype.")
 
@@ -480,8 +515,9 @@ def main():
                         help="problem to run (repeatable; default: all, the GPU ones only where a GPU is visible)")
     parser.add_argument("--variant", choices=VARIANTS, action="append",
                         help="variant to run besides eager (repeatable; default: all)")
-    parser.add_argument("--dtype", choices=["fp32", "tf32", "fp64", "fp16", "bf16"], action="append",
-                        help="precision to run (repeatable; default: all)")
+    parser.add_argument("--dtype", choices=["fp32", "tf32", "fp64", "fp16", "bf16", "autocast"], action="append",
+                        help="precision to run (repeatable; default: all); autocast: the float32 GEMM under "
+                        "torch.autocast, bf16 and fp16")
     parser.add_argument("--size", help="another shape for the chosen problem: RxC for leaky_relu, MxKxN for the GEMM")
     parser.add_argument("--quick", action="store_true", help="fewer samples, no max-autotune")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
