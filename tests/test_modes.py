@@ -50,7 +50,7 @@ def autocast_cases():
                 yield pytest.param(device, shape, dtype, id=f"{device}-{shape}-{str(dtype)[6:]}")
 
 
-@pytest.mark.parametrize("device,shape,dtype", autocast_cases())
+@pytest.mark.parametrize("device,shape,dtype", list(autocast_cases()))
 def test_autocast_forward_follows_eager(device, shape, dtype):
     """Eager's output dtype, and an error against float64 within the contract for that dtype (2x eager's)."""
     batch, in_features, out_features = shape
@@ -65,7 +65,7 @@ def test_autocast_forward_follows_eager(device, shape, dtype):
     assert ours <= ERROR_RATIO_LIMIT[dtype] * eager, (ours, eager)
 
 
-@pytest.mark.parametrize("device,shape,dtype", autocast_cases())
+@pytest.mark.parametrize("device,shape,dtype", list(autocast_cases()))
 def test_autocast_gradients_follow_eager(device, shape, dtype):
     """Gradients of x, the weight and the bias, taken outside the autocast region as users do: float32, as eager's,
     each within 2x eager's error against the float64 model's gradients."""
@@ -202,15 +202,34 @@ print("AOTI OK")
 """
 
 
+def run_aoti_package(model, x, expected, folder):
+    with torch.no_grad():
+        package = torch._inductor.aoti_compile_and_package(torch.export.export(model, (x,)),
+                                                           package_path=str(folder / f"{type(model).__name__}.pt2"))
+    torch.save((x, expected), folder / "io.pt")
+    return subprocess.run([sys.executable, "-c", AOTI_RUNNER, REPO, package, str(folder / "io.pt")],
+                          capture_output=True, text=True, timeout=600)
+
+
+class EagerLeakyReLU(torch.nn.Module):
+    def forward(self, x):
+        return F.leaky_relu(x, 0.1)
+
+
 def test_aot_inductor_package_runs_in_a_fresh_process(device, tmp_path):
     reference, new = make_pair(64, 32, device)
     x = torch.randn(8, 64, device=device)
     with torch.no_grad():
-        exported = torch.export.export(new, (x,))
-        package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "model.pt2"))
-        torch.save((x, reference(x)), tmp_path / "io.pt")
-    run = subprocess.run([sys.executable, "-c", AOTI_RUNNER, REPO, package, str(tmp_path / "io.pt")],
-                         capture_output=True, text=True, timeout=600)
+        expected = reference(x)
+    run = run_aoti_package(new, x, expected, tmp_path)
+    if run.returncode != 0:
+        # Where a package of torch's own ops fails the same way, the machine's AOTInductor is what fails (seen on
+        # the GPU machine's CPU packages: SIGSEGV in the generated wrapper's parse_device_str, a std::regex built
+        # by another libstdc++ than torch's), not this library.
+        control = run_aoti_package(EagerLeakyReLU(), x, F.leaky_relu(x, 0.1), tmp_path)
+        if control.returncode != 0:
+            pytest.skip(f"AOTInductor's {device} packages fail on this machine without this library too "
+                        f"(exit {control.returncode})")
     assert run.returncode == 0 and "AOTI OK" in run.stdout, run.stdout + run.stderr
 
 
@@ -223,7 +242,7 @@ def deterministic_cases():
             yield pytest.param("cuda", path, id=f"cuda-{path}")
 
 
-@pytest.mark.parametrize("device,path", deterministic_cases())
+@pytest.mark.parametrize("device,path", list(deterministic_cases()))
 def test_deterministic_algorithms_repeat_bitwise_or_raise_as_eager(device, path):
     """Under torch.use_deterministic_algorithms(True) a forward and backward either runs, and gives the same bits
     twice, or raises where eager raises (cuBLAS without CUBLAS_WORKSPACE_CONFIG)."""
