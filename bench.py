@@ -463,10 +463,10 @@ def print_table(rows):
           " % of ceiling: the rate over the ceiling's, measured in the same run (a device-to-device copy of the "
           "same bytes; cuBLAS's GEMM in the row's precision; three cuBLAS fp16 products for the split fp16 path, "
           "whose rate counts its three products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; "
-          "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32, fp16, bf16 and autocast fail it by design, "
-          "eager's own included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample; 20 times "
-          "the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; the ceilings are "
-          "a copy of the same bytes and torch.mm in the row's dtype.")
+          "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32, fp16, bf16 and autocast fail it by "
+          "design, eager's own included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms "
+          "a sample; 20 times the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; "
+          "the ceilings are a copy of the same bytes and torch.mm in the row's dtype.")
 
 
 def plot(rows, path, device, torch_version=torch.__version__):

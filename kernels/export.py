@@ -15,8 +15,8 @@ no change here, as long as its Python module uses the loader the way the others 
 The file works exec'd from a string (no __file__, no package, no repository on the path), in a process that has
 not imported the `kernels` package (both would register the same ops). Exec'd again in the same process (a harness
 that judges several samples), it loads the library already built and skips the registrations already made (a record
-kept in sys.modules, the one place that outlives an exec), so it gives the same ModelNew. Where no GPU is visible it builds the
-CPU-only library, and where the GPU is not Hopper the GEMM takes its cuBLAS path.
+kept in sys.modules, the one place that outlives an exec), so it gives the same ModelNew. Where no GPU is visible it
+builds the CPU-only library, and where the GPU is not Hopper the GEMM takes its cuBLAS path.
 
 static_check() applies KernelBench's published static rules (kernel_static_checker.py) to a candidate's source:
 the same patterns, applied the same way (after dropping everything from a '#' or '//' to the end of its line).
@@ -66,7 +66,8 @@ _build_library()
 def register_once(family_name, register):
     """Calls register() (a family's fakes and batching rules) once per process, also where this file is exec'd again:
     the record lives in sys.modules, which outlives an exec's namespace."""
-    record = sys.modules.setdefault("kernels_candidate_registrations", types.ModuleType("kernels_candidate_registrations"))
+    name = "kernels_candidate_registrations"
+    record = sys.modules.setdefault(name, types.ModuleType(name))
     done = record.__dict__.setdefault("families", set())
     if family_name not in done:
         register()

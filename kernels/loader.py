@@ -289,8 +289,8 @@ _registered = set()
 
 
 def register_once(family_name, register):
-    """Calls register() (a family's Python registrations: its fakes) once per process, also where the family's
-    module is executed again (importlib.reload)."""
+    """Calls register() (a family's Python registrations: its fakes and batching rules) once per process, also where
+    the family's module is executed again (importlib.reload)."""
     if family_name not in _registered:
         register()
         _registered.add(family_name)
@@ -298,7 +298,7 @@ def register_once(family_name, register):
 
 def load_library():
     """Builds (where needed) and loads every family of the manifest, then imports each family's Python module,
-    which registers its fake implementations. Once per process; later calls return at once."""
+    which registers its fake implementations and batching rules. Once per process; later calls return at once."""
     global _loaded
     if _loaded:
         return

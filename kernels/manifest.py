@@ -19,8 +19,8 @@ class Family:
     name: str
     cpp_sources: tuple  # paths under kernels/, joined into the family's C++ translation unit
     cuda_sources: tuple  # paths under kernels/, joined into its CUDA translation unit (built where a GPU is)
-    python_module: str  # registers fakes; imported once the family's library is loaded
-    requires: tuple = ()  # the families whose ops this one's C++ calls (built and loaded before it)
+    python_module: str  # registers fakes and batching rules; imported once the family's library is loaded
+    requires: tuple = ()  # the families whose ops this one's C++ calls (listed before it here)
 
 
 FAMILIES = (

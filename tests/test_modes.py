@@ -161,7 +161,8 @@ def test_jacobians_match_eager(device, transform):
     jacobian = getattr(torch.func, transform)
     torch.testing.assert_close(jacobian(new)(x), jacobian(reference)(x), atol=1e-10, rtol=1e-10)
     slope = 0.2
-    torch.testing.assert_close(jacobian(lambda t: leaky_relu(t, slope))(x), jacobian(lambda t: F.leaky_relu(t, slope))(x))
+    torch.testing.assert_close(jacobian(lambda t: leaky_relu(t, slope))(x),
+                               jacobian(lambda t: F.leaky_relu(t, slope))(x))
 
 
 def test_vmap_of_the_inplace_op_matches_eager(device):

@@ -129,11 +129,11 @@ def _gemm_multiply_leaky_relu_backward_vmap(info, in_dims, grad_y, x, weight, sa
     return tuple(torch.stack(g) for g in zip(*outputs)), (0, 0, 0)
 
 
-def _register_fakes():
+def _register_fakes_and_batching_rules():
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_fake)
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_fake)
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_vmap)
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_vmap)
 
 
-loader.register_once("gemm", _register_fakes)
+loader.register_once("gemm", _register_fakes_and_batching_rules)

@@ -85,7 +85,7 @@ def _leaky_relu_backward_vmap(info, in_dims, grad_output, saved, negative_slope,
     return torch.ops.kernels.leaky_relu_backward(grad_output, saved, negative_slope, multiplier), 0
 
 
-def _register_fakes():
+def _register_fakes_and_batching_rules():
     torch.library.register_fake("kernels::leaky_relu", _leaky_relu_fake)
     torch.library.register_fake("kernels::leaky_relu_", _leaky_relu_inplace_fake)
     torch.library.register_fake("kernels::multiply_leaky_relu_", _multiply_leaky_relu_inplace_fake)
@@ -96,4 +96,4 @@ def _register_fakes():
     torch.library.register_vmap("kernels::leaky_relu_backward", _leaky_relu_backward_vmap)
 
 
-loader.register_once("leaky_relu", _register_fakes)
+loader.register_once("leaky_relu", _register_fakes_and_batching_rules)
