@@ -28,7 +28,7 @@ import torch
 import reference
 from kernels.precision import allclose, matmul_precision, relative_error
 from kernels.timing import kernelbench_ms, time_each_ms, time_ms
-from kernels.gemm.gemm import forced_gemm_path, gemm_path
+from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from model_new import MODEL_NEW
 
 HAS_CUDA = torch.cuda.is_available()
@@ -192,14 +192,20 @@ def bench_leaky_relu(rows, options):
 # ---- gemm_multiply_leaky_relu -----------------------------------------------------------------------------------
 
 class ForcedPath:
-    """model(x) with every gemm_multiply_leaky_relu call on one path ("cublas" or "split_fp16")."""
+    """model(x) with every gemm_multiply_leaky_relu call on one path ("cublas" or one of SPLIT_PATHS)."""
 
     def __init__(self, model, path):
         self.model, self.path = model, path
+        self.gemm = model.gemm
 
     def __call__(self, x):
         with forced_gemm_path(self.path):
             return self.model(x)
+
+    def gradients(self, y, inputs, grad):
+        """torch.autograd.grad on the same path (the backward's products choose their path when they run)."""
+        with forced_gemm_path(self.path):
+            return torch.autograd.grad(y, inputs, grad)
 
 
 def triton_tf32x3_peer(model):
@@ -272,6 +278,9 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             weight_t = eager.gemm.weight.detach().t()
             weight16_t, x16 = weight_t.half(), x.half()
             path = gemm_path(x, new.gemm.weight)
+            # The split paths this GPU runs besides the automatic choice's (on Hopper the sm_80 kernel, forced: what
+            # an A100 would run, at a lower bound of its speed).
+            other_splits = [p for p in gemm_paths(DEVICE) if p in SPLIT_PATHS and p != path] if label == "fp32" else []
             with torch.no_grad():
                 variants = {"eager": eager}
                 if label == "fp32" and HAS_CUDA:
@@ -289,20 +298,25 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                 if options.wants("ModelNew"):
                     if path != "cublas":
                         variants["ModelNew, cublas path"] = ForcedPath(new, "cublas")
+                    for other in other_splits:
+                        variants[f"ModelNew, {other} path"] = ForcedPath(new, other)
                     variants[f"ModelNew ({path})"] = new
                 (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
                     [lambda: torch.mm(x, weight_t), lambda: torch.mm(x16, weight16_t)]
                     + [lambda model=model: model(x) for model in variants.values()], options)
                 outputs = [model(x) for model in variants.values()]
 
+            def is_split(variant):
+                return any(f"({p})" in variant or f", {p} path" in variant for p in SPLIT_PATHS)
+
             def ceiling(variant):
-                # The split path does three fp16 products: its rate and ceiling are counted in fp16.
-                if variant == "ModelNew (split_fp16)":
+                # The split paths do three fp16 products: their rates and ceilings are counted in fp16.
+                if is_split(variant):
                     return "cuBLAS fp16 x3", 3 * cublas16_ms
                 return f"cuBLAS {label}", cublas_ms
 
             def rate_of(variant):
-                return (3 if variant == "ModelNew (split_fp16)" else 1) * flops / 1e9
+                return (3 if is_split(variant) else 1) * flops / 1e9
 
             add_rows(rows, problem, case, label, list(variants), times, kb, outputs, rate_of, "TFLOP/s", ceiling,
                      None, y64, y_eager32)
@@ -312,9 +326,15 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             progress(f"{problem}: {case}")
             x_train = x.clone().requires_grad_(True)
             variants = options.eager_and_new(eager, new)
+            if options.wants("ModelNew"):
+                for other in other_splits:
+                    variants[f"ModelNew, {other} path"] = ForcedPath(new, other)
 
             def train_step(model):
-                return torch.autograd.grad(model(x_train), [x_train, model.gemm.weight, model.gemm.bias], grad)
+                inputs = [x_train, model.gemm.weight, model.gemm.bias]
+                if isinstance(model, ForcedPath):
+                    return model.gradients(model(x_train), inputs, grad)
+                return torch.autograd.grad(model(x_train), inputs, grad)
 
             times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
             add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),

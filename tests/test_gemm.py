@@ -1,5 +1,6 @@
 """The GEMM family (gemm_multiply_leaky_relu): ModelNew against the reference model (same seed, same weights) on CPU
-and CUDA, on both paths: cuBLAS and, on Hopper, the split fp16 tensor-core kernel."""
+and CUDA, on every path: cuBLAS and the split fp16 tensor-core kernels (split_fp16 on Hopper, split_fp16_sm80 on any
+GPU from sm_80 on; every split test runs on each that the GPU can run)."""
 
 import copy
 
@@ -12,7 +13,7 @@ from conftest import HAS_CUDA, poison_allocator, requires_cuda
 from kernels.precision import (ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR, allclose,
                                matmul_precision, relative_error)
 from kernels.functional import gemm_multiply_leaky_relu
-from kernels.gemm.gemm import forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
@@ -257,22 +258,54 @@ def test_tensors_on_different_devices_are_a_clear_error():
         new(torch.randn(4, 16))
 
 
-# ---- the split_fp16 path (Hopper): fp32 accuracy from fp16 tensor cores ------------------------------------------
+# ---- the split paths: fp32 accuracy from fp16 tensor cores --------------------------------------------------------
 
-requires_split = pytest.mark.skipif(not HAS_CUDA or "split_fp16" not in gemm_paths("cuda"),
-                                    reason="needs the split_fp16 path (an sm_90 GPU)")
+SPLIT_KERNELS = [p for p in gemm_paths("cuda") if p in SPLIT_PATHS] if HAS_CUDA else []
+# Parametrizes a test over every split path this GPU runs (none without a GPU of sm_80 or newer: one skipped case).
+over_split_paths = pytest.mark.parametrize(
+    "path", SPLIT_KERNELS or [pytest.param(None, marks=pytest.mark.skip(reason="needs a GPU of sm_80 or newer"))])
+
+
+def automatic_split_path():
+    """The split path the automatic choice takes on this GPU (gemm.cpp's table), or None."""
+    if not HAS_CUDA:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    path = torch.ops.kernels._gemm_split_path_for_capability(10 * major + minor)
+    return path if path in SPLIT_KERNELS else None
+
+
+def test_split_path_table_by_architecture():
+    """The automatic choice's table (gemm.cpp): the sm_80 kernel on the A100 class and Orin, the wgmma kernel on
+    Hopper, cuBLAS where three fp16 products cannot beat one fp32 product by much (sm_86, sm_89) or where nothing was
+    measured (Blackwell)."""
+    table = {c: torch.ops.kernels._gemm_split_path_for_capability(c) for c in (70, 75, 80, 86, 87, 89, 90, 100, 120)}
+    assert table == {70: "cublas", 75: "cublas", 80: "split_fp16_sm80", 86: "cublas", 87: "split_fp16_sm80",
+                     89: "cublas", 90: "split_fp16", 100: "cublas", 120: "cublas"}
+
+
+def test_forcing_an_unknown_path_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="unknown path 'split_fp32'"):
+        with forced_gemm_path("split_fp32"):
+            pass
+    with pytest.raises(RuntimeError, match="not a split path"):
+        torch.ops.kernels._gemm_split_refusal(torch.ones(2, 4), torch.ones(2, 4), "cublas")
 
 
 @requires_cuda
-def test_split_path_is_taken_on_hopper_by_default():
+def test_split_path_is_taken_by_default_where_the_table_says():
     x, weight = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    for path in SPLIT_PATHS:
+        if path not in SPLIT_KERNELS:
+            with pytest.raises(RuntimeError, match=f"{path} path was forced but cannot run"):
+                with forced_gemm_path(path):
+                    gemm_multiply_leaky_relu(x, weight)
     if torch.cuda.get_device_capability() != (9, 0):
-        assert gemm_path(x, weight) == "cublas"
-        with pytest.raises(RuntimeError, match="split_fp16 path was forced but cannot run"):
-            with forced_gemm_path("split_fp16"):
-                gemm_multiply_leaky_relu(x, weight)
+        assert gemm_path(x, weight) == (automatic_split_path() or "cublas")
         return
     assert gemm_path(x, weight) == "split_fp16"
+    with forced_gemm_path("split_fp16_sm80"):
+        assert gemm_path(x, weight) == "split_fp16_sm80"
     assert gemm_path(x.view(2, 512, 1024), weight) == "split_fp16"  # rows counted over the leading dims
     assert gemm_path(x.double(), weight.double()) == "cublas"
     assert gemm_path(x[:, :1013], weight[:, :1013]) == "cublas"  # rows of 1013 floats: no 16-byte TMA strides
@@ -333,12 +366,15 @@ def at_row_scale(y, y64):
     return y / finite.square().mean(-1, keepdim=True).sqrt().clamp_min(1e-300)
 
 
-def check_split(x, weight, bias, multiplier=2.0, slope=0.1, forced=False, row_scale=False):
-    """The split path against eager fp32 and float64: allclose(1e-4) (at row scale if asked), the same non-finite
-    pattern, and an error <= eager's (forced below its range: <= max(eager's, the split's floor))."""
+def check_split(x, weight, bias, multiplier=2.0, slope=0.1, path="split_fp16", forced=False, row_scale=False):
+    """Split path `path` against eager fp32 and float64: allclose(1e-4) (at row scale if asked), the same non-finite
+    pattern, and an error <= eager's (forced below the automatic choice's range: <= max(eager's, the split's
+    floor)). Within the range, where `path` is this GPU's automatic choice, the automatic choice must take it."""
     poison_allocator((*x.shape[:-1], weight.shape[0]), torch.float32, "cuda")
-    with torch.no_grad(), forced_gemm_path("split_fp16" if forced else "auto"):
-        assert gemm_path(x, weight) == "split_fp16"
+    if not forced and path == automatic_split_path():
+        assert gemm_path(x, weight) == path
+    with torch.no_grad(), forced_gemm_path(path):
+        assert gemm_path(x, weight) == path
         y = gemm_multiply_leaky_relu(x, weight, bias, multiplier, slope)
     y_eager = F.leaky_relu(F.linear(x, weight, bias) * multiplier, slope)
     y64 = F.leaky_relu(F.linear(x.double(), weight.double(), bias.double()) * multiplier, slope)
@@ -353,32 +389,32 @@ def check_split(x, weight, bias, multiplier=2.0, slope=0.1, forced=False, row_sc
     return ours, eager
 
 
-@requires_split
+@over_split_paths
 @pytest.mark.parametrize("kind", ["randn", "rand"])
 @pytest.mark.parametrize("shape", SPLIT_SHAPES)
-def test_split_path_more_accurate_than_eager_fp32(shape, kind):
+def test_split_path_more_accurate_than_eager_fp32(shape, kind, path):
     m, k, n = SPLIT_SHAPES[shape]
     _, new = make_pair(k, n, 2.0, 0.1, "cuda")
     x = special_inputs(kind, m, k).cuda()
-    ours, eager = check_split(x, new.gemm.weight.detach(), new.gemm.bias.detach())
+    ours, eager = check_split(x, new.gemm.weight.detach(), new.gemm.bias.detach(), path=path)
     if shape == "problem":
         assert ours <= 0.5 * eager, (ours, eager)
 
 
-@requires_split
+@over_split_paths
 @pytest.mark.parametrize("shape", FORCED_SPLIT_SHAPES)
-def test_split_path_forced_below_its_range(shape):
+def test_split_path_forced_below_its_range(shape, path):
     m, k, n = FORCED_SPLIT_SHAPES[shape]
     _, new = make_pair(k, n, 2.0, 0.1, "cuda")
     x = special_inputs("randn", m, k).cuda()
-    check_split(x, new.gemm.weight.detach(), new.gemm.bias.detach(), forced=True)
+    check_split(x, new.gemm.weight.detach(), new.gemm.bias.detach(), path=path, forced=True)
 
 
-@requires_split
+@over_split_paths
 @pytest.mark.parametrize("kind", ["rand", "rows_times_1e30", "rows_times_1e-30", "wide_range_rows", "zero_rows",
                                   "subnormal_rows"])
 @pytest.mark.parametrize("operand", ["x", "weight"])
-def test_split_path_on_hard_inputs(kind, operand):
+def test_split_path_on_hard_inputs(kind, operand, path):
     m, k, n = 1024, 1040, 1032
     _, new = make_pair(k, n, 2.0, 0.1, "cuda")
     x, weight = special_inputs("randn", m, k, seed=1).cuda(), new.gemm.weight.detach()
@@ -386,12 +422,12 @@ def test_split_path_on_hard_inputs(kind, operand):
         x = special_inputs(kind, m, k, seed=2).cuda()
     else:
         weight = special_inputs(kind, n, k, seed=3).cuda() / k ** 0.5
-    check_split(x, weight, new.gemm.bias.detach(), multiplier=-1.5, slope=-0.2,
+    check_split(x, weight, new.gemm.bias.detach(), multiplier=-1.5, slope=-0.2, path=path,
                 row_scale=kind in ("rows_times_1e30", "rows_times_1e-30", "wide_range_rows"))
 
 
-@requires_split
-def test_split_path_propagates_nan_and_inf_like_eager():
+@over_split_paths
+def test_split_path_propagates_nan_and_inf_like_eager(path):
     _, new = make_pair(264, 40, 2.0, 0.1, "cuda")
     weight, bias = new.gemm.weight.detach().clone(), new.gemm.bias.detach()
     x = torch.randn(24, 264, device="cuda")
@@ -401,11 +437,11 @@ def test_split_path_propagates_nan_and_inf_like_eager():
     x[7, :] = 0.5
     x[8, 17], x[9, 9] = float("inf"), float("-inf")  # meets the inf of weight row 4 in column 9
     x[10, :] = float("inf")  # a whole row: every output of it is inf or, where weight is 0, NaN
-    check_split(x, weight, bias, forced=True)
+    check_split(x, weight, bias, path=path, forced=True)
 
 
-@requires_split
-def test_split_path_non_finite_rows_beyond_the_listed_positions():
+@over_split_paths
+def test_split_path_non_finite_rows_beyond_the_listed_positions(path):
     """Rows with more non-finite values than the fix-up kernel lists, meeting non-finite rows of the other operand."""
     k = 2056
     _, new = make_pair(k, 1032, 2.0, 0.1, "cuda")
@@ -418,25 +454,25 @@ def test_split_path_non_finite_rows_beyond_the_listed_positions():
     weight[4, :] = float("inf")
     weight[5, 7] = 0.0
     x[6, 7] = float("inf")  # inf * 0 = NaN
-    check_split(x, weight, bias)
+    check_split(x, weight, bias, path=path)
 
 
-@requires_split
-def test_split_path_mask_and_views():
+@over_split_paths
+def test_split_path_mask_and_views(path):
     """The mask the backward uses with a negative slope, batched leading dims, and an input view at an offset."""
     _, new = make_pair(136, 72, -1.5, -0.3, "cuda")
     weight, bias = new.gemm.weight.detach(), new.gemm.bias.detach()
     base = torch.randn(3 * 5 * 136 + 3, device="cuda")
     x = base[3:].view(3, 5, 136)  # 12 bytes off 16-byte alignment: the path copies it
-    check_split(x, weight, bias, -1.5, -0.3, forced=True)
-    with forced_gemm_path("split_fp16"):
+    check_split(x, weight, bias, -1.5, -0.3, path=path, forced=True)
+    with forced_gemm_path(path):
         y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.3, True)
     pre = F.linear(x, weight, bias) * -1.5
     agree = (mask == (pre > 0)) | (pre.abs() < 1e-4)  # rounding may flip the sign test right at zero
     assert mask.shape == y.shape and bool(agree.all())
 
 
-WEIGHT_CHANGE_PATHS = ["auto"] + (["split_fp16"] if HAS_CUDA and "split_fp16" in gemm_paths("cuda") else [])
+WEIGHT_CHANGE_PATHS = ["auto", *SPLIT_KERNELS]
 
 
 @pytest.mark.parametrize("path", WEIGHT_CHANGE_PATHS)
@@ -445,7 +481,7 @@ def test_weight_changes_show_in_the_next_call(device, change, path):
     if device == "cpu" and path != "auto":
         pytest.skip("the split path is CUDA only")
     # The split path at a size in its range, where its error is held to eager's.
-    features, rows = (1024, 1024) if path == "split_fp16" else (64, 16)
+    features, rows = (1024, 1024) if path in SPLIT_PATHS else (64, 16)
     reference, new = make_pair(features, features - 16, 2.0, 0.1, device)
     x = torch.randn(rows, features, device=device)
     with forced_gemm_path(path):
@@ -495,15 +531,17 @@ def gradients_and_errors(forward, x, weight, bias, grad_y, positive, multiplier,
     return grads, [relative_error(g, r) for g, r in zip(grads, references)]
 
 
-def check_split_backward(m, k, n, multiplier, slope, forced=False, kind="randn"):
+def check_split_backward(m, k, n, multiplier, slope, path, forced=False, kind="randn"):
     _, new = make_pair(k, n, multiplier, slope, "cuda")
     weight, bias = new.gemm.weight.detach(), new.gemm.bias.detach()
     x = special_inputs(kind, m, k, seed=4).cuda()
     grad_y = torch.randn(m, n, device="cuda")
-    with forced_gemm_path("split_fp16" if forced else "auto"), torch.no_grad():
-        assert gemm_path(x, weight) == "split_fp16"
+    if not forced and path == automatic_split_path():
+        assert gemm_path(x, weight) == path
+    with forced_gemm_path(path), torch.no_grad():
+        assert gemm_path(x, weight) == path
         _, ours_positive = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, multiplier, slope, True)
-    with forced_gemm_path("split_fp16" if forced else "auto"):
+    with forced_gemm_path(path):
         ours, ours_errors = gradients_and_errors(
             lambda a, w, b: gemm_multiply_leaky_relu(a, w, b, multiplier, slope), x, weight, bias, grad_y,
             ours_positive, multiplier, slope)
@@ -533,32 +571,33 @@ BACKWARD_SHAPES = {  # name: (m, k, n); each backward product's reduction (n for
 }
 
 
-@requires_split
+@over_split_paths
 @pytest.mark.parametrize("multiplier,slope", [(2.0, 0.1), (-1.5, -0.2)])
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES)
-def test_split_backward_as_accurate_as_eager(shape, multiplier, slope):
-    check_split_backward(*BACKWARD_SHAPES[shape], multiplier, slope)
+def test_split_backward_as_accurate_as_eager(shape, multiplier, slope, path):
+    check_split_backward(*BACKWARD_SHAPES[shape], multiplier, slope, path)
 
 
 FORCED_BACKWARD_SHAPES = {"m1_k8_n7": (1, 8, 7), "odd": (129, 392, 136), "rows_of_4": (132, 264, 72)}
 
 
-@requires_split
+@over_split_paths
 @pytest.mark.parametrize("shape", FORCED_BACKWARD_SHAPES)
-def test_split_backward_forced_below_its_range(shape):
+def test_split_backward_forced_below_its_range(shape, path):
     """Forced, each backward product takes the split path where the kernel takes its shape and cuBLAS elsewhere."""
-    check_split_backward(*FORCED_BACKWARD_SHAPES[shape], -1.5, -0.2, forced=True)
+    check_split_backward(*FORCED_BACKWARD_SHAPES[shape], -1.5, -0.2, path, forced=True)
 
 
-@requires_split
-def test_split_backward_is_taken_and_graph_of_the_backward_still_works():
+@over_split_paths
+def test_split_backward_is_taken_and_graph_of_the_backward_still_works(path):
     """The backward op runs where no graph of the backward is wanted; with create_graph the composite runs, so that
     double backward works."""
     _, new = make_pair(1024, 1024, 2.0, 0.1, "cuda")
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
-    y = new(x)
-    grad_x, = torch.autograd.grad(y, x, torch.randn_like(y), create_graph=True)
-    grad_x.square().sum().backward()  # through the composite backward
+    with forced_gemm_path(path):
+        y = new(x)
+        grad_x, = torch.autograd.grad(y, x, torch.randn_like(y), create_graph=True)
+        grad_x.square().sum().backward()  # through the composite backward
     assert new.gemm.weight.grad is not None and torch.isfinite(new.gemm.weight.grad).all()
 
 
@@ -574,8 +613,8 @@ def train_losses(model, x, target, steps, lr):
     return torch.tensor(losses, dtype=torch.float64)
 
 
-@requires_split
-def test_training_tracks_eager_loss_curve():
+@over_split_paths
+def test_training_tracks_eager_loss_curve(path):
     """300 SGD steps of a 2-layer MLP of these modules at a size the split path takes (1024 wide, 1024 rows, its
     forward and both backward products on the split path) against the same MLP of the reference modules in float32
     and in float64 (same seed, same data). Our loss curve must stay as close to float64's as eager float32's does
@@ -588,8 +627,9 @@ def test_training_tracks_eager_loss_curve():
     x = torch.randn(1024, 1024, device="cuda", generator=g)
     target = torch.randn(1024, 1024, device="cuda", generator=g)
     ours = mlp(GemmMultiplyLeakyReLUModelNew).cuda()
-    assert gemm_path(x, ours[0].gemm.weight) == "split_fp16"
-    losses = train_losses(ours, x, target, 300, 2.0)
+    with forced_gemm_path(path):
+        assert gemm_path(x, ours[0].gemm.weight) == path
+        losses = train_losses(ours, x, target, 300, 2.0)
     eager = train_losses(mlp(GemmMultiplyLeakyReLUModel).cuda(), x, target, 300, 2.0)
     exact = train_losses(mlp(GemmMultiplyLeakyReLUModel).cuda().double(), x.double(), target.double(), 300, 2.0)
     assert exact[-1] < 0.9 * exact[0], "the loss must move for the comparison to mean anything"

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_bitwise_equal
 from kernels import loader
-from kernels.gemm.gemm import forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from kernels.manifest import FAMILIES
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, relative_error
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
@@ -152,7 +152,7 @@ class GemmCase:
         with torch.no_grad():
             y64 = copy.deepcopy(self.reference).double()(inputs["x"].double())
         ours, eager = relative_error(got["y"], y64), relative_error(expected["y"], y64)
-        below_split_range = self.path == "split_fp16" and min(self.shape) < 1024
+        below_split_range = self.path in SPLIT_PATHS and min(self.shape) < 1024
         limit = max(eager, SPLIT_FP16_ERROR_FLOOR) if below_split_range else eager
         assert ours <= limit, f"error against float64 {ours:.3g}, eager's {eager:.3g}"
 

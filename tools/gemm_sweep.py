@@ -8,6 +8,7 @@ where one call's time goes, kernel by kernel.
     python tools/gemm_sweep.py --train    # an fp32 training step: where its time goes, its peak memory and each
                                           # gradient's error against float64, eager's beside ModelNew's
     python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
+    python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
 operand to about 2^-22, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
@@ -19,6 +20,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+
+# The split path that --k-sweep and --shapes force: --path's where it names a split path.
+SPLIT_PATH = "split_fp16"
+
 
 def problem_size():
     import copy
@@ -177,7 +182,7 @@ def k_sweep():
                 if kind == "wide_rows":
                     x *= torch.pow(10.0, torch.empty(512, 1, device="cuda").uniform_(-20, 20, generator=g))
                 bias = torch.randn(512, device="cuda", generator=g) * 0.1
-                with torch.no_grad(), forced_gemm_path("split_fp16"):
+                with torch.no_grad(), forced_gemm_path(SPLIT_PATH):
                     y = gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
                 y_eager = F.leaky_relu(F.linear(x, weight, bias) * 2.0, 0.1)
                 y64 = F.leaky_relu(F.linear(x.double(), weight.double(), bias.double()) * 2.0, 0.1)
@@ -209,7 +214,7 @@ def shape_sweep():
                     weight /= k ** 0.5
                 bias = torch.randn(n, device="cuda", generator=g) * 0.1
                 with torch.no_grad():
-                    with forced_gemm_path("split_fp16"):
+                    with forced_gemm_path(SPLIT_PATH):
                         y = gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
                         if kind == "randn":
                             times["split"] = time_ms(lambda: gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1))
@@ -226,6 +231,19 @@ def shape_sweep():
 
 def main():
     print(torch.cuda.get_device_name(0))
+    if "--path" in sys.argv:
+        from kernels.gemm.gemm import forced_gemm_path
+
+        global SPLIT_PATH
+        path = sys.argv[sys.argv.index("--path") + 1]
+        SPLIT_PATH = path if path.startswith("split") else SPLIT_PATH
+        print("every call forced onto the", path, "path")
+        with forced_gemm_path(path):
+            return choose()
+    return choose()
+
+
+def choose():
     if "--k-sweep" in sys.argv:
         k_sweep()
         return

@@ -1,10 +1,13 @@
 // The torch side of the GEMM family of `torch.ops.kernels`: gemm_multiply_leaky_relu's schema, argument checks and
 // implementations. Fake (meta) implementation, autograd and the Python function are in gemm.py.
 //
-// Two paths, chosen per call from the inputs' device, dtype, shape and the float32 matmul precision setting:
-// - split_fp16 (Hopper, float32 at the default "highest" precision): x and W are split per call into row-scaled
-//   fp16 hi/lo pairs (gemm_split.cu), and one kernel computes the three products on the tensor cores with fp32
-//   promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and faster.
+// Three paths, chosen per call from the inputs' device, dtype, shape, GPU and the float32 matmul precision setting:
+// - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
+//   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor
+//   cores with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and
+//   faster.
+// - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at automatic_split_path says so): the same
+//   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
 // - cublas, for every other case: at::linear, the very call nn.Linear makes (so it follows the user's float32
 //   matmul precision setting: IEEE by default, TF32 when allowed, and rounds exactly as eager does), then the
 //   LeakyReLU family's kernels::multiply_leaky_relu_ in place over its result (the multiply, the activation and
@@ -71,41 +74,70 @@ int64_t gemm_rows(const at::Tensor& x, const at::Tensor& weight) {
   return k == 0 ? 0 : x.numel() / k;
 }
 
-enum class Path : int { kAuto = 0, kCublas = 1, kSplitFp16 = 2 };
+enum class Path : int { kAuto = 0, kCublas = 1, kSplitFp16 = 2, kSplitFp16Sm80 = 3 };
 
 const char* path_name(Path path) {
   switch (path) {
     case Path::kCublas: return "cublas";
     case Path::kSplitFp16: return "split_fp16";
+    case Path::kSplitFp16Sm80: return "split_fp16_sm80";
     default: return "auto";
   }
 }
 
+bool is_split(Path path) { return path == Path::kSplitFp16 || path == Path::kSplitFp16Sm80; }
+
+// The path named `name`; kAuto, with ok = false, for an unknown name.
+Path path_named(const std::string& name, bool& ok) {
+  ok = true;
+  for (const Path path : {Path::kAuto, Path::kCublas, Path::kSplitFp16, Path::kSplitFp16Sm80})
+    if (name == path_name(path)) return path;
+  ok = false;
+  return Path::kAuto;
+}
+
 std::atomic<int> forced_path{static_cast<int>(Path::kAuto)};
 
-// Sets the path every later call takes ("auto", "cublas" or "split_fp16"); returns the previous setting. For tests
-// and bench.py; a forced split_fp16 path that cannot run raises instead of falling back.
+// Sets the path every later call takes ("auto", "cublas", "split_fp16" or "split_fp16_sm80"); returns the previous
+// setting. For tests and bench.py; a forced split path that cannot run raises instead of falling back.
 std::string force_path(const std::string& name) {
-  Path path = Path::kAuto;
-  if (name == "cublas") path = Path::kCublas;
-  else if (name == "split_fp16") path = Path::kSplitFp16;
-  else TORCH_CHECK(name == "auto", "kernels._gemm_force_path: unknown path '", name, "'; expected auto, cublas or "
-                   "split_fp16");
+  bool ok = false;
+  const Path path = path_named(name, ok);
+  TORCH_CHECK(ok, "kernels._gemm_force_path: unknown path '", name, "'; expected auto, cublas, split_fp16 or "
+              "split_fp16_sm80");
   return path_name(static_cast<Path>(forced_path.exchange(static_cast<int>(path))));
 }
 
 #ifdef KERNELS_WITH_CUDA
-// split_gemm_supported, asked once per device and shape: it reads device and kernel attributes.
-bool split_supported(int device, int64_t m, int64_t n, int64_t k) {
+// split_gemm_supported or split_gemm_sm80_supported (by `path`), asked once per device, kernel and shape: they read
+// device and kernel attributes.
+bool split_supported(Path path, int device, int64_t m, int64_t n, int64_t k) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int64_t, int64_t, int64_t>, bool> answers;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int64_t>, bool> answers;
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, m, n, k);
+  const auto key = std::make_tuple(static_cast<int>(path), device, m, n, k);
   const auto found = answers.find(key);
   if (found != answers.end()) return found->second;
   if (answers.size() > 4096) answers.clear();  // a bound for programs that see ever new shapes
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // kernel attributes are per device
-  return answers[key] = split_gemm_supported(device, m, n, k);
+  return answers[key] = path == Path::kSplitFp16 ? split_gemm_supported(device, m, n, k)
+                                                 : split_gemm_sm80_supported(device, m, n, k);
+}
+
+// The compute capability of `device` as 10 * major + minor, read once per device.
+int compute_capability(int device) {
+  static std::mutex mutex;
+  static std::map<int, int> capabilities;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = capabilities.find(device);
+  if (found != capabilities.end()) return found->second;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return capabilities[device] = 10 * major + minor;
 }
 #endif
 
@@ -119,19 +151,72 @@ ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight) {
   return {gemm_rows(x, weight), weight.size(0), weight.size(1)};
 }
 
-// Why the split_fp16 path cannot take a product of this shape on x's device and dtype, or nullptr if it can.
-const char* split_fp16_refusal(const at::Tensor& x, ProductShape shape) {
+// Why the split path `path` (split_fp16 or split_fp16_sm80) cannot take a product of this shape on x's device and
+// dtype, or nullptr if it can.
+const char* split_refusal(Path path, const at::Tensor& x, ProductShape shape) {
 #ifdef KERNELS_WITH_CUDA
   if (!x.is_cuda()) return "the tensors are not on a CUDA device";
   if (x.scalar_type() != at::kFloat) return "it computes float32 only";
   if (at::globalContext().allowTF32CuBLAS())
     return "TF32 is allowed (float32 matmul precision 'high' or 'medium'), and cuBLAS's TF32 is faster";
-  if (!split_supported(x.device().index(), shape.m, shape.n, shape.k) || (shape.w_transposed && shape.n % 4 != 0))
+  if (path == Path::kSplitFp16 &&
+      (!split_supported(path, x.device().index(), shape.m, shape.n, shape.k) ||
+       (shape.w_transposed && shape.n % 4 != 0)))
     return "the GPU is not sm_90 or the library was not built for sm_90a, or the shape is one the kernel does not take";
+  if (path == Path::kSplitFp16Sm80 && !split_supported(path, x.device().index(), shape.m, shape.n, shape.k))
+    return "the GPU is older than sm_80 or has too little shared memory per block (128 KB), or the shape is one the "
+           "kernel does not take (in_features not a multiple of 4)";
   return nullptr;
 #else
+  (void)path;
+  (void)x;
+  (void)shape;
   return "the library was built without CUDA";
 #endif
+}
+
+// The split kernel the automatic choice uses on each GPU architecture: on where three fp16 products with fp32
+// accumulation beat one IEEE fp32 product by a wide margin, that is where the GPU's fp16 tensor-core rate with fp32
+// accumulation is well over 3x its fp32 rate. Dense peak rates from NVIDIA's datasheets, TFLOP/s:
+//   arch    GPUs                        fp16 (fp32 acc.)   fp32   ratio   path
+//   sm_80   A100 SXM / A30                  312 / 165      19.5 / 10.3  16  split_fp16_sm80
+//   sm_86   A10 / A40                       125 / 150      31.2 / 37.4   4  cublas (three products win < 1.33x)
+//   sm_86   RTX 3090                               71            35.6    2  cublas
+//   sm_87   Jetson AGX Orin (A100-class tensor cores)                       split_fp16_sm80 (not measured)
+//   sm_89   L40S / L4                       362 / 121      91.6 / 30.3   4  cublas (three products win < 1.33x)
+//   sm_89   RTX 4090                              165            82.6    2  cublas
+//   sm_90   H100 SXM / H200                       989            67     15  split_fp16 (wgmma); split_fp16_sm80
+//                                                                          for the shapes the wgmma kernel refuses
+//   sm_100+ B200, RTX 50                                                    cublas (not measured here; cuBLAS 12.9+
+//                                                                          has its own FP32 emulation on Blackwell)
+// Measured: split_fp16 on the H100; split_fp16_sm80 forced on the H100 (kernels/gemm/NOTES.md). No A100 was run.
+Path split_path_for_capability(int64_t capability) {
+  switch (capability) {
+    case 80:
+    case 87: return Path::kSplitFp16Sm80;
+    case 90: return Path::kSplitFp16;
+    default: return Path::kCublas;
+  }
+}
+
+std::string gemm_split_path_for_capability(int64_t capability) {
+  return path_name(split_path_for_capability(capability));
+}
+
+// The table's split kernel for x's GPU where it takes the product; on Hopper the sm_80 kernel where the wgmma
+// kernel refuses the shape; else cuBLAS.
+Path automatic_split_path(const at::Tensor& x, ProductShape shape) {
+#ifdef KERNELS_WITH_CUDA
+  if (!x.is_cuda()) return Path::kCublas;
+  const Path table = split_path_for_capability(compute_capability(x.device().index()));
+  if (table == Path::kCublas) return Path::kCublas;
+  if (split_refusal(table, x, shape) == nullptr) return table;
+  return table == Path::kSplitFp16 && split_refusal(Path::kSplitFp16Sm80, x, shape) == nullptr ? Path::kSplitFp16Sm80
+                                                                                               : Path::kCublas;
+#endif
+  (void)x;
+  (void)shape;
+  return Path::kCublas;
 }
 
 // The automatic choice takes the split path only where it was measured to be both faster and more accurate than
@@ -148,28 +233,36 @@ bool split_pays_off(ProductShape shape) {
   return shape.k >= kSplitMinReduction && shape.m >= kSplitMinRows && shape.n >= kSplitMinColumns;
 }
 
-// The path of one product (the forward's, or one of the backward's), chosen from x's device and dtype, the shape
-// and the settings. Empty products take the cuBLAS path. A forced split_fp16 path that cannot run raises where
+// The path of one product (the forward's, or one of the backward's), chosen from x's device and dtype, the GPU,
+// the shape and the settings. Empty products take the cuBLAS path. A forced split path that cannot run raises where
 // `strict` (the forward), and falls back to cuBLAS elsewhere (a backward product whose reduction the kernel does not
 // take, e.g. a batch of rows not a multiple of 4).
 Path choose_path(const at::Tensor& x, ProductShape shape, bool strict = true) {
   const Path forced = static_cast<Path>(forced_path.load());
   if (forced == Path::kCublas) return Path::kCublas;
-  const char* refusal = split_fp16_refusal(x, shape);
-  TORCH_CHECK(!strict || forced != Path::kSplitFp16 || refusal == nullptr,
-              "kernels.gemm_multiply_leaky_relu: the split_fp16 path was forced but cannot run: ", refusal);
-  if (refusal != nullptr || shape.m == 0 || shape.n == 0 || shape.k == 0) return Path::kCublas;
-  return forced == Path::kSplitFp16 || split_pays_off(shape) ? Path::kSplitFp16 : Path::kCublas;
+  const bool empty = shape.m == 0 || shape.n == 0 || shape.k == 0;
+  if (is_split(forced)) {
+    const char* refusal = split_refusal(forced, x, shape);
+    TORCH_CHECK(!strict || refusal == nullptr, "kernels.gemm_multiply_leaky_relu: the ", path_name(forced),
+                " path was forced but cannot run: ", refusal);
+    return refusal != nullptr || empty ? Path::kCublas : forced;
+  }
+  if (empty || !split_pays_off(shape)) return Path::kCublas;
+  return automatic_split_path(x, shape);
 }
 
 std::string gemm_multiply_leaky_relu_path(const at::Tensor& x, const at::Tensor& weight) {
   return path_name(choose_path(x, linear_shape(x, weight)));
 }
 
-// Why the split_fp16 path cannot take these inputs under the current settings, whatever the automatic choice would
-// say; "" if it can (so that a forced split_fp16 path runs).
-std::string gemm_split_fp16_refusal(const at::Tensor& x, const at::Tensor& weight) {
-  const char* refusal = split_fp16_refusal(x, linear_shape(x, weight));
+// Why the split path `path` ("split_fp16" or "split_fp16_sm80") cannot take these inputs under the current settings,
+// whatever the automatic choice would say; "" if it can (so that the path forced runs).
+std::string gemm_split_refusal(const at::Tensor& x, const at::Tensor& weight, const std::string& path) {
+  bool ok = false;
+  const Path named = path_named(path, ok);
+  TORCH_CHECK(ok && is_split(named), "kernels._gemm_split_refusal: '", path, "' is not a split path; expected "
+              "split_fp16 or split_fp16_sm80");
+  const char* refusal = split_refusal(named, x, linear_shape(x, weight));
   return refusal == nullptr ? "" : refusal;
 }
 
@@ -195,13 +288,14 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-// The split_fp16 product y (m x n) = epilogue(x (m x k) times w (n x k)^T), both float32 on one GPU, each given as
-// itself or as its transpose (x_transposed: x as (k x m), which needs w_transposed; w_transposed: w as (k x n)): x
-// is split by one pass (its rows, or the columns of its transpose; x_column_sums, if not null, then gets those
-// columns' sums), w inside the GEMM kernel; y and the mask (where positive is not null) are dense. Temporary
-// memory: x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes
-// per row of x and of w (exponents, flags); w is read as it is.
-void split_fp16_product(const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
+// The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path` (split_fp16 or split_fp16_sm80),
+// both float32 on one GPU, each given as itself or as its transpose (x_transposed: x as (k x m), which needs
+// w_transposed; w_transposed: w as (k x n)): x is split by one pass (its rows, or the columns of its transpose;
+// x_column_sums, if not null, then gets those columns' sums); w inside the GEMM kernel (split_fp16) or by a pass of
+// its own (split_fp16_sm80); y and the mask (where positive is not null) are dense. Temporary memory: x's split, 4
+// bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes per row of x and of
+// w (exponents, flags); on split_fp16_sm80 also w's split, 4 bytes per element of w and 4 per row and chunk of 64.
+void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr) {
   TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
@@ -215,21 +309,38 @@ void split_fp16_product(const at::Tensor& x, bool x_transposed, const at::Tensor
   const auto int32 = x.options().dtype(at::kInt);
   at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
   at::Tensor x_exponent = at::empty({m}, int32), w_flags = at::empty({n}, int32);
+  // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
+  const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
   check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0),
                                                    x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
                                                    x_exponent.mutable_data_ptr<int32_t>(), x_column_sums, stream)
-                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), w_transposed,
+                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order,
                                                 x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
                                                 x_exponent.mutable_data_ptr<int32_t>(), stream),
                "split (x)");
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
-  check_launch(launch_split_gemm_multiply_leaky_relu(
-                   x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                   w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
-                   bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
-               "split GEMM");
+  if (path == Path::kSplitFp16) {
+    check_launch(launch_split_gemm_multiply_leaky_relu(
+                     x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                     w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
+                     bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
+                 "split GEMM");
+  } else {
+    at::Tensor w_hi = at::empty({n, split_k}, half), w_lo = at::empty({n, split_k}, half);
+    at::Tensor w_exponent = at::empty({split_k / kSplitChunk, n}, int32);
+    check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
+                                     w_hi.mutable_data_ptr(), w_lo.mutable_data_ptr(),
+                                     w_exponent.mutable_data_ptr<int32_t>(), w_flags.mutable_data_ptr<int32_t>(),
+                                     stream),
+                 "split (w)");
+    check_launch(launch_split_gemm_sm80_multiply_leaky_relu(
+                     x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                     w_hi.const_data_ptr(), w_lo.const_data_ptr(), w_exponent.const_data_ptr<int32_t>(), bias_data,
+                     y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
+                 "split GEMM (sm_80)");
+  }
   // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
   const int64_t x_row_stride = x_transposed ? 1 : x2.stride(0), x_element_stride = x_transposed ? x2.stride(0) : 1;
   const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
@@ -241,8 +352,9 @@ void split_fp16_product(const at::Tensor& x, bool x_transposed, const at::Tensor
                "non-finite outputs");
 }
 
-// The forward on the split_fp16 path.
-std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
+// The forward on a split path.
+std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
+                                                                       const at::Tensor& weight,
                                                                        const at::Tensor& bias, double multiplier,
                                                                        double negative_slope, bool return_mask) {
   const int64_t m = gemm_rows(x, weight), k = weight.size(1);
@@ -251,18 +363,19 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(const at:
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
-  split_fp16_product(x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias, multiplier,
-                     negative_slope, y, positive);
+  split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
+                     multiplier, negative_slope, y, positive);
   return {y, mask};
 }
 
-// a (m x k) times b (k x n) on the split_fp16 path, a plain product (no bias, multiplier 1, slope 1), b read as it
-// is (the GEMM's w given transposed); a given as itself or, where a_transposed, as its transpose (k x m), whose
-// column sums then go to a_column_sums if not null.
-at::Tensor split_fp16_matmul(const at::Tensor& a, bool a_transposed, const at::Tensor& b,
+// a (m x k) times b (k x n) on a split path, a plain product (no bias, multiplier 1, slope 1), b read as it is (the
+// GEMM's w given transposed); a given as itself or, where a_transposed, as its transpose (k x m), whose column sums
+// then go to a_column_sums if not null.
+at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, const at::Tensor& b,
                              float* a_column_sums = nullptr) {
   at::Tensor y = at::empty({a.size(a_transposed ? 1 : 0), b.size(1)}, a.options());
-  split_fp16_product(a, a_transposed, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr, a_column_sums);
+  split_fp16_product(path, a, a_transposed, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr,
+                     a_column_sums);
   return y;
 }
 #endif
@@ -276,14 +389,15 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
   check_gemm_arguments("gemm_multiply_leaky_relu", x, weight, bias);
   const at::Tensor b = bias.has_value() && bias->defined() ? *bias : at::Tensor();
 #ifdef KERNELS_WITH_CUDA
-  if (choose_path(x, linear_shape(x, weight)) == Path::kSplitFp16)
-    return split_fp16_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
+  const Path path = choose_path(x, linear_shape(x, weight));
+  if (is_split(path)) return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b, multiplier, negative_slope,
+                                                                 return_mask);
 #endif
   return cublas_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
 }
 
 #ifndef KERNELS_WITH_CUDA
-at::Tensor split_fp16_matmul(const at::Tensor&, bool, const at::Tensor&, float* = nullptr) {
+at::Tensor split_fp16_matmul(Path, const at::Tensor&, bool, const at::Tensor&, float* = nullptr) {
   TORCH_CHECK(false, "kernels: the split_fp16 path needs the library built with CUDA");
 }
 #endif
@@ -310,17 +424,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
   at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
              grad_bias = at::empty({0}, x.options());
   if (x_grad) {
-    grad_x = choose_path(grad_pre, {m, k, n, true}, /*strict=*/false) == Path::kSplitFp16
-                 ? split_fp16_matmul(grad_pre, /*a_transposed=*/false, weight)
-                 : grad_pre.mm(weight);
+    const Path path = choose_path(grad_pre, {m, k, n, true}, /*strict=*/false);
+    grad_x = is_split(path) ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight) : grad_pre.mm(weight);
     grad_x = grad_x.reshape(x.sizes());
   }
   bool bias_done = false;
   if (weight_grad) {
-    if (choose_path(grad_pre, {n, k, m, true}, /*strict=*/false) == Path::kSplitFp16) {
+    const Path path = choose_path(grad_pre, {n, k, m, true}, /*strict=*/false);
+    if (is_split(path)) {
       // grad_pre's columns are split as they are read; their sums, made on the way, are grad_bias.
       if (bias_grad) grad_bias = at::empty({n}, x.options());
-      grad_weight = split_fp16_matmul(grad_pre, /*a_transposed=*/true, x2,
+      grad_weight = split_fp16_matmul(path, grad_pre, /*a_transposed=*/true, x2,
                                       bias_grad ? grad_bias.mutable_data_ptr<float>() : nullptr);
       bias_done = bias_grad;
     } else {
@@ -374,16 +488,19 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_multiply_leaky_relu_path(Tensor x, Tensor weight) -> str");
-  m.def("_gemm_split_fp16_refusal(Tensor x, Tensor weight) -> str");
+  m.def("_gemm_split_refusal(Tensor x, Tensor weight, str path) -> str");
   m.def("_gemm_force_path(str path) -> str");
   m.impl("_gemm_force_path", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_path));
+  m.def("_gemm_split_path_for_capability(int capability) -> str");
+  m.impl("_gemm_split_path_for_capability", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                                            &kernels::gemm::gemm_split_path_for_capability));
 }
 
 #define KERNELS_GEMM_IMPLS(m)                                                                     \
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu);                   \
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
-  m.impl("_gemm_split_fp16_refusal", &kernels::gemm::gemm_split_fp16_refusal)
+  m.impl("_gemm_split_refusal", &kernels::gemm::gemm_split_refusal)
 
 TORCH_LIBRARY_IMPL(kernels, AutocastCPU, m) {
   m.impl("gemm_multiply_leaky_relu",

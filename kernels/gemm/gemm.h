@@ -1,4 +1,4 @@
-// Host launchers of the GEMM family's kernels (gemm_split.cu, gemm_sm90.cu): the only interface between them and
+// Host launchers of the GEMM family's kernels (gemm_split.cu, gemm_sm90.cu, gemm_sm80.cu): the only interface between them and
 // the torch side (gemm.cpp). Plain C++ and the CUDA runtime only (no torch headers); fp16 arrays are passed as
 // void pointers, so this header needs no CUDA half type. Every launcher returns the launch's cudaError_t and never
 // synchronizes.
@@ -35,7 +35,7 @@ KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_row_length(std::int64_t k)
 //   hi = fp16(v * 2^e), lo = fp16(v * 2^e - hi), so hi + lo carries about 22 bits of v; a non-finite v gives
 //   hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
 // hi and lo are dense (rows x split_row_length(cols)) fp16 arrays in the order along K that the GEMM reads: k's own
-// order (natural_order, for a GEMM given w transposed), else split_scale.cuh's split_position; the pad zeros.
+// order (natural_order, for a GEMM given w transposed), else split_numerics.cuh's split_position; the pad zeros.
 // Requires cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue else).
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                               bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
@@ -47,6 +47,18 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
 cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                                  void* hi, void* lo, std::int32_t* exponent, float* column_sums,
                                  cudaStream_t stream);
+
+// The split of w for the sm_80 GEMM (launch_split_gemm_sm80_multiply_leaky_relu): for each row j of w (rows x cols,
+// element (j, c) at src[j * row_stride + c]; or, where transposed, w given as its transpose: cols x rows, element
+// (j, c) at src[c * row_stride + j]) and each chunk q of kSplitChunk along c, the power of two e that puts the
+// chunk's largest finite |value| in [2^13, 2^14) (split_numerics.cuh, scale_exponent), at chunk_exponent[q * rows +
+// j]; hi = fp16(v 2^e), lo = fp16(v 2^e - hi) in c's natural order, dense (rows x split_row_length(cols)), the pad
+// zeros; flags[j] = kNonFiniteRow where row j holds an infinity or NaN (split as 0), else 0. The same scales and
+// split as the Hopper kernel makes in its registers. Not transposed: requires cols % 4 == 0, row_stride % 4 == 0 and
+// src 16-byte aligned (cudaErrorInvalidValue else).
+cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                                bool transposed, void* hi, void* lo, std::int32_t* chunk_exponent,
+                                std::int32_t* flags, cudaStream_t stream);
 
 // y[i, j] = leaky_relu((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier, negative_slope), acc = sum over k of
 // x[i, k] w[j, k], from x's split (launch_split_rows) and the float32 w, which the kernel splits itself with a power
@@ -64,7 +76,24 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   std::int64_t k, float multiplier, float negative_slope,
                                                   cudaStream_t stream);
 
-// After launch_split_gemm_multiply_leaky_relu, on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
+// The same product and epilogue as launch_split_gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix,
+// cp.async), for every GPU from sm_80 on: x's split from launch_split_rows in natural order, w's from
+// launch_split_chunks (w_exponent: its chunk_exponent). Three fp16 products per 16 of k (hi_x lo_w, lo_x
+// hi_w, hi_x hi_w), promoted into fp32 registers every chunk with w's power of two per row and chunk, the epilogue
+// fused; y and positive as there. Returns cudaErrorNotSupported where split_gemm_sm80_supported() is false.
+cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const void* x_lo,
+                                                       const std::int32_t* x_exponent, const void* w_hi,
+                                                       const void* w_lo, const std::int32_t* w_exponent,
+                                                       const float* bias, float* y, std::uint8_t* positive,
+                                                       std::int64_t m, std::int64_t n, std::int64_t k,
+                                                       float multiplier, float negative_slope, cudaStream_t stream);
+
+// Whether launch_split_gemm_sm80_multiply_leaky_relu can run on `device` for this shape: a GPU of compute capability
+// 8.0 or newer with the shared memory of two pipeline stages, the library built for it, k % 4 == 0 (x's split reads
+// 16-byte packs) and sizes whose indices fit its ints.
+bool split_gemm_sm80_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
+
+// After launch_split_gemm_multiply_leaky_relu (or its sm_80 twin), on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
 // whose row i of x or row j of w is flagged as holding a non-finite value (x_exponent from launch_split_rows,
 // w_exponent: the GEMM's w_flags) with eager's non-finite result (NaN, +inf or -inf) through the same epilogue.
 // x (m x k) and w (n x k) are the float32 operands the GEMM's were made from: element k of x's row i at

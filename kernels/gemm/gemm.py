@@ -5,9 +5,9 @@ Ops (schemas in gemm.cpp):
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
   gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, multiplier, negative_slope, x_grad, weight_grad,
                                     bias_grad) -> (grad_x, grad_weight, grad_bias)   (empty where not asked for)
-  _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes: "split_fp16" or "cublas"
-  _gemm_split_fp16_refusal(x, weight) -> str            why split_fp16 cannot take these inputs; "" if it can
-  _gemm_force_path(path) -> str                         "auto", "cublas" or "split_fp16"; returns the previous one
+  _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes (one of SPLIT_PATHS, or "cublas")
+  _gemm_split_refusal(x, weight, path) -> str           why split path `path` cannot take these inputs; "" if it can
+  _gemm_force_path(path) -> str                         "auto", "cublas" or a split path; returns the previous one
 """
 
 import torch
@@ -54,23 +54,28 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
     return _gemm_handle(x, weight, bias, multiplier, negative_slope, False)[0]
 
 
+# The split paths: fp32 accuracy from three fp16 tensor-core products (docs in gemm.cpp). split_fp16: the Hopper
+# kernel (wgmma, TMA); split_fp16_sm80: the same method on sm_80 instructions (mma.sync), any GPU from the A100 on.
+SPLIT_PATHS = ("split_fp16", "split_fp16_sm80")
+
+
 def gemm_path(x, weight):
-    """The path gemm_multiply_leaky_relu takes for these inputs under the current settings: "split_fp16" (the
-    Hopper tensor-core kernel) or "cublas"."""
+    """The path gemm_multiply_leaky_relu takes for these inputs under the current settings: one of SPLIT_PATHS or
+    "cublas"."""
     return torch.ops.kernels._gemm_multiply_leaky_relu_path(x, weight)
 
 
 def gemm_paths(device):
     """Every path gemm_multiply_leaky_relu can take on `device` for float32 under the current settings, whether or
-    not the automatic choice would pick it: ["cublas"] or ["cublas", "split_fp16"]. For tests, tools and bench."""
+    not the automatic choice would pick it: "cublas", then the split paths that can run there (on an H100 both). For
+    tests, tools and bench."""
     probe = torch.empty(8, 64, device=device)
-    split_fp16 = torch.ops.kernels._gemm_split_fp16_refusal(probe, probe) == ""
-    return ["cublas", "split_fp16"] if split_fp16 else ["cublas"]
+    return ["cublas"] + [p for p in SPLIT_PATHS if torch.ops.kernels._gemm_split_refusal(probe, probe, p) == ""]
 
 
 class forced_gemm_path:
-    """with forced_gemm_path(path): every gemm_multiply_leaky_relu call in the block takes `path` ("cublas" or
-    "split_fp16"; "auto" is the default choice). A forced split_fp16 path that cannot run raises instead of falling
+    """with forced_gemm_path(path): every gemm_multiply_leaky_relu call in the block takes `path` ("cublas" or one
+    of SPLIT_PATHS; "auto" is the default choice). A forced split path that cannot run raises instead of falling
     back. (A class rather than a generator function, so the module needs no exception handling, which KernelBench's
     static check rejects.)"""
 

@@ -28,7 +28,7 @@
 // the caller takes its cuBLAS path.
 #include "gemm.h"
 #include "sm90_primitives.cuh"
-#include "split_scale.cuh"
+#include "split_numerics.cuh"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -67,7 +67,7 @@ static_assert(kSharedBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
 static_assert(2 * kOutBoxRows == kBlockX && 2 * kBoxK == kBlockW / kConsumers, "a consumer stores 2 x 2 boxes a tile");
 
 // The thread's 2 rows (half 0: row g, half 1: row g + 8 of its warp's 16) x 16 values of w for one chunk: pack
-// [half][box][h] holds k = 32 box + 8 t + 4 h .. + 3 (split_scale.cuh: split_position).
+// [half][box][h] holds k = 32 box + 8 t + 4 h .. + 3 (split_numerics.cuh: split_position).
 struct WChunk {
   float4 pack[2][2][2];
 };
@@ -220,14 +220,10 @@ __device__ __forceinline__ void split_w_chunk(const WChunk& w, const ChunkScales
 
 // total += accumulator * 2^-e per row. Accumulator element j * 4 + half * 2 + c is at row g + 8 half.
 template <bool kSingle>
-__device__ __forceinline__ void promote(const float (&accumulator)[64], const ChunkScales& scales,
-                                        float (&total)[64]) {
+__device__ __forceinline__ void promote_chunk(const float (&accumulator)[64], const ChunkScales& scales,
+                                              float (&total)[64]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    const PowerOfTwo inverse = scales.inverse[(i / 2) % 2];
-    total[i] = kSingle ? fmaf(accumulator[i], inverse.a, total[i])
-                       : fmaf(accumulator[i] * inverse.a, inverse.b, total[i]);
-  }
+  for (int i = 0; i < 64; ++i) total[i] = promote<kSingle>(accumulator[i], scales.inverse[(i / 2) % 2], total[i]);
 }
 
 template <bool kTransposed>
@@ -346,8 +342,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
       }
       wgmma_wait<0>();
       if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
-      if (current.single) promote<true>(accumulator, current, total);
-      else promote<false>(accumulator, current, total);
+      if (current.single) promote_chunk<true>(accumulator, current, total);
+      else promote_chunk<false>(accumulator, current, total);
       if (more) {
         if (scales.single) split_w_chunk<true>(w, scales, a);
         else split_w_chunk<false>(w, scales, a);
@@ -366,13 +362,9 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
       if (flags_writer && t == 0 && column < n) w_flags[column] = bad ? kNonFiniteRow : 0;
       column_bias[half] = bias && column < n ? bias[column] : 0.0f;
     }
-    // The output of total[j * 4 + half * 2 + c] before the activation; e is its x row's exponent.
+    // The output of total[j * 4 + half * 2 + c]; e is its x row's exponent.
     const auto output = [&](int j, int half, int c, int e) {
-      // One exact multiply by 2^-e where that is a normal float (every row but those below ~2^-113 or above 2^126
-      // in magnitude); ldexpf, rounding once, for the rest.
-      const float unscaled = e >= -127 && e <= 126 ? total[j * 4 + half * 2 + c] * exact_power_of_two(-e)
-                                                   : ldexpf(total[j * 4 + half * 2 + c], -e);
-      return (unscaled + column_bias[half]) * multiplier;
+      return epilogue(unscale(total[j * 4 + half * 2 + c], e), column_bias[half], multiplier, negative_slope);
     };
     if (y_by_tma) {
       // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores, which run on while the
@@ -408,12 +400,11 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
             for (int c = 0; c < 2; ++c) {
               const int box_row = 8 * jj + 2 * t + c, row = tile_x * kBlockX + 8 * j + 2 * t + c;
               const int column = tile_w * kBlockW + tile_row + 8 * half;
-              const float v = output(j, half, c, exponents[jj][c]);
-              const bool is_positive = v > 0.0f;
+              const Activated out = output(j, half, c, exponents[jj][c]);
               staging_floats[(box * kOutBoxBytes + box_row * 128) / 4 + ((box_column / 4) ^ (box_row % 8)) * 4 +
-                             box_column % 4] = is_positive ? v : v * negative_slope;
+                             box_column % 4] = out.value;
               if (positive && row < m && column < n)
-                positive[static_cast<std::int64_t>(row) * n + column] = is_positive;
+                positive[static_cast<std::int64_t>(row) * n + column] = out.positive;
             }
           }
         }
@@ -438,11 +429,10 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
           for (int c = 0; c < 2; ++c) {
             const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
             if (row >= m) continue;
-            const float v = output(j, half, c, x_exponent[row]);
-            const bool is_positive = v > 0.0f;
+            const Activated out = output(j, half, c, x_exponent[row]);
             const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
-            y[at] = is_positive ? v : v * negative_slope;
-            if (positive) positive[at] = is_positive;
+            y[at] = out.value;
+            if (positive) positive[at] = out.positive;
           }
         }
       }

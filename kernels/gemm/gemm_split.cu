@@ -1,6 +1,6 @@
 // The split pass of the fp32-accurate tensor-core GEMM over x (gemm.h, launch_split_rows): each row of a float32
 // matrix becomes a power-of-two row exponent and a pair of fp16 rows hi, lo with hi + lo = v * 2^e to about 22 bits,
-// in the order along K and the padded length the GEMM reads (split_scale.cuh: split_position, split_row_length).
+// in the order along K and the padded length the GEMM reads (split_numerics.cuh: split_position, split_row_length).
 //
 // Memory-bound: each element is read from DRAM once and its two halves written once (4 + 4 bytes). One block per
 // row. Rows of up to 16384 floats are held in registers between finding the row's largest finite |v| and writing
@@ -8,7 +8,7 @@
 // (the launcher requires 16-byte aligned rows of a multiple of 4 floats); each pack's halves are written as two
 // fp16 pairs to their places in the GEMM's order. Portable (any architecture).
 #include "gemm.h"
-#include "split_scale.cuh"
+#include "split_numerics.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -200,6 +200,90 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   }
 }
 
+// The split of w for the sm_80 GEMM (gemm.h, launch_split_chunks): a power of two per row and chunk of kSplitChunk
+// along k, hi and lo in k's natural order. One block per row: each thread takes a pack of 4, so a chunk's 16 packs
+// are 16 consecutive lanes, whose largest |v| takes four shuffles.
+constexpr int kChunkPacks = kSplitChunk / 4;
+
+__global__ void __launch_bounds__(kSplitThreads)
+split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                    __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ chunk_exponent,
+                    std::int32_t* __restrict__ flags) {
+  const std::int64_t row = blockIdx.x;
+  const float4* in = reinterpret_cast<const float4*>(src + row * row_stride);
+  const std::int64_t packs = cols / 4, length = split_row_length(cols);
+  bool non_finite = false;
+  for (std::int64_t base = 0; base < length / 4; base += kSplitThreads) {  // the same trip count for every thread
+    const std::int64_t i = base + threadIdx.x;
+    const float4 v = i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float max_abs = 0.0f;
+    fold(v, max_abs, non_finite);
+    for (int offset = kChunkPacks / 2; offset > 0; offset /= 2)
+      max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+    const int e = scale_exponent(max_abs);
+    if (i < length / 4) {
+      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * rows + row] = e;
+      split_pack<true>(v, power_of_two(e), i, hi + row * length, lo + row * length);
+    }
+  }
+  non_finite = __syncthreads_or(non_finite);
+  if (threadIdx.x == 0) flags[row] = non_finite ? kNonFiniteRow : 0;
+}
+
+// The same split of w given as its transpose (src: k x n, row-major): row j of the split is column j of src. One
+// block per chunk and kColumnTile columns: each warp reads 8 of the chunk's rows of src (128 bytes each) into a
+// shared tile; the columns' maxima are combined across the warps; then each warp writes 4 columns' hi and lo as
+// rows (128 bytes of each per column). flags must be zero before the launch: a block that meets a non-finite value
+// sets its column's flag (atomicOr).
+constexpr int kChunkColumnThreads = 256;
+
+__global__ void __launch_bounds__(kChunkColumnThreads)
+split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, std::int64_t n, std::int64_t row_stride,
+                               __half* __restrict__ hi, __half* __restrict__ lo,
+                               std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
+  constexpr int kWarps = kChunkColumnThreads / 32;
+  __shared__ float tile[kSplitChunk][kColumnTile + 1];
+  __shared__ float warp_max[kWarps][kColumnTile];
+  __shared__ bool warp_bad[kWarps][kColumnTile];
+  __shared__ PowerOfTwo scales[kColumnTile];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
+  const std::int64_t chunk = blockIdx.y, column = first_column + lane;
+  float max_abs = 0.0f;
+  bool non_finite = false;
+  for (int r = warp; r < kSplitChunk; r += kWarps) {
+    const std::int64_t kk = chunk * kSplitChunk + r;
+    const float v = kk < k && column < n ? src[kk * row_stride + column] : 0.0f;
+    fold(v, max_abs, non_finite);
+    tile[r][lane] = is_finite(v) ? v : 0.0f;
+  }
+  warp_max[warp][lane] = max_abs;
+  warp_bad[warp][lane] = non_finite;
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      max_abs = fmaxf(max_abs, warp_max[w][lane]);
+      non_finite |= warp_bad[w][lane];
+    }
+    const int e = scale_exponent(max_abs);
+    scales[lane] = power_of_two(e);
+    if (column < n) {
+      chunk_exponent[chunk * n + column] = e;
+      if (non_finite) atomicOr(flags + column, kNonFiniteRow);
+    }
+  }
+  __syncthreads();
+  const std::int64_t length = split_row_length(k);
+  for (int i = warp; i < kColumnTile; i += kWarps) {
+    if (first_column + i >= n) break;
+    const SplitPair pair = split_pair(tile[2 * lane][i], tile[2 * lane + 1][i], scales[i]);
+    const std::int64_t at = (first_column + i) * length + chunk * kSplitChunk + 2 * lane;
+    *reinterpret_cast<__half2*>(hi + at) = pair.hi;
+    *reinterpret_cast<__half2*>(lo + at) = pair.lo;
+  }
+}
+
 constexpr int kFixupThreads = 256;
 constexpr int kFixupRowsPerBlock = 32;
 constexpr int kListedPositions = 1024;  // non-finite positions of a row kept in shared memory; beyond: full scans
@@ -260,12 +344,9 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, std
         }
       }
       const std::int64_t i = x_row ? row : other, j = x_row ? other : row;
-      float v = sum;
-      if (bias) v += bias[j];
-      v *= multiplier;
-      const bool is_positive = v > 0.0f;
-      y[i * n + j] = is_positive ? v : v * negative_slope;
-      if (positive) positive[i * n + j] = is_positive;
+      const Activated out = epilogue(sum, bias ? bias[j] : 0.0f, multiplier, negative_slope);
+      y[i * n + j] = out.value;
+      if (positive) positive[i * n + j] = out.positive;
     }
     __syncthreads();  // count and positions are reused by the next flagged row
   }
@@ -295,6 +376,31 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   split_columns_kernel<<<static_cast<unsigned>(blocks), kColumnThreads, 0, stream>>>(
       src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                                bool transposed, void* hi, void* lo, std::int32_t* chunk_exponent,
+                                std::int32_t* flags, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  const std::int64_t chunks = split_row_length(cols) / kSplitChunk;
+  if (reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
+    return cudaErrorInvalidValue;
+  if (!transposed) {
+    if (rows > 0x7fffffff || cols % 4 != 0 || row_stride % 4 != 0 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0)
+      return cudaErrorInvalidValue;
+    split_chunks_kernel<<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
+        src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
+    return cudaGetLastError();
+  }
+  // src is w's transpose: cols x rows, rows row_stride apart.
+  const std::int64_t column_blocks = (rows + kColumnTile - 1) / kColumnTile;
+  if (column_blocks > 0x7fffffff || chunks > 65535) return cudaErrorInvalidValue;
+  cudaError_t err = cudaMemsetAsync(flags, 0, rows * sizeof(std::int32_t), stream);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(column_blocks), static_cast<unsigned>(chunks));
+  split_chunks_transposed_kernel<<<grid, kChunkColumnThreads, 0, stream>>>(
+      src, cols, rows, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
   return cudaGetLastError();
 }
 

@@ -1,6 +1,9 @@
-// The power-of-two scales and the fp16 hi/lo split shared by the GEMM family's kernels (gemm_split.cu splits the
-// rows of x, gemm_sm90.cu splits W inside the GEMM), and the order along K in which both hand their fp16 halves to
-// the tensor cores. Device code only, portable.
+// The split method's numerics, shared by every kernel of the GEMM family, so that the Hopper kernel (gemm_sm90.cu)
+// and the sm_80 kernel (gemm_sm80.cu) compute one function: the power-of-two scales (per row of x, per row and chunk
+// of W), the fp16 hi/lo split, the promotion of a chunk's products into fp32, the output's unscaling and the fused
+// epilogue; and the order along K in which the Hopper kernel hands its fp16 halves to the tensor cores. Non-finite
+// values are split as 0 and their rows flagged (gemm.h, kNonFiniteRow); launch_nonfinite_outputs (gemm_split.cu)
+// writes the outputs they reach. Device code only, portable.
 #pragma once
 
 #include <cstdint>
@@ -58,6 +61,33 @@ __device__ __forceinline__ SplitPair split_pair(float s0, float s1) {  // alread
 
 __device__ __forceinline__ SplitPair split_pair(float v0, float v1, PowerOfTwo scale) {
   return split_pair((v0 * scale.a) * scale.b, (v1 * scale.a) * scale.b);
+}
+
+// The promotion of one chunk's products: total += accumulator * 2^-e, with the chunk's inverse power of two
+// (power_of_two(-e)); exact but for the one rounding of the add. kSingle: inverse.b is 1 (e <= 126), one multiply.
+template <bool kSingle = false>
+__device__ __forceinline__ float promote(float accumulator, PowerOfTwo inverse, float total) {
+  return kSingle ? fmaf(accumulator, inverse.a, total) : fmaf(accumulator * inverse.a, inverse.b, total);
+}
+
+// An output's product before the epilogue: the promoted total times 2^-e, e the exponent of its row of x. One exact
+// multiply where 2^-e is a normal float (every row but those below ~2^-113 or above 2^126 in magnitude); ldexpf,
+// rounding once, for the rest.
+__device__ __forceinline__ float unscale(float total, int e) {
+  return e >= -127 && e <= 126 ? total * exact_power_of_two(-e) : ldexpf(total, -e);
+}
+
+// The fused epilogue, eager's order of operations: v = (product + bias) * multiplier, then LeakyReLU. `positive`
+// (the mask the backward reads where the slope is negative) is v > 0.
+struct Activated {
+  float value;
+  bool positive;
+};
+
+__device__ __forceinline__ Activated epilogue(float product, float bias, float multiplier, float negative_slope) {
+  const float v = (product + bias) * multiplier;
+  const bool positive = v > 0.0f;
+  return {positive ? v : v * negative_slope, positive};
 }
 
 // The order along K in which the GEMM feeds the tensor cores, per chunk of kSplitChunk consecutive k (gemm.h). The GEMM's
