@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/sm80_check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import kernels.functional" || exit 1
-for so in "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*/*gemm*/*.so; do cuobjdump --dump-sass "$so"; done \
+for so in "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*gemm*/*.so; do cuobjdump --dump-sass "$so"; done \
   > "$OUT/sass.txt" 2>&1
 echo "SASS: tensor-core instructions per GEMM kernel:"
 awk '/Function :/{name=$3} /HMMA|HGMMA/{split($2, op, "."); n[name " " op[1]]++} END {for (k in n) print "   ", n[k], k}' \

@@ -209,33 +209,59 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
         load_matrix_x4(stage + 2 * kTileBytes + offset, b_hi[p]);
         load_matrix_x4(stage + 3 * kTileBytes + offset, b_lo[p]);
       }
+      // Product by product over the 16 fragments, so that the products into one accumulator, which wait for each
+      // other, are 16 instructions apart. Fragment j's k 0-7 and k 8-15 registers: b[j / 2][2 (j % 2)], + 1.
 #pragma unroll
-      for (int i = 0; i < kFragsX; ++i) {
+      for (int i = 0; i < kFragsX; ++i)
 #pragma unroll
         for (int j = 0; j < kFragsW; ++j) {
-          const int p = j / 2, h = 2 * (j % 2);  // fragment j's k 0-7 and k 8-15 registers in its pair's load
-          if (step == 0) mma_m16n8k16<true>(accumulator[i][j], a_hi[i], b_lo[p][h], b_lo[p][h + 1]);
-          else mma_m16n8k16<false>(accumulator[i][j], a_hi[i], b_lo[p][h], b_lo[p][h + 1]);
-          mma_m16n8k16<false>(accumulator[i][j], a_lo[i], b_hi[p][h], b_hi[p][h + 1]);
-          mma_m16n8k16<false>(accumulator[i][j], a_hi[i], b_hi[p][h], b_hi[p][h + 1]);
+          if (step == 0) mma_m16n8k16<true>(accumulator[i][j], a_hi[i], b_lo[j / 2][2 * (j % 2)],
+                                            b_lo[j / 2][2 * (j % 2) + 1]);
+          else mma_m16n8k16<false>(accumulator[i][j], a_hi[i], b_lo[j / 2][2 * (j % 2)],
+                                   b_lo[j / 2][2 * (j % 2) + 1]);
         }
-      }
+#pragma unroll
+      for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+        for (int j = 0; j < kFragsW; ++j)
+          mma_m16n8k16<false>(accumulator[i][j], a_lo[i], b_hi[j / 2][2 * (j % 2)], b_hi[j / 2][2 * (j % 2) + 1]);
+#pragma unroll
+      for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+        for (int j = 0; j < kFragsW; ++j)
+          mma_m16n8k16<false>(accumulator[i][j], a_hi[i], b_hi[j / 2][2 * (j % 2)], b_hi[j / 2][2 * (j % 2) + 1]);
     }
 
-    // Promotion. Accumulator element c of fragment (i, j): x row g + 8 (c / 2), w row 2 t + c % 2.
+    // Promotion. Accumulator element c of fragment (i, j): x row g + 8 (c / 2), w row 2 t + c % 2. Where every
+    // exponent of the thread's w rows is <= 126 (all but rows below ~2^-113), each 2^-e is a float: one multiply.
     const std::int32_t* stage_exponents =
         reinterpret_cast<const std::int32_t*>(shared + (chunk % kStages) * kStageBytes + 4 * kTileBytes);
+    const auto exponent = [&](int j, int c) { return stage_exponents[warp_w * kWarpRowsW + j * 8 + 2 * t + c]; };
+    float inverse[kFragsW][2];
+    bool single = true;
 #pragma unroll
-    for (int j = 0; j < kFragsW; ++j) {
+    for (int j = 0; j < kFragsW; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const PowerOfTwo inverse = power_of_two(-stage_exponents[warp_w * kWarpRowsW + j * 8 + 2 * t + c]);
-#pragma unroll
-        for (int i = 0; i < kFragsX; ++i) {
-          total[i][j][c] = promote(accumulator[i][j][c], inverse, total[i][j][c]);
-          total[i][j][c + 2] = promote(accumulator[i][j][c + 2], inverse, total[i][j][c + 2]);
-        }
+        single &= exponent(j, c) <= 126;
+        inverse[j][c] = exact_power_of_two(-min(exponent(j, c), 126));
       }
+    if (single) {
+#pragma unroll
+      for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+        for (int j = 0; j < kFragsW; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            total[i][j][c] = promote<true>(accumulator[i][j][c], {inverse[j][c % 2], 1.0f}, total[i][j][c]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+        for (int j = 0; j < kFragsW; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent(j, c % 2)), total[i][j][c]);
     }
   }
   copy_wait<0>();  // no copy (the empty groups' included) outlives the CTA
