@@ -7,7 +7,8 @@ its class.
 import torch
 import torch.nn as nn
 
-from kernels.functional import gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import leaky_relu
+from kernels.gemm.gemm import FusedLinear
 
 
 class LeakyReLUModelNew(nn.Module):
@@ -29,18 +30,19 @@ class GemmMultiplyLeakyReLUModelNew(nn.Module):
     """leaky_relu((x @ W^T + b) * multiplier, negative_slope) in one call of kernels::gemm_multiply_leaky_relu
     (kernels/gemm/gemm.cpp says which path a call takes and why).
 
-    `self.gemm` is created first and is the same nn.Linear as the reference's, so a model built after the same
-    seed has the same weights, and state_dicts load both ways.
+    `self.gemm` is created first and is an nn.Linear (FusedLinear: the reference's nn.Linear, whose call can take
+    the epilogue), so a model built after the same seed has the same weights, state_dicts load both ways, and what
+    users attach to `gemm` (a tensor-parallel plan, FSDP2, hooks) applies, since the forward calls it.
     """
 
     def __init__(self, in_features, out_features, multiplier, negative_slope):
         super().__init__()
-        self.gemm = nn.Linear(in_features, out_features)
+        self.gemm = FusedLinear(in_features, out_features)
         self.multiplier = multiplier
         self.negative_slope = negative_slope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_multiply_leaky_relu(x, self.gemm.weight, self.gemm.bias, self.multiplier, self.negative_slope)
+        return self.gemm(x, multiplier=self.multiplier, negative_slope=self.negative_slope)
 
 
 MODEL_NEW = {

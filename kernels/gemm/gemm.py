@@ -10,7 +10,10 @@ Ops (schemas in gemm.cpp):
   _gemm_force_path(path) -> str                         "auto", "cublas" or a split path; returns the previous one
 """
 
+import sys
+
 import torch
+from torch import nn
 
 from kernels import loader
 
@@ -41,11 +44,15 @@ def _check_same_device(*tensors):
 
 
 def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01):
-    """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features)."""
+    """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features). DTensor
+    weights (tensor parallelism) are computed shard by shard on this library's kernels (_tensor_parallel)."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and
             (bias is None or isinstance(bias, torch.Tensor))):
         raise TypeError("kernels.gemm_multiply_leaky_relu: x, weight and bias must be torch.Tensors (bias may be None), "
                         f"got {type(x).__name__}, {type(weight).__name__}, {type(bias).__name__}")
+    dtensor = _dtensor_type()
+    if dtensor is not None and not _is_compiling() and any(isinstance(t, dtensor) for t in (x, weight, bias)):
+        return _tensor_parallel(x, weight, bias, multiplier, negative_slope)
     # The op's C++ Autograd kernel records the graph, and asks for the mask where the backward needs it. Called
     # through its C++ handle, which is all that OpOverload.__call__ does, one Python frame less; Dynamo traces the
     # OpOverload only.
@@ -94,6 +101,80 @@ class forced_gemm_path:
 
 _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
+
+
+class FusedLinear(nn.Linear):
+    """nn.Linear (same parameters, initialization and state_dict keys) whose call can fuse the epilogue:
+    linear(x) is x @ W^T + b, and linear(x, multiplier=m, negative_slope=s) is leaky_relu((x @ W^T + b) * m, s), both
+    one call of gemm_multiply_leaky_relu (multiplier 1 and slope 1 leave the product as it is, exactly). A model
+    calls it as a module, so that what is attached to the module applies: a tensor-parallel plan's hooks
+    (parallelize_module with ColwiseParallel or RowwiseParallel on it), FSDP2's fully_shard on it alone, forward
+    hooks of the user's."""
+
+    def forward(self, x, multiplier=1.0, negative_slope=1.0):
+        return gemm_multiply_leaky_relu(x, self.weight, self.bias, multiplier, negative_slope)
+
+
+# ---- tensor parallelism (DTensor) ----------------------------------------------------------------------------------
+
+def _dtensor_type():
+    """torch.distributed.tensor.DTensor where that module is loaded (else no DTensor can exist): importing it here
+    would cost every process ~0.8 s."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _tensor_parallel(x, weight, bias, multiplier, negative_slope):
+    """The op on DTensors over a 1-D mesh, with the local products on this library's kernels, as eager's nn.Linear
+    computes under the same placements:
+    - weight Shard(0) (ColwiseParallel): each rank holds out_features / p rows of W and of b and the whole x; its
+      local op gives its columns of y, epilogue included: y Shard(-1). The gradient of the replicated x is partial.
+    - weight Shard(1) (RowwiseParallel): each rank holds in_features / p columns of W and of x; its local product is a
+      partial sum of x W^T (the op with multiplier 1, slope 1, no bias), all-reduced, then bias and epilogue:
+      y Replicate.
+    - weight Replicate: the op on the whole tensors on every rank: y Replicate.
+    Other placements, and meshes of more than one dimension, raise."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not isinstance(weight, DTensor) or not isinstance(x, DTensor) or (bias is not None and
+                                                                          not isinstance(bias, DTensor)):
+        raise RuntimeError("kernels.gemm_multiply_leaky_relu: got mixed torch.Tensor and DTensor (x "
+                           f"{type(x).__name__}, weight {type(weight).__name__}, bias {type(bias).__name__}); "
+                           "convert all to DTensor, as eager's nn.Linear requires")
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError("kernels.gemm_multiply_leaky_relu: DTensor weights on a mesh of "
+                                  f"{mesh.ndim} dimensions; only 1-D meshes (one tensor-parallel group) are supported")
+    placement = weight.placements[0]
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    out_stride = torch.empty(out_shape, device="meta").stride()
+
+    def local(t, target, grad_placement=None):
+        if t is None:
+            return None
+        t = t.redistribute(mesh, [target]) if t.placements[0] != target else t
+        return t.to_local(grad_placements=[grad_placement] if grad_placement is not None else None)
+
+    if placement.is_shard(0):
+        # x is used whole by every rank for a part of y: its gradient on each rank is a partial sum.
+        y = gemm_multiply_leaky_relu(local(x, Replicate(), Partial()), weight.to_local(), local(bias, Shard(0)),
+                                     multiplier, negative_slope)
+        return DTensor.from_local(y, mesh, [Shard(len(out_shape) - 1)], run_check=False, shape=out_shape,
+                                  stride=out_stride)
+    if placement.is_shard(1):
+        partial = gemm_multiply_leaky_relu(local(x, Shard(x.ndim - 1)), weight.to_local(), None, 1.0, 1.0)
+        summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False, shape=out_shape, stride=out_stride)
+        y = summed.redistribute(mesh, [Replicate()]).to_local()
+        if bias is not None:
+            y = y + local(bias, Replicate())
+        y = torch.ops.kernels.leaky_relu(y * multiplier, negative_slope)
+        return DTensor.from_local(y, mesh, [Replicate()], run_check=False, shape=out_shape, stride=out_stride)
+    if placement.is_replicate():
+        y = gemm_multiply_leaky_relu(local(x, Replicate()), weight.to_local(), local(bias, Replicate()), multiplier,
+                                     negative_slope)
+        return DTensor.from_local(y, mesh, [Replicate()], run_check=False, shape=out_shape, stride=out_stride)
+    raise NotImplementedError(f"kernels.gemm_multiply_leaky_relu: a weight placed as {placement}; supported are "
+                              "Shard(0) (ColwiseParallel), Shard(1) (RowwiseParallel) and Replicate")
 
 
 # ---- torch.func.vmap -------------------------------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Distributed modes that act on ModelNew's `gemm` submodule: tensor parallelism (parallelize_module with
+ColwiseParallel or RowwiseParallel on `gemm`) and FSDP2 (fully_shard on the whole model and on `gemm` alone), against
+the reference model under the same plan, on two processes (tools/tp_check.py under torchrun): on the CPU over gloo
+(runs in CI), on two GPUs over NCCL. And, in one process, what makes them work: `gemm` is an nn.Linear that the
+forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.gemm.gemm import FusedLinear
+from model_new import GemmMultiplyLeakyReLUModelNew
+from reference import GemmMultiplyLeakyReLUModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+# NVLink multicast off (tools/ddp_check.py says why).
+NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_gemm_is_an_nn_linear_whose_plain_call_is_linear(device):
+    torch.manual_seed(0)
+    reference = GemmMultiplyLeakyReLUModel(48, 40, 2.0, 0.1).to(device)
+    torch.manual_seed(0)
+    new = GemmMultiplyLeakyReLUModelNew(48, 40, 2.0, 0.1).to(device)
+    assert isinstance(new.gemm, torch.nn.Linear) and isinstance(new.gemm, FusedLinear)
+    x = torch.randn(7, 48, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(new.gemm(x), reference.gemm(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(new.gemm(x, multiplier=-1.5, negative_slope=0.3),
+                                   F.leaky_relu(reference.gemm(x) * -1.5, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_forward_runs_the_hooks_of_gemm():
+    """What a tensor-parallel plan or FSDP2 attaches to `gemm` (forward pre-hooks and hooks) runs and takes effect."""
+    _, new = GemmMultiplyLeakyReLUModel(16, 8, 2.0, 0.1), GemmMultiplyLeakyReLUModelNew(16, 8, 2.0, 0.1)
+    seen = []
+    new.gemm.register_forward_pre_hook(lambda module, inputs: (inputs[0] * 0,))
+    new.gemm.register_forward_hook(lambda module, inputs, output: seen.append(output.shape) or output + 1)
+    y = new(torch.randn(3, 16))
+    assert seen == [torch.Size([3, 8])]
+    expected = F.leaky_relu(new.gemm.bias.detach().expand(3, 8) * 2.0, 0.1) + 1
+    torch.testing.assert_close(y.detach(), expected)
+
+
+def run_tp_check(device_env, timeout=600):
+    """tools/tp_check.py on two processes under torchrun; its summary lines."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "tools/tp_check.py"]
+    env = dict(os.environ, **NO_NVLINK_MULTICAST, **device_env)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)  # on a timeout, the launcher and ranks together
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"tp_check did not finish in {timeout} s:\n{output[-6000:]}")
+    assert process.returncode == 0, output[-8000:]
+    # Each rank's last line (the two ranks' lines may run together in the shared pipe).
+    finals = re.findall(r"tp_check rank (\d+): ok(?=\s|$|tp_check)", output)
+    assert sorted(finals) == ["0", "1"], output[-8000:]
+    return output
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_tensor_parallel_and_fsdp2_on_two_cpu_processes():
+    output = run_tp_check({"TP_CHECK_DEVICE": "cpu"})
+    for case in ("ColwiseParallel", "RowwiseParallel", "fully_shard(model)", "fully_shard(gemm)"):
+        assert output.count(f"{case} 12x64->40: ok") == 2, output[-8000:]
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_and_fsdp2_on_two_gpus():
+    output = run_tp_check({})
+    for case in ("ColwiseParallel", "RowwiseParallel", "fully_shard(model)", "fully_shard(gemm)"):
+        for shape in ("12x64->40", "1024x2048->2048"):
+            assert output.count(f"{case} {shape}: ok") == 2, output[-8000:]

@@ -1,0 +1,144 @@
+"""Tensor parallelism and FSDP2 over 2 processes: ModelNew against the reference model under the same plan.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tools/tp_check.py          # GPUs if present
+    TP_CHECK_DEVICE=cpu python -m torch.distributed.run --standalone --nproc_per_node=2 tools/tp_check.py   # gloo
+
+Each case builds both models with the same weights, applies the same plan to each and compares, on every rank:
+- ColwiseParallel and RowwiseParallel on `gemm` (parallelize_module): the output (its local tensor and shape), the
+  gradients of x, of the weight and the bias (their placements, and their full tensors), the weights after three
+  SGD steps, and the error that a plain tensor beside DTensor weights raises in both;
+- FSDP2 (fully_shard) on the whole model, and on `gemm` alone: the weights after three SGD steps.
+Sizes: one small shape, and on GPUs one whose local products take the split path (in its range on each rank).
+Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end; exits 1 on a mismatch.
+"""
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+
+from kernels.gemm.gemm import gemm_path  # noqa: E402
+from model_new import GemmMultiplyLeakyReLUModelNew  # noqa: E402
+from reference import GemmMultiplyLeakyReLUModel  # noqa: E402
+
+TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def same(name, got, expected):
+    """Equal placements (DTensors), shapes and values within allclose(1e-4)."""
+    if isinstance(expected, DTensor) or isinstance(got, DTensor):
+        assert isinstance(got, DTensor) and isinstance(expected, DTensor), (name, type(got), type(expected))
+        assert got.placements == expected.placements, (name, got.placements, expected.placements)
+    assert got.shape == expected.shape, (name, got.shape, expected.shape)
+    torch.testing.assert_close(full(got), full(expected), msg=name, **TOLERANCE)
+
+
+def build(shape, device, multiplier=2.0, slope=-0.2):
+    _, k, n = shape
+    torch.manual_seed(0)
+    reference = GemmMultiplyLeakyReLUModel(k, n, multiplier, slope).to(device)
+    new = GemmMultiplyLeakyReLUModelNew(k, n, multiplier, slope).to(device)
+    new.load_state_dict(reference.state_dict())
+    return reference, new
+
+
+def sgd_steps(model, inputs, steps=3):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in inputs[:steps]:
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+def tensor_parallel(plan_name, shape, mesh, device, rank, world):
+    m, k, _ = shape
+    reference, new = build(shape, device)
+    plan = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[plan_name]
+    parallelize_module(reference, mesh, {"gemm": plan()})
+    parallelize_module(new, mesh, {"gemm": plan()})
+    g = torch.Generator(device).manual_seed(1)  # the same draws on every rank
+    x = torch.randn(m, k, device=device, generator=g)
+    if plan_name == "rowwise":  # RowwiseParallel's input: this rank's columns of x
+        x = x.chunk(world, -1)[rank].contiguous()
+    x_ref, x_new = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ref, y_new = reference(x_ref), new(x_new)
+    same("y", y_new, y_ref)
+    grad = torch.randn(y_ref.shape, device=device, generator=g)
+    y_ref.backward(grad)
+    y_new.backward(grad)
+    same("x grad", x_new.grad, x_ref.grad)
+    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad)
+    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad)
+    data = [torch.randn(x.shape, device=device, generator=g) for _ in range(3)]
+    sgd_steps(reference, data)
+    sgd_steps(new, data)
+    same("weight after 3 steps", new.gemm.weight, reference.gemm.weight)
+    same("bias after 3 steps", new.gemm.bias, reference.gemm.bias)
+    # A plain tensor beside DTensor weights is an error, as in eager's nn.Linear.
+    for model in (reference, new):
+        try:
+            model.gemm.forward(x.detach())
+        except RuntimeError as error:
+            assert "mixed torch.Tensor and DTensor" in str(error), error
+        else:
+            raise AssertionError("a plain x with DTensor weights did not raise")
+
+
+def fsdp2(target, shape, mesh, device, rank, world):
+    m, k, _ = shape
+    reference, new = build(shape, device)
+    for model in (reference, new):
+        fully_shard(model.gemm if target == "gemm" else model, mesh=mesh)
+    g = torch.Generator(device).manual_seed(10 + rank)  # data parallel: each rank its own batch
+    data = [torch.randn(m, k, device=device, generator=g) for _ in range(3)]
+    sgd_steps(reference, data)
+    sgd_steps(new, data)
+    same("weight after 3 steps", new.gemm.weight, reference.gemm.weight)
+    same("bias after 3 steps", new.gemm.bias, reference.gemm.bias)
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_gpu = torch.cuda.is_available() and os.environ.get("TP_CHECK_DEVICE", "") != "cpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,))
+    shapes = [(12, 64, 40)]
+    if on_gpu:
+        shapes.append((1024, 1024 * world, 1024 * world))  # each rank's products in the split path's range
+    failures = 0
+    for shape in shapes:
+        for name, run, variant in (("ColwiseParallel", tensor_parallel, "colwise"),
+                                   ("RowwiseParallel", tensor_parallel, "rowwise"),
+                                   ("fully_shard(model)", fsdp2, "model"), ("fully_shard(gemm)", fsdp2, "gemm")):
+            case = f"{name} {shape[0]}x{shape[1]}->{shape[2]}"
+            try:
+                run(variant, shape, mesh, device, rank, world)
+                print(f"tp_check rank {rank}: {case}: ok", flush=True)
+            except Exception:  # reported, and counted: every case runs
+                failures += 1
+                print(f"tp_check rank {rank}: {case}: FAILED\n{traceback.format_exc()}", flush=True)
+    if on_gpu:
+        local = torch.randn(1024, 1024, device=device)
+        print(f"tp_check rank {rank}: local products at the split-sized shape take {gemm_path(local, local)}",
+              flush=True)
+    dist.destroy_process_group()
+    print(f"tp_check rank {rank}: {'ok' if failures == 0 else f'{failures} failed'}", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
