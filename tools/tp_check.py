@@ -115,6 +115,8 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
+    # The backend named: with a GPU visible, the default group would hold NCCL only, which cannot move CPU tensors.
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     mesh = init_device_mesh(device.type, (world,))
     shapes = [(12, 64, 40)]
     if on_gpu:
