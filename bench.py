@@ -456,37 +456,79 @@ def fmt(value, spec, width):
     return format("-" if value is None else format(value, spec), f">{width}")
 
 
-COLUMNS = [  # header, width, cell
-    ("case", 34, lambda r: f"{r['case']:<34}"),
-    ("variant", 24, lambda r: f"{r['variant']:<24}"),
-    ("median ms", 9, lambda r: f"{r['ms']:>9.4f}"),
-    ("KB ms", 8, lambda r: fmt(r["kernelbench_ms"], ".4f", 8)),
-    ("vs eager", 8, lambda r: f"{r['speedup']:>7.3f}x"),
-    ("vs compile", 10, lambda r: fmt(r["vs_compile"], ".3f", 9) + ("x" if r["vs_compile"] else " ")),
-    ("rate", 15, lambda r: f"{r['rate']:>7.1f} {r['unit']:<7}"),
-    ("% of ceiling", 24, lambda r: f"{r['pct_of_ceiling']:>6.1f}% {r['ceiling']:<16}" if r["pct_of_ceiling"]
-     else f"{'-':<24}"),
-    ("error", 8, lambda r: fmt(r["error"], ".2e", 8)),
-    ("fp32 tol", 8, lambda r: fmt(r["verdict"], "", 8)),
+COLUMNS = [  # header, cell
+    ("case", lambda r: r["case"]),
+    ("variant", lambda r: r["variant"]),
+    ("median ms", lambda r: f"{r['ms']:.4f}"),
+    ("KB ms", lambda r: fmt(r["kernelbench_ms"], ".4f", 0)),
+    ("vs eager", lambda r: f"{r['speedup']:.3f}x"),
+    ("vs compile", lambda r: fmt(r["vs_compile"], ".3f", 0) + ("x" if r["vs_compile"] else "")),
+    ("rate", lambda r: f"{r['rate']:.1f} {r['unit']}"),
+    ("% of ceiling", lambda r: f"{r['pct_of_ceiling']:.1f}% {r['ceiling']}" if r["pct_of_ceiling"] else "-"),
+    ("error", lambda r: fmt(r["error"], ".2e", 0)),
+    ("fp32 tol", lambda r: fmt(r["verdict"], "", 0)),
 ]
+LEFT_ALIGNED = {"case", "variant", "% of ceiling"}
+
+
+def legend(rows):
+    """The legend lines that apply to the rows printed."""
+    gpu = [r for r in rows if not r["problem"].endswith(", CPU")]
+    cpu = [r for r in rows if r["problem"].endswith(", CPU")]
+    lines = []
+    if gpu:
+        lines.append("median ms: median of CUDA-event-timed calls, L2 flushed before each, samples of all variants "
+                     "taken in turn, each round in a fresh order; KB ms: KernelBench's way (sync, L2 flush, events, "
+                     "mean of 100 calls).")
+    if cpu:
+        lines.append("CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample, "
+                     f"{CPU_SAMPLES_FACTOR}x the samples of a GPU row), no L2 flush; KB ms: the mean of back-to-back "
+                     "calls.")
+    ceilings = sorted({r["ceiling"] for r in rows if r["pct_of_ceiling"]})
+    if ceilings:
+        kinds = dict.fromkeys(CEILINGS.get(c.split()[0] + (" x3" if c.endswith("x3") else ""), c) for c in ceilings)
+        lines.append("% of ceiling: the row's rate over the ceiling's, measured in the same run (" + "; ".join(kinds)
+                     + ").")
+    if any(r["error"] is not None for r in rows):
+        lines.append("error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
+                     "float32 at atol = rtol = 1e-4.")
+    failed = sorted({r["precision"] for r in rows if r["verdict"] == "FAIL"})
+    if failed:
+        lines.append(f"FAIL in the fp32 tol column ({', '.join(failed)} rows): those rows compute in a lower "
+                     "precision than float32 by the user's choice (TF32 allowed, float16/bfloat16 inputs, autocast), "
+                     "so they cannot meet float32's 1e-4 against eager float32; eager's own row fails alike. Their "
+                     "contract is the error column: no more than 2x eager's in the same precision.")
+    return lines
+
+
+# What each kind of ceiling is (keyed by its name's first word, "x3" for the split paths' triple product).
+CEILINGS = {
+    "copy": "copy: a copy of the same bytes (device to device on a GPU)",
+    "clone": "clone: a clone of the same tensor, per call",
+    "cuBLAS": "cuBLAS: cuBLAS's GEMM in the row's precision",
+    "cuBLAS x3": "cuBLAS fp16 x3: three cuBLAS fp16 products, for the split paths, whose rate counts their three "
+                 "products",
+    "torch.mm": "torch.mm: torch.mm in the row's dtype",
+}
 
 
 def print_table(rows):
     for problem in dict.fromkeys(r["problem"] for r in rows):
+        table = [[cell(r) for _, cell in COLUMNS] for r in rows if r["problem"] == problem]
+        widths = [max(len(header), *(len(line[i]) for line in table)) for i, (header, _) in enumerate(COLUMNS)]
+
+        def line(cells):
+            return "| " + " | ".join(c.ljust(w) if h in LEFT_ALIGNED else c.rjust(w)
+                                     for c, w, (h, _) in zip(cells, widths, COLUMNS)) + " |"
+
         print(f"\n{problem}")
-        print("| " + " | ".join(f"{h:<{w}}" for h, w, _ in COLUMNS) + " |")
-        print("|" + "|".join("-" * (w + 2) for _, w, _ in COLUMNS) + "|")
-        for r in (r for r in rows if r["problem"] == problem):
-            print("| " + " | ".join(cell(r) for _, _, cell in COLUMNS) + " |")
-    print("\nmedian ms: median of CUDA-event-timed calls, L2 flushed before each, samples of all variants taken in "
-          "turn, each round in a fresh order; KB ms: KernelBench's way (sync, L2 flush, events, mean of 100 calls);"
-          " % of ceiling: the rate over the ceiling's, measured in the same run (a device-to-device copy of the "
-          "same bytes; cuBLAS's GEMM in the row's precision; three cuBLAS fp16 products for the split fp16 path, "
-          "whose rate counts its three products); error: ||y - y64|| / ||y64|| against float64 on the same inputs; "
-          "fp32 tol: allclose to eager float32 at atol = rtol = 1e-4 (TF32, fp16, bf16 and autocast fail it by "
-          "design, eager's own included). CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms "
-          "a sample; 20 times the GPU rows' number of samples), no L2 flush; KB ms is the mean of back-to-back calls; "
-          "the ceilings are a copy of the same bytes and torch.mm in the row's dtype.")
+        print(line([h for h, _ in COLUMNS]))
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        for cells in table:
+            print(line(cells))
+    print()
+    for text in legend(rows):
+        print(text)
 
 
 def plot(rows, path, device, torch_version=torch.__version__):
