@@ -411,6 +411,18 @@ def test_split_path_forced_below_its_range(shape, path):
 
 
 @over_split_paths
+def test_split_path_forced_on_empty_products(path):
+    """Nothing to compute: the forced path gives eager's empty output, or the bias's epilogue where K is 0."""
+    weight, bias = torch.randn(16, 64, device="cuda"), torch.randn(16, device="cuda")
+    with forced_gemm_path(path):
+        assert gemm_multiply_leaky_relu(torch.empty(0, 64, device="cuda"), weight, bias, 2.0, 0.1).shape == (0, 16)
+        assert gemm_multiply_leaky_relu(torch.randn(5, 64, device="cuda"), weight[:0], bias[:0]).shape == (5, 0)
+        y = gemm_multiply_leaky_relu(torch.empty(5, 0, device="cuda"), torch.empty(16, 0, device="cuda"), bias, 2.0,
+                                     0.1)
+    torch.testing.assert_close(y, F.leaky_relu(bias * 2.0, 0.1).expand(5, 16))
+
+
+@over_split_paths
 @pytest.mark.parametrize("kind", ["rand", "rows_times_1e30", "rows_times_1e-30", "wide_range_rows", "zero_rows",
                                   "subnormal_rows"])
 @pytest.mark.parametrize("operand", ["x", "weight"])

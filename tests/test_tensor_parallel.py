@@ -1,5 +1,5 @@
 """Distributed modes that act on ModelNew's `gemm` submodule: tensor parallelism (parallelize_module with
-ColwiseParallel or RowwiseParallel on `gemm`) and FSDP2 (fully_shard on the whole model and on `gemm` alone), against
+ColwiseParallel or RowwiseParallel on `gemm`, and replicated DTensor weights with row-sharded or replicated x) and FSDP2 (fully_shard on the whole model and on `gemm` alone), against
 the reference model under the same plan, on two processes (tools/tp_check.py under torchrun): on the CPU over gloo
 (runs in CI), on two GPUs over NCCL. And, in one process, what makes them work: `gemm` is an nn.Linear that the
 forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
@@ -49,6 +49,10 @@ def test_forward_runs_the_hooks_of_gemm():
     torch.testing.assert_close(y.detach(), expected)
 
 
+CASES = ("ColwiseParallel", "RowwiseParallel", "replicated weight, rows of x", "replicated weight, replicated x",
+         "fully_shard(model)", "fully_shard(gemm)")
+
+
 def run_tp_check(device_env, timeout=600):
     """tools/tp_check.py on two processes under torchrun; its summary lines."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -72,13 +76,13 @@ def run_tp_check(device_env, timeout=600):
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_tensor_parallel_and_fsdp2_on_two_cpu_processes():
     output = run_tp_check({"TP_CHECK_DEVICE": "cpu"})
-    for case in ("ColwiseParallel", "RowwiseParallel", "fully_shard(model)", "fully_shard(gemm)"):
+    for case in CASES:
         assert output.count(f"{case} 12x64->40: ok") == 2, output[-8000:]
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
 def test_tensor_parallel_and_fsdp2_on_two_gpus():
     output = run_tp_check({})
-    for case in ("ColwiseParallel", "RowwiseParallel", "fully_shard(model)", "fully_shard(gemm)"):
+    for case in CASES:
         for shape in ("12x64->40", "1024x2048->2048"):
             assert output.count(f"{case} {shape}: ok") == 2, output[-8000:]

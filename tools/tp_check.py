@@ -7,6 +7,8 @@ Each case builds both models with the same weights, applies the same plan to eac
 - ColwiseParallel and RowwiseParallel on `gemm` (parallelize_module): the output (its local tensor and shape), the
   gradients of x, of the weight and the bias (their placements, and their full tensors), the weights after three
   SGD steps, and the error that a plain tensor beside DTensor weights raises in both;
+- a replicated weight (distribute_module) with x sharded by rows (data parallel over the mesh) and with x
+  replicated: the output's placement and values, the gradients' placements and values;
 - FSDP2 (fully_shard) on the whole model, and on `gemm` alone: the weights after three SGD steps.
 Sizes: one small shape, and on GPUs one whose local products take the split path (in its range on each rank).
 Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end; exits 1 on a mismatch.
@@ -22,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 from kernels.gemm.gemm import gemm_path  # noqa: E402
@@ -96,6 +98,27 @@ def tensor_parallel(plan_name, shape, mesh, device, rank, world):
             raise AssertionError("a plain x with DTensor weights did not raise")
 
 
+def replicated_weight(x_placement, shape, mesh, device, rank, world):
+    m, k, _ = shape
+    reference, new = build(shape, device)
+    for model in (reference, new):
+        distribute_module(model.gemm, mesh)  # parameters replicated over the mesh
+    g = torch.Generator(device).manual_seed(2)
+    x = torch.randn(m, k, device=device, generator=g)
+    placement = Shard(0) if x_placement == "rows" else Replicate()
+    local_x = x.chunk(world, 0)[rank].contiguous() if x_placement == "rows" else x
+    x_ref, x_new = (DTensor.from_local(local_x.clone(), mesh, [placement]).requires_grad_(True) for _ in range(2))
+    y_ref, y_new = reference(x_ref), new(x_new)
+    same("y", y_new, y_ref)
+    grad = DTensor.from_local(torch.randn(y_ref.to_local().shape, device=device, generator=g), mesh,
+                              y_ref.placements)
+    y_ref.backward(grad)
+    y_new.backward(grad)
+    same("x grad", x_new.grad, x_ref.grad)
+    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad)
+    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad)
+
+
 def fsdp2(target, shape, mesh, device, rank, world):
     m, k, _ = shape
     reference, new = build(shape, device)
@@ -125,6 +148,8 @@ def main():
     for shape in shapes:
         for name, run, variant in (("ColwiseParallel", tensor_parallel, "colwise"),
                                    ("RowwiseParallel", tensor_parallel, "rowwise"),
+                                   ("replicated weight, rows of x", replicated_weight, "rows"),
+                                   ("replicated weight, replicated x", replicated_weight, "replicated"),
                                    ("fully_shard(model)", fsdp2, "model"), ("fully_shard(gemm)", fsdp2, "gemm")):
             case = f"{name} {shape[0]}x{shape[1]}->{shape[2]}"
             try:

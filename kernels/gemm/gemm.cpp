@@ -164,8 +164,9 @@ const char* split_refusal(Path path, const at::Tensor& x, ProductShape shape) {
        (shape.w_transposed && shape.n % 4 != 0)))
     return "the GPU is not sm_90 or the library was not built for sm_90a, or the shape is one the kernel does not take";
   if (path == Path::kSplitFp16Sm80 && !split_supported(path, x.device().index(), shape.m, shape.n, shape.k))
-    return "the GPU is older than sm_80 or has too little shared memory per block (128 KB), or the shape is one the "
-           "kernel does not take (in_features not a multiple of 4)";
+    return "the GPU is older than sm_80 or allows less shared memory per block than two pipeline stages take "
+           "(129 KB: sm_86, sm_89 and sm_120 allow 99-100 KB), or the shape is one the kernel does not take "
+           "(in_features not a multiple of 4)";
   return nullptr;
 #else
   (void)path;
@@ -242,7 +243,9 @@ Path choose_path(const at::Tensor& x, ProductShape shape, bool strict = true) {
   if (forced == Path::kCublas) return Path::kCublas;
   const bool empty = shape.m == 0 || shape.n == 0 || shape.k == 0;
   if (is_split(forced)) {
-    const char* refusal = split_refusal(forced, x, shape);
+    // An empty product has nothing to compute and takes cuBLAS's path (which returns at once), wherever the forced
+    // path could take tensors like these: its device, dtype and settings are checked at a nominal shape.
+    const char* refusal = split_refusal(forced, x, empty ? ProductShape{64, 64, 64, shape.w_transposed} : shape);
     TORCH_CHECK(!strict || refusal == nullptr, "kernels.gemm_multiply_leaky_relu: the ", path_name(forced),
                 " path was forced but cannot run: ", refusal);
     return refusal != nullptr || empty ? Path::kCublas : forced;

@@ -77,7 +77,8 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   cudaStream_t stream);
 
 // The same product and epilogue as launch_split_gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix,
-// cp.async), for every GPU from sm_80 on: x's split from launch_split_rows in natural order, w's from
+// cp.async), for GPUs from sm_80 on whose blocks may take 129 KB of shared memory (A100, A30, Orin, Hopper,
+// datacenter Blackwell; not sm_86, sm_89 or sm_120, whose 99-100 KB is too little): x's split from launch_split_rows in natural order, w's from
 // launch_split_chunks (w_exponent: its chunk_exponent). Three fp16 products per 16 of k (hi_x lo_w, lo_x
 // hi_w, hi_x hi_w), promoted into fp32 registers every chunk with w's power of two per row and chunk, the epilogue
 // fused; y and positive as there. Returns cudaErrorNotSupported where split_gemm_sm80_supported() is false.
@@ -89,8 +90,8 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
                                                        float multiplier, float negative_slope, cudaStream_t stream);
 
 // Whether launch_split_gemm_sm80_multiply_leaky_relu can run on `device` for this shape: a GPU of compute capability
-// 8.0 or newer with the shared memory of two pipeline stages, the library built for it, k % 4 == 0 (x's split reads
-// 16-byte packs) and sizes whose indices fit its ints.
+// 8.0 or newer whose blocks may take two pipeline stages of shared memory (129 KB), the library built for it,
+// k % 4 == 0 (x's split reads 16-byte packs) and sizes whose indices fit its ints.
 bool split_gemm_sm80_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
 // After launch_split_gemm_multiply_leaky_relu (or its sm_80 twin), on the same stream: rewrites the outputs y[i, j] (and positive[i, j])

@@ -132,8 +132,11 @@ def _tensor_parallel(x, weight, bias, multiplier, negative_slope):
     - weight Shard(1) (RowwiseParallel): each rank holds in_features / p columns of W and of x; its local product is a
       partial sum of x W^T (the op with multiplier 1, slope 1, no bias), all-reduced, then bias and epilogue:
       y Replicate.
-    - weight Replicate: the op on the whole tensors on every rank: y Replicate.
-    Other placements, and meshes of more than one dimension, raise."""
+    - weight Replicate: with x sharded along a batch dimension (data parallel over the mesh), the op on each rank's
+      rows: y sharded as x, the weight's and bias's gradients partial; else the op on the whole tensors on every
+      rank: y Replicate.
+    Other placements, and meshes of more than one dimension, raise. Under torch.compile this is skipped, and DTensor
+    arguments reach the op, which has no sharding rule: tensor parallelism runs eagerly only."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if not isinstance(weight, DTensor) or not isinstance(x, DTensor) or (bias is not None and
@@ -170,6 +173,14 @@ def _tensor_parallel(x, weight, bias, multiplier, negative_slope):
         y = torch.ops.kernels.leaky_relu(y * multiplier, negative_slope)
         return DTensor.from_local(y, mesh, [Replicate()], run_check=False, shape=out_shape, stride=out_stride)
     if placement.is_replicate():
+        x_placement = x.placements[0]
+        if x_placement.is_shard() and x_placement.dim % x.ndim != x.ndim - 1:
+            # Each rank's rows of x against the whole weight: the weight's (and bias's) gradient is a partial sum.
+            batch_dim = x_placement.dim % x.ndim
+            y = gemm_multiply_leaky_relu(x.to_local(), local(weight, Replicate(), Partial()),
+                                         local(bias, Replicate(), Partial()), multiplier, negative_slope)
+            return DTensor.from_local(y, mesh, [Shard(batch_dim)], run_check=False, shape=out_shape,
+                                      stride=out_stride)
         y = gemm_multiply_leaky_relu(local(x, Replicate()), weight.to_local(), local(bias, Replicate()), multiplier,
                                      negative_slope)
         return DTensor.from_local(y, mesh, [Replicate()], run_check=False, shape=out_shape, stride=out_stride)

@@ -1,6 +1,7 @@
 // The fp32-accurate GEMM of gemm_multiply_leaky_relu on sm_80 tensor-core instructions (gemm.h,
-// launch_split_gemm_sm80_multiply_leaky_relu), for every GPU from the A100 on: the method of the Hopper kernel
-// (split_numerics.cuh) with mma.sync, ldmatrix and cp.async in place of wgmma and TMA.
+// launch_split_gemm_sm80_multiply_leaky_relu), for GPUs from the A100 on whose blocks may take 129 KB of shared
+// memory (not sm_86, sm_89, sm_120): the method of the Hopper kernel (split_numerics.cuh) with mma.sync, ldmatrix
+// and cp.async in place of wgmma and TMA.
 //
 // Roles:
 // - Operands: both come pre-split as fp16 hi/lo pairs in k's natural order, rows padded to whole chunks of 64:
@@ -10,8 +11,8 @@
 // - Tiles: 128 rows of x by 128 rows of w per CTA, K one chunk (64) per pipeline stage; 8 warps, each 64 x 32 of
 //   the output. A stage holds the four 128 x 64 fp16 tiles (x_hi, x_lo, w_hi, w_lo, 64 KB), each row 128 bytes with
 //   16-byte unit u at u ^ (row % 8), so that ldmatrix's eight rows fall in distinct banks.
-// - Pipeline: cp.async, kStages stages (3 where the GPU's shared memory takes 192 KB, as on Hopper; else 2, as on
-//   the A100's 164 KB): the loads of chunk c + kStages - 1 run while chunk c's products do.
+// - Pipeline: cp.async, kStages stages (3 where a block may take 193 KB of shared memory, as on Hopper; else 2,
+//   129 KB, as on the A100, whose limit is 163 KB): the loads of chunk c + kStages - 1 run while chunk c's products do.
 // - Products: per 16 of k, three m16n8k16 fp16 products into a fresh fp32 accumulator, small terms first (hi_x lo_w,
 //   lo_x hi_w, hi_x hi_w); after each chunk the accumulator is promoted into fp32 totals with the chunk's inverse
 //   power of two per row of w.
