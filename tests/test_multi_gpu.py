@@ -413,3 +413,17 @@ def test_distributed_data_parallel_trains_like_the_reference():
     assert process.returncode == 0, output[-6000:]
     summaries = [line[line.index("ddp_check rank"):] for line in output.splitlines() if "ddp_check rank" in line]
     assert len(summaries) == 2 and all(line.endswith(": ok") for line in summaries), output[-6000:]
+
+
+# ---- tensor parallelism and FSDP2 -----------------------------------------------------------------------------------
+
+@requires_two_gpus
+def test_tensor_parallel_and_fsdp2_on_two_gpus():
+    """tools/tp_check.py on two processes, one GPU each, over NCCL (tests/test_tensor_parallel.py runs it on the CPU):
+    every case at a small shape and at one whose local products take the split path on each rank."""
+    from test_tensor_parallel import CASES, run_tp_check
+
+    output = run_tp_check({})
+    for case in CASES:
+        for shape in ("12x64->40", "1024x2048->2048"):
+            assert output.count(f"{case} {shape}: ok") == 2, output[-8000:]

@@ -1,7 +1,7 @@
 """Distributed modes that act on ModelNew's `gemm` submodule: tensor parallelism (parallelize_module with
 ColwiseParallel or RowwiseParallel on `gemm`, and replicated DTensor weights with row-sharded or replicated x) and FSDP2 (fully_shard on the whole model and on `gemm` alone), against
 the reference model under the same plan, on two processes (tools/tp_check.py under torchrun): on the CPU over gloo
-(runs in CI), on two GPUs over NCCL. And, in one process, what makes them work: `gemm` is an nn.Linear that the
+(runs in CI), on two GPUs over NCCL (tests/test_multi_gpu.py, which tools/multi_gpu_check.sh runs). And, in one process, what makes them work: `gemm` is an nn.Linear that the
 forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
 
 import os
@@ -19,7 +19,6 @@ from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 # NVLink multicast off (tools/ddp_check.py says why).
 NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -78,11 +77,3 @@ def test_tensor_parallel_and_fsdp2_on_two_cpu_processes():
     output = run_tp_check({"TP_CHECK_DEVICE": "cpu"})
     for case in CASES:
         assert output.count(f"{case} 12x64->40: ok") == 2, output[-8000:]
-
-
-@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
-def test_tensor_parallel_and_fsdp2_on_two_gpus():
-    output = run_tp_check({})
-    for case in CASES:
-        for shape in ("12x64->40", "1024x2048->2048"):
-            assert output.count(f"{case} {shape}: ok") == 2, output[-8000:]
