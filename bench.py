@@ -512,7 +512,9 @@ CEILINGS = {
 }
 
 
-def print_table(rows):
+def tables_text(rows):
+    """The tables, one per problem, each column as wide as its widest cell."""
+    lines = []
     for problem in dict.fromkeys(r["problem"] for r in rows):
         table = [[cell(r) for _, cell in COLUMNS] for r in rows if r["problem"] == problem]
         widths = [max(len(header), *(len(line[i]) for line in table)) for i, (header, _) in enumerate(COLUMNS)]
@@ -521,14 +523,29 @@ def print_table(rows):
             return "| " + " | ".join(c.ljust(w) if h in LEFT_ALIGNED else c.rjust(w)
                                      for c, w, (h, _) in zip(cells, widths, COLUMNS)) + " |"
 
-        print(f"\n{problem}")
-        print(line([h for h, _ in COLUMNS]))
-        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-        for cells in table:
-            print(line(cells))
+        lines += ["", problem, line([h for h, _ in COLUMNS]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        lines += [line(cells) for cells in table]
+    return "\n".join(lines)
+
+
+def print_table(rows):
+    print(tables_text(rows))
     print()
     for text in legend(rows):
         print(text)
+
+
+def write_markdown(rows, path, device, torch_version=torch.__version__, command="python bench.py"):
+    """docs/bench.md: the run's tables as bench.py printed them, under a heading that names the machine, so that the
+    published figures are always a run's own. From a saved run: write_markdown(run["rows"], path, run["device"],
+    run["torch"]) with run the --json file's contents."""
+    import datetime
+
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# Bench: {device}, torch {torch_version}, {datetime.date.today().isoformat()}\n\n"
+                f"Written by `{command}` (bench.py --markdown); the README's headline figures come from these rows.\n\n"
+                "```\n" + tables_text(rows).strip("\n") + "\n```\n\n" + "\n\n".join(legend(rows)) + "\n")
+    progress(f"tables written to {path}")
 
 
 def plot(rows, path, device, torch_version=torch.__version__):
@@ -585,6 +602,8 @@ def main():
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also draw speedup and error per row into PATH (PNG; "
                         "needs matplotlib)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the tables and legend into PATH (Markdown; "
+                        "docs/bench.md is this file of the latest GPU run)")
     args = parser.parse_args()
     problems = args.problem or list(BENCHES if HAS_CUDA else CPU_BENCHES)
     if not HAS_CUDA and any(p in GPU_BENCHES for p in problems):
@@ -609,6 +628,8 @@ def main():
             json.dump(dict(device=device, torch=torch.__version__, rows=rows), f, indent=1)
     if args.plot:
         plot(rows, args.plot, device)
+    if args.markdown:
+        write_markdown(rows, args.markdown, device, command="python bench.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

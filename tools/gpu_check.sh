@@ -57,7 +57,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   if ! python3 -c "import matplotlib" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
-  python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+  python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
   # More runs, tables to their logs only, then ModelNew's speedup per row across all of them.
   for run in $(seq 2 "${BENCH_RUNS:-1}"); do
     python3 bench.py ${BENCH_ARGS:-} --json "$OUT/bench$run.json" > "$OUT/bench$run.log" 2>&1
