@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The run on a machine with 2 GPUs (repo root): the GPUs and how they are linked, the op library built once, the
-# multi-GPU tests (tests/test_multi_gpu.py: cuda:1 with cuda:0 current, two threads, no context on cuda:0, and DDP
-# under torchrun), the DDP check again on its own for its per-rank summary lines, and the peak-memory tests
+# multi-GPU tests (tests/test_multi_gpu.py: cuda:1 with cuda:0 current, two threads, no context on cuda:0, DDP and
+# tensor parallelism / FSDP2 under torchrun), the DDP and tensor-parallel checks again on their own for their
+# per-rank lines, and the peak-memory tests
 # (tests/test_reliability.py). Each part is bounded in time; logs go to $OUT if set. The exit status is non-zero if any part failed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -37,6 +38,8 @@ part build 600 python3 -c "import kernels.functional"
 [ "$failed" = 0 ] || exit 1
 part pytest_multi_gpu 1200 python3 -m pytest -q -rs tests/test_multi_gpu.py
 part ddp_check 600 python3 -m torch.distributed.run --standalone --nproc_per_node=2 tools/ddp_check.py
+part tp_check 600 python3 -m torch.distributed.run --standalone --nproc_per_node=2 tools/tp_check.py
 part peak_memory 600 python3 -m pytest -q -rs tests/test_reliability.py -k peak_memory
 grep -h "^ddp_check rank" "$OUT/ddp_check.log"
+grep -h "tp_check rank" "$OUT/tp_check.log" | grep -v "^Traceback"
 exit $failed
