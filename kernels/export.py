@@ -47,8 +47,13 @@ def _build_library():
     cflags, cuda_cflags, ldflags = build_flags(with_cuda)
     key = hashlib.sha256("\\0".join([CPP_SOURCE, CUDA_SOURCE if with_cuda else "", *cflags, *cuda_cflags, *ldflags,
                                      torch.__version__, str(torch.version.cuda), sys.version]).encode())
+    name = f"kernels_candidate_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    if not os.path.exists(os.path.join(root, name, name + ".so")):  # a first build takes 20-30 s: say so
+        print(f"kernels candidate: compiling the op library for {'CUDA' if with_cuda else 'the CPU'} into "
+              f"{os.path.join(root, name)} (once per source version)", file=sys.stderr, flush=True)
     load_inline(
-        name=f"kernels_candidate_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}",
+        name=name,
         cpp_sources=[CPP_SOURCE],
         cuda_sources=[CUDA_SOURCE] if with_cuda else None,
         extra_cflags=cflags,
