@@ -50,9 +50,10 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
             (bias is None or isinstance(bias, torch.Tensor))):
         raise TypeError("kernels.gemm_multiply_leaky_relu: x, weight and bias must be torch.Tensors (bias may be None), "
                         f"got {type(x).__name__}, {type(weight).__name__}, {type(bias).__name__}")
-    dtensor = _dtensor_type()
-    if dtensor is not None and not _is_compiling() and any(isinstance(t, dtensor) for t in (x, weight, bias)):
-        return _tensor_parallel(x, weight, bias, multiplier, negative_slope)
+    if not _is_compiling():  # Dynamo is not asked to trace the module lookup
+        dtensor = _dtensor_type()
+        if dtensor is not None and any(isinstance(t, dtensor) for t in (x, weight, bias)):
+            return _tensor_parallel(x, weight, bias, multiplier, negative_slope)
     # The op's C++ Autograd kernel records the graph, and asks for the mask where the backward needs it. Called
     # through its C++ handle, which is all that OpOverload.__call__ does, one Python frame less; Dynamo traces the
     # OpOverload only.
