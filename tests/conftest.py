@@ -1,5 +1,6 @@
 import atexit
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -26,6 +27,19 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+# The heavy tests, by node id: builds and compiler runs, fresh processes, torch.compile, shapes at the problems' scale,
+# long training loops, tensors of 2^31 elements, peak-memory probes. `pytest -m "not slow"` leaves them out for an
+# edit loop; the README's command runs everything.
+SLOW_TESTS = re.compile(r"test_loader\.py|test_cuda_compile\.py|test_multi_gpu\.py|test_export\.py|two_cpu_processes|"
+                        r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_TESTS.search(item.nodeid):
+            item.add_marker(pytest.mark.slow)
 
 
 def poison_allocator(shape, dtype, device):
