@@ -451,22 +451,22 @@ def bench_gemm_multiply_leaky_relu_cpu(rows, options):
 
 # ---- report -----------------------------------------------------------------------------------------------------
 
-def fmt(value, spec, width):
-    """value formatted by spec, right-aligned in width characters; "-" where there is no value."""
-    return format("-" if value is None else format(value, spec), f">{width}")
+def fmt(value, spec):
+    """value formatted by spec; "-" where there is no value."""
+    return "-" if value is None else format(value, spec)
 
 
 COLUMNS = [  # header, cell
     ("case", lambda r: r["case"]),
     ("variant", lambda r: r["variant"]),
     ("median ms", lambda r: f"{r['ms']:.4f}"),
-    ("KB ms", lambda r: fmt(r["kernelbench_ms"], ".4f", 0)),
+    ("KB ms", lambda r: fmt(r["kernelbench_ms"], ".4f")),
     ("vs eager", lambda r: f"{r['speedup']:.3f}x"),
-    ("vs compile", lambda r: fmt(r["vs_compile"], ".3f", 0) + ("x" if r["vs_compile"] else "")),
+    ("vs compile", lambda r: fmt(r["vs_compile"], ".3f") + ("x" if r["vs_compile"] else "")),
     ("rate", lambda r: f"{r['rate']:.1f} {r['unit']}"),
     ("% of ceiling", lambda r: f"{r['pct_of_ceiling']:.1f}% {r['ceiling']}" if r["pct_of_ceiling"] else "-"),
-    ("error", lambda r: fmt(r["error"], ".2e", 0)),
-    ("fp32 tol", lambda r: fmt(r["verdict"], "", 0)),
+    ("error", lambda r: fmt(r["error"], ".2e")),
+    ("fp32 tol", lambda r: fmt(r["verdict"], "")),
 ]
 LEFT_ALIGNED = {"case", "variant", "% of ceiling"}
 

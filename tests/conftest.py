@@ -1,6 +1,8 @@
 import atexit
 import os
 import re
+import signal
+import subprocess
 import shutil
 import sys
 import tempfile
@@ -53,3 +55,23 @@ def assert_bitwise_equal(y, reference):
     assert y.shape == reference.shape and y.dtype == reference.dtype
     torch.testing.assert_close(y, reference, atol=0, rtol=0, equal_nan=True)
     assert torch.equal(torch.signbit(y) | y.isnan(), torch.signbit(reference) | reference.isnan())
+
+
+def run_on_two_processes(script, env=None, timeout=600):
+    """`script` (a path from the repository root) on two processes under torchrun, NVLink multicast off (as
+    tools/ddp_check.py says why); its output, once both exited with status 0. The launcher runs in a session of its
+    own, so that on a timeout it and both ranks are killed together."""
+    from tools.ddp_check import NO_NVLINK_MULTICAST
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
+    process = subprocess.Popen(command, cwd=root, env=dict(os.environ, **NO_NVLINK_MULTICAST, **(env or {})),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{script} did not finish in {timeout} s:\n{output[-6000:]}")
+    assert process.returncode == 0, output[-8000:]
+    return output

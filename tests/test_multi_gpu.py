@@ -9,7 +9,6 @@ import contextlib
 import copy
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, run_on_two_processes
 from kernels import loader
 from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from kernels.manifest import FAMILIES
@@ -399,18 +398,7 @@ def test_a_process_that_uses_only_cuda_1_makes_no_context_on_cuda_0():
 @requires_two_gpus
 def test_distributed_data_parallel_trains_like_the_reference():
     """tools/ddp_check.py on two processes, one GPU each, under torchrun (python -m torch.distributed.run)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "tools/ddp_check.py"]
-    # A session of its own, so that on a timeout the launcher and both ranks are killed together.
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, **NO_NVLINK_MULTICAST),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"ddp_check did not finish in 600 s:\n{output[-6000:]}")
-    assert process.returncode == 0, output[-6000:]
+    output = run_on_two_processes("tools/ddp_check.py")
     summaries = [line[line.index("ddp_check rank"):] for line in output.splitlines() if "ddp_check rank" in line]
     assert len(summaries) == 2 and all(line.endswith(": ok") for line in summaries), output[-6000:]
 

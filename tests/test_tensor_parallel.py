@@ -1,26 +1,20 @@
 """Distributed modes that act on ModelNew's `gemm` submodule: tensor parallelism (parallelize_module with
-ColwiseParallel or RowwiseParallel on `gemm`, and replicated DTensor weights with row-sharded or replicated x) and FSDP2 (fully_shard on the whole model and on `gemm` alone), against
-the reference model under the same plan, on two processes (tools/tp_check.py under torchrun): on the CPU over gloo
-(runs in CI), on two GPUs over NCCL (tests/test_multi_gpu.py, which tools/multi_gpu_check.sh runs). And, in one process, what makes them work: `gemm` is an nn.Linear that the
-forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
+ColwiseParallel or RowwiseParallel on `gemm`, and replicated DTensor weights with row-sharded or replicated x) and
+FSDP2 (fully_shard on the whole model and on `gemm` alone), against the reference model under the same plan, on two
+processes (tools/tp_check.py under torchrun): on the CPU over gloo (runs in CI), on two GPUs over NCCL
+(tests/test_multi_gpu.py, which tools/multi_gpu_check.sh runs). And, in one process, what makes them work: `gemm` is
+an nn.Linear that the forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
 
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_on_two_processes
 from kernels.gemm.gemm import FusedLinear
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# NVLink multicast off (tools/ddp_check.py says why).
-NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def test_gemm_is_an_nn_linear_whose_plain_call_is_linear(device):
@@ -52,20 +46,9 @@ CASES = ("ColwiseParallel", "RowwiseParallel", "replicated weight, rows of x", "
          "fully_shard(model)", "fully_shard(gemm)")
 
 
-def run_tp_check(device_env, timeout=600):
-    """tools/tp_check.py on two processes under torchrun; its summary lines."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "tools/tp_check.py"]
-    env = dict(os.environ, **NO_NVLINK_MULTICAST, **device_env)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)  # on a timeout, the launcher and ranks together
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"tp_check did not finish in {timeout} s:\n{output[-6000:]}")
-    assert process.returncode == 0, output[-8000:]
+def run_tp_check(device_env):
+    """tools/tp_check.py on two processes under torchrun; its output, checked for both ranks' final "ok"."""
+    output = run_on_two_processes("tools/tp_check.py", device_env)
     # Each rank's last line (the two ranks' lines may run together in the shared pipe).
     finals = re.findall(r"tp_check rank (\d+): ok(?=\s|$|tp_check)", output)
     assert sorted(finals) == ["0", "1"], output[-8000:]

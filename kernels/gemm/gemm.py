@@ -10,6 +10,7 @@ Ops (schemas in gemm.cpp):
   _gemm_force_path(path) -> str                         "auto", "cublas" or a split path; returns the previous one
 """
 
+import math
 import sys
 
 import torch
@@ -151,7 +152,7 @@ def _tensor_parallel(x, weight, bias, multiplier, negative_slope):
                                   f"{mesh.ndim} dimensions; only 1-D meshes (one tensor-parallel group) are supported")
     placement = weight.placements[0]
     out_shape = (*x.shape[:-1], weight.shape[0])
-    out_stride = torch.empty(out_shape, device="meta").stride()
+    out_stride = tuple(math.prod(out_shape[i + 1:]) for i in range(len(out_shape)))  # contiguous
 
     def local(t, target, grad_placement=None):
         if t is None:
