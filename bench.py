@@ -28,7 +28,7 @@ import torch
 import reference
 from kernels.precision import allclose, matmul_precision, relative_error
 from kernels.timing import kernelbench_ms, time_each_ms, time_ms
-from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import FAST_FP32_PATHS, SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from model_new import MODEL_NEW
 
 HAS_CUDA = torch.cuda.is_available()
@@ -192,7 +192,7 @@ def bench_leaky_relu(rows, options):
 # ---- gemm_multiply_leaky_relu -----------------------------------------------------------------------------------
 
 class ForcedPath:
-    """model(x) with every gemm_multiply_leaky_relu call on one path ("cublas" or one of SPLIT_PATHS)."""
+    """model(x) with every gemm_multiply_leaky_relu call on one path ("cublas" or one of FAST_FP32_PATHS)."""
 
     def __init__(self, model, path):
         self.model, self.path = model, path
@@ -278,9 +278,11 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             weight_t = eager.gemm.weight.detach().t()
             weight16_t, x16 = weight_t.half(), x.half()
             path = gemm_path(x, new.gemm.weight)
-            # The split paths this GPU runs besides the automatic choice's (on Hopper the sm_80 kernel, forced: what
-            # an A100 would run, at a lower bound of its speed).
-            other_splits = [p for p in gemm_paths(DEVICE) if p in SPLIT_PATHS and p != path] if label == "fp32" else []
+            # The fast float32 paths this GPU runs besides the automatic choice's (on Hopper, forced: the sm_80
+            # kernel, what an A100 would run, at a lower bound of its speed; cuBLAS's FP32 emulation, Blackwell's path,
+            # which cuBLAS computes as it chooses on this GPU).
+            other_fast_paths = ([p for p in gemm_paths(DEVICE) if p in FAST_FP32_PATHS and p != path]
+                                if label == "fp32" else [])
             with torch.no_grad():
                 variants = {"eager": eager}
                 if label == "fp32" and HAS_CUDA:
@@ -298,7 +300,7 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                 if options.wants("ModelNew"):
                     if path != "cublas":
                         variants["ModelNew, cublas path"] = ForcedPath(new, "cublas")
-                    for other in other_splits:
+                    for other in other_fast_paths:
                         variants[f"ModelNew, {other} path"] = ForcedPath(new, other)
                     variants[f"ModelNew ({path})"] = new
                 (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
@@ -327,7 +329,7 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             x_train = x.clone().requires_grad_(True)
             variants = options.eager_and_new(eager, new)
             if options.wants("ModelNew"):
-                for other in other_splits:
+                for other in other_fast_paths:
                     variants[f"ModelNew, {other} path"] = ForcedPath(new, other)
 
             def train_step(model):

@@ -32,7 +32,7 @@ FAMILIES = (
     ),
     Family(
         name="gemm",
-        cpp_sources=("gemm/gemm.cpp", "gemm/gemm_autograd.cpp"),
+        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm.cpp", "gemm/gemm_autograd.cpp"),
         cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu", "gemm/gemm_sm80.cu"),
         python_module="kernels.gemm.gemm",
         requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops

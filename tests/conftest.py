@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import re
 import signal
@@ -38,10 +39,77 @@ SLOW_TESTS = re.compile(r"test_loader\.py|test_cuda_compile\.py|test_multi_gpu\.
                         r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory")
 
 
+# The tests that hold GPU memory by the tens of gigabytes (2^31 elements, LeakyReLU's candidate on the problem's
+# inputs in a fresh process): under pytest-xdist's workers, which share the GPU, they take a file lock in turn (one per
+# user and machine, so two test runs at once take turns too), so that two of them never meet on one GPU. Every other
+# test stays under a few GB.
+LARGE_GPU_MEMORY_TESTS = re.compile(r"2_to_the_31|problem_size_on_five_seeds\[leaky_relu\]")
+LARGE_GPU_MEMORY_LOCK = os.path.join(tempfile.gettempdir(), f"kernels_tests_gpu_memory_{os.getuid()}.lock")
+
+# The slowest tests, slowest first (seconds measured on the H100 machine with 8 workers; the CPU machine ranks them
+# alike). They are handed out first, one per worker, so that the run's length is not one of them started last.
+SLOWEST_TESTS = [re.compile(pattern) for pattern in (
+    r"aot_inductor_package_runs_in_a_fresh_process\[cpu\]",  # 220 (two packages built where the first fails)
+    r"aot_inductor_package_runs_in_a_fresh_process\[cuda\]",  # 144
+    r"problem_size_on_five_seeds\[leaky_relu\]",  # 114: KernelBench's inputs made on the CPU, 6.4 GB each
+    r"test_leaky_relu\.py::test_torch_compile_fullgraph\[cpu\]",  # 88: Inductor's C++ builds
+    r"problem_size_on_five_seeds\[gemm",  # 49
+    r"execd_twice_in_one_process",  # 23-44: the candidate's build
+    r"test_cpu_loops",  # 30-38: builds of the CPU loops
+    r"from_a_string_in_a_fresh_process",  # 22-28
+    r"test_loader\.py|test_cuda_compile\.py|two_cpu_processes",  # 5-23 each: builds, nvcc, torchrun
+)]
+
+
+def slowness_rank(item):
+    return next((rank for rank, pattern in enumerate(SLOWEST_TESTS) if pattern.search(item.nodeid)), len(SLOWEST_TESTS))
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_TESTS.search(item.nodeid):
             item.add_marker(pytest.mark.slow)
+        if LARGE_GPU_MEMORY_TESTS.search(item.nodeid):
+            item.add_marker(pytest.mark.large_gpu_memory)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        # The order in which pytest-xdist hands tests out (`--maxschedchunk 1`: two to each worker to start with, then
+        # one to whichever worker is down to one): the slowest first, each first paired with a quick one, so that the
+        # slowest start together on different workers, each with only a quick test queued behind it.
+        ranked = sorted(items, key=slowness_rank)  # stable: the collection order within a rank
+        slow = [item for item in ranked if slowness_rank(item) < len(SLOWEST_TESTS)]
+        quick = ranked[len(slow):]
+        paired = min(workers, len(slow), len(quick))
+        order = [item for pair in zip(slow[:paired], quick[:paired]) for item in pair]
+        items[:] = order + slow[paired:] + quick[paired:]
+
+
+@pytest.fixture(autouse=True)
+def large_gpu_memory_lock(request):
+    """Holds the suite's GPU memory lock through a test marked large_gpu_memory (whatever process runs it)."""
+    if request.node.get_closest_marker("large_gpu_memory") is None:
+        yield
+        return
+    import fcntl
+
+    with open(LARGE_GPU_MEMORY_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            # The memory goes back to the GPU before the next such test starts, whichever worker runs it: PyTorch's
+            # caching allocator would keep it for this process.
+            gc.collect()
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's default): a worker per core, at most 8. Most of the suite's time is compilers
+    (Inductor, nvcc, the fresh processes' builds), which spread over cores; more workers would only add CUDA contexts
+    and imports."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def poison_allocator(shape, dtype, device):

@@ -271,25 +271,26 @@ def automatic_split_path():
     if not HAS_CUDA:
         return None
     major, minor = torch.cuda.get_device_capability()
-    path = torch.ops.kernels._gemm_split_path_for_capability(10 * major + minor)
+    path = torch.ops.kernels._gemm_fp32_path_for_capability(10 * major + minor)
     return path if path in SPLIT_KERNELS else None
 
 
 def test_split_path_table_by_architecture():
     """The automatic choice's table (gemm.cpp): the sm_80 kernel on the A100 class and Orin, the wgmma kernel on
-    Hopper, cuBLAS where three fp16 products cannot beat one fp32 product by much (sm_86, sm_89) or where nothing was
-    measured (Blackwell)."""
-    table = {c: torch.ops.kernels._gemm_split_path_for_capability(c) for c in (70, 75, 80, 86, 87, 89, 90, 100, 120)}
+    Hopper, cuBLAS's FP32 emulation on datacenter Blackwell, and cuBLAS's SGEMM where fp16 or bf16 products cannot
+    beat one fp32 product by much (sm_86, sm_89, sm_120)."""
+    capabilities = (70, 75, 80, 86, 87, 89, 90, 100, 103, 120)
+    table = {c: torch.ops.kernels._gemm_fp32_path_for_capability(c) for c in capabilities}
     assert table == {70: "cublas", 75: "cublas", 80: "split_fp16_sm80", 86: "cublas", 87: "split_fp16_sm80",
-                     89: "cublas", 90: "split_fp16", 100: "cublas", 120: "cublas"}
+                     89: "cublas", 90: "split_fp16", 100: "cublas_bf16x9", 103: "cublas_bf16x9", 120: "cublas"}
 
 
 def test_forcing_an_unknown_path_is_a_clear_error():
     with pytest.raises(RuntimeError, match="unknown path 'split_fp32'"):
         with forced_gemm_path("split_fp32"):
             pass
-    with pytest.raises(RuntimeError, match="not a split path"):
-        torch.ops.kernels._gemm_split_refusal(torch.ones(2, 4), torch.ones(2, 4), "cublas")
+    with pytest.raises(RuntimeError, match="not a fast float32 path"):
+        torch.ops.kernels._gemm_path_refusal(torch.ones(2, 4), torch.ones(2, 4), "cublas")
 
 
 @requires_cuda
@@ -648,3 +649,66 @@ def test_training_tracks_eager_loss_curve(path):
     ours_deviation = ((losses - exact).abs() / exact).max().item()
     eager_deviation = ((eager - exact).abs() / exact).max().item()
     assert ours_deviation <= max(2 * eager_deviation, 1e-5), (ours_deviation, eager_deviation)
+
+
+# ---- cublas_bf16x9: cuBLAS's FP32 emulation (Blackwell's path; run forced wherever cuBLAS 12.9+ is loaded) -------
+
+def cublas_bf16x9_refusal():
+    probe = torch.empty(8, 64, device="cuda")
+    return torch.ops.kernels._gemm_path_refusal(probe, probe, "cublas_bf16x9")
+
+
+requires_cublas_bf16x9 = pytest.mark.skipif(not HAS_CUDA or cublas_bf16x9_refusal() != "",
+                                            reason="needs a GPU and a cuBLAS with FP32 emulation (12.9+)")
+
+
+@requires_cublas_bf16x9
+@pytest.mark.parametrize("x_shape,out_features,bias,layout", [
+    ((1024,), 1024, True, "contiguous"), ((37,), 129, True, "contiguous"), ((3, 5), 72, False, "contiguous"),
+    ((40,), 136, True, "transposed"), ((40,), 136, True, "column_slice")])
+def test_cublas_bf16x9_matches_eager(x_shape, out_features, bias, layout):
+    """Forward and both gradients on the forced cublas_bf16x9 path against the reference: allclose 1e-4, and an
+    error against float64 within eager's (cuBLAS's emulation, or its IEEE kernels where it chooses them, sum in
+    another order than at::linear's kernel: 10% is the spread of two fp32 summation orders at these sizes). x as
+    given, as a transposed view (cuBLAS reads it transposed), and as a slice of wider rows (a leading dimension
+    longer than the row)."""
+    in_features = 64 if x_shape == (3, 5) else x_shape[0] + 7
+    torch.manual_seed(0)
+    reference = GemmMultiplyLeakyReLUModel(in_features, out_features, -1.5, -0.2).cuda()
+    if not bias:
+        reference.gemm.bias = None
+    new = GemmMultiplyLeakyReLUModelNew(in_features, out_features, -1.5, -0.2).cuda()
+    if not bias:
+        new.gemm.bias = None
+    new.load_state_dict(reference.state_dict())
+    if layout == "transposed":
+        x = torch.randn(in_features, *x_shape, device="cuda").t()
+    elif layout == "column_slice":
+        x = torch.randn(*x_shape, in_features + 9, device="cuda")[..., 9:]
+    else:
+        x = torch.randn(*x_shape, in_features, device="cuda")
+    x.requires_grad_(True)
+    with forced_gemm_path("cublas_bf16x9"):
+        assert gemm_path(x, new.gemm.weight) == "cublas_bf16x9"
+        y = new(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *new.parameters()])
+    y_ref = reference(x)
+    grads_ref = torch.autograd.grad(y_ref.square().sum(), [x, *reference.parameters()])
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    for got, expected in zip(grads, grads_ref):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        y64 = copy.deepcopy(reference).double()(x.double())
+    assert relative_error(y, y64) <= 1.1 * relative_error(y_ref, y64)
+
+
+@requires_cublas_bf16x9
+def test_cublas_bf16x9_refuses_what_it_cannot_take():
+    x = torch.randn(16, 64, device="cuda")
+    with forced_gemm_path("cublas_bf16x9"):
+        with pytest.raises(RuntimeError, match="cublas_bf16x9 path was forced but cannot run: it computes float32"):
+            gemm_multiply_leaky_relu(x.half(), x.half())
+        with matmul_precision("high"), pytest.raises(RuntimeError, match="TF32 is allowed"):
+            gemm_multiply_leaky_relu(x, x)
+        # An empty product has nothing to compute: cuBLAS's path, as on the split paths.
+        assert gemm_multiply_leaky_relu(x[:0], x).shape == (0, 16)

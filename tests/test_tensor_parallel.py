@@ -2,8 +2,8 @@
 ColwiseParallel or RowwiseParallel on `gemm`, and replicated DTensor weights with row-sharded or replicated x) and
 FSDP2 (fully_shard on the whole model and on `gemm` alone), against the reference model under the same plan, on two
 processes (tools/tp_check.py under torchrun): on the CPU over gloo (runs in CI), on two GPUs over NCCL
-(tests/test_multi_gpu.py, which tools/multi_gpu_check.sh runs). And, in one process, what makes them work: `gemm` is
-an nn.Linear that the forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
+(tests/test_multi_gpu.py, which `python tools/device_check.py multi-gpu` runs). And, in one process, what makes them
+work: `gemm` is an nn.Linear that the forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
 
 import re
 

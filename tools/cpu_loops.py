@@ -1,7 +1,9 @@
-"""The CPU loops of the LeakyReLU family against eager's, one op call at a time (no autograd, no module): forward
-and backward at a few sizes, in each dtype asked for. Samples of `--calls` back-to-back calls, taken round-robin
-(kernels.timing), so drift of the host's speed hits both alike. Prints the CPU, ATen's CPU capability (set
-ATEN_CPU_CAPABILITY=avx2 to make eager run its AVX2 loops) and the thread count.
+"""The LeakyReLU family's CPU loops against eager's, op against op, per size and dtype.
+
+One op call at a time (no autograd, no module): forward and backward at a few sizes, in each dtype asked for.
+Samples of `--calls` back-to-back calls, taken round-robin (kernels.timing), so drift of the host's speed hits both
+alike. Prints the CPU, ATen's CPU capability (set ATEN_CPU_CAPABILITY=avx2 to make eager run its AVX2 loops) and the
+thread count.
 
     python tools/cpu_loops.py [--dtypes fp32,fp16] [--sizes 256x8192,64x8192] [--samples 101] [--calls 20]
 """
@@ -33,7 +35,7 @@ def cpu_name():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="fp32")
     parser.add_argument("--sizes", default="256x8192")
     parser.add_argument("--samples", type=int, default=101)

@@ -1,9 +1,10 @@
-"""DistributedDataParallel over the op library: on every rank, ModelNew and the same model built from the reference
-modules, with the same weights, each wrapped in DistributedDataParallel (NCCL, one process per GPU), train two SGD
-steps on per-rank different randn data. After each backward the all-reduced gradients of ModelNew must equal the
-reference's, and be the same on every rank; after each step so must the weights. Models: the GEMM at a size where it
-takes its split_fp16 path on Hopper (1024 rows per rank, 1024 -> 1024), the GEMM at a small size (cuBLAS path), and
-a stack GEMM -> LeakyReLU -> GEMM.
+"""ModelNew and the reference model in DistributedDataParallel (NCCL, 2 GPUs): equal gradients and weights.
+
+On every rank, ModelNew and the same model built from the reference modules, with the same weights, each wrapped in
+DistributedDataParallel (NCCL, one process per GPU), train two SGD steps on per-rank different randn data. After each
+backward the all-reduced gradients of ModelNew must equal the reference's, and be the same on every rank; after each
+step so must the weights. Models: the GEMM at a size where it takes its split_fp16 path on Hopper (1024 rows per
+rank, 1024 -> 1024), the GEMM at a small size (cuBLAS path), and a stack GEMM -> LeakyReLU -> GEMM.
 
     torchrun --standalone --nproc_per_node=2 tools/ddp_check.py
 
@@ -13,17 +14,20 @@ unit size). Each rank prints its mismatches, then one summary line, "ddp_check r
 the exit status is non-zero on a mismatch.
 """
 
+import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # NVLink multicast stays off, here and in every process that may start NCCL: nothing here needs it, and on a shared
-# multi-GPU host a program that uses it can leave the GPUs unusable. Set before torch.distributed is imported, which
+# multi-GPU host a program that uses it can leave the GPUs unusable. The settings live in the device runner, which
+# sets them for its multi-GPU run; the tests take them from here. Set before torch.distributed is imported, which
 # reads them.
-NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tools.device_check import NO_NVLINK_MULTICAST  # noqa: E402
+
 for _name, _value in NO_NVLINK_MULTICAST.items():
     os.environ.setdefault(_name, _value)
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -154,6 +158,7 @@ def check_model(name, make_pair, rows, split_expected, device, rank, comparisons
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)

@@ -1,11 +1,13 @@
-"""Issue check for the KernelBench export, on the GPU machine from the repo root: each problem's exported
-candidate, exec'd from a string in a fresh process (no package on the path but the pure-torch timing helper), is
-timed KernelBench's way on get_inputs(), and compared with bench.py's "KB ms" figure for ModelNew, measured in
-another process.
+"""The exported KernelBench candidates' time, KernelBench's way, against bench.py's "KB ms" for ModelNew (within 5%).
 
-    python tools/export_timing.py
+On the GPU machine, from the repo root: each problem's exported candidate, exec'd from a string in a fresh process
+(no package on the path but the pure-torch timing helper), is timed KernelBench's way on get_inputs(), and compared
+with bench.py's "KB ms" figure for ModelNew, measured in another process. Exits 1 where a ratio is off by more.
+
+    python tools/export_timing.py [--rounds 3]
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -68,4 +70,6 @@ def main(rounds=3):
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each, in turn (3)")
+    main(parser.parse_args().rounds)

@@ -1,5 +1,7 @@
-"""The split fp16 GEMM at the problem's size (1024x8192 -> 8192, fp32): error against float64 and eager's, time, and
-where one call's time goes, kernel by kernel.
+"""The split fp16 GEMM's error, time and kernels: at the problem's size, per K, per shape, in a training step.
+
+At the problem's size (1024x8192 -> 8192, fp32): error against float64 and eager's, time, and where one call's time
+goes, kernel by kernel.
 
     python tools/gemm_sweep.py            # on the GPU machine, from the repo root
     python tools/gemm_sweep.py --k-sweep  # error of the forced split path against eager's, per K
@@ -14,6 +16,7 @@ The K sweep is what sets the smallest K the automatic choice sends to the split 
 operand to about 2^-22, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
 """
 
+import argparse
 import os
 import sys
 
@@ -230,37 +233,42 @@ def shape_sweep():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--k-sweep", action="store_true", help="error of the forced split path against eager's, per K")
+    mode.add_argument("--shapes", action="store_true", help="time and error of both paths over output sizes and K")
+    mode.add_argument("--profile", action="store_true", help="only where one call's time goes")
+    mode.add_argument("--train", action="store_true", help="an fp32 training step: its time, peak memory, errors")
+    mode.add_argument("--train-profile", choices=["fp32", "bf16", "fp16"], metavar="DTYPE",
+                      help="bench's training step in DTYPE (fp32, bf16, fp16): times, then kernels")
+    parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(0))
-    if "--path" in sys.argv:
+    if args.path:
         from kernels.gemm.gemm import forced_gemm_path
 
         global SPLIT_PATH
-        path = sys.argv[sys.argv.index("--path") + 1]
-        SPLIT_PATH = path if path.startswith("split") else SPLIT_PATH
-        print("every call forced onto the", path, "path")
-        with forced_gemm_path(path):
-            return choose()
-    return choose()
+        SPLIT_PATH = args.path if args.path.startswith("split") else SPLIT_PATH
+        print("every call forced onto the", args.path, "path")
+        with forced_gemm_path(args.path):
+            return choose(args)
+    return choose(args)
 
 
-def choose():
-    if "--k-sweep" in sys.argv:
+def choose(args):
+    if args.k_sweep:
         k_sweep()
-        return
-    if "--profile" in sys.argv:
+    elif args.profile:
         profile_one_call()
-        return
-    if "--train" in sys.argv:
+    elif args.train:
         train_step()
-        return
-    if "--train-profile" in sys.argv:
-        train_step_profile(sys.argv[sys.argv.index("--train-profile") + 1])
-        return
-    if "--shapes" in sys.argv:
+    elif args.train_profile:
+        train_step_profile(args.train_profile)
+    elif args.shapes:
         shape_sweep()
-        return
-    problem_size()
-    profile_one_call()
+    else:
+        problem_size()
+        profile_one_call()
 
 
 if __name__ == "__main__":

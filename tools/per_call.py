@@ -1,6 +1,7 @@
-"""Where the per-call time of a small LeakyReLU goes (16x16384 float32, CUDA, no grad): eager against the op
-library, layer by layer. Timed by bench.py's helper: samples of 1000 back-to-back calls, taken round-robin over the
-variants, so drift of the host's speed hits all of them alike.
+"""Where the per-call time of a small LeakyReLU goes, layer by layer: eager against the op library.
+
+16x16384 float32, CUDA, no grad. Timed by bench.py's helper: samples of 1000 back-to-back calls, taken round-robin
+over the variants, so drift of the host's speed hits all of them alike.
 
     python tools/per_call.py              # on the GPU machine, from the repo root
 
@@ -8,6 +9,7 @@ An experimental pybind11 module, built here only, times the layers below Python:
 allocation, the op called through the dispatcher from C++ with and without the autograd layer.
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -64,6 +66,7 @@ def build_probe():
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(torch.cuda.get_device_name(0), "torch", torch.__version__)
     os.system("lscpu | grep -m1 'Model name'")
     probe = build_probe()

@@ -1,7 +1,14 @@
-"""Small calls of every CUDA kernel of the library, for compute-sanitizer (tools/sanitize.sh): tails, views at an
-offset (the unaligned paths), every dtype, both GEMM paths, odd shapes. Each result is checked against eager, so a
-kernel that the sanitizer passes but that computes garbage still fails here."""
+"""Every CUDA kernel of the library once on small shapes, checked against eager: the sanitizer's cases, the smoke test.
 
+Tails, views at an offset (the unaligned paths), every dtype, both GEMM paths, odd shapes. Each result is checked
+against eager, so a kernel that the sanitizer passes but that computes garbage still fails here.
+`python tools/device_check.py sanitize` runs it under compute-sanitizer, and `python tools/device_check.py build` as
+the smoke test, under a time limit, before the test suite.
+
+    python tools/sanitize_cases.py
+"""
+
+import argparse
 import os
 import sys
 
@@ -60,6 +67,7 @@ def gemm_cases():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     elementwise_cases()
     gemm_cases()
     torch.cuda.synchronize()

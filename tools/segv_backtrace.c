@@ -1,5 +1,6 @@
-// A native backtrace when a process dies of SIGSEGV, for machines without gdb (the GPU machine has none): preloaded,
-// it prints each frame as library + offset (and the nearest exported symbol) to stderr, then exits with 139.
+// A native backtrace of a process that dies of SIGSEGV, where there is no gdb (the GPU machine has none).
+// Preloaded, it prints each frame as library + offset (and the nearest exported symbol) to stderr, then exits with
+// 139.
 //   gcc -shared -fPIC -o /tmp/segv_backtrace.so tools/segv_backtrace.c -ldl
 //   LD_PRELOAD=/tmp/segv_backtrace.so python3 repro.py
 // Offsets in our library map to functions with `addr2line -f -C -e <library.so> <offset>` (its .symtab has the

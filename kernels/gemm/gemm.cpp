@@ -1,18 +1,20 @@
 // The torch side of the GEMM family of `torch.ops.kernels`: gemm_multiply_leaky_relu's schema, argument checks and
 // implementations. Fake (meta) implementation, autograd and the Python function are in gemm.py.
 //
-// Three paths, chosen per call from the inputs' device, dtype, shape, GPU and the float32 matmul precision setting:
+// Four paths, chosen per call from the inputs' device, dtype, shape, GPU and the float32 matmul precision setting:
 // - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
 //   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor
 //   cores with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and
 //   faster.
-// - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at automatic_split_path says so): the same
+// - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
 //   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
+// - cublas_bf16x9 (Blackwell, sm_100 and sm_103, float32 at "highest"): cuBLAS's own FP32 emulation on bf16 tensor
+//   cores (gemm_cublas_bf16x9.cpp), then the epilogue as on the cublas path.
 // - cublas, for every other case: at::linear, the very call nn.Linear makes (so it follows the user's float32
 //   matmul precision setting: IEEE by default, TF32 when allowed, and rounds exactly as eager does), then the
 //   LeakyReLU family's kernels::multiply_leaky_relu_ in place over its result (the multiply, the activation and
 //   the branch mask in one pass), reached through the dispatcher.
-// Tests force either path with kernels::_gemm_force_path; kernels::_gemm_multiply_leaky_relu_path tells which
+// Tests force any path with kernels::_gemm_force_path; kernels::_gemm_multiply_leaky_relu_path tells which
 // path a call would take.
 //
 // Under torch.autocast the op's Autocast kernels (end of this file) cast its inputs as eager's autocast casts
@@ -74,23 +76,28 @@ int64_t gemm_rows(const at::Tensor& x, const at::Tensor& weight) {
   return k == 0 ? 0 : x.numel() / k;
 }
 
-enum class Path : int { kAuto = 0, kCublas = 1, kSplitFp16 = 2, kSplitFp16Sm80 = 3 };
+enum class Path : int { kAuto = 0, kCublas = 1, kSplitFp16 = 2, kSplitFp16Sm80 = 3, kCublasBf16x9 = 4 };
 
 const char* path_name(Path path) {
   switch (path) {
     case Path::kCublas: return "cublas";
     case Path::kSplitFp16: return "split_fp16";
     case Path::kSplitFp16Sm80: return "split_fp16_sm80";
+    case Path::kCublasBf16x9: return "cublas_bf16x9";
     default: return "auto";
   }
 }
 
 bool is_split(Path path) { return path == Path::kSplitFp16 || path == Path::kSplitFp16Sm80; }
 
+// The paths a float32 product takes instead of cuBLAS's IEEE SGEMM where they can: the split kernels and cuBLAS's
+// emulation.
+bool is_fast_fp32(Path path) { return is_split(path) || path == Path::kCublasBf16x9; }
+
 // The path named `name`; kAuto, with ok = false, for an unknown name.
 Path path_named(const std::string& name, bool& ok) {
   ok = true;
-  for (const Path path : {Path::kAuto, Path::kCublas, Path::kSplitFp16, Path::kSplitFp16Sm80})
+  for (const Path path : {Path::kAuto, Path::kCublas, Path::kSplitFp16, Path::kSplitFp16Sm80, Path::kCublasBf16x9})
     if (name == path_name(path)) return path;
   ok = false;
   return Path::kAuto;
@@ -98,13 +105,13 @@ Path path_named(const std::string& name, bool& ok) {
 
 std::atomic<int> forced_path{static_cast<int>(Path::kAuto)};
 
-// Sets the path every later call takes ("auto", "cublas", "split_fp16" or "split_fp16_sm80"); returns the previous
-// setting. For tests and bench.py; a forced split path that cannot run raises instead of falling back.
+// Sets the path every later call takes ("auto", "cublas", "split_fp16", "split_fp16_sm80" or "cublas_bf16x9");
+// returns the previous setting. For tests and bench.py; a forced path that cannot run raises instead of falling back.
 std::string force_path(const std::string& name) {
   bool ok = false;
   const Path path = path_named(name, ok);
-  TORCH_CHECK(ok, "kernels._gemm_force_path: unknown path '", name, "'; expected auto, cublas, split_fp16 or "
-              "split_fp16_sm80");
+  TORCH_CHECK(ok, "kernels._gemm_force_path: unknown path '", name, "'; expected auto, cublas, split_fp16, "
+              "split_fp16_sm80 or cublas_bf16x9");
   return path_name(static_cast<Path>(forced_path.exchange(static_cast<int>(path))));
 }
 
@@ -151,14 +158,15 @@ ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight) {
   return {gemm_rows(x, weight), weight.size(0), weight.size(1)};
 }
 
-// Why the split path `path` (split_fp16 or split_fp16_sm80) cannot take a product of this shape on x's device and
-// dtype, or nullptr if it can.
-const char* split_refusal(Path path, const at::Tensor& x, ProductShape shape) {
+// Why the fast float32 path `path` (a split path or cublas_bf16x9) cannot take a product of this shape on x's device
+// and dtype, or nullptr if it can.
+const char* fast_fp32_refusal(Path path, const at::Tensor& x, ProductShape shape) {
 #ifdef KERNELS_WITH_CUDA
   if (!x.is_cuda()) return "the tensors are not on a CUDA device";
   if (x.scalar_type() != at::kFloat) return "it computes float32 only";
   if (at::globalContext().allowTF32CuBLAS())
     return "TF32 is allowed (float32 matmul precision 'high' or 'medium'), and cuBLAS's TF32 is faster";
+  if (path == Path::kCublasBf16x9) return cublas_bf16x9_refusal(shape.m, shape.n, shape.k);
   if (path == Path::kSplitFp16 &&
       (!split_supported(path, x.device().index(), shape.m, shape.n, shape.k) ||
        (shape.w_transposed && shape.n % 4 != 0)))
@@ -176,9 +184,10 @@ const char* split_refusal(Path path, const at::Tensor& x, ProductShape shape) {
 #endif
 }
 
-// The split kernel the automatic choice uses on each GPU architecture: on where three fp16 products with fp32
-// accumulation beat one IEEE fp32 product by a wide margin, that is where the GPU's fp16 tensor-core rate with fp32
-// accumulation is well over 3x its fp32 rate. Dense peak rates from NVIDIA's datasheets, TFLOP/s:
+// The float32 path the automatic choice uses on each GPU architecture: a split kernel where three fp16 products with
+// fp32 accumulation beat one IEEE fp32 product by a wide margin, that is where the GPU's fp16 tensor-core rate with
+// fp32 accumulation is well over 3x its fp32 rate; cuBLAS's own emulation (nine bf16 products) where the bf16 rate is
+// some 30x the fp32 rate. Dense peak rates from NVIDIA's datasheets, TFLOP/s:
 //   arch    GPUs                        fp16 (fp32 acc.)   fp32   ratio   path
 //   sm_80   A100 SXM / A30                  312 / 165      19.5 / 10.3  16  split_fp16_sm80
 //   sm_86   A10 / A40                       125 / 150      31.2 / 37.4   4  cublas (three products win < 1.33x)
@@ -188,32 +197,37 @@ const char* split_refusal(Path path, const at::Tensor& x, ProductShape shape) {
 //   sm_89   RTX 4090                              165            82.6    2  cublas
 //   sm_90   H100 SXM / H200                       989            67     15  split_fp16 (wgmma); split_fp16_sm80
 //                                                                          for the shapes the wgmma kernel refuses
-//   sm_100+ B200, RTX 50                                                    cublas (not measured here; cuBLAS 12.9+
-//                                                                          has its own FP32 emulation on Blackwell)
-// Measured: split_fp16 on the H100; split_fp16_sm80 forced on the H100 (kernels/gemm/NOTES.md). No A100 was run.
-Path split_path_for_capability(int64_t capability) {
+//   sm_100  B200 (GB200 alike)               2250 (bf16)        75     30  cublas_bf16x9 (cuBLAS 12.9+; not run
+//   sm_103  B300                                                            here: no Blackwell GPU was lent)
+//   sm_120  RTX 50 (bf16 at half rate          ~210 (bf16)       105      2  cublas
+//           with fp32 accumulation)
+// Measured: split_fp16 on the H100; split_fp16_sm80 forced on the H100 (kernels/gemm/NOTES.md). No A100 and no
+// Blackwell GPU was run; cublas_bf16x9 was run forced on the H100 (docs/precision.md says what cuBLAS does there).
+Path fp32_path_for_capability(int64_t capability) {
   switch (capability) {
     case 80:
     case 87: return Path::kSplitFp16Sm80;
     case 90: return Path::kSplitFp16;
+    case 100:
+    case 103: return Path::kCublasBf16x9;
     default: return Path::kCublas;
   }
 }
 
-std::string gemm_split_path_for_capability(int64_t capability) {
-  return path_name(split_path_for_capability(capability));
+std::string gemm_fp32_path_for_capability(int64_t capability) {
+  return path_name(fp32_path_for_capability(capability));
 }
 
-// The table's split kernel for x's GPU where it takes the product; on Hopper the sm_80 kernel where the wgmma
-// kernel refuses the shape; else cuBLAS.
-Path automatic_split_path(const at::Tensor& x, ProductShape shape) {
+// The table's path for x's GPU where it takes the product; on Hopper the sm_80 kernel where the wgmma kernel refuses
+// the shape; else cuBLAS.
+Path automatic_fast_fp32_path(const at::Tensor& x, ProductShape shape) {
 #ifdef KERNELS_WITH_CUDA
   if (!x.is_cuda()) return Path::kCublas;
-  const Path table = split_path_for_capability(compute_capability(x.device().index()));
+  const Path table = fp32_path_for_capability(compute_capability(x.device().index()));
   if (table == Path::kCublas) return Path::kCublas;
-  if (split_refusal(table, x, shape) == nullptr) return table;
-  return table == Path::kSplitFp16 && split_refusal(Path::kSplitFp16Sm80, x, shape) == nullptr ? Path::kSplitFp16Sm80
-                                                                                               : Path::kCublas;
+  if (fast_fp32_refusal(table, x, shape) == nullptr) return table;
+  const bool sm80_kernel_takes_it = fast_fp32_refusal(Path::kSplitFp16Sm80, x, shape) == nullptr;
+  return table == Path::kSplitFp16 && sm80_kernel_takes_it ? Path::kSplitFp16Sm80 : Path::kCublas;
 #endif
   (void)x;
   (void)shape;
@@ -242,30 +256,32 @@ Path choose_path(const at::Tensor& x, ProductShape shape, bool strict = true) {
   const Path forced = static_cast<Path>(forced_path.load());
   if (forced == Path::kCublas) return Path::kCublas;
   const bool empty = shape.m == 0 || shape.n == 0 || shape.k == 0;
-  if (is_split(forced)) {
+  if (is_fast_fp32(forced)) {
     // An empty product has nothing to compute and takes cuBLAS's path (which returns at once), wherever the forced
     // path could take tensors like these: its device, dtype and settings are checked at a nominal shape.
-    const char* refusal = split_refusal(forced, x, empty ? ProductShape{64, 64, 64, shape.w_transposed} : shape);
+    const char* refusal = fast_fp32_refusal(forced, x, empty ? ProductShape{64, 64, 64, shape.w_transposed} : shape);
     TORCH_CHECK(!strict || refusal == nullptr, "kernels.gemm_multiply_leaky_relu: the ", path_name(forced),
                 " path was forced but cannot run: ", refusal);
     return refusal != nullptr || empty ? Path::kCublas : forced;
   }
-  if (empty || !split_pays_off(shape)) return Path::kCublas;
-  return automatic_split_path(x, shape);
+  if (empty) return Path::kCublas;
+  const Path path = automatic_fast_fp32_path(x, shape);
+  // cuBLAS's emulation decides by itself where it pays (its default strategy); the split kernels by measurement.
+  return path == Path::kCublasBf16x9 || split_pays_off(shape) ? path : Path::kCublas;
 }
 
 std::string gemm_multiply_leaky_relu_path(const at::Tensor& x, const at::Tensor& weight) {
   return path_name(choose_path(x, linear_shape(x, weight)));
 }
 
-// Why the split path `path` ("split_fp16" or "split_fp16_sm80") cannot take these inputs under the current settings,
-// whatever the automatic choice would say; "" if it can (so that the path forced runs).
-std::string gemm_split_refusal(const at::Tensor& x, const at::Tensor& weight, const std::string& path) {
+// Why the fast float32 path `path` ("split_fp16", "split_fp16_sm80" or "cublas_bf16x9") cannot take these inputs
+// under the current settings, whatever the automatic choice would say; "" if it can (so that the path forced runs).
+std::string gemm_path_refusal(const at::Tensor& x, const at::Tensor& weight, const std::string& path) {
   bool ok = false;
   const Path named = path_named(path, ok);
-  TORCH_CHECK(ok && is_split(named), "kernels._gemm_split_refusal: '", path, "' is not a split path; expected "
-              "split_fp16 or split_fp16_sm80");
-  const char* refusal = split_refusal(named, x, linear_shape(x, weight));
+  TORCH_CHECK(ok && is_fast_fp32(named), "kernels._gemm_path_refusal: '", path, "' is not a fast float32 path; "
+              "expected split_fp16, split_fp16_sm80 or cublas_bf16x9");
+  const char* refusal = fast_fp32_refusal(named, x, linear_shape(x, weight));
   return refusal == nullptr ? "" : refusal;
 }
 
@@ -395,13 +411,26 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
   const Path path = choose_path(x, linear_shape(x, weight));
   if (is_split(path)) return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b, multiplier, negative_slope,
                                                                  return_mask);
+  if (path == Path::kCublasBf16x9) {
+    const int64_t m = gemm_rows(x, weight), k = weight.size(1);
+    std::vector<int64_t> out_shape = x.sizes().vec();
+    out_shape.back() = weight.size(0);
+    at::Tensor y = cublas_bf16x9_addmm(b, x.reshape({m, k}), weight.t()).view(out_shape);
+    at::Tensor mask = leaky_relu::multiply_leaky_relu_op().call(y, multiplier, negative_slope, return_mask);
+    return {y, mask};
+  }
 #endif
   return cublas_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
 }
 
-#ifndef KERNELS_WITH_CUDA
+#ifdef KERNELS_WITH_CUDA
+at::Tensor cublas_bf16x9_matmul(const at::Tensor& a, const at::Tensor& b) { return cublas_bf16x9_addmm({}, a, b); }
+#else
 at::Tensor split_fp16_matmul(Path, const at::Tensor&, bool, const at::Tensor&, float* = nullptr) {
   TORCH_CHECK(false, "kernels: the split_fp16 path needs the library built with CUDA");
+}
+at::Tensor cublas_bf16x9_matmul(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "kernels: the cublas_bf16x9 path needs the library built with CUDA");
 }
 #endif
 
@@ -428,7 +457,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
              grad_bias = at::empty({0}, x.options());
   if (x_grad) {
     const Path path = choose_path(grad_pre, {m, k, n, true}, /*strict=*/false);
-    grad_x = is_split(path) ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight) : grad_pre.mm(weight);
+    grad_x = is_split(path)                   ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight)
+             : path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight)
+                                           : grad_pre.mm(weight);
     grad_x = grad_x.reshape(x.sizes());
   }
   bool bias_done = false;
@@ -440,6 +471,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
       grad_weight = split_fp16_matmul(path, grad_pre, /*a_transposed=*/true, x2,
                                       bias_grad ? grad_bias.mutable_data_ptr<float>() : nullptr);
       bias_done = bias_grad;
+    } else if (path == Path::kCublasBf16x9) {
+      grad_weight = cublas_bf16x9_matmul(grad_pre.t(), x2);
     } else {
       grad_weight = grad_pre.t().mm(x2);
     }
@@ -491,19 +524,19 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_multiply_leaky_relu_path(Tensor x, Tensor weight) -> str");
-  m.def("_gemm_split_refusal(Tensor x, Tensor weight, str path) -> str");
+  m.def("_gemm_path_refusal(Tensor x, Tensor weight, str path) -> str");
   m.def("_gemm_force_path(str path) -> str");
   m.impl("_gemm_force_path", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_path));
-  m.def("_gemm_split_path_for_capability(int capability) -> str");
-  m.impl("_gemm_split_path_for_capability", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-                                                            &kernels::gemm::gemm_split_path_for_capability));
+  m.def("_gemm_fp32_path_for_capability(int capability) -> str");
+  m.impl("_gemm_fp32_path_for_capability", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                                           &kernels::gemm::gemm_fp32_path_for_capability));
 }
 
 #define KERNELS_GEMM_IMPLS(m)                                                                     \
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu);                   \
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
-  m.impl("_gemm_split_refusal", &kernels::gemm::gemm_split_refusal)
+  m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal)
 
 TORCH_LIBRARY_IMPL(kernels, AutocastCPU, m) {
   m.impl("gemm_multiply_leaky_relu",

@@ -5,9 +5,10 @@ Ops (schemas in gemm.cpp):
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask) -> (y, mask)
   gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, multiplier, negative_slope, x_grad, weight_grad,
                                     bias_grad) -> (grad_x, grad_weight, grad_bias)   (empty where not asked for)
-  _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes (one of SPLIT_PATHS, or "cublas")
-  _gemm_split_refusal(x, weight, path) -> str           why split path `path` cannot take these inputs; "" if it can
-  _gemm_force_path(path) -> str                         "auto", "cublas" or a split path; returns the previous one
+  _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes ("cublas" or one of FAST_FP32_PATHS)
+  _gemm_path_refusal(x, weight, path) -> str            why fast path `path` cannot take these inputs; "" if it can
+  _gemm_force_path(path) -> str                         "auto", "cublas" or a fast path; returns the previous one
+  _gemm_fp32_path_for_capability(capability) -> str     the automatic choice's float32 path per architecture
 """
 
 import math
@@ -66,25 +67,28 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
 # The split paths: fp32 accuracy from three fp16 tensor-core products (docs in gemm.cpp). split_fp16: the Hopper
 # kernel (wgmma, TMA); split_fp16_sm80: the same method on sm_80 instructions (mma.sync), any GPU from the A100 on.
 SPLIT_PATHS = ("split_fp16", "split_fp16_sm80")
+# The paths a float32 product takes instead of cuBLAS's IEEE SGEMM where they can: the split kernels, and
+# cublas_bf16x9, cuBLAS's own FP32 emulation on bf16 tensor cores (Blackwell; gemm_cublas_bf16x9.cpp).
+FAST_FP32_PATHS = SPLIT_PATHS + ("cublas_bf16x9",)
 
 
 def gemm_path(x, weight):
-    """The path gemm_multiply_leaky_relu takes for these inputs under the current settings: one of SPLIT_PATHS or
-    "cublas"."""
+    """The path gemm_multiply_leaky_relu takes for these inputs under the current settings: "cublas" or one of
+    FAST_FP32_PATHS."""
     return torch.ops.kernels._gemm_multiply_leaky_relu_path(x, weight)
 
 
 def gemm_paths(device):
     """Every path gemm_multiply_leaky_relu can take on `device` for float32 under the current settings, whether or
-    not the automatic choice would pick it: "cublas", then the split paths that can run there (on an H100 both). For
-    tests, tools and bench."""
+    not the automatic choice would pick it: "cublas", then the fast float32 paths that can run there (on an H100 all
+    three). For tests, tools and bench."""
     probe = torch.empty(8, 64, device=device)
-    return ["cublas"] + [p for p in SPLIT_PATHS if torch.ops.kernels._gemm_split_refusal(probe, probe, p) == ""]
+    return ["cublas"] + [p for p in FAST_FP32_PATHS if torch.ops.kernels._gemm_path_refusal(probe, probe, p) == ""]
 
 
 class forced_gemm_path:
     """with forced_gemm_path(path): every gemm_multiply_leaky_relu call in the block takes `path` ("cublas" or one
-    of SPLIT_PATHS; "auto" is the default choice). A forced split path that cannot run raises instead of falling
+    of FAST_FP32_PATHS; "auto" is the default choice). A forced fast path that cannot run raises instead of falling
     back. (A class rather than a generator function, so the module needs no exception handling, which KernelBench's
     static check rejects.)"""
 

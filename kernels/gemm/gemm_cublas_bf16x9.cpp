@@ -1,0 +1,99 @@
+// The cublas_bf16x9 path's products (gemm.cpp chooses it; on Blackwell, sm_100 and sm_103, by default): float32
+// GEMMs on cuBLAS's own FP32 emulation, compute type CUBLAS_COMPUTE_32F_EMULATED_16BFX9 (cuBLAS 12.9 and later).
+// cuBLAS splits each operand into three bf16 terms and sums the nine products on the bf16 tensor cores with fp32
+// accumulation: float32's accuracy at a rate the GPU's fp32 units do not have (B200: 2250 dense bf16 TFLOP/s against
+// about 75 fp32). With cuBLAS's default emulation strategy it emulates only where it expects a gain and runs its
+// IEEE fp32 kernels elsewhere (small or skinny shapes, and GPUs without the emulation).
+//
+// The classic cublasGemmEx on torch's handle (its stream, workspace and math mode, as at::mm's) rather than
+// cuBLASLt: the same numerics, and PyTorch's own measurements of the two on GB200 found cublasGemmEx's choice of
+// kernels the less shape-sensitive.
+#ifdef KERNELS_WITH_CUDA
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace kernels::gemm {
+namespace {
+
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+constexpr bool kBf16x9Compiled = true;
+#else
+constexpr bool kBf16x9Compiled = false;
+#endif
+
+// Why the cublas_bf16x9 path cannot run a float32 product of this size, or nullptr if it can: the library built
+// against a cuBLAS older than 12.9, a cuBLAS older than 12.9 loaded, or a dimension past cuBLAS's int.
+const char* cublas_bf16x9_refusal(int64_t m, int64_t n, int64_t k) {
+  if (!kBf16x9Compiled) return "the library was built against a cuBLAS older than 12.9 (no FP32 emulation)";
+  static const int loaded_version = [] {
+    int version = 0;
+    return cublasGetVersion(at::cuda::getCurrentCUDABlasHandle(), &version) == CUBLAS_STATUS_SUCCESS ? version : 0;
+  }();
+  if (loaded_version < 120900) return "the cuBLAS loaded is older than 12.9 (no FP32 emulation)";
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX) return "a dimension is past cuBLAS's int range";
+  return nullptr;
+}
+
+// Under torch.use_deterministic_algorithms, a cuBLAS product without a fixed workspace configuration is not
+// deterministic: alerts (raises, or warns where warn_only) as at::mm does, with the same remedy.
+void alert_if_cublas_not_deterministic() {
+  if (!at::globalContext().deterministicAlgorithms()) return;
+  const char* config = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  if (config != nullptr && (std::strcmp(config, ":4096:8") == 0 || std::strcmp(config, ":16:8") == 0)) return;
+  at::Context::alertNotDeterministic(
+      "kernels.gemm_multiply_leaky_relu on the cublas_bf16x9 path (cuBLAS): set the environment variable "
+      "CUBLAS_WORKSPACE_CONFIG=:4096:8 or CUBLAS_WORKSPACE_CONFIG=:16:8 before the program starts");
+}
+
+// A float32 matrix t (r x c) as cuBLAS's column-major operand op(t^T): where t is row-major (unit column stride),
+// its memory read column-major is t^T itself; where t is column-major, it is t, to be transposed; else a copy.
+struct ColumnMajorOperand {
+  at::Tensor owner;  // t, or its row-major copy
+  cublasOperation_t op;
+  int64_t ld;
+};
+
+ColumnMajorOperand column_major_transpose(const at::Tensor& t) {
+  const int64_t rows = t.size(0), columns = t.size(1);
+  if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, columns)) return {t, CUBLAS_OP_N, t.stride(0)};
+  if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(1, rows)) return {t, CUBLAS_OP_T, t.stride(1)};
+  const at::Tensor copy = t.contiguous();
+  return {copy, CUBLAS_OP_N, std::max<int64_t>(1, columns)};
+}
+
+// y (m x n, row-major) = a (m x k) b (k x n) + bias (broadcast over rows; none where undefined), float32 on one GPU,
+// no dimension 0, computed as y^T = b^T a^T in cuBLAS's column-major terms. Raises where cuBLAS refuses.
+at::Tensor cublas_bf16x9_addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  alert_if_cublas_not_deterministic();
+  at::Tensor y = bias.defined() ? bias.expand({m, n}).contiguous() : at::empty({m, n}, a.options());
+  const ColumnMajorOperand a_t = column_major_transpose(a), b_t = column_major_transpose(b);
+  const float alpha = 1.0f, beta = bias.defined() ? 1.0f : 0.0f;
+  const cublasStatus_t status = cublasGemmEx(
+      at::cuda::getCurrentCUDABlasHandle(), b_t.op, a_t.op, static_cast<int>(n), static_cast<int>(m),
+      static_cast<int>(k), &alpha, b_t.owner.const_data_ptr<float>(), CUDA_R_32F, static_cast<int>(b_t.ld),
+      a_t.owner.const_data_ptr<float>(), CUDA_R_32F, static_cast<int>(a_t.ld), &beta, y.mutable_data_ptr<float>(),
+      CUDA_R_32F, static_cast<int>(n),
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+      CUBLAS_COMPUTE_32F_EMULATED_16BFX9,
+#else
+      CUBLAS_COMPUTE_32F,  // not reached: cublas_bf16x9_refusal refuses this build
+#endif
+      CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "kernels.gemm_multiply_leaky_relu: cuBLAS refused its FP32 emulation "
+              "(cublas_bf16x9 path) for a ", m, " x ", k, " by ", k, " x ", n, " product: ",
+              cublasGetStatusString(status));
+  return y;
+}
+
+}  // namespace
+}  // namespace kernels::gemm
+#endif

@@ -1,0 +1,663 @@
+"""The checks that need the GPU machine, one subcommand each: build, tests, sanitize, bench, multi-gpu, sm80, all.
+
+    python tools/device_check.py all            # build, tests, sanitize, bench: the whole single-GPU run
+    python tools/device_check.py build          # cold build and warm imports timed, SASS summaries, smoke test
+    python tools/device_check.py tests [--quick] [PYTEST_ARGS ...]
+    python tools/device_check.py sanitize       # compute-sanitizer's four tools over every kernel
+    python tools/device_check.py bench [--runs 3] [--floor 0.98] [BENCH_ARGS ...]
+    python tools/device_check.py bench --summarize bench.json bench2.json bench3.json
+    python tools/device_check.py multi-gpu      # on a machine with 2 GPUs
+    python tools/device_check.py sm80           # the sm_80 kernel on a Hopper GPU
+
+What each subcommand runs:
+  build      nvidia-smi's line for the GPU, torch's and CUDA's versions, the CPU count. A cold build of the op library
+             into a fresh $TORCH_EXTENSIONS_DIR (whatever is cached elsewhere), timed, with each library's targets'
+             seconds from ninja's log; the build again into another empty folder (the compilers' files are in the
+             page cache by then, so the difference is cold disk); a warm import in a new process and of kernels
+             alone after torch, timed. cuobjdump's SASS of every library into sass.txt, with the global loads and
+             stores of the vectorized fp32 forward kernel and the HGMMA count per GEMM kernel. Then the smoke test:
+             tools/sanitize_cases.py (every kernel once on small shapes against eager) under a 180 s limit, as a
+             pipeline that deadlocks hangs.
+  tests      python -m pytest -q -rs tests under a 900 s limit (--time-limit); --quick adds -m "not slow"; other
+             arguments go to pytest, and where they name test files or node ids those run instead of tests/. The
+             whole output goes to pytest.log, its last 25 lines to the terminal.
+  sanitize   the library built first, outside the sanitizer, with KERNELS_LINEINFO=1 (source lines in the reports);
+             then compute-sanitizer --tool memcheck, racecheck, initcheck and synccheck over tools/sanitize_cases.py,
+             each into sanitize_<tool>.log: one line per tool, a failing tool's last 20 lines.
+  bench      bench.py --json bench.json --plot bench.png --markdown bench.md, its output in bench.log. --runs N runs
+             it N - 1 times more (bench<run>.json and .log only), then prints ModelNew's speedup per row over the
+             runs, its lowest, and the rows under --floor (0.98) or missing from a run; --summarize prints that for
+             JSON files of `bench.py --json` already written, and runs nothing.
+  multi-gpu  nvidia-smi, the GPUs' links (nvidia-smi topo -m), torch's device count; then parts, each under a time
+             limit, into <part>.log with its last 25 lines shown: build (one build before anything else, so that the
+             tests and the ranks load the library instead of racing to build it; a failed build stops here),
+             pytest_multi_gpu (tests/test_multi_gpu.py), ddp_check and tp_check (tools/ddp_check.py and
+             tools/tp_check.py under torchrun on 2 processes), peak_memory (tests/test_reliability.py -k peak_memory);
+             then the per-rank summary lines of ddp_check and tp_check. NVLink multicast is off in every process it
+             starts (NO_NVLINK_MULTICAST in this file).
+  sm80       nvidia-smi's clocks, the library built (where $TORCH_EXTENSIONS_DIR or torch's default folder has it,
+             that one); the tensor-core instructions per GEMM kernel from the SASS of the GEMM libraries
+             (sm80_sass.txt); tools/gemm_sweep.py --path split_fp16_sm80 (sm80_sweep.log), its first 4 lines again
+             at two pipeline stages (KERNELS_GEMM_SM80_STAGES=2, the A100's depth), the first 4 lines of the Hopper
+             kernel's sweep; then pytest -q -x -rs tests/test_gemm.py under a 400 s limit (--test-time-limit), its
+             output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest.
+  all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
+             where the build or the smoke test failed.
+
+Every subcommand writes into --out (default: $OUT, else /tmp/device_check), its whole output also into
+device_check_<subcommand>.log there, and exits with status 1 where a step failed, naming the steps that did.
+Environment switches, beside the flags they default: SKIP_TESTS=1, SKIP_SANITIZE=1, SKIP_BENCH=1 (all; SKIP_TESTS
+for sm80 too), BENCH_ARGS (arguments for bench.py: all, bench), BENCH_RUNS (--runs), TEST_TIMEOUT (sm80's
+--test-time-limit), PYTEST_ARGS (arguments for sm80's pytest). Where matplotlib (bench's chart) or pytest-xdist
+(pyproject.toml's pytest options ask for it) is missing, the wheels in .whl/, if carried, are installed into
+/tmp/site for the processes started from here.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+IMPORT_LIBRARY = [PYTHON, "-c", "import kernels.functional"]
+
+# NVLink multicast stays off, in the multi-gpu run and in every process started from it (pytest's subprocesses,
+# torchrun's ranks): nothing here needs it, and on a shared multi-GPU host a program that uses it can leave the GPUs
+# unusable. tools/ddp_check.py takes these settings from here, and the tests' torchrun runner (tests/conftest.py)
+# from it.
+NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+SMOKE_TEST_LIMIT_S = 180
+# As `timeout --kill-after=30`: a process still there this long after SIGTERM gets SIGKILL.
+KILL_AFTER_S = 30
+# Lines of a command's output kept in memory for its tail; the whole output is in its log.
+KEPT_LINES = 200
+# Where the wheels carried in .whl/ are installed, outside the repository.
+WHEEL_SITE = "/tmp/site"
+
+
+class Console:
+    """The terminal and the subcommand's log (device_check_<subcommand>.log), written together, a line at a time."""
+
+    def __init__(self):
+        self.log = None
+        self.lock = threading.Lock()  # the output of a command comes from its reader thread
+
+    def open(self, path):
+        self.log = open(path, "w", encoding="utf-8")
+
+    def write(self, text):
+        with self.lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if self.log:
+                self.log.write(text)
+                self.log.flush()
+
+
+CONSOLE = Console()
+
+
+def say(*parts):
+    CONSOLE.write(" ".join(str(part) for part in parts) + "\n")
+
+
+def show_tail(lines, count):
+    for line in list(lines)[-count:]:
+        say(line)
+
+
+class Ran:
+    """How a command ended: its exit status (bash's numbering: 128 + the signal that ended it, 124 when its time
+    limit ended it, 137 when that took SIGKILL, 127 when it was not found), the last KEPT_LINES lines of its output,
+    and whether its time limit ran out."""
+
+    def __init__(self, status, lines, timed_out=False):
+        self.status, self.lines, self.timed_out = status, lines, timed_out
+
+
+def end_process_group(process):
+    """SIGTERM to the command and everything it started (torchrun's ranks, pytest's workers), SIGKILL if they are
+    still there KILL_AFTER_S later; whether SIGKILL was needed."""
+    for sig, wait_s in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return False
+        try:
+            process.wait(timeout=wait_s)
+            return sig == signal.SIGKILL
+        except subprocess.TimeoutExpired:
+            continue
+    return True
+
+
+def run(command, log=None, show=True, limit_s=None, env=None, stop_after_lines=None):
+    """Runs `command` in the repository root, stdout and stderr together: every line into the file `log` (if one is
+    named) and, where `show`, to the terminal and the subcommand's log. `limit_s`: SIGTERM, then SIGKILL, to it and its
+    children at the limit. `stop_after_lines`: it is ended after that many lines, which is not a failure (as
+    `| head -N`). `env`: variables set for it on top of this process's."""
+    environment = dict(os.environ, **(env or {}))
+    try:
+        # A session of its own, so that a time limit or Ctrl-C here ends its children too.
+        process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    except FileNotFoundError:
+        say(f"{command[0]}: not found")
+        return Ran(127, collections.deque())
+    lines = collections.deque(maxlen=KEPT_LINES)
+    enough = threading.Event()
+    log_file = open(log, "w", encoding="utf-8") if log else None
+
+    def pump():
+        count = 0
+        for raw in iter(process.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            lines.append(line)
+            if log_file:
+                log_file.write(line + "\n")
+                log_file.flush()
+            if show and not enough.is_set():
+                CONSOLE.write(line + "\n")
+            count += 1
+            if stop_after_lines and count >= stop_after_lines:
+                enough.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    timed_out = stopped = killed = False
+    try:
+        while process.poll() is None:
+            if enough.is_set():
+                stopped = True
+                end_process_group(process)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                timed_out = True
+                killed = end_process_group(process)
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        end_process_group(process)
+        raise
+    finally:
+        # A child that outlives the command can hold the pipe open.
+        reader.join(timeout=KILL_AFTER_S)
+        if reader.is_alive():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            reader.join()
+        process.stdout.close()
+        if log_file:
+            log_file.close()
+    if timed_out:
+        return Ran(137 if killed else 124, lines, timed_out=True)
+    if stopped:
+        return Ran(0, lines)
+    status = process.returncode
+    return Ran(128 - status if status < 0 else status, lines)
+
+
+def passed(name, ran, limit_s=None):
+    """Says how a step that failed ended; whether it passed."""
+    if ran.status == 0:
+        return True
+    if ran.timed_out:
+        say(f"== {name}: FAILED: timed out after {limit_s} s")
+    else:
+        say(f"== {name}: FAILED (exit status {ran.status})")
+    return False
+
+
+def switch(name):
+    """An environment switch such as SKIP_TESTS: on where it is "1"."""
+    return os.environ.get(name, "") == "1"
+
+
+def print_cpu_count():
+    say(f"CPUs: {len(os.sched_getaffinity(0))}")
+
+
+def importable(module):
+    return subprocess.run([PYTHON, "-c", f"import {module}"], cwd=REPO, capture_output=True).returncode == 0
+
+
+def ensure_module(module):
+    """Where `module` does not import, installs the wheels in .whl/ (if carried: the GPU machine has no network)
+    into WHEEL_SITE and puts it first on PYTHONPATH for every process started from here."""
+    if importable(module):
+        return
+    wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
+    if not wheels:
+        return
+    say(f"{module} is missing: installing {len(wheels)} wheels from .whl/ into {WHEEL_SITE}")
+    ran = run([PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
+               WHEEL_SITE, *wheels])
+    if ran.status == 0:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (WHEEL_SITE, os.environ.get("PYTHONPATH")) if p)
+    if not importable(module):
+        say(f"{module} is still missing: no wheel of it in .whl/")
+
+
+def default_build_root():
+    """Where the loader builds the library: $TORCH_EXTENSIONS_DIR, else torch's default folder (its
+    cpp_extension.get_default_build_root(), which is the user cache folder; not imported here, so that this
+    process stays free of torch)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(cache, "torch_extensions")
+
+
+# --- SASS
+
+
+def dump_sass(libraries, path):
+    """cuobjdump's SASS of every library into `path`, its errors too."""
+    with open(path, "w") as f:
+        if not libraries:
+            f.write("no library found\n")
+        for library in libraries:
+            f.flush()
+            try:
+                subprocess.run(["cuobjdump", "--dump-sass", library], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+            except FileNotFoundError:
+                f.write("cuobjdump: not found\n")
+                break
+
+
+def sass_lines(path):
+    """(function, fields) for each line of a SASS dump: the function ("Function : <name>") the line is in (None
+    before the first), the line split at whitespace."""
+    function = None
+    with open(path, errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            if "Function :" in line and len(fields) > 2:
+                function = fields[2]
+            yield function, fields
+
+
+def print_vectorized_forward_accesses(path):
+    """The global loads and stores of the vectorized fp32 forward kernel (multiply_leaky_relu_kernel<float, 4,
+    false, false>), counted per opcode and first operand: one 16-byte access per pack, or not."""
+    say("SASS: vectorized fp32 forward kernel's global accesses:")
+    counts = collections.Counter()
+    for function, fields in sass_lines(path):
+        if function and "multiply_leaky_relu_kernelIfLi4ELb0ELb0E" in function and len(fields) > 1 \
+                and fields[0] != "Function" and re.search("LDG|STG", " ".join(fields)):
+            counts[" ".join(fields[1:3])] += 1
+    for access, count in sorted(counts.items()):
+        say(f"{count:7d}     {access}")
+
+
+def print_instruction_counts(path, pattern, by_opcode):
+    """How many instructions matching `pattern` each function has (per opcode too, where `by_opcode`)."""
+    counts = collections.Counter()
+    for function, fields in sass_lines(path):
+        if function and len(fields) > 1 and re.search(pattern, " ".join(fields)):
+            counts[f"{function} {fields[1].split('.')[0]}" if by_opcode else function] += 1
+    for key, count in counts.items():
+        say(f"    {count} {key}")
+
+
+# --- subcommands; each returns the names of its steps that failed
+
+
+def build(args):
+    """Cold build, timed; warm imports, timed; SASS summaries; the smoke test."""
+    failed = []
+    run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm", "--format=csv,noheader"])
+    run([PYTHON, "-c", "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"])
+    print_cpu_count()
+
+    # A cold build, whatever is cached elsewhere; `all`'s later steps load this build.
+    build_root = tempfile.mkdtemp(prefix="device_check_build_")
+    os.environ["TORCH_EXTENSIONS_DIR"] = build_root
+    say(f"== build into TORCH_EXTENSIONS_DIR={build_root}")
+    start = time.time()
+    ran = run(IMPORT_LIBRARY)
+    say(f"cold build + import: {time.time() - start:.1f} s (includes python and torch start-up)")
+    if not passed("cold build", ran):
+        failed.append("cold build")
+    # Per library and target of the build: seconds, from ninja's log (start and end in ms). The libraries build at
+    # once.
+    for ninja_log in sorted(glob.glob(os.path.join(build_root, "*", ".ninja_log"))):
+        say(f"  {os.path.basename(os.path.dirname(ninja_log))}")
+        with open(ninja_log) as f:
+            for fields in (line.split() for line in list(f)[1:]):
+                if len(fields) >= 4 and not fields[3].endswith(".so"):
+                    say(f"    {fields[3]:<10} {(int(fields[1]) - int(fields[0])) / 1000:5.1f} s")
+    # Again into an empty folder: the compilers' files are in the page cache now, so this shows how much of the
+    # first build was cold disk.
+    page_cached_root = tempfile.mkdtemp(prefix="device_check_build_again_")
+    ran = run(IMPORT_LIBRARY, show=False, env={"TORCH_EXTENSIONS_DIR": page_cached_root})
+    for line in ran.lines:
+        if "built" in line:
+            say(line)
+    shutil.rmtree(page_cached_root, ignore_errors=True)
+    start = time.time()
+    run(IMPORT_LIBRARY)
+    say(f"warm import in a new process: {time.time() - start:.2f} s (python + torch + kernels)")
+    run([PYTHON, "-c", "import time, torch\n"
+                       "start = time.perf_counter(); import kernels.functional\n"
+                       "print(f'warm import of kernels alone (torch already imported): "
+                       "{time.perf_counter() - start:.2f} s')"])
+
+    sass = os.path.join(args.out, "sass.txt")
+    dump_sass(sorted(glob.glob(os.path.join(build_root, "*", "*.so"))), sass)
+    print_vectorized_forward_accesses(sass)
+    say("SASS: HGMMA instructions per GEMM kernel:")
+    print_instruction_counts(sass, "HGMMA", by_opcode=False)
+
+    failed += smoke_test()
+    return failed
+
+
+def smoke_test():
+    """Every kernel once on small shapes against eager, bounded in time (a pipeline that deadlocks hangs)."""
+    say("== smoke test (tools/sanitize_cases.py)")
+    ran = run([PYTHON, "tools/sanitize_cases.py"], limit_s=SMOKE_TEST_LIMIT_S)
+    if ran.status != 0:
+        say("smoke test failed or hung" + (f" ({SMOKE_TEST_LIMIT_S} s)" if ran.timed_out else ""))
+        return ["smoke test"]
+    return []
+
+
+def names_tests(pytest_args):
+    """Whether pytest's arguments name tests to run: a file, a folder or a node id under tests/ (an option's value,
+    as in `-k gemm`, names none)."""
+    tests_folder = os.path.join(REPO, "tests")
+    for arg in pytest_args:
+        path = os.path.realpath(os.path.join(REPO, arg.split("::")[0]))
+        inside_tests = os.path.commonpath([path, tests_folder]) == tests_folder
+        if not arg.startswith("-") and os.path.exists(path) and inside_tests:
+            return True
+    return False
+
+
+def tests(args):
+    """The full test suite (or --quick's part of it), its tail shown."""
+    ensure_module("xdist")
+    command = [PYTHON, "-m", "pytest", "-q", "-rs", *(["-m", "not slow"] if args.quick else []), *args.extra]
+    if not names_tests(args.extra):
+        command.append("tests")
+    say(f"== tests: {shlex.join(['python', *command[1:]])} (output in pytest.log)")
+    ran = run(command, log=os.path.join(args.out, "pytest.log"), show=False, limit_s=args.time_limit)
+    show_tail(ran.lines, 25)
+    return [] if passed("tests", ran, args.time_limit) else ["tests"]
+
+
+SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+
+
+def sanitize(args):
+    """compute-sanitizer's four tools over tools/sanitize_cases.py; a summary line per tool."""
+    lineinfo = {"KERNELS_LINEINFO": "1"}  # source lines in the reports
+    say("== sanitize: the library built with KERNELS_LINEINFO=1")
+    if not passed("sanitize build", run(IMPORT_LIBRARY, env=lineinfo)):
+        return ["sanitize build"]
+    failed = []
+    for tool in SANITIZER_TOOLS:
+        # Only the library's kernels (their names hold the namespace kernels::), not torch's own; except for
+        # initcheck, which must see the writes of torch's kernels too (randn, copies), or every input they made
+        # reads as uninitialized.
+        kernel_filter = [] if tool == "initcheck" else ["--kernel-regex", "kns=kernels"]
+        # initcheck does not track TMA stores' writes: the split GEMM takes its plain-store epilogue under it (the
+        # outputs' coverage on the TMA path is tested by tests/test_gemm.py on a NaN-poisoned allocator).
+        plain_stores = "1" if tool == "initcheck" else ""
+        log = os.path.join(args.out, f"sanitize_{tool}.log")
+        ran = run(["compute-sanitizer", "--tool", tool, *kernel_filter, "--target-processes", "all",
+                   "--error-exitcode", "86", PYTHON, "tools/sanitize_cases.py"],
+                  log=log, show=False, env=dict(lineinfo, KERNELS_GEMM_PLAIN_STORES=plain_stores))
+        summaries = []
+        if os.path.exists(log):
+            with open(log, errors="replace") as f:
+                summaries = [line.strip() for line in f if re.search("ERROR SUMMARY|RACECHECK SUMMARY", line)]
+        say(f"{tool}: exit {ran.status}; {summaries[-1] if summaries else ''}")
+        if ran.status != 0:
+            failed.append(f"sanitize {tool}")
+            show_tail(ran.lines, 20)
+    return failed
+
+
+def print_speedups_over_runs(paths, floor):
+    """ModelNew's speedup per bench.py row across runs (JSON files of `bench.py --json`, in run order), its lowest,
+    and the rows whose lowest is under `floor` or that a run lacks."""
+    speedups = {}  # (problem, case, variant) -> one speedup per run, in the order of the first run's rows
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["rows"]:
+                if row["variant"].startswith("ModelNew"):
+                    speedups.setdefault((row["problem"], row["case"], row["variant"]), []).append(row["speedup"])
+    below = []
+    for (problem, case, variant), values in speedups.items():
+        lowest = min(values)
+        mark = " <" if lowest < floor else ""
+        runs = " ".join(f"{v:6.3f}" for v in values)
+        say(f"{problem:34} {case:36} {variant:24} {runs}  min {lowest:.3f}{mark}")
+        if lowest < floor or len(values) < len(paths):
+            below.append(f"{problem}: {case} ({variant})")
+    say(f"\n{len(speedups)} ModelNew rows over {len(paths)} runs; under {floor} or missing from a run: "
+        + (", ".join(below) if below else "none"))
+
+
+def bench(args):
+    """bench.py with its JSON, chart and Markdown; more runs and the speedups over them where --runs asks."""
+    if args.summarize:
+        print_speedups_over_runs(args.summarize, args.floor)
+        return []
+    failed = []
+    ensure_module("matplotlib")
+    bench_args = shlex.split(args.bench_args) + args.extra
+    out = args.out
+    say("== bench (output in bench.log)")
+    ran = run([PYTHON, "bench.py", *bench_args, "--json", os.path.join(out, "bench.json"),
+               "--plot", os.path.join(out, "bench.png"), "--markdown", os.path.join(out, "bench.md")],
+              log=os.path.join(out, "bench.log"))
+    if not passed("bench", ran):
+        failed.append("bench")
+    # More runs, tables to their logs only, then ModelNew's speedup per row across all of them.
+    paths = [os.path.join(out, "bench.json")]
+    for run_number in range(2, args.runs + 1):
+        paths.append(os.path.join(out, f"bench{run_number}.json"))
+        say(f"== bench run {run_number} of {args.runs} (output in bench{run_number}.log)")
+        ran = run([PYTHON, "bench.py", *bench_args, "--json", paths[-1]],
+                  log=os.path.join(out, f"bench{run_number}.log"), show=False)
+        if not passed(f"bench run {run_number}", ran):
+            failed.append(f"bench run {run_number}")
+    if args.runs > 1:
+        written = [path for path in paths if os.path.exists(path)]
+        for path in sorted(set(paths) - set(written)):
+            say(f"{path}: not written")
+        if written:
+            print_speedups_over_runs(written, args.floor)
+    return failed
+
+
+def multi_gpu(args):
+    """The 2-GPU run: GPUs and links, one build, the multi-GPU tests, the DDP and tensor-parallel checks on their
+    own for their per-rank lines, the peak-memory tests; each part bounded in time."""
+    os.environ.update(NO_NVLINK_MULTICAST)  # in every process started from here
+    run(["nvidia-smi"])
+    run(["nvidia-smi", "topo", "-m"])
+    run([PYTHON, "-c", "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'devices', "
+                       "torch.cuda.device_count())"])
+    print_cpu_count()
+    ensure_module("xdist")
+    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    parts = [
+        # One build before anything else, so that the tests and the ranks load the library instead of racing to
+        # build it.
+        ("build", 600, IMPORT_LIBRARY),
+        ("pytest_multi_gpu", 1200, [PYTHON, "-m", "pytest", "-q", "-rs", "tests/test_multi_gpu.py"]),
+        ("ddp_check", 600, [*torchrun, "tools/ddp_check.py"]),
+        ("tp_check", 600, [*torchrun, "tools/tp_check.py"]),
+        ("peak_memory", 600, [PYTHON, "-m", "pytest", "-q", "-rs", "tests/test_reliability.py", "-k", "peak_memory"]),
+    ]
+    failed = []
+    for name, limit_s, command in parts:
+        say(f"== {name}")
+        ran = run(command, log=os.path.join(args.out, f"{name}.log"), show=False, limit_s=limit_s)
+        show_tail(ran.lines, 25)
+        if not passed(name, ran, limit_s):
+            failed.append(name)
+            if name == "build":
+                return failed
+    for name, wanted in (("ddp_check", lambda line: line.startswith("ddp_check rank")),
+                         ("tp_check", lambda line: "tp_check rank" in line and not line.startswith("Traceback"))):
+        log = os.path.join(args.out, f"{name}.log")
+        if os.path.exists(log):
+            with open(log, errors="replace") as f:
+                for line in f:
+                    if wanted(line):
+                        say(line.rstrip("\n"))
+    return failed
+
+
+def sm80(args):
+    """The sm_80 split kernel on a Hopper GPU: its SASS, its time and error at both pipeline depths beside the
+    Hopper kernel's, the GEMM tests."""
+    run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm", "--format=csv,noheader"])
+    if not passed("build", run(IMPORT_LIBRARY)):
+        return ["build"]
+    failed = []
+    sass = os.path.join(args.out, "sm80_sass.txt")
+    dump_sass(sorted(glob.glob(os.path.join(default_build_root(), "*gemm*", "*.so"))), sass)
+    say("SASS: tensor-core instructions per GEMM kernel:")
+    print_instruction_counts(sass, "HMMA|HGMMA", by_opcode=True)
+    sweep = [PYTHON, "tools/gemm_sweep.py", "--path", "split_fp16_sm80"]
+    if not passed("sm80 sweep", run(sweep, log=os.path.join(args.out, "sm80_sweep.log"))):
+        failed.append("sm80 sweep")
+    say("--- two stages (the A100's depth)")
+    run(sweep, env={"KERNELS_GEMM_SM80_STAGES": "2"}, stop_after_lines=4)
+    say("--- the Hopper kernel")
+    run([PYTHON, "tools/gemm_sweep.py"], stop_after_lines=4)
+    if not args.skip_tests:
+        ensure_module("xdist")
+        command = [PYTHON, "-m", "pytest", "-q", "-x", "-rs", "tests/test_gemm.py",
+                   *shlex.split(os.environ.get("PYTEST_ARGS", "")), *args.extra]
+        say("== GEMM tests (output in sm80_pytest.log)")
+        ran = run(command, log=os.path.join(args.out, "sm80_pytest.log"), show=False, limit_s=args.test_time_limit)
+        show_tail(ran.lines, 15)
+        if not passed("GEMM tests", ran, args.test_time_limit):
+            failed.append("GEMM tests")
+    return failed
+
+
+def run_all(args):
+    """build, tests, sanitize, bench on one build; nothing after a failed build or smoke test."""
+    failed = build(args)
+    if failed:
+        say("build or smoke test failed: stopping here")
+        return failed
+    if not args.skip_tests:
+        args.quick = False
+        failed += tests(args)
+    if not args.skip_sanitize:
+        failed += sanitize(args)
+    if not args.skip_bench:
+        failed += bench(args)
+    return failed
+
+
+# --- arguments
+
+
+def what_it_runs(subcommand):
+    """The module docstring's paragraph on `subcommand`, for its --help."""
+    match = re.search(rf"^  {re.escape(subcommand)} +(.*?)\n(?=  \S|\n)", __doc__, re.S | re.M)
+    return f"{subcommand}: " + re.sub(r"\s+", " ", match.group(1))
+
+
+def parse_arguments(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    subcommands = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", default=os.environ.get("OUT") or "/tmp/device_check",
+                        help="folder for the logs and results (default: $OUT, else /tmp/device_check)")
+
+    def add(name, function, summary, extra=None):
+        """A subcommand; `extra` names where its unrecognized arguments go, None where it takes none."""
+        sub = subcommands.add_parser(name, parents=[common], help=summary, description=what_it_runs(name),
+                                     allow_abbrev=False)
+        sub.set_defaults(function=function, extra_to=extra)
+        return sub
+
+    def name_extra_in_usage(sub, extra):
+        sub.usage = sub.format_usage().removeprefix("usage: ").rstrip() + f" [{extra} ...]"
+
+    def add_bench_options(sub):
+        sub.add_argument("--runs", type=int, default=int(os.environ.get("BENCH_RUNS") or 1),
+                         help="bench.py runs; over 1, ModelNew's speedup per row over them (default: $BENCH_RUNS, "
+                         "else 1)")
+        sub.add_argument("--floor", type=float, default=0.98, help="speedup under which a row is named (0.98)")
+        sub.add_argument("--bench-args", default=os.environ.get("BENCH_ARGS", ""),
+                         help="arguments for bench.py, one string (default: $BENCH_ARGS)")
+
+    add("build", build, "cold build and warm imports timed, SASS summaries, the smoke test")
+    sub = add("tests", tests, "the full test suite; other arguments go to pytest", extra="pytest")
+    sub.add_argument("--quick", action="store_true", help='only -m "not slow"')
+    sub.add_argument("--time-limit", type=int, default=900, help="seconds (900)")
+    name_extra_in_usage(sub, "PYTEST_ARGS")
+    add("sanitize", sanitize, "compute-sanitizer's four tools over every kernel on small shapes")
+    sub = add("bench", bench, "bench.py with JSON, chart and Markdown; other arguments go to bench.py",
+              extra="bench.py")
+    add_bench_options(sub)
+    sub.add_argument("--summarize", nargs="+", metavar="JSON",
+                     help="only the speedups over runs of these `bench.py --json` files, in run order")
+    name_extra_in_usage(sub, "BENCH_ARGS")
+    add("multi-gpu", multi_gpu, "the 2-GPU run: multi-GPU tests, DDP and tensor-parallel checks, peak memory")
+    sub = add("sm80", sm80, "the sm_80 kernel on a Hopper GPU; other arguments go to the GEMM tests' pytest",
+              extra="pytest")
+    sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
+                     help="no GEMM tests (default: $SKIP_TESTS=1)")
+    sub.add_argument("--test-time-limit", type=int, default=int(os.environ.get("TEST_TIMEOUT") or 400),
+                     help="seconds for the GEMM tests (default: $TEST_TIMEOUT, else 400)")
+    name_extra_in_usage(sub, "PYTEST_ARGS")
+    sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
+    sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
+                     help="(default: $SKIP_TESTS=1)")
+    sub.add_argument("--skip-sanitize", action="store_true", default=switch("SKIP_SANITIZE"),
+                     help="(default: $SKIP_SANITIZE=1)")
+    sub.add_argument("--skip-bench", action="store_true", default=switch("SKIP_BENCH"),
+                     help="(default: $SKIP_BENCH=1)")
+    sub.add_argument("--time-limit", type=int, default=900, help="seconds for the tests (900)")
+    add_bench_options(sub)
+
+    args, extra = parser.parse_known_args(argv)
+    if extra[:1] == ["--"]:  # `tests -- -k gemm`: the separator is not pytest's
+        extra = extra[1:]
+    if extra and args.extra_to is None:
+        parser.error(f"{args.subcommand} takes no arguments besides its options: {shlex.join(extra)}")
+    args.extra = extra
+    args.out = os.path.abspath(args.out)
+    args.summarize = getattr(args, "summarize", None)
+    return args
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    os.makedirs(args.out, exist_ok=True)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    CONSOLE.open(os.path.join(args.out, f"device_check_{args.subcommand}.log"))
+    failed = args.function(args)
+    say(f"device_check {args.subcommand}: " + (f"FAILED: {', '.join(failed)}" if failed else "ok")
+        + f" (logs in {args.out})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
