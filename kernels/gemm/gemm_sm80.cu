@@ -140,7 +140,8 @@ __device__ __forceinline__ void load_stage(std::uint32_t stage, const __half* x_
   }
   if (threadIdx.x < kTileRows) {
     const bool valid = first_w_row + static_cast<int>(threadIdx.x) < n;
-    const std::int32_t* from = w_exponent + (valid ? static_cast<std::int64_t>(chunk) * n + first_w_row + threadIdx.x : 0);
+    const std::int32_t* from =
+        w_exponent + (valid ? static_cast<std::int64_t>(chunk) * n + first_w_row + threadIdx.x : 0);
     copy_4_async(stage + 4 * kTileBytes + threadIdx.x * 4, from, valid);
   }
 }

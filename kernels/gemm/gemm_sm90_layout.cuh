@@ -1,0 +1,63 @@
+// The Hopper GEMM's (gemm_sm90.cu) tile shapes, shared-memory layout, named barriers and register budgets, and the
+// rows of a tile that a consumer thread holds.
+//
+// Tiles: 128 rows of w (output features) by 128 rows of x per CTA, K in chunks of 64. Per stage, TMA loads the w
+// tile as float32 (two 128 x 32 boxes, 128-byte swizzle) and the x_hi, x_lo tiles (128 x 64 fp16 each): 64 KB;
+// 3 stages in 192 KB of shared memory. After the stages: each consumer's staging buffer for its TMA stores
+// (gemm_sm90_epilogue.cuh), then the stages' "full" and "empty" mbarriers.
+#pragma once
+
+#include "gemm.h"
+
+#include <cstdint>
+
+namespace kernels::gemm {
+namespace {
+
+constexpr int kBlockW = 128;                              // w rows per tile: wgmma's M, 64 per consumer
+constexpr int kBlockX = 128;                              // x rows per tile: wgmma's N
+constexpr int kBlockK = kSplitChunk;                      // one chunk: one scale per w row, one promotion
+constexpr int kBoxK = 32;                                 // floats in a 128-byte swizzle row of the w tile
+constexpr int kStages = 3;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kWBoxBytes = kBlockW * kBoxK * 4;            // 16 KB
+constexpr int kWTransposedBoxBytes = kBlockK * kBoxK * 4;  // 8 KB: 64 of k x 32 rows of w, when w comes transposed
+constexpr int kXTileBytes = kBlockX * kBlockK * 2;         // 16 KB
+constexpr int kStageBytes = 2 * kWBoxBytes + 2 * kXTileBytes;
+constexpr int kOutBoxRows = 64;                             // y rows (rows of x) per TMA store box
+constexpr int kOutBoxBytes = kOutBoxRows * kBoxK * 4;       // 8 KB: 64 rows of y x 32 columns (rows of w)
+constexpr int kStagingBytes = 2 * kOutBoxBytes;             // per consumer: 64 rows of y x its 64 columns
+constexpr int kSharedBytes =
+    kStages * kStageBytes + kConsumers * kStagingBytes + 2 * kStages * 8 + 1024;  // tiles, staging, barriers, align
+constexpr int kTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and consumer 1's turn to issue products
+constexpr int kStagingBarrier = 3;  // named barriers 3 and 4: consumer 0's and consumer 1's staging buffer
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows of w");
+static_assert(kBlockK == 2 * kBoxK && kBlockK * 2 == 128, "a chunk is two w boxes and one fp16 swizzle row of x");
+static_assert(4 * kWTransposedBoxBytes == 2 * kWBoxBytes, "either way, a stage holds 128 rows of w x 64 of k");
+static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "the register file");
+static_assert(kSharedBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
+static_assert(2 * kOutBoxRows == kBlockX && 2 * kBoxK == kBlockW / kConsumers, "a consumer stores 2 x 2 boxes a tile");
+
+// A consumer thread's place in wgmma's fragments. Consumer i (warpgroup i + 1) owns the tile's rows of w 64 i ..
+// 64 i + 63, 16 per warp; with g = lane / 4 and t = lane % 4, the thread holds rows tile_row = 64 i + 16 warp + g
+// and tile_row + 8 of w (its A registers: gemm_sm90_w_split.cuh) and, of the products, accumulator element
+// j * 4 + half * 2 + c at w row tile_row + 8 half, x row 8 j + 2 t + c.
+struct ConsumerThread {
+  int consumer, lane, t;
+  int tile_row;  // this thread's first w row in the tile; the second is + 8
+
+  __device__ __forceinline__ explicit ConsumerThread(int warpgroup) {
+    consumer = warpgroup - 1;
+    const int warp = (threadIdx.x % 128) / 32;
+    lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    t = lane % 4;
+    tile_row = consumer * 64 + warp * 16 + g;
+  }
+};
+
+}  // namespace
+}  // namespace kernels::gemm

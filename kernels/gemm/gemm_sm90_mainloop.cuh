@@ -1,0 +1,122 @@
+// The Hopper GEMM's main loop (gemm_sm90.cu): the producer's TMA loads and the consumers' tensor-core products,
+// chunk by chunk through the stages (gemm_sm90_layout.cuh).
+//
+// Warp specialisation: warpgroup 0 is the producer (one thread issues the TMA loads, waiting on each stage's
+// "empty" mbarrier) and keeps few registers; warpgroups 1 and 2 are consumers, each owning 64 rows of w. Per chunk
+// a consumer splits its rows of w in registers (gemm_sm90_w_split.cuh) and issues 12 wgmma m64n128k16 (small terms
+// first: lo_w hi_x, hi_w lo_x, hi_w hi_x per 16 of K) into a fresh accumulator. Once they complete it releases the
+// stage and adds the accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the
+// tensor cores' own accumulation over a long K loses precision; the per-chunk scale needs no pass over w before
+// the GEMM). The two consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
+// Tails: TMA fills out-of-range w elements with zeros; x's split is zero-padded to whole chunks and TMA fills rows
+// past m with zeros.
+#pragma once
+
+#include "gemm_sm90_layout.cuh"
+#include "gemm_sm90_tile_scheduler.cuh"
+#include "gemm_sm90_w_split.cuh"
+#include "sm90_primitives.cuh"
+#include "split_numerics.cuh"
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace kernels::gemm {
+namespace {
+
+// The producer's one thread: every chunk of the CTA's tiles, into the stages in turn. `iteration` counts the CTA's
+// chunks, across tiles: its stage is iteration % kStages, refilled once the consumers' warps have released it.
+template <bool kTransposed>
+__device__ __forceinline__ void load_tiles(const CUtensorMap& w_map, const CUtensorMap& x_hi_map,
+                                           const CUtensorMap& x_lo_map, unsigned char* shared, std::uint64_t* full,
+                                           std::uint64_t* empty, const TileScheduler& scheduler, int chunks) {
+  using namespace sm90;
+  int iteration = 0;
+  for (int tile = scheduler.first(); tile < scheduler.tiles; tile = scheduler.next(tile)) {
+    const int tile_x = scheduler.x_tile(tile), tile_w = scheduler.w_tile(tile);
+    for (int chunk = 0; chunk < chunks; ++chunk, ++iteration) {
+      const int stage = iteration % kStages, round = iteration / kStages;
+      if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
+      unsigned char* stage_tiles = shared + stage * kStageBytes;
+      barrier_arrive_expect_bytes(&full[stage], kStageBytes);
+      if constexpr (!kTransposed) {
+        tma_load_2d(stage_tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
+        tma_load_2d(stage_tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
+      } else {
+        for (int box = 0; box < 4; ++box)
+          tma_load_2d(stage_tiles + box * kWTransposedBoxBytes, &w_map, &full[stage],
+                      tile_w * kBlockW + box * kBoxK, chunk * kBlockK);
+      }
+      tma_load_2d(stage_tiles + 2 * kWBoxBytes, &x_hi_map, &full[stage], chunk * kBlockK, tile_x * kBlockX);
+      tma_load_2d(stage_tiles + 2 * kWBoxBytes + kXTileBytes, &x_lo_map, &full[stage], chunk * kBlockK,
+                  tile_x * kBlockX);
+    }
+  }
+}
+
+// A consumer's products of one tile: total (its 64 rows of w x the tile's 128 rows of x, as ConsumerThread lays
+// them out) over all chunks; non_finite[half] is set where the thread's row half of w holds a non-finite value.
+// `iteration` counts the CTA's chunks, across tiles, as the producer's does.
+template <bool kTransposed>
+__device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std::uint32_t shared_base,
+                                              std::uint64_t* full, std::uint64_t* empty, int chunks, bool last_tile,
+                                              int& iteration, float (&accumulator)[64], float (&total)[64],
+                                              bool (&non_finite)[2]) {
+  using namespace sm90;
+  const int consumer = thread.consumer, lane = thread.lane, t = thread.t, tile_row = thread.tile_row;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+  non_finite[0] = non_finite[1] = false;
+
+  // Software pipeline: chunk c + 1's w is loaded and scaled while chunk c's products run; it is split into the A
+  // registers once they have completed (wgmma reads them until then).
+  WChunk w;
+  ARegisters a;
+  barrier_wait(&full[iteration % kStages], (iteration / kStages) & 1);
+  ChunkScales scales =
+      load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, t, w, non_finite);
+  if (scales.single) split_w_chunk<true>(w, scales, a);
+  else split_w_chunk<false>(w, scales, a);
+
+  for (int chunk = 0; chunk < chunks; ++chunk, ++iteration) {
+    const int stage = iteration % kStages;
+    const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
+    const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
+    const std::uint64_t x_lo = k_major_swizzle128_descriptor(x_hi_tile + kXTileBytes);
+    // The consumers take turns issuing their chunk's products, so that the tensor cores run one's while the
+    // other promotes and splits (issued at once, the two would interleave, finish together and leave the tensor
+    // cores idle while both split). Consumer 1 goes after consumer 0 in every chunk; consumer 0 after consumer 1
+    // in every chunk but the CTA's first.
+    if (consumer == 1 || iteration > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
+      wgmma_m64n128k16_f16_rs(accumulator, a.lo[step], x_hi + offset, step != 0);
+      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_lo + offset, true);
+      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_hi + offset, true);
+    }
+    wgmma_commit();
+    const bool more = chunk + 1 < chunks;
+    if (consumer == 0 || more || !last_tile) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
+
+    const ChunkScales current = scales;
+    if (more) {
+      const int next = (iteration + 1) % kStages;
+      barrier_wait(&full[next], ((iteration + 1) / kStages) & 1);
+      scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
+    }
+    wgmma_wait<0>();
+    if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
+    if (current.single) promote_chunk<true>(accumulator, current, total);
+    else promote_chunk<false>(accumulator, current, total);
+    if (more) {
+      if (scales.single) split_w_chunk<true>(w, scales, a);
+      else split_w_chunk<false>(w, scales, a);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kernels::gemm

@@ -1,0 +1,100 @@
+// w's split for the sm_80 GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: one kernel for w,
+// one for w given as its transpose. Both take their block size, fold and split_pack, and the second its column
+// tile, from the row splits (gemm_split_rows.cuh). Portable (any architecture).
+#pragma once
+
+#include "gemm.h"
+#include "gemm_split_rows.cuh"
+#include "split_numerics.cuh"
+
+#include <cuda_fp16.h>
+
+namespace kernels::gemm {
+namespace {
+
+// The split of w for the sm_80 GEMM (gemm.h, launch_split_chunks): a power of two per row and chunk of kSplitChunk
+// along k, hi and lo in k's natural order. One block per row: each thread takes a pack of 4, so a chunk's 16 packs
+// are 16 consecutive lanes, whose largest |v| takes four shuffles.
+constexpr int kChunkPacks = kSplitChunk / 4;
+
+__global__ void __launch_bounds__(kSplitThreads)
+split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                    __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ chunk_exponent,
+                    std::int32_t* __restrict__ flags) {
+  const std::int64_t row = blockIdx.x;
+  const float4* in = reinterpret_cast<const float4*>(src + row * row_stride);
+  const std::int64_t packs = cols / 4, length = split_row_length(cols);
+  bool non_finite = false;
+  for (std::int64_t base = 0; base < length / 4; base += kSplitThreads) {  // the same trip count for every thread
+    const std::int64_t i = base + threadIdx.x;
+    const float4 v = i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float max_abs = 0.0f;
+    fold(v, max_abs, non_finite);
+    for (int offset = kChunkPacks / 2; offset > 0; offset /= 2)
+      max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+    const int e = scale_exponent(max_abs);
+    if (i < length / 4) {
+      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * rows + row] = e;
+      split_pack<true>(v, power_of_two(e), i, hi + row * length, lo + row * length);
+    }
+  }
+  non_finite = __syncthreads_or(non_finite);
+  if (threadIdx.x == 0) flags[row] = non_finite ? kNonFiniteRow : 0;
+}
+
+// The same split of w given as its transpose (src: k x n, row-major): row j of the split is column j of src. One
+// block per chunk and kColumnTile columns: each warp reads 8 of the chunk's rows of src (128 bytes each) into a
+// shared tile; the columns' maxima are combined across the warps; then each warp writes 4 columns' hi and lo as
+// rows (128 bytes of each per column). flags must be zero before the launch: a block that meets a non-finite value
+// sets its column's flag (atomicOr).
+constexpr int kChunkColumnThreads = 256;
+
+__global__ void __launch_bounds__(kChunkColumnThreads)
+split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, std::int64_t n, std::int64_t row_stride,
+                               __half* __restrict__ hi, __half* __restrict__ lo,
+                               std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
+  constexpr int kWarps = kChunkColumnThreads / 32;
+  __shared__ float tile[kSplitChunk][kColumnTile + 1];
+  __shared__ float warp_max[kWarps][kColumnTile];
+  __shared__ bool warp_bad[kWarps][kColumnTile];
+  __shared__ PowerOfTwo scales[kColumnTile];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
+  const std::int64_t chunk = blockIdx.y, column = first_column + lane;
+  float max_abs = 0.0f;
+  bool non_finite = false;
+  for (int r = warp; r < kSplitChunk; r += kWarps) {
+    const std::int64_t kk = chunk * kSplitChunk + r;
+    const float v = kk < k && column < n ? src[kk * row_stride + column] : 0.0f;
+    fold(v, max_abs, non_finite);
+    tile[r][lane] = is_finite(v) ? v : 0.0f;
+  }
+  warp_max[warp][lane] = max_abs;
+  warp_bad[warp][lane] = non_finite;
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      max_abs = fmaxf(max_abs, warp_max[w][lane]);
+      non_finite |= warp_bad[w][lane];
+    }
+    const int e = scale_exponent(max_abs);
+    scales[lane] = power_of_two(e);
+    if (column < n) {
+      chunk_exponent[chunk * n + column] = e;
+      if (non_finite) atomicOr(flags + column, kNonFiniteRow);
+    }
+  }
+  __syncthreads();
+  const std::int64_t length = split_row_length(k);
+  for (int i = warp; i < kColumnTile; i += kWarps) {
+    if (first_column + i >= n) break;
+    const SplitPair pair = split_pair(tile[2 * lane][i], tile[2 * lane + 1][i], scales[i]);
+    const std::int64_t at = (first_column + i) * length + chunk * kSplitChunk + 2 * lane;
+    *reinterpret_cast<__half2*>(hi + at) = pair.hi;
+    *reinterpret_cast<__half2*>(lo + at) = pair.lo;
+  }
+}
+
+}  // namespace
+}  // namespace kernels::gemm
