@@ -36,7 +36,7 @@ def device(request):
 # long training loops, tensors of 2^31 elements, peak-memory probes. `pytest -m "not slow"` leaves them out for an
 # edit loop; the README's command runs everything.
 SLOW_TESTS = re.compile(r"test_loader\.py|test_cuda_compile\.py|test_multi_gpu\.py|test_export\.py|two_cpu_processes|"
-                        r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory")
+                        r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory|cpu_loops")
 
 
 # The tests that hold GPU memory by the tens of gigabytes (2^31 elements, LeakyReLU's candidate on the problem's

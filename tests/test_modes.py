@@ -313,7 +313,7 @@ def test_deterministic_algorithms_repeat_bitwise_or_raise_as_eager(device, path)
                 ours_error = error
     finally:
         torch.use_deterministic_algorithms(False)
-    if path in ("cublas", "cublas_bf16x9"):  # cuBLAS: deterministic only with CUBLAS_WORKSPACE_CONFIG, as eager
+    if path in ("cublas", "cublas_bf16x9"):  # cuBLAS's calls: they raise where eager's raise
         assert (eager_error is None) == (ours_error is None), (eager_error, ours_error)
     else:
         assert ours_error is None, ours_error  # the split kernels use no cuBLAS: deterministic by construction
