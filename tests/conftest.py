@@ -15,6 +15,11 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernels_tests_inductor_")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
+# Under pytest-xdist every worker is one of several test processes on the machine's cores: Inductor's pool of compile
+# processes (one per core, in every worker, each importing torch) would only add to the load.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -664,14 +664,15 @@ requires_cublas_bf16x9 = pytest.mark.skipif(not HAS_CUDA or cublas_bf16x9_refusa
 
 @requires_cublas_bf16x9
 @pytest.mark.parametrize("x_shape,out_features,bias,layout", [
-    ((1024,), 1024, True, "contiguous"), ((37,), 129, True, "contiguous"), ((3, 5), 72, False, "contiguous"),
+    ((1024,), 1024, True, "contiguous"), ((37,), 129, True, "contiguous"), ((1,), 7, True, "contiguous"),
+    ((3, 5), 72, False, "contiguous"),
     ((40,), 136, True, "transposed"), ((40,), 136, True, "column_slice")])
 def test_cublas_bf16x9_matches_eager(x_shape, out_features, bias, layout):
     """Forward and both gradients on the forced cublas_bf16x9 path against the reference: allclose 1e-4, and an
     error against float64 within eager's (cuBLAS's emulation, or its IEEE kernels where it chooses them, sum in
     another order than at::linear's kernel: 10% is the spread of two fp32 summation orders at these sizes). x as
     given, as a transposed view (cuBLAS reads it transposed), and as a slice of wider rows (a leading dimension
-    longer than the row)."""
+    longer than the row); one row, where the bias broadcast over the output is the bias itself."""
     in_features = 64 if x_shape == (3, 5) else x_shape[0] + 7
     torch.manual_seed(0)
     reference = GemmMultiplyLeakyReLUModel(in_features, out_features, -1.5, -0.2).cuda()
@@ -688,9 +689,13 @@ def test_cublas_bf16x9_matches_eager(x_shape, out_features, bias, layout):
     else:
         x = torch.randn(*x_shape, in_features, device="cuda")
     x.requires_grad_(True)
+    inputs = [t.detach().clone() for t in (x, *new.parameters())]
     with forced_gemm_path("cublas_bf16x9"):
         assert gemm_path(x, new.gemm.weight) == "cublas_bf16x9"
         y = new(x)
+    for before, after in zip(inputs, (x, *new.parameters())):
+        assert torch.equal(before, after), "an input changed"  # one row: y must not be the bias itself
+    with forced_gemm_path("cublas_bf16x9"):
         grads = torch.autograd.grad(y.square().sum(), [x, *new.parameters()])
     y_ref = reference(x)
     grads_ref = torch.autograd.grad(y_ref.square().sum(), [x, *reference.parameters()])

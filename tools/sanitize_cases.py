@@ -22,7 +22,8 @@ from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
 def check(name, got, expected, tol=1e-4):
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol, equal_nan=True, msg=name)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol, equal_nan=True,
+                               msg=lambda message: f"{name}: {message}")
 
 
 def elementwise_cases():

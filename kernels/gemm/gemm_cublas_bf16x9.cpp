@@ -63,7 +63,9 @@ at::Tensor cublas_bf16x9_addmm(const at::Tensor& bias, const at::Tensor& a, cons
   // No determinism alert under torch.use_deterministic_algorithms: at::mm raises none either (torch 2.11, measured
   // by tests/test_modes.py), cuBLAS being deterministic on the fixed workspace torch gives each stream's handle,
   // which this call uses too.
-  at::Tensor y = bias.defined() ? bias.expand({m, n}).contiguous() : at::empty({m, n}, a.options());
+  // y is a fresh tensor that cuBLAS overwrites: bias.expand(...).contiguous() would be bias itself where m is 1.
+  at::Tensor y = at::empty({m, n}, a.options());
+  if (bias.defined()) y.copy_(bias.expand({m, n}));
   const ColumnMajorOperand a_t = column_major_transpose(a), b_t = column_major_transpose(b);
   const float alpha = 1.0f, beta = bias.defined() ? 1.0f : 0.0f;
   const cublasStatus_t status = cublasGemmEx(
