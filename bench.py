@@ -341,6 +341,8 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
             add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
                      lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
+            if label == "fp32":
+                add_training_loop_rows(rows, problem, eager, new, x, options)
 
     # Mixed precision: the float32 models and input under torch.autocast, as mixed-precision training runs them (the
     # casts of x and the weights are part of each call, eager's and ours).
@@ -376,6 +378,73 @@ def bench_gemm_multiply_leaky_relu(rows, options):
         times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
         add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
                  lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
+
+
+def add_training_loop_rows(rows, problem, eager, new, x, options):
+    """A step as a training loop runs it: zero_grad(set_to_none=True), the forward, y.square().mean(), backward().
+    With x requiring grad (a layer inside a network: grad_x, grad_W, grad_b) and without (a first layer: no grad_x).
+    Unlike the "train step" rows (torch.autograd.grad with a given grad_y), these include the loss, its backward and
+    the accumulation into .grad."""
+    m, k = x.shape
+    n = eager.gemm.weight.shape[0]
+    variants = options.eager_and_new(eager, new)
+    for case, needs_grad in ((f"train loop fp32 {m}x{k}->{n}", True),
+                             (f"train loop, first layer, fp32 {m}x{k}->{n}", False)):
+        progress(f"{problem}: {case}")
+        x_in = x.detach().clone().requires_grad_(needs_grad)
+
+        def loop_step(model):
+            model.zero_grad(set_to_none=True)
+            x_in.grad = None
+            model(x_in).square().mean().backward()
+
+        times, kb = run_case([lambda model=model: loop_step(model) for model in variants.values()], options)
+        products = 3 if needs_grad else 2
+        add_rows(rows, problem, case, "fp32", list(variants), times, kb, [None] * len(times),
+                 lambda v, products=products: products * 2 * m * n * k / 1e9, "TFLOP/s", "-", None, None, None)
+
+
+# The split path away from the problem's shape: the shapes issue 22 names, as a user's model would bring them (the
+# automatic choice, float32 at the default precision).
+SPLIT_SHAPES = ((1024, 8192, 8192), (8192, 8192, 8192), (4096, 4096, 4096), (16384, 4096, 1024),
+                (8192, 1024, 8192), (1024, 1024, 1024), (512, 8192, 8192), (256, 8192, 8192))
+
+
+def bench_gemm_shapes(rows, options):
+    """The fp32 forward over SPLIT_SHAPES (M x K -> N): eager against ModelNew on the path the automatic choice takes
+    (named in the variant), the error against float64 beside eager's, % of three cuBLAS fp16 products on a split
+    path."""
+    problem = "gemm_multiply_leaky_relu shapes"
+    for m, k, n in SPLIT_SHAPES:
+        case = f"forward fp32 {m}x{k}->{n}"
+        progress(f"{problem}: {case}")
+        init = [k, n, reference.GEMM_MULTIPLIER, reference.GEMM_NEGATIVE_SLOPE]
+        torch.manual_seed(0)
+        eager = reference.GemmMultiplyLeakyReLUModel(*init).to(DEVICE)
+        new = MODEL_NEW["gemm_multiply_leaky_relu"](*init).to(DEVICE)
+        new.load_state_dict(eager.state_dict())
+        x = torch.randn(m, k, device=DEVICE)
+        weight_t = eager.gemm.weight.detach().t()
+        weight16_t, x16 = weight_t.half(), x.half()
+        path = gemm_path(x, new.gemm.weight)
+        split = path in SPLIT_PATHS
+        variants = {"eager": eager, f"ModelNew ({path})": new}
+        with torch.no_grad():
+            (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
+                [lambda: torch.mm(x, weight_t), lambda: torch.mm(x16, weight16_t)]
+                + [lambda model=model: model(x) for model in variants.values()], options)
+            outputs = [model(x) for model in variants.values()]
+            y64 = copy.deepcopy(eager).double()(x.double())
+
+        def ceiling(variant, split=split, cublas_ms=cublas_ms, cublas16_ms=cublas16_ms):
+            if variant != "eager" and split:
+                return "cuBLAS fp16 x3", 3 * cublas16_ms
+            return "cuBLAS fp32", cublas_ms
+
+        add_rows(rows, problem, case, "fp32", list(variants), times, kb, outputs,
+                 lambda v, split=split, m=m, n=n, k=k: (3 if v != "eager" and split else 1) * 2 * m * n * k / 1e9,
+                 "TFLOP/s", ceiling, None, y64, outputs[0])
+        del eager, new, x, outputs, y64
 
 
 # ---- CPU, every dtype, small sizes ------------------------------------------------------------------------------
@@ -584,7 +653,8 @@ def plot(rows, path, device, torch_version=torch.__version__):
     progress(f"chart written to {path}")
 
 
-GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu}
+GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
+               "gemm_shapes": bench_gemm_shapes}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
 VARIANTS = ["eager", "torch.compile", "compile max-autotune", "triton tf32x3", "ModelNew"]

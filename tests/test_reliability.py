@@ -24,6 +24,8 @@ def make_pair(in_features=136, out_features=72, multiplier=-1.5, slope=-0.2, see
     return reference, new
 
 
+# torch's notice that its sync debug mode is a prototype, once per process: what it does detect is what this asks.
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")
 @pytest.mark.parametrize("path", GEMM_PATHS)
 def test_no_host_synchronisation_in_forward_or_backward(path):
     _, new = make_pair()
