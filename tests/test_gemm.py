@@ -312,8 +312,11 @@ def test_split_path_is_taken_by_default_where_the_table_says():
     assert gemm_path(x[:, :1013], weight[:, :1013]) == "cublas"  # rows of 1013 floats: no 16-byte TMA strides
     # Below the measured range (gemm.cpp's split_pays_off) cuBLAS is the more accurate or the faster one...
     assert gemm_path(x[:, :1016], weight[:, :1016].contiguous()) == "cublas"
-    assert gemm_path(x[:1023], weight) == "cublas"
+    assert gemm_path(x[:1023], weight) == "cublas"  # fewer than 2^20 outputs
     assert gemm_path(x, weight[:1023]) == "cublas"
+    wide = torch.randn(4096, 1024, device="cuda")
+    assert gemm_path(x[:256], wide) == "split_fp16"  # 2^20 outputs from a small batch
+    assert gemm_path(x[:127], torch.randn(16384, 1024, device="cuda")) == "cublas"  # under one tile of rows
     with forced_gemm_path("split_fp16"):  # ...but forcing it still works there
         assert gemm_path(x[:8, :64], weight[:8, :64].contiguous()) == "split_fp16"
     with matmul_precision("high"):
@@ -347,6 +350,7 @@ SPLIT_SHAPES = {  # name: (m, k, n)
     "problem": (1024, 8192, 8192),
     "tails": (1153, 1048, 1031),  # M, N, K not multiples of the tiles; K not a multiple of the promotion interval
     "k_one_promotion_past": (1031, 1096, 1030),
+    "small_batch": (256, 1032, 4100),  # 2^20 outputs from 256 rows, with tails
 }
 
 # Shapes below that range, where cuBLAS is the default: the split path, forced, must still be right, within

@@ -195,7 +195,10 @@ def k_sweep():
             print(f"{k:>6} {kind:>10} {worst[0]:10.3e} {worst[1]:10.3e} {worst[2]:6.3f}")
 
 
-def shape_sweep():
+SWEEP_OUTPUTS = ((128, 512), (512, 512), (1024, 1024), (1024, 2048), (2048, 2048), (1024, 8192), (4096, 4096))
+
+
+def shape_sweep(outputs=SWEEP_OUTPUTS):
     import torch.nn.functional as F
     from kernels.timing import time_ms
     from kernels.functional import gemm_multiply_leaky_relu
@@ -204,7 +207,7 @@ def shape_sweep():
 
     print(f"{'m':>5} {'n':>5} {'k':>5} {'split ms':>9} {'cublas ms':>9} {'inputs':>6} {'split':>10} {'eager':>10} "
           f"{'ratio':>6}")
-    for m, n in ((128, 512), (512, 512), (1024, 1024), (1024, 2048), (2048, 2048), (1024, 8192), (4096, 4096)):
+    for m, n in outputs:
         for k in (1024, 4096, 8192):
             g = torch.Generator(device="cuda").manual_seed(0)
             times = {}
@@ -242,6 +245,8 @@ def main():
     mode.add_argument("--train-profile", choices=["fp32", "bf16", "fp16"], metavar="DTYPE",
                       help="bench's training step in DTYPE (fp32, bf16, fp16): times, then kernels")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
+    parser.add_argument("--outputs", metavar="MxN[,MxN...]",
+                        help="--shapes over these output sizes instead (e.g. 256x8192,512x8192: small batches)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(0))
     if args.path:
@@ -265,7 +270,9 @@ def choose(args):
     elif args.train_profile:
         train_step_profile(args.train_profile)
     elif args.shapes:
-        shape_sweep()
+        outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
+                   if args.outputs else SWEEP_OUTPUTS)
+        shape_sweep(outputs)
     else:
         problem_size()
         profile_one_call()

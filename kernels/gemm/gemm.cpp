@@ -237,15 +237,19 @@ Path automatic_fast_fp32_path(const at::Tensor& x, ProductShape shape) {
 // The automatic choice takes the split path only where it was measured to be both faster and more accurate than
 // cuBLAS SGEMM (tools/gemm_sweep.py --k-sweep and --shapes, H100; kernels/gemm/NOTES.md). The split represents each
 // operand to about 2^-22, so its error has a floor near 2.5e-7 whatever K is, while SGEMM's error grows with K: below
-// K = 1024 SGEMM can be the more accurate one (at K = 64 it is, by up to 2.5x). For outputs smaller than about
-// 1024 x 1024, cuBLAS splits K across CTAs, which is both faster than one 128 x 128 tile per CTA and more accurate
-// (for all-positive inputs, 1.2e-7 against the split's 3e-7 at 512 x 512 x 4096).
+// K = 1024 SGEMM can be the more accurate one (at K = 64 it is, by up to 2.5x). For outputs of fewer than 2^20
+// elements, cuBLAS splits K across CTAs, which is both faster than the split kernel's few 128 x 128 tiles and, for
+// all-positive inputs, more accurate (1.8e-7 against the split's 3.4e-7 at 1024 x 512 x 8192; 2.2e-7 against 2.8e-7
+// at 128 x 1024 x 1024). From 2^20 outputs on, in any aspect down to 128 rows or columns (128 x 8192, 256 x 4096,
+// 512 x 2048, 8192 x 256, at K = 1024 to 8192), the split path measured faster (1.2-3.8x) and at most 0.67x
+// SGEMM's error for randn, rand and KernelBench's inputs alike.
 constexpr int64_t kSplitMinReduction = 1024;
-constexpr int64_t kSplitMinRows = 1024;
-constexpr int64_t kSplitMinColumns = 1024;
+constexpr int64_t kSplitMinOutputs = int64_t{1} << 20;
+constexpr int64_t kSplitMinSide = 128;  // one tile; narrower outputs were not measured
 
 bool split_pays_off(ProductShape shape) {
-  return shape.k >= kSplitMinReduction && shape.m >= kSplitMinRows && shape.n >= kSplitMinColumns;
+  return shape.k >= kSplitMinReduction && shape.m >= kSplitMinSide && shape.n >= kSplitMinSide &&
+         shape.m * shape.n >= kSplitMinOutputs;
 }
 
 // The path of one product (the forward's, or one of the backward's), chosen from x's device and dtype, the GPU,
