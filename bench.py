@@ -250,6 +250,21 @@ def triton_tf32x3_peer(model):
     return forward
 
 
+def gemm_ceiling_and_rate(label, flops, cublas_ms, cublas16_ms):
+    """ceiling(variant) and rate_of(variant) for a GEMM forward row in precision `label`. A variant on a split path
+    (named "... (split_fp16)" or "..., split_fp16 path") does three fp16 products: its rate and ceiling count those."""
+    def is_split(variant):
+        return any(f"({p})" in variant or f", {p} path" in variant for p in SPLIT_PATHS)
+
+    def ceiling(variant):
+        return ("cuBLAS fp16 x3", 3 * cublas16_ms) if is_split(variant) else (f"cuBLAS {label}", cublas_ms)
+
+    def rate_of(variant):
+        return (3 if is_split(variant) else 1) * flops / 1e9
+
+    return ceiling, rate_of
+
+
 def bench_gemm_multiply_leaky_relu(rows, options):
     m, k, n = options.sizes((reference.GEMM_BATCH_SIZE, reference.GEMM_IN_FEATURES, reference.GEMM_OUT_FEATURES))
     problem = "gemm_multiply_leaky_relu"
@@ -308,18 +323,7 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                     + [lambda model=model: model(x) for model in variants.values()], options)
                 outputs = [model(x) for model in variants.values()]
 
-            def is_split(variant):
-                return any(f"({p})" in variant or f", {p} path" in variant for p in SPLIT_PATHS)
-
-            def ceiling(variant):
-                # The split paths do three fp16 products: their rates and ceilings are counted in fp16.
-                if is_split(variant):
-                    return "cuBLAS fp16 x3", 3 * cublas16_ms
-                return f"cuBLAS {label}", cublas_ms
-
-            def rate_of(variant):
-                return (3 if is_split(variant) else 1) * flops / 1e9
-
+            ceiling, rate_of = gemm_ceiling_and_rate(label, flops, cublas_ms, cublas16_ms)
             add_rows(rows, problem, case, label, list(variants), times, kb, outputs, rate_of, "TFLOP/s", ceiling,
                      None, y64, y_eager32)
 
@@ -427,7 +431,6 @@ def bench_gemm_shapes(rows, options):
         weight_t = eager.gemm.weight.detach().t()
         weight16_t, x16 = weight_t.half(), x.half()
         path = gemm_path(x, new.gemm.weight)
-        split = path in SPLIT_PATHS
         variants = {"eager": eager, f"ModelNew ({path})": new}
         with torch.no_grad():
             (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
@@ -436,14 +439,9 @@ def bench_gemm_shapes(rows, options):
             outputs = [model(x) for model in variants.values()]
             y64 = copy.deepcopy(eager).double()(x.double())
 
-        def ceiling(variant, split=split, cublas_ms=cublas_ms, cublas16_ms=cublas16_ms):
-            if variant != "eager" and split:
-                return "cuBLAS fp16 x3", 3 * cublas16_ms
-            return "cuBLAS fp32", cublas_ms
-
-        add_rows(rows, problem, case, "fp32", list(variants), times, kb, outputs,
-                 lambda v, split=split, m=m, n=n, k=k: (3 if v != "eager" and split else 1) * 2 * m * n * k / 1e9,
-                 "TFLOP/s", ceiling, None, y64, outputs[0])
+        ceiling, rate_of = gemm_ceiling_and_rate("fp32", 2 * m * n * k, cublas_ms, cublas16_ms)
+        add_rows(rows, problem, case, "fp32", list(variants), times, kb, outputs, rate_of, "TFLOP/s", ceiling, None,
+                 y64, outputs[0])
         del eager, new, x, outputs, y64
 
 
