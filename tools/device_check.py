@@ -1,4 +1,5 @@
-"""The checks that need the GPU machine, one subcommand each: build, tests, sanitize, bench, multi-gpu, sm80, all.
+"""The checks that need the GPU machine, one subcommand each: build, tests, sanitize, bench, multi-gpu, sm80, profile,
+all.
 
     python tools/device_check.py all            # build, tests, sanitize, bench: the whole single-GPU run
     python tools/device_check.py build          # cold build and warm imports timed, SASS summaries, smoke test
@@ -8,6 +9,7 @@
     python tools/device_check.py bench --summarize bench.json bench2.json bench3.json
     python tools/device_check.py multi-gpu      # on a machine with 2 GPUs
     python tools/device_check.py sm80           # the sm_80 kernel on a Hopper GPU
+    python tools/device_check.py profile [PATH ...]   # tensor-core rates; Nsight Compute of the split GEMMs
 
 What each subcommand runs:
   build      nvidia-smi's line for the GPU, torch's and CUDA's versions, the CPU count. A cold build of the op library
@@ -41,6 +43,12 @@ What each subcommand runs:
              at two pipeline stages (KERNELS_GEMM_SM80_STAGES=2, the A100's depth), the first 4 lines of the Hopper
              kernel's sweep; then pytest -q -x -rs tests/test_gemm.py under a 400 s limit (--test-time-limit), its
              output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest.
+  profile    tools/tensor_core_rates.py (mma.sync's measured rate, alone and at the sm_80 kernel's ldmatrix ratio,
+             beside cuBLAS fp16 and fp32; tensor_core_rates.log); then, for each split path named (default:
+             split_fp16 and split_fp16_sm80), Nsight Compute over one forward at the problem's shape, that path
+             forced, on a build with source lines (KERNELS_LINEINFO=1): every kernel of the call with the speed of
+             light, compute and memory workload, scheduler and warp-state sections (ncu_<path>.txt), and the GEMM
+             kernel's SASS with its stall samples per instruction (ncu_<path>_source.csv).
   all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
              where the build or the smoke test failed.
 
@@ -557,6 +565,61 @@ def sm80(args):
     return failed
 
 
+# One forward of ModelNew at the problem's shape on the split path named in argv[1], after two unprofiled ones.
+PROFILED_FORWARD = """
+import sys
+import torch
+import reference
+from kernels.gemm.gemm import forced_gemm_path
+from model_new import GemmMultiplyLeakyReLUModelNew
+model = GemmMultiplyLeakyReLUModelNew(*reference.gemm_multiply_leaky_relu_get_init_inputs()).cuda()
+x = torch.randn(1024, 8192, device="cuda")
+with forced_gemm_path(sys.argv[1]), torch.no_grad():
+    for _ in range(2):
+        model(x)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    model(x)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+"""
+
+NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
+                "SchedulerStats", "WarpStateStats", "LaunchStats", "Occupancy", "SourceCounters")
+
+
+def profile(args):
+    """Tensor-core rates, then Nsight Compute over one forward per split path."""
+    os.environ["KERNELS_LINEINFO"] = "1"
+    failed = []
+    if not passed("tensor-core rates", run([PYTHON, "tools/tensor_core_rates.py"],
+                                           log=os.path.join(args.out, "tensor_core_rates.log"))):
+        failed.append("tensor-core rates")
+    if not passed("build", run(IMPORT_LIBRARY)):
+        return failed + ["build"]
+    ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+    if ncu is None:
+        return failed + ["ncu not found"]
+    for path in args.extra or ["split_fp16", "split_fp16_sm80"]:
+        report = os.path.join(tempfile.mkdtemp(), path)
+        command = [ncu, "--profile-from-start", "off", "--import-source", "no", "-f", "-o", report,
+                   *[part for section in NCU_SECTIONS for part in ("--section", section)],
+                   PYTHON, "-c", PROFILED_FORWARD, path]
+        say(f"== ncu, {path}")
+        if not passed(f"ncu {path}", run(command, log=os.path.join(args.out, f"ncu_{path}_run.log"), show=False,
+                                         limit_s=300)):
+            failed.append(f"ncu {path}")
+            continue
+        run([ncu, "--import", report + ".ncu-rep", "--page", "details"], log=os.path.join(args.out, f"ncu_{path}.txt"),
+            show=False)
+        run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
+             "--kernel-name", "regex:split_gemm"], log=os.path.join(args.out, f"ncu_{path}_source.csv"), show=False)
+        run(["grep", "-E", "^  [a-z_]|Duration|Compute \\(SM\\) Throughput|Memory Throughput|Issue Slots Busy|"
+             "Executed Ipc A|Warp Cycles Per Issued|No Eligible|Registers Per|Achieved Occupancy",
+             os.path.join(args.out, f"ncu_{path}.txt")])
+    return failed
+
+
 def run_all(args):
     """build, tests, sanitize, bench on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -627,6 +690,9 @@ def parse_arguments(argv):
     sub.add_argument("--test-time-limit", type=int, default=int(os.environ.get("TEST_TIMEOUT") or 400),
                      help="seconds for the GEMM tests (default: $TEST_TIMEOUT, else 400)")
     name_extra_in_usage(sub, "PYTEST_ARGS")
+    sub = add("profile", profile, "tensor-core rates; Nsight Compute over one forward per split path named",
+              extra="paths")
+    name_extra_in_usage(sub, "PATH")
     sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
     sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
                      help="(default: $SKIP_TESTS=1)")

@@ -12,10 +12,17 @@
 //   the output. A stage holds the four 128 x 64 fp16 tiles (x_hi, x_lo, w_hi, w_lo, 64 KB), each row 128 bytes with
 //   16-byte unit u at u ^ (row % 8), so that ldmatrix's eight rows fall in distinct banks.
 // - Pipeline: cp.async, kStages stages (3 where a block may take 193 KB of shared memory, as on Hopper; else 2,
-//   129 KB, as on the A100, whose limit is 163 KB): the loads of chunk c + kStages - 1 run while chunk c's products do.
+//   129 KB, as on the A100, whose limit is 163 KB), synchronized by mbarriers, not by barriers of the whole CTA: each
+//   stage's "full" barrier completes once every thread's copies into it have landed, its "empty" barrier once every
+//   warp has read it. In chunk c's first step each thread issues its loads of chunk c + kStages - 1 into the stage
+//   chunk c - 1 left; a warp waits for a stage where it first reads it and releases it after its last read. So the
+//   warps run apart, and one's loads, waits and promotion overlap the others' products.
 // - Products: per 16 of k, three m16n8k16 fp16 products into a fresh fp32 accumulator, small terms first (hi_x lo_w,
-//   lo_x hi_w, hi_x hi_w); after each chunk the accumulator is promoted into fp32 totals with the chunk's inverse
-//   power of two per row of w.
+//   lo_x hi_w, hi_x hi_w), each over the warp's 16 fragments. Every operand's fragments are loaded by ldmatrix one
+//   product ahead of the first product that reads them, into the registers the product before freed; the next
+//   chunk's first ones during this chunk's last step. Each chunk's accumulator is promoted into fp32 totals with the
+//   chunk's inverse power of two per row of w, fragment by fragment, just before the next chunk's first product
+//   overwrites it.
 // - Epilogue: each total unscaled by its row of x's power of two, then bias, multiplier and LeakyReLU
 //   (split_numerics.cuh), stored as float2 pairs where n is even.
 // Tails: rows past m or n load as zeros (cp.async's zero fill) and are not stored; K tails are the splits' zero pad.
@@ -51,7 +58,7 @@ constexpr int kUnitsPerThread = kTileRows * (kSplitChunk * 2 / 16) / kThreads;  
 static_assert(kSplitChunk * 2 == 128, "a chunk of fp16 is one 128-byte row");
 static_assert(kFragsW % 2 == 0, "w fragments are loaded in pairs (ldmatrix.x4)");
 
-constexpr int shared_bytes(int stages) { return stages * kStageBytes; }
+constexpr int shared_bytes(int stages) { return stages * (kStageBytes + 16); }  // the stages, then their barriers
 
 __device__ __forceinline__ std::uint32_t shared_address(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
@@ -76,16 +83,40 @@ __device__ __forceinline__ void copy_4_async(std::uint32_t to, const void* from,
 #endif
 }
 
-__device__ __forceinline__ void copy_commit() {
+// mbarriers (sm_80): a stage's "full" barrier completes a phase once every thread's copies into it have landed
+// (each thread arrives through cp.async.mbarrier.arrive.noinc), its "empty" barrier once every thread has read it;
+// both count kThreads arrivals. (Every thread arrives on "empty", not one lane per warp after __syncwarp: the same
+// time, and compute-sanitizer's racecheck sees the ordering; with one lane it reported the stage's reloads as races.)
+__device__ __forceinline__ void barrier_init(std::uint32_t barrier, int count) {
 #if KERNELS_SM80_DEVICE
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
 #endif
 }
 
-template <int kPending>
-__device__ __forceinline__ void copy_wait() {
+// The barrier's arrival once this thread's cp.async copies issued so far have landed.
+__device__ __forceinline__ void copies_arrive(std::uint32_t barrier) {
 #if KERNELS_SM80_DEVICE
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(barrier) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_arrive(std::uint32_t barrier) {
+#if KERNELS_SM80_DEVICE
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared.b64 state, [%0];\n}" ::"r"(barrier) : "memory");
+#endif
+}
+
+// Waits until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void barrier_wait(std::uint32_t barrier, int parity) {
+#if KERNELS_SM80_DEVICE
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (!done);
 #endif
 }
 
@@ -118,33 +149,57 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const std::uint32_t 
 #endif
 }
 
-// The operand tiles of chunk `chunk` into a stage: row r of a tile is row first_row + r of its matrix (rows x
-// length fp16, length = split_row_length(k)), its 64 values from chunk * 64; then the chunk's exponents of the
-// tile's rows of w (w_exponent: chunks x n).
-__device__ __forceinline__ void load_stage(std::uint32_t stage, const __half* x_hi, const __half* x_lo,
-                                           const __half* w_hi, const __half* w_lo,
-                                           const std::int32_t* w_exponent, int m, int n, std::int64_t length,
-                                           int first_x_row, int first_w_row, int chunk) {
-  const std::int64_t column = static_cast<std::int64_t>(chunk) * kSplitChunk;
-  const __half* sources[4] = {x_hi, x_lo, w_hi, w_lo};
+// A thread's part of a stage's loads, the same for every chunk: 16-byte unit tid % 8 of rows tid / 8 + 32 i
+// (i < kUnitsPerThread) of each operand tile, whose shared-memory offsets differ by 32 rows (the swizzle's row % 8 is
+// the same for all of them), and the exponent of w row tid where tid < 128.
+struct StageLoads {
+  const __half* sources[4];      // x_hi, x_lo, w_hi, w_lo
+  const std::int32_t* w_exponent;
+  std::int64_t length;            // a split row's length (fp16 values)
+  std::int64_t offset[2];         // x's and w's: the thread's first row's unit, from the matrix's start
+  int rows_left[2];               // x's and w's: rows from the thread's first row to the matrix's end
+  int n;
+  int exponent_row;               // the w row of the exponent this thread loads, or -1
+  std::uint32_t shared_offset;    // in a tile, of the thread's first row's unit
+
+  __device__ __forceinline__ StageLoads(const __half* x_hi, const __half* x_lo, const __half* w_hi,
+                                        const __half* w_lo, const std::int32_t* w_exponent, int m, int n,
+                                        std::int64_t length, int first_x_row, int first_w_row)
+      : sources{x_hi, x_lo, w_hi, w_lo}, w_exponent(w_exponent), length(length), n(n) {
+    const int row = threadIdx.x / 8, unit = threadIdx.x % 8;
+    offset[0] = (first_x_row + row) * length + unit * 8;
+    offset[1] = (first_w_row + row) * length + unit * 8;
+    rows_left[0] = m - first_x_row - row;
+    rows_left[1] = n - first_w_row - row;
+    exponent_row = threadIdx.x < kTileRows && first_w_row + static_cast<int>(threadIdx.x) < n
+                       ? first_w_row + static_cast<int>(threadIdx.x)
+                       : -1;
+    shared_offset = swizzled(row, unit);
+  }
+
+  // The tiles of chunk `chunk` into `stage`: row r of a tile is row first_row + r of its matrix (rows x length
+  // fp16), its 64 values from chunk * 64; then the chunk's exponents of the tile's rows of w (w_exponent: chunks x
+  // n). Rows past the matrix are zero-filled.
+  __device__ __forceinline__ void operator()(std::uint32_t stage, int chunk) const {
+    constexpr int kRowStep = kThreads / 8;  // rows between a thread's units
+    const std::int64_t column = static_cast<std::int64_t>(chunk) * kSplitChunk;
 #pragma unroll
-  for (int tile = 0; tile < 4; ++tile) {
-    const int first = tile < 2 ? first_x_row : first_w_row, rows = tile < 2 ? m : n;
+    for (int tile = 0; tile < 4; ++tile) {
+      const int side = tile / 2;
 #pragma unroll
-    for (int i = 0; i < kUnitsPerThread; ++i) {
-      const int index = threadIdx.x + i * kThreads, row = index / 8, unit = index % 8;
-      const bool valid = first + row < rows;
-      const __half* from = sources[tile] + (valid ? (first + row) * length + column + unit * 8 : 0);
-      copy_16_async(stage + tile * kTileBytes + swizzled(row, unit), from, valid);
+      for (int i = 0; i < kUnitsPerThread; ++i) {
+        const bool valid = i * kRowStep < rows_left[side];
+        const __half* from = sources[tile] + (valid ? offset[side] + i * kRowStep * length + column : 0);
+        copy_16_async(stage + tile * kTileBytes + shared_offset + i * kRowStep * 128, from, valid);
+      }
+    }
+    if (threadIdx.x < kTileRows) {
+      const bool valid = exponent_row >= 0;
+      copy_4_async(stage + 4 * kTileBytes + threadIdx.x * 4,
+                   w_exponent + (valid ? static_cast<std::int64_t>(chunk) * n + exponent_row : 0), valid);
     }
   }
-  if (threadIdx.x < kTileRows) {
-    const bool valid = first_w_row + static_cast<int>(threadIdx.x) < n;
-    const std::int32_t* from =
-        w_exponent + (valid ? static_cast<std::int64_t>(chunk) * n + first_w_row + threadIdx.x : 0);
-    copy_4_async(stage + 4 * kTileBytes + threadIdx.x * 4, from, valid);
-  }
-}
+};
 
 template <int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -164,109 +219,169 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int warp_x = warp % kWarpsX, warp_w = warp / kWarpsX;
 
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < chunks)
-      load_stage(shared_base + s * kStageBytes, x_hi, x_lo, w_hi, w_lo, w_exponent, m, n, length, first_x_row,
-                 first_w_row, s);
-    copy_commit();  // a group per stage, empty or not, so that the waits below count alike
+  // The pipeline. Chunk c's stage is c % kStages. During chunk c's first step each thread issues its loads of chunk
+  // c + kStages - 1, into the stage every warp released in chunk c - 1; a warp waits for a chunk's stage to be full
+  // only where it first reads it, and releases it after its last read. No barrier of the whole CTA: the warps run
+  // apart, so that one's loads, waits and promotion overlap the others' products.
+  const auto stage_of = [&](int chunk) { return shared_base + (chunk % kStages) * kStageBytes; };
+  const std::uint32_t full = shared_base + kStages * kStageBytes, empty = full + kStages * 8;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(full + 8 * s, kThreads);
+      barrier_init(empty + 8 * s, kThreads);
+    }
   }
+  __syncthreads();  // the barriers are initialized before anyone arrives
+  const StageLoads load_stage(x_hi, x_lo, w_hi, w_lo, w_exponent, m, n, length, first_x_row, first_w_row);
+  for (int s = 0; s < kStages - 1 && s < chunks; ++s) {
+    load_stage(stage_of(s), s);
+    copies_arrive(full + 8 * s);
+  }
+  barrier_wait(full, 0);
 
-  float total[kFragsX][kFragsW][4];
+  float total[kFragsX][kFragsW][4], accumulator[kFragsX][kFragsW][4];
 #pragma unroll
   for (int i = 0; i < kFragsX; ++i)
 #pragma unroll
     for (int j = 0; j < kFragsW; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) total[i][j][c] = 0.0f;
+      for (int c = 0; c < 4; ++c) total[i][j][c] = accumulator[i][j][c] = 0.0f;
 
   // ldmatrix addresses within a tile. x (A operand, m16 x k16): lanes 0-15 address rows 0-15 at k 0-7, lanes 16-31
   // the same rows at k 8-15. w (B operand, two n8 fragments x k16): lanes 0-7 rows 0-7 at k 0-7, 8-15 rows 0-7 at
-  // k 8-15, 16-23 rows 8-15 at k 0-7, 24-31 rows 8-15 at k 8-15.
+  // k 8-15, 16-23 rows 8-15 at k 0-7, 24-31 rows 8-15 at k 8-15. Tiles of a stage: x_hi, x_lo, w_hi, w_lo.
   const int x_row_in_frag = lane % 16, x_unit = lane / 16;
   const int w_row_in_pair = lane % 8 + 8 * (lane / 16), w_unit = (lane / 8) % 2;
-
-  for (int chunk = 0; chunk < chunks; ++chunk) {
-    copy_wait<kStages - 2>();  // this chunk's stage has landed (for this thread's copies)...
-    __syncthreads();           // ...and everyone's; the stage the next load overwrites is no longer read
-    const int next = chunk + kStages - 1;
-    if (next < chunks)
-      load_stage(shared_base + (next % kStages) * kStageBytes, x_hi, x_lo, w_hi, w_lo, w_exponent, m, n, length,
-                 first_x_row, first_w_row, next);
-    copy_commit();
-
-    const std::uint32_t stage = shared_base + (chunk % kStages) * kStageBytes;
-    float accumulator[kFragsX][kFragsW][4];
+  using XFragments = std::uint32_t[kFragsX][4];
+  using WFragments = std::uint32_t[kFragsW / 2][4];
+  const auto load_x = [&](std::uint32_t stage, int tile, int step, XFragments& a) {
 #pragma unroll
-    for (int step = 0; step < kSplitChunk / 16; ++step) {
-      std::uint32_t a_hi[kFragsX][4], a_lo[kFragsX][4], b_hi[kFragsW / 2][4], b_lo[kFragsW / 2][4];
+    for (int i = 0; i < kFragsX; ++i)
+      load_matrix_x4(stage + tile * kTileBytes +
+                         swizzled(warp_x * kWarpRowsX + i * 16 + x_row_in_frag, 2 * step + x_unit),
+                     a[i]);
+  };
+  const auto load_w = [&](std::uint32_t stage, int tile, int step, WFragments& b) {
 #pragma unroll
-      for (int i = 0; i < kFragsX; ++i) {
-        const std::uint32_t offset = swizzled(warp_x * kWarpRowsX + i * 16 + x_row_in_frag, 2 * step + x_unit);
-        load_matrix_x4(stage + offset, a_hi[i]);
-        load_matrix_x4(stage + kTileBytes + offset, a_lo[i]);
-      }
+    for (int p = 0; p < kFragsW / 2; ++p)
+      load_matrix_x4(stage + tile * kTileBytes +
+                         swizzled(warp_w * kWarpRowsW + p * 16 + w_row_in_pair, 2 * step + w_unit),
+                     b[p]);
+  };
+  // One product over the warp's 16 fragments, fragment by fragment, so that products into one accumulator, which
+  // wait for each other, are 16 instructions apart. Fragment j's k 0-7 and k 8-15 registers: b[j / 2][2 (j % 2)], + 1.
+  const auto multiply = [&](const XFragments& a, const WFragments& b) {
 #pragma unroll
-      for (int p = 0; p < kFragsW / 2; ++p) {
-        const std::uint32_t offset = swizzled(warp_w * kWarpRowsW + p * 16 + w_row_in_pair, 2 * step + w_unit);
-        load_matrix_x4(stage + 2 * kTileBytes + offset, b_hi[p]);
-        load_matrix_x4(stage + 3 * kTileBytes + offset, b_lo[p]);
-      }
-      // Product by product over the 16 fragments, so that the products into one accumulator, which wait for each
-      // other, are 16 instructions apart. Fragment j's k 0-7 and k 8-15 registers: b[j / 2][2 (j % 2)], + 1.
+    for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsW; ++j)
+        mma_m16n8k16<false>(accumulator[i][j], a[i], b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
+  };
+  // The promotion of the chunk before into the totals (accumulator element c of fragment (i, j): x row g + 8 (c / 2),
+  // w row 2 t + c % 2), each fragment's just before the first product of this chunk overwrites it. Where every
+  // exponent of the warp's w rows is <= 126 (all but rows below ~2^-113), each 2^-e is a float: one multiply.
+  // `exponent` holds the chunk before's exponents of the thread's w rows (zero accumulators before chunk 0).
+  std::int32_t exponent[kFragsW][2] = {};
+  bool single = true;
+  const auto promote_and_multiply_first = [&](const XFragments& a, const WFragments& b) {
+    if (single) {
+      float inverse[kFragsW][2];
+#pragma unroll
+      for (int j = 0; j < kFragsW; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) inverse[j][c] = exact_power_of_two(-exponent[j][c]);
 #pragma unroll
       for (int i = 0; i < kFragsX; ++i)
 #pragma unroll
         for (int j = 0; j < kFragsW; ++j) {
-          if (step == 0) mma_m16n8k16<true>(accumulator[i][j], a_hi[i], b_lo[j / 2][2 * (j % 2)],
-                                            b_lo[j / 2][2 * (j % 2) + 1]);
-          else mma_m16n8k16<false>(accumulator[i][j], a_hi[i], b_lo[j / 2][2 * (j % 2)],
-                                   b_lo[j / 2][2 * (j % 2) + 1]);
-        }
-#pragma unroll
-      for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-        for (int j = 0; j < kFragsW; ++j)
-          mma_m16n8k16<false>(accumulator[i][j], a_lo[i], b_hi[j / 2][2 * (j % 2)], b_hi[j / 2][2 * (j % 2) + 1]);
-#pragma unroll
-      for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-        for (int j = 0; j < kFragsW; ++j)
-          mma_m16n8k16<false>(accumulator[i][j], a_hi[i], b_hi[j / 2][2 * (j % 2)], b_hi[j / 2][2 * (j % 2) + 1]);
-    }
-
-    // Promotion. Accumulator element c of fragment (i, j): x row g + 8 (c / 2), w row 2 t + c % 2. Where every
-    // exponent of the thread's w rows is <= 126 (all but rows below ~2^-113), each 2^-e is a float: one multiply.
-    const std::int32_t* stage_exponents =
-        reinterpret_cast<const std::int32_t*>(shared + (chunk % kStages) * kStageBytes + 4 * kTileBytes);
-    const auto exponent = [&](int j, int c) { return stage_exponents[warp_w * kWarpRowsW + j * 8 + 2 * t + c]; };
-    float inverse[kFragsW][2];
-    bool single = true;
-#pragma unroll
-    for (int j = 0; j < kFragsW; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        single &= exponent(j, c) <= 126;
-        inverse[j][c] = exact_power_of_two(-min(exponent(j, c), 126));
-      }
-    if (single) {
-#pragma unroll
-      for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-        for (int j = 0; j < kFragsW; ++j)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
             total[i][j][c] = promote<true>(accumulator[i][j][c], {inverse[j][c % 2], 1.0f}, total[i][j][c]);
+          mma_m16n8k16<true>(accumulator[i][j], a[i], b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
+        }
     } else {
 #pragma unroll
       for (int i = 0; i < kFragsX; ++i)
 #pragma unroll
-        for (int j = 0; j < kFragsW; ++j)
+        for (int j = 0; j < kFragsW; ++j) {
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent(j, c % 2)), total[i][j][c]);
+            total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent[j][c % 2]), total[i][j][c]);
+          mma_m16n8k16<true>(accumulator[i][j], a[i], b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
+        }
+    }
+  };
+
+  // Per 16 of k, three products, small terms first: hi_x lo_w, lo_x hi_w, hi_x hi_w. Each operand's fragments are
+  // loaded one product ahead of the product that first reads them, into the registers the product before freed:
+  // lo_x and hi_w during hi_x lo_w, the next step's lo_w during lo_x hi_w, its hi_x during hi_x hi_w.
+  XFragments a_hi;
+  WFragments b_lo;
+  load_x(stage_of(0), 0, 0, a_hi);
+  load_w(stage_of(0), 3, 0, b_lo);
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const std::uint32_t stage = stage_of(chunk);
+#pragma unroll
+    for (int step = 0; step < kSplitChunk / 16; ++step) {
+      XFragments a_lo;
+      WFragments b_hi;
+      load_x(stage, 1, step, a_lo);
+      load_w(stage, 2, step, b_hi);
+      if (step == 0) {
+        const int ahead = chunk + kStages - 1;  // its stage was chunk - 1's
+        if (ahead < chunks) {
+          if (chunk > 0) barrier_wait(empty + 8 * (ahead % kStages), (ahead / kStages - 1) & 1);
+          load_stage(stage_of(ahead), ahead);
+          copies_arrive(full + 8 * (ahead % kStages));
+        }
+        promote_and_multiply_first(a_hi, b_lo);
+        // This chunk's exponents, read before this warp releases the stage.
+        const std::int32_t* stage_exponents = reinterpret_cast<const std::int32_t*>(
+            shared + (chunk % kStages) * kStageBytes + 4 * kTileBytes);
+        bool fits = true;
+#pragma unroll
+        for (int j = 0; j < kFragsW; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            exponent[j][c] = stage_exponents[warp_w * kWarpRowsW + j * 8 + 2 * t + c];
+            fits &= exponent[j][c] <= 126;
+          }
+        single = __all_sync(0xffffffffu, fits);  // warp-uniform: the products inside its branches are .aligned
+      } else {
+        multiply(a_hi, b_lo);
+      }
+      std::uint32_t next_stage = stage;
+      if (step == kSplitChunk / 16 - 1) {
+        barrier_arrive(empty + 8 * (chunk % kStages));  // this thread's reads of the stage are done
+        if (chunk + 1 < chunks) barrier_wait(full + 8 * ((chunk + 1) % kStages), ((chunk + 1) / kStages) & 1);
+        // Past the last chunk, no stage is read.
+        if (chunk + 1 < chunks) next_stage = stage_of(chunk + 1);
+      }
+      const int next_step = (step + 1) % (kSplitChunk / 16);
+      WFragments b_lo_next;
+      load_w(next_stage, 3, next_step, b_lo_next);
+      multiply(a_lo, b_hi);
+      XFragments a_hi_next;
+      load_x(next_stage, 0, next_step, a_hi_next);
+      multiply(a_hi, b_hi);
+#pragma unroll
+      for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a_hi[i][r] = a_hi_next[i][r];
+#pragma unroll
+      for (int p = 0; p < kFragsW / 2; ++p)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) b_lo[p][r] = b_lo_next[p][r];
     }
   }
-  copy_wait<0>();  // no copy (the empty groups' included) outlives the CTA
+  // The last chunk's promotion.
+#pragma unroll
+  for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+    for (int j = 0; j < kFragsW; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent[j][c % 2]), total[i][j][c]);
 
   // Epilogue: y[x row, w row], pairs of w rows (2 t, 2 t + 1) side by side in y's row.
   float column_bias[kFragsW][2];
