@@ -10,6 +10,7 @@ goes, kernel by kernel.
     python tools/gemm_sweep.py --train    # an fp32 training step: where its time goes, its peak memory and each
                                           # gradient's error against float64, eager's beside ModelNew's
     python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
+    python tools/gemm_sweep.py --loop-profile         # a training loop's step against bench's step: kernels
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
@@ -167,6 +168,71 @@ def train_step_profile(label):
         profile(step)
 
 
+def kernel_table(step, calls=5):
+    """Per kernel, its device milliseconds per step() and launches per step; the total first."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                    key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / calls / 1000
+    return total, [(e.self_device_time_total / calls / 1000, e.count // calls, e.key) for e in events]
+
+
+def loop_profile():
+    """Where a training loop's step (zero_grad, forward, y.square().mean(), backward, as bench.py's loop rows) spends
+    its time beyond bench's autograd.grad step: both kinds of step, eager's and ModelNew's, kernel by kernel; then the
+    autograd.grad step timed back to back with three grad_y (randn, the loop's 2y/numel, 2y) in alternating orders,
+    to tell the data's effect on the split GEMMs from the card's state under sustained load."""
+    import reference
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    init = reference.gemm_multiply_leaky_relu_get_init_inputs()
+    torch.manual_seed(0)
+    eager = reference.GemmMultiplyLeakyReLUModel(*init).cuda()
+    new = GemmMultiplyLeakyReLUModelNew(*init).cuda()
+    new.load_state_dict(eager.state_dict())
+    x = torch.randn(1024, init[0], device="cuda", requires_grad=True)
+    grad = torch.randn(1024, init[1], device="cuda")
+
+    def loop_step(model):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        model(x).square().mean().backward()
+
+    def grad_step(model, grad_y=grad):
+        torch.autograd.grad(model(x), [x, model.gemm.weight, model.gemm.bias], grad_y)
+
+    for name, model in (("eager", eager), ("ModelNew", new)):
+        for kind, step in (("loop", loop_step), ("autograd.grad step", grad_step)):
+            total, rows = kernel_table(lambda: step(model))
+            print(f"== {name}, {kind}: {total:.4f} ms of kernels per step")
+            for ms, count, key in rows[:12]:
+                print(f"   {ms:8.4f} ms x{count:<3d} {key[:90]}")
+    with torch.no_grad():
+        y = new(x)
+    grads = {"randn": torch.randn_like(y), "2y/numel": 2 * y / y.numel(), "2y": 2 * y}
+    for round_ in range(3):
+        order = list(grads.items()) if round_ % 2 == 0 else list(grads.items())[::-1]
+        times = []
+        for label, grad_y in order:
+            for _ in range(3):
+                grad_step(new, grad_y)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                grad_step(new, grad_y)
+            end.record()
+            end.synchronize()
+            times.append(f"{label} {start.elapsed_time(end) / 20:.4f} ms")
+        print(f"ModelNew autograd.grad step, back to back, round {round_}: " + ", ".join(times))
+
+
 def k_sweep():
     import torch.nn.functional as F
     from kernels.functional import gemm_multiply_leaky_relu
@@ -244,6 +310,8 @@ def main():
     mode.add_argument("--train", action="store_true", help="an fp32 training step: its time, peak memory, errors")
     mode.add_argument("--train-profile", choices=["fp32", "bf16", "fp16"], metavar="DTYPE",
                       help="bench's training step in DTYPE (fp32, bf16, fp16): times, then kernels")
+    mode.add_argument("--loop-profile", action="store_true",
+                      help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
     parser.add_argument("--outputs", metavar="MxN[,MxN...]",
                         help="--shapes over these output sizes instead (e.g. 256x8192,512x8192: small batches)")
@@ -269,6 +337,8 @@ def choose(args):
         train_step()
     elif args.train_profile:
         train_step_profile(args.train_profile)
+    elif args.loop_profile:
+        loop_profile()
     elif args.shapes:
         outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
                    if args.outputs else SWEEP_OUTPUTS)

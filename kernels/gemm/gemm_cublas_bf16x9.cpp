@@ -21,10 +21,13 @@
 namespace kernels::gemm {
 namespace {
 
+// The compute type of this path, and whether the cuBLAS headers built against have it.
 #if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
 constexpr bool kBf16x9Compiled = true;
+constexpr cublasComputeType_t kBf16x9ComputeType = CUBLAS_COMPUTE_32F_EMULATED_16BFX9;
 #else
 constexpr bool kBf16x9Compiled = false;
+constexpr cublasComputeType_t kBf16x9ComputeType = CUBLAS_COMPUTE_32F;  // never used: cublas_bf16x9_refusal refuses
 #endif
 
 // Why the cublas_bf16x9 path cannot run a float32 product of this size, or nullptr if it can: the library built
@@ -72,13 +75,7 @@ at::Tensor cublas_bf16x9_addmm(const at::Tensor& bias, const at::Tensor& a, cons
       at::cuda::getCurrentCUDABlasHandle(), b_t.op, a_t.op, static_cast<int>(n), static_cast<int>(m),
       static_cast<int>(k), &alpha, b_t.owner.const_data_ptr<float>(), CUDA_R_32F, static_cast<int>(b_t.ld),
       a_t.owner.const_data_ptr<float>(), CUDA_R_32F, static_cast<int>(a_t.ld), &beta, y.mutable_data_ptr<float>(),
-      CUDA_R_32F, static_cast<int>(n),
-#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
-      CUBLAS_COMPUTE_32F_EMULATED_16BFX9,
-#else
-      CUBLAS_COMPUTE_32F,  // not reached: cublas_bf16x9_refusal refuses this build
-#endif
-      CUBLAS_GEMM_DEFAULT);
+      CUDA_R_32F, static_cast<int>(n), kBf16x9ComputeType, CUBLAS_GEMM_DEFAULT);
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "kernels.gemm_multiply_leaky_relu: cuBLAS refused its FP32 emulation "
               "(cublas_bf16x9 path) for a ", m, " x ", k, " by ", k, " x ", n, " product: ",
               cublasGetStatusString(status));
