@@ -351,6 +351,7 @@ SPLIT_SHAPES = {  # name: (m, k, n)
     "tails": (1153, 1048, 1031),  # M, N, K not multiples of the tiles; K not a multiple of the promotion interval
     "k_one_promotion_past": (1031, 1096, 1030),
     "small_batch": (256, 1032, 4100),  # 2^20 outputs from 256 rows, with tails
+    "tall_narrow": (8200, 1032, 136),  # m k > n k + m n: split_fp16 computes it transposed; tails
 }
 
 # Shapes below that range, where cuBLAS is the default: the split path, forced, must still be right, within
@@ -360,6 +361,7 @@ FORCED_SPLIT_SHAPES = {
     "small_tails": (200, 520, 300),
     "k_not_a_promotion_multiple": (129, 392, 136),
     "tall": (3000, 64, 72),
+    "tall_narrow_tails": (2000, 520, 40),  # computed transposed on split_fp16
 }
 
 
@@ -444,10 +446,11 @@ def test_split_path_on_hard_inputs(kind, operand, path):
 
 
 @over_split_paths
-def test_split_path_propagates_nan_and_inf_like_eager(path):
-    _, new = make_pair(264, 40, 2.0, 0.1, "cuda")
+@pytest.mark.parametrize("rows,features", [(24, 40), (600, 24)])  # the second computed transposed on split_fp16
+def test_split_path_propagates_nan_and_inf_like_eager(path, rows, features):
+    _, new = make_pair(264, features, 2.0, 0.1, "cuda")
     weight, bias = new.gemm.weight.detach().clone(), new.gemm.bias.detach()
-    x = torch.randn(24, 264, device="cuda")
+    x = torch.randn(rows, 264, device="cuda")
     x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), float("-inf")
     weight[4, 9], weight[5, 11] = float("inf"), float("nan")
     weight[6, :] = 0.25  # exactly representable: lo = 0, where inf * 0 must not turn into NaN
@@ -475,18 +478,36 @@ def test_split_path_non_finite_rows_beyond_the_listed_positions(path):
 
 
 @over_split_paths
-def test_split_path_mask_and_views(path):
+@pytest.mark.parametrize("rows,features", [(5, 72), (200, 24)])  # the second computed transposed on split_fp16
+def test_split_path_mask_and_views(path, rows, features):
     """The mask the backward uses with a negative slope, batched leading dims, and an input view at an offset."""
-    _, new = make_pair(136, 72, -1.5, -0.3, "cuda")
+    _, new = make_pair(136, features, -1.5, -0.3, "cuda")
     weight, bias = new.gemm.weight.detach(), new.gemm.bias.detach()
-    base = torch.randn(3 * 5 * 136 + 3, device="cuda")
-    x = base[3:].view(3, 5, 136)  # 12 bytes off 16-byte alignment: the path copies it
+    base = torch.randn(3 * rows * 136 + 3, device="cuda")
+    x = base[3:].view(3, rows, 136)  # 12 bytes off 16-byte alignment: the path copies it
     check_split(x, weight, bias, -1.5, -0.3, path=path, forced=True)
     with forced_gemm_path(path):
         y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.3, True)
     pre = F.linear(x, weight, bias) * -1.5
     agree = (mask == (pre > 0)) | (pre.abs() < 1e-4)  # rounding may flip the sign test right at zero
     assert mask.shape == y.shape and bool(agree.all())
+
+
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.parametrize("m,k,n,transposed", [(8200, 1032, 136, True), (2000, 520, 40, True), (1024, 1032, 1040, False),
+                                              (1030, 1024, 1030, False)])
+def test_split_fp16_computes_tall_narrow_products_transposed(m, k, n, transposed):
+    """Where x has more elements than w and the output together (m k > n k + m n), split_fp16 computes y^T = w x^T
+    and writes y through the transposed epilogue's kernel; elsewhere it does not. The results are checked by the
+    shape tests above; this checks which way each shape goes."""
+    x, weight, bias = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(n, device="cuda")
+    with forced_gemm_path("split_fp16"), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
+        torch.cuda.synchronize()
+    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("split_gemm_kernel" in name for name in kernels), kernels
+    assert any("transposed_epilogue_kernel" in name for name in kernels) == transposed, kernels
 
 
 WEIGHT_CHANGE_PATHS = ["auto", *SPLIT_KERNELS]

@@ -375,19 +375,45 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                "non-finite outputs");
 }
 
-// The forward on a split path.
+// Whether the forward on `path` computes its product transposed, y^T = w x^T: on split_fp16, where x has more
+// elements than w and the output together (m k > n k + m n: tall, narrow products such as 16384 x 4096 -> 1024).
+// Then the row pass splits w and the Hopper GEMM splits x in its registers, so the pass moves w's bytes instead of
+// x's, at the cost of y^T written and read once more (launch_transposed_epilogue). The numerics are the method's
+// with the operands' roles exchanged: a power of two per row of w and per row and chunk of x.
+bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
+  return path == Path::kSplitFp16 && m * k > n * k + m * n;
+}
+
+// The forward on a split path. Temporary memory: split_fp16_product's; where the product is computed transposed,
+// w's split (4 bytes per element of w) and y^T (4 bytes per output) instead of x's split.
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias, double multiplier,
                                                                        double negative_slope, bool return_mask) {
-  const int64_t m = gemm_rows(x, weight), k = weight.size(1);
+  const int64_t m = gemm_rows(x, weight), k = weight.size(1), n = weight.size(0);
   std::vector<int64_t> out_shape = x.sizes().vec();
-  out_shape.back() = weight.size(0);
+  out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
-  split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
-                     multiplier, negative_slope, y, positive);
+  if (!split_product_transposed(path, m, n, k)) {
+    split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
+                       multiplier, negative_slope, y, positive);
+    return {y, mask};
+  }
+  // y^T = w x^T as the plain product (no bias, multiplier 1, slope 1: the non-finite fix-up writes its raw values),
+  // then the epilogue on the way back to y.
+  at::Tensor product_t = at::empty({n, m}, x.options());
+  split_fp16_product(path, weight, /*x_transposed=*/false, x.reshape({m, k}), /*w_transposed=*/false, at::Tensor(),
+                     1.0, 1.0, product_t, nullptr);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
+  check_launch(launch_transposed_epilogue(product_t.const_data_ptr<float>(),
+                                          b.defined() ? b.const_data_ptr<float>() : nullptr,
+                                          y.mutable_data_ptr<float>(), positive, m, n, static_cast<float>(multiplier),
+                                          static_cast<float>(negative_slope),
+                                          c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+               "transposed epilogue");
   return {y, mask};
 }
 

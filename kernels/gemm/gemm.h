@@ -107,6 +107,13 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
                                      std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
                                      float multiplier, float negative_slope, cudaStream_t stream);
 
+// y (m x n, dense) = leaky_relu((product_t^T + bias) * multiplier, negative_slope), from product_t (n x m, dense),
+// a product computed transposed; bias may be null; positive, if not null, gets 1 where the value before the
+// activation is > 0, else 0. The epilogue of split_numerics.cuh, as the GEMM kernels' own.
+cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
+                                      std::int64_t m, std::int64_t n, float multiplier, float negative_slope,
+                                      cudaStream_t stream);
+
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
 // built for sm_90a, and a shape its TMA descriptors take (k % 4 == 0, for 16-byte row strides of w; m, n, k > 0).
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);

@@ -10,11 +10,14 @@
 //   (launch_split_chunks), from w or from its transpose.
 // - gemm_split_nonfinite_outputs.cuh: the outputs whose row of x or of w holds a non-finite value
 //   (launch_nonfinite_outputs).
+// - gemm_split_transposed_epilogue.cuh: y through the epilogue from a product computed transposed
+//   (launch_transposed_epilogue).
 // - This file: the host launchers: argument checks, grids, and the row split's kernel by row length.
 #include "gemm.h"
 #include "gemm_split_chunks.cuh"
 #include "gemm_split_nonfinite_outputs.cuh"
 #include "gemm_split_rows.cuh"
+#include "gemm_split_transposed_epilogue.cuh"
 #include "split_numerics.cuh"
 
 #include <cuda_fp16.h>
@@ -37,6 +40,17 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
   nonfinite_outputs_kernel<<<static_cast<unsigned>(blocks), kFixupThreads, 0, stream>>>(
       x, x_stride, x_element_stride, w, w_stride, w_element_stride, x_exponent, w_exponent, bias, y, positive, m, n, k,
       multiplier, negative_slope);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
+                                      std::int64_t m, std::int64_t n, float multiplier, float negative_slope,
+                                      cudaStream_t stream) {
+  if (m <= 0 || n <= 0) return cudaSuccess;
+  const std::int64_t tiles = ((m + kTransposeTile - 1) / kTransposeTile) * ((n + kTransposeTile - 1) / kTransposeTile);
+  const unsigned blocks = static_cast<unsigned>(tiles < (1 << 20) ? tiles : (1 << 20));
+  transposed_epilogue_kernel<<<blocks, kTransposeThreads, 0, stream>>>(product_t, bias, y, positive, m, n, multiplier,
+                                                                       negative_slope);
   return cudaGetLastError();
 }
 
