@@ -494,6 +494,7 @@ def test_split_path_mask_and_views(path, rows, features):
 
 
 @pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events:UserWarning")  # torch's notice, once per process
 @pytest.mark.parametrize("m,k,n,transposed", [(8200, 1032, 136, True), (2000, 520, 40, True), (1024, 1032, 1040, False),
                                               (1030, 1024, 1030, False)])
 def test_split_fp16_computes_tall_narrow_products_transposed(m, k, n, transposed):
