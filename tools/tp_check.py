@@ -169,7 +169,11 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     print(f"tp_check rank {rank}: {'ok' if failures == 0 else f'{failures} failed'}", flush=True)
-    sys.exit(1 if failures else 0)
+    # Out without the interpreter's teardown: with gloo, a rank still aborted at exit after the barrier and the
+    # group's destruction, every check done and reported ("terminate called without an active exception": a C++
+    # thread object of the group's destroyed while joinable), in 1 of 4 CI runs. Nothing is left to release.
+    sys.stderr.flush()
+    os._exit(1 if failures else 0)
 
 
 if __name__ == "__main__":
