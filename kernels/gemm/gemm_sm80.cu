@@ -14,7 +14,7 @@
 // - Pipeline: cp.async, kStages stages (3 where a block may take 193 KB of shared memory, as on Hopper; else 2,
 //   129 KB, as on the A100, whose limit is 163 KB), synchronized by mbarriers, not by barriers of the whole CTA: each
 //   stage's "full" barrier completes once every thread's copies into it have landed, its "empty" barrier once every
-//   warp has read it. In chunk c's first step each thread issues its loads of chunk c + kStages - 1 into the stage
+//   thread has read it. In chunk c's first step each thread issues its loads of chunk c + kStages - 1 into the stage
 //   chunk c - 1 left; a warp waits for a stage where it first reads it and releases it after its last read. So the
 //   warps run apart, and one's loads, waits and promotion overlap the others' products.
 // - Products: per 16 of k, three m16n8k16 fp16 products into a fresh fp32 accumulator, small terms first (hi_x lo_w,
@@ -220,7 +220,7 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
   const int warp_x = warp % kWarpsX, warp_w = warp / kWarpsX;
 
   // The pipeline. Chunk c's stage is c % kStages. During chunk c's first step each thread issues its loads of chunk
-  // c + kStages - 1, into the stage every warp released in chunk c - 1; a warp waits for a chunk's stage to be full
+  // c + kStages - 1, into the stage every thread released in chunk c - 1; a warp waits for a chunk's stage to be full
   // only where it first reads it, and releases it after its last read. No barrier of the whole CTA: the warps run
   // apart, so that one's loads, waits and promotion overlap the others' products.
   const auto stage_of = [&](int chunk) { return shared_base + (chunk % kStages) * kStageBytes; };
