@@ -42,7 +42,8 @@ What each subcommand runs:
              (sm80_sass.txt); tools/gemm_sweep.py --path split_fp16_sm80 (sm80_sweep.log), its first 4 lines again
              at two pipeline stages (KERNELS_GEMM_SM80_STAGES=2, the A100's depth), the first 4 lines of the Hopper
              kernel's sweep; then pytest -q -x -rs tests/test_gemm.py under a 400 s limit (--test-time-limit), its
-             output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest.
+             output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest; then the split
+             tests (-k split) and tools/sanitize_cases.py again at two stages (the A100's depth).
   profile    tools/tensor_core_rates.py (mma.sync's measured rate, alone and at the sm_80 kernel's ldmatrix ratio,
              beside cuBLAS fp16 and fp32; tensor_core_rates.log); then, for each split path named (default:
              split_fp16 and split_fp16_sm80), Nsight Compute over one forward at the problem's shape, that path
@@ -562,6 +563,17 @@ def sm80(args):
         show_tail(ran.lines, 15)
         if not passed("GEMM tests", ran, args.test_time_limit):
             failed.append("GEMM tests")
+        # The depth an A100 runs (two stages), which the automatic choice never takes on Hopper: the split tests and
+        # every kernel's small cases again on it.
+        two_stages = {"KERNELS_GEMM_SM80_STAGES": "2"}
+        say("== GEMM split tests and sanitize_cases at two stages (output in sm80_pytest_2_stages.log)")
+        ran = run([*command, "-k", "split"], log=os.path.join(args.out, "sm80_pytest_2_stages.log"), show=False,
+                  limit_s=args.test_time_limit, env=two_stages)
+        show_tail(ran.lines, 3)
+        if not passed("GEMM split tests, two stages", ran, args.test_time_limit):
+            failed.append("GEMM split tests, two stages")
+        if not passed("sanitize_cases, two stages", run([PYTHON, "tools/sanitize_cases.py"], env=two_stages)):
+            failed.append("sanitize_cases, two stages")
     return failed
 
 
@@ -610,10 +622,13 @@ def profile(args):
                                          limit_s=300)):
             failed.append(f"ncu {path}")
             continue
-        run([ncu, "--import", report + ".ncu-rep", "--page", "details"], log=os.path.join(args.out, f"ncu_{path}.txt"),
-            show=False)
-        run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
-             "--kernel-name", "regex:split_gemm"], log=os.path.join(args.out, f"ncu_{path}_source.csv"), show=False)
+        if not passed(f"ncu {path} details", run([ncu, "--import", report + ".ncu-rep", "--page", "details"],
+                                                  log=os.path.join(args.out, f"ncu_{path}.txt"), show=False)):
+            failed.append(f"ncu {path} details")
+        if not passed(f"ncu {path} source", run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--csv",
+                                                 "--print-source", "sass", "--kernel-name", "regex:split_gemm"],
+                                                log=os.path.join(args.out, f"ncu_{path}_source.csv"), show=False)):
+            failed.append(f"ncu {path} source")
         run(["grep", "-E", "^  [a-z_]|Duration|Compute \\(SM\\) Throughput|Memory Throughput|Issue Slots Busy|"
              "Executed Ipc A|Warp Cycles Per Issued|No Eligible|Registers Per|Achieved Occupancy",
              os.path.join(args.out, f"ncu_{path}.txt")])

@@ -6,7 +6,8 @@ tools/gemm_sweep.py on a forced path). For kernel work: several candidates measu
         base=.variants/A.cu pipelined=.variants/B.cu
     python tools/kernel_variants.py --file F --command "python bench.py --quick" a=... b=...
 
-The working tree's own version runs first, as `current`. Each copy builds into its own extensions folder.
+The working tree's own version runs first, as `current`. The copies share one extensions folder (builds are named
+by their sources' hash).
 """
 
 import argparse
@@ -30,14 +31,19 @@ def main():
     parser.add_argument("versions", nargs="*", metavar="NAME=FILE")
     args = parser.parse_args()
     command = args.command or f"{shlex.quote(sys.executable)} tools/gemm_sweep.py --path {args.path}"
+    if any("=" not in v for v in args.versions):
+        parser.error("each version is NAME=FILE")
     versions = [("current", None)] + [tuple(v.split("=", 1)) for v in args.versions]
     root = tempfile.mkdtemp(prefix="variants_")
+    # One extensions folder for all copies: builds are named by their sources' hash, so the families a version leaves
+    # unchanged are built once.
+    extensions = os.path.join(root, "extensions")
     for name, path in versions:
         copy = os.path.join(root, name)
         shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".variants", ".whl", "__pycache__"))
         if path:
             shutil.copyfile(os.path.join(REPO, path), os.path.join(copy, args.file))
-        env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(root, name + "_ext"), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=extensions, PYTHONUNBUFFERED="1")
         start = time.time()
         built = subprocess.run([sys.executable, "-c", "import kernels.functional"], cwd=copy, env=env,
                                capture_output=True, text=True)
@@ -46,7 +52,9 @@ def main():
         if built.returncode != 0:
             continue
         for _ in range(args.repeat):
-            subprocess.run(command, shell=True, cwd=copy, env=env)
+            status = subprocess.run(command, shell=True, cwd=copy, env=env).returncode
+            if status != 0:
+                print(f"=== {name}: the command exited with status {status}", flush=True)
             sys.stdout.flush()
 
 

@@ -46,7 +46,7 @@ __device__ __forceinline__ std::uint32_t operand(int salt) {
   return 0x3c003c00u | low;
 }
 
-__global__ void mma_only(float* out, int iterations) {
+__global__ void __launch_bounds__(1024) mma_only(float* out, int iterations) {
   std::uint32_t a[4] = {operand(1), operand(2), operand(3), operand(4)};
   const std::uint32_t b0 = operand(5), b1 = operand(6);
   float acc[8][4] = {};
@@ -63,14 +63,18 @@ __global__ void mma_only(float* out, int iterations) {
 // The sm_80 kernel's step: a warp's 64 x 32 tile, x_hi, x_lo (4 m16 fragments each) and w_hi, w_lo (2 pairs of n8
 // fragments each) by ldmatrix.x4 from 128-byte rows with 16-byte unit u at u ^ (row % 8), then three products per
 // fragment pair.
-__global__ void ldmatrix_mma(float* out, int iterations) {
+// At most 512 threads, the 16-warp row's block: 128 registers, which ptxas meets for sm_90a as it is and for sm_80
+// with a 20-byte spill.
+__global__ void __launch_bounds__(512) ldmatrix_mma(float* out, int iterations) {
   extern __shared__ __align__(128) unsigned char tiles[];  // 4 tiles of 128 rows x 128 bytes
   for (int i = threadIdx.x; i < 4 * 128 * 32; i += blockDim.x)
     reinterpret_cast<std::uint32_t*>(tiles)[i] = operand(i);
   __syncthreads();
   const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tiles));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warp_x = warp % 2, warp_w = (warp / 2) % 4;
-  const auto swizzled = [](int row, int unit) { return static_cast<std::uint32_t>(row * 128 + ((unit ^ (row % 8)) * 16)); };
+  const auto swizzled = [](int row, int unit) {
+    return static_cast<std::uint32_t>(row * 128 + ((unit ^ (row % 8)) * 16));
+  };
   float acc[4][4][4] = {};
   for (int i = 0; i < iterations; ++i) {
 #pragma unroll
@@ -84,7 +88,8 @@ __global__ void ldmatrix_mma(float* out, int iterations) {
       }
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
-        const std::uint32_t offset = swizzled(warp_w * 32 + p * 16 + lane % 8 + 8 * (lane / 16), 2 * step + (lane / 8) % 2);
+        const std::uint32_t offset =
+            swizzled(warp_w * 32 + p * 16 + lane % 8 + 8 * (lane / 16), 2 * step + (lane / 8) % 2);
         load_x4(base + 32768 + offset, b_hi[p]);
         load_x4(base + 49152 + offset, b_lo[p]);
       }
@@ -123,7 +128,8 @@ void launch_rate_kernel(int64_t kernel, int64_t blocks, int64_t warps, int64_t i
 }
 """
 
-DECLARATION = "void launch_rate_kernel(int64_t kernel, int64_t blocks, int64_t warps, int64_t iterations, torch::Tensor out);"
+DECLARATION = ("void launch_rate_kernel(int64_t kernel, int64_t blocks, int64_t warps, int64_t iterations, "
+               "torch::Tensor out);")
 
 # Products per warp per iteration of each kernel.
 PRODUCTS_PER_ITERATION = {0: 8, 1: 4 * 48}

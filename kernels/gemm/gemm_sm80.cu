@@ -11,8 +11,8 @@
 // - Tiles: 128 rows of x by 128 rows of w per CTA, K one chunk (64) per pipeline stage; 8 warps, each 64 x 32 of
 //   the output. A stage holds the four 128 x 64 fp16 tiles (x_hi, x_lo, w_hi, w_lo, 64 KB), each row 128 bytes with
 //   16-byte unit u at u ^ (row % 8), so that ldmatrix's eight rows fall in distinct banks.
-// - Pipeline: cp.async, kStages stages (3 where a block may take 193 KB of shared memory, as on Hopper; else 2,
-//   129 KB, as on the A100, whose limit is 163 KB), synchronized by mbarriers, not by barriers of the whole CTA: each
+// - Pipeline: cp.async, kStages stages (3 where a block may take 193.5 KiB of shared memory, as on Hopper; else 2,
+//   129 KiB, as on the A100, whose limit is 163 KiB), synchronized by mbarriers, not by barriers of the whole CTA: each
 //   stage's "full" barrier completes once every thread's copies into it have landed, its "empty" barrier once every
 //   thread has read it. In chunk c's first step each thread issues its loads of chunk c + kStages - 1 into the stage
 //   chunk c - 1 left; a warp waits for a stage where it first reads it and releases it after its last read. So the
@@ -354,7 +354,8 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
       if (step == kSplitChunk / 16 - 1) {
         barrier_arrive(empty + 8 * (chunk % kStages));  // this thread's reads of the stage are done
         if (chunk + 1 < chunks) barrier_wait(full + 8 * ((chunk + 1) % kStages), ((chunk + 1) / kStages) & 1);
-        // Past the last chunk, no stage is read.
+        // Past the last chunk, the loads below read this chunk's stage again: no copy writes it any more, and their
+        // values are not used.
         if (chunk + 1 < chunks) next_stage = stage_of(chunk + 1);
       }
       const int next_step = (step + 1) % (kSplitChunk / 16);
