@@ -5,7 +5,8 @@
 // - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
 //   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor
 //   cores with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and
-//   faster.
+//   faster. Tall, narrow forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the
+//   kernel's registers, y^T computed and y written from it (split_product_transposed).
 // - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
 //   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
 // - cublas_bf16x9 (Blackwell, sm_100 and sm_103, float32 at "highest"): cuBLAS's own FP32 emulation on bf16 tensor
