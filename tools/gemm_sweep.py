@@ -53,8 +53,8 @@ def problem_size():
         print(f"{kind:>6} {ms:9.4f} {eager_ms:9.4f} {ours:10.3e} {theirs:10.3e} {ours / theirs:6.3f}")
 
 
-def profile(step, calls=10):
-    """The device time of `calls` runs of step(), kernel by kernel, after three unmeasured runs."""
+def profiled(step, calls):
+    """torch.profiler's CUDA record of `calls` runs of step(), after three unmeasured runs."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -62,7 +62,13 @@ def profile(step, calls=10):
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    return prof
+
+
+def profile(step, calls=10):
+    """The device time of `calls` runs of step(), kernel by kernel, after three unmeasured runs."""
+    print(profiled(step, calls).key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                                     max_name_column_width=60))
 
 
 def profile_one_call():
@@ -170,14 +176,7 @@ def train_step_profile(label):
 
 def kernel_table(step, calls=5):
     """Per kernel, its device milliseconds per step() and launches per step; the total first."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+    events = sorted((e for e in profiled(step, calls).key_averages() if e.self_device_time_total > 0),
                     key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / calls / 1000
     return total, [(e.self_device_time_total / calls / 1000, e.count // calls, e.key) for e in events]
@@ -186,9 +185,10 @@ def kernel_table(step, calls=5):
 def loop_profile():
     """Where a training loop's step (zero_grad, forward, y.square().mean(), backward, as bench.py's loop rows) spends
     its time beyond bench's autograd.grad step: both kinds of step, eager's and ModelNew's, kernel by kernel; then the
-    autograd.grad step timed back to back with three grad_y (randn, the loop's 2y/numel, 2y) in alternating orders,
-    to tell the data's effect on the split GEMMs from the card's state under sustained load."""
+    autograd.grad step timed with three grad_y (randn, the loop's 2y/numel, 2y), one after the other, in alternating
+    orders, to tell the data's effect on the split GEMMs from the card's state under sustained load."""
     import reference
+    from kernels.timing import time_ms
     from model_new import GemmMultiplyLeakyReLUModelNew
 
     init = reference.gemm_multiply_leaky_relu_get_init_inputs()
@@ -219,18 +219,10 @@ def loop_profile():
     for round_ in range(3):
         order = list(grads.items()) if round_ % 2 == 0 else list(grads.items())[::-1]
         times = []
-        for label, grad_y in order:
-            for _ in range(3):
-                grad_step(new, grad_y)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                grad_step(new, grad_y)
-            end.record()
-            end.synchronize()
-            times.append(f"{label} {start.elapsed_time(end) / 20:.4f} ms")
-        print(f"ModelNew autograd.grad step, back to back, round {round_}: " + ", ".join(times))
+        for label, grad_y in order:  # one grad_y after the other, each timed on its own: the card's drift shows
+            ms = time_ms(lambda grad_y=grad_y: grad_step(new, grad_y), samples=20, flush_l2=False)
+            times.append(f"{label} {ms:.4f} ms")
+        print(f"ModelNew autograd.grad step, one grad_y after the other, round {round_}: " + ", ".join(times))
 
 
 def k_sweep():

@@ -11,7 +11,8 @@ Rows:
                              accumulators: the sm_80 kernel's inner step (a 64 x 32 warp tile, three products) with
                              no pipeline, barrier or promotion around it: the most that kernel's warp tile can reach.
   cuBLAS fp16 / fp32         torch.mm at the problem's shape (1024 x 8192 x 8192), fp16 with fp32 accumulation, fp32.
-Each a median of CUDA-event timings after a warm-up; TFLOP/s counts 2 m n k per product.
+Each the median of 20 samples (kernels.timing, no L2 flush: the operands are meant to stay cached); TFLOP/s counts
+2 m n k per product.
 """
 
 import argparse
@@ -145,21 +146,9 @@ def build():
                        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"], verbose=False)
 
 
-def median_ms(fn, repeats=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main():
+    from kernels.timing import time_ms
+
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     module = build()
     processors = torch.cuda.get_device_properties(0).multi_processor_count
@@ -169,7 +158,8 @@ def main():
     for kernel, warps_per_sm, iterations in ((0, 4, 20000), (0, 8, 20000), (0, 16, 10000), (0, 32, 5000),
                                              (1, 8, 2000), (1, 16, 1000)):
         blocks, warps = (processors, warps_per_sm) if warps_per_sm <= 32 else (processors * 2, warps_per_sm // 2)
-        ms = median_ms(lambda: module.launch_rate_kernel(kernel, blocks, warps, iterations, out))
+        ms = time_ms(lambda: module.launch_rate_kernel(kernel, blocks, warps, iterations, out), samples=20,
+                     flush_l2=False)
         flops = blocks * warps * iterations * PRODUCTS_PER_ITERATION[kernel] * 2 * 16 * 8 * 16
         name = (f"mma.sync, {warps_per_sm} warps per SM" if kernel == 0
                 else f"ldmatrix + mma.sync (64x32 tile), {warps_per_sm} warps/SM")
@@ -178,7 +168,7 @@ def main():
     for dtype in (torch.float16, torch.float32):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
-        ms = median_ms(lambda: torch.mm(a, b))
+        ms = time_ms(lambda: torch.mm(a, b), samples=20, flush_l2=False)
         print(f"{'cuBLAS ' + str(dtype).replace('torch.', '') + ' 1024x8192x8192':<44} {ms:8.3f} "
               f"{2 * m * n * k / ms / 1e9:8.1f}")
 
