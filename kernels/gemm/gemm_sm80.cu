@@ -117,6 +117,9 @@ __device__ __forceinline__ void barrier_wait(std::uint32_t barrier, int parity) 
         : "r"(barrier), "r"(parity)
         : "memory");
   } while (!done);
+  // The lanes may leave the loop in different rounds; the .aligned ldmatrix and mma.sync after a wait need the warp
+  // converged, which this makes explicit rather than left to the compiler's reconvergence.
+  __syncwarp();
 #endif
 }
 
@@ -375,14 +378,25 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
         for (int r = 0; r < 4; ++r) b_lo[p][r] = b_lo_next[p][r];
     }
   }
-  // The last chunk's promotion.
+  // The last chunk's promotion, as every other chunk's.
+  if (single) {
 #pragma unroll
-  for (int i = 0; i < kFragsX; ++i)
+    for (int i = 0; i < kFragsX; ++i)
 #pragma unroll
-    for (int j = 0; j < kFragsW; ++j)
+      for (int j = 0; j < kFragsW; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent[j][c % 2]), total[i][j][c]);
+        for (int c = 0; c < 4; ++c)
+          total[i][j][c] = promote<true>(accumulator[i][j][c], {exact_power_of_two(-exponent[j][c % 2]), 1.0f},
+                                         total[i][j][c]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+      for (int j = 0; j < kFragsW; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent[j][c % 2]), total[i][j][c]);
+  }
 
   // Epilogue: y[x row, w row], pairs of w rows (2 t, 2 t + 1) side by side in y's row.
   float column_bias[kFragsW][2];

@@ -69,17 +69,17 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
   for (int i = 0; i < 64; ++i) total[i] = 0.0f;
   non_finite[0] = non_finite[1] = false;
 
-  // Software pipeline: chunk c + 1's w is loaded and scaled while chunk c's products run; it is split into the A
-  // registers once they have completed (wgmma reads them until then).
+  // Software pipeline: chunk c + 1's w is loaded, scaled and split into the other set of A registers while chunk
+  // c's products run (they read theirs until they complete), so that only the promotion follows their completion.
   WChunk w;
-  ARegisters a;
+  ARegisters a[2];
   barrier_wait(&full[iteration % kStages], (iteration / kStages) & 1);
   ChunkScales scales =
       load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, t, w, non_finite);
-  if (scales.single) split_w_chunk<true>(w, scales, a);
-  else split_w_chunk<false>(w, scales, a);
+  if (scales.single) split_w_chunk<true>(w, scales, a[0]);
+  else split_w_chunk<false>(w, scales, a[0]);
 
-  for (int chunk = 0; chunk < chunks; ++chunk, ++iteration) {
+  const auto multiply_chunk = [&](int chunk, const ARegisters& a_now, ARegisters& a_next) {
     const int stage = iteration % kStages;
     const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
     const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
@@ -93,9 +93,9 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
 #pragma unroll
     for (int step = 0; step < 4; ++step) {
       const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
-      wgmma_m64n128k16_f16_rs(accumulator, a.lo[step], x_hi + offset, step != 0);
-      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_lo + offset, true);
-      wgmma_m64n128k16_f16_rs(accumulator, a.hi[step], x_hi + offset, true);
+      wgmma_m64n128k16_f16_rs(accumulator, a_now.lo[step], x_hi + offset, step != 0);
+      wgmma_m64n128k16_f16_rs(accumulator, a_now.hi[step], x_lo + offset, true);
+      wgmma_m64n128k16_f16_rs(accumulator, a_now.hi[step], x_hi + offset, true);
     }
     wgmma_commit();
     const bool more = chunk + 1 < chunks;
@@ -106,15 +106,18 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
       const int next = (iteration + 1) % kStages;
       barrier_wait(&full[next], ((iteration + 1) / kStages) & 1);
       scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
+      if (scales.single) split_w_chunk<true>(w, scales, a_next);
+      else split_w_chunk<false>(w, scales, a_next);
     }
     wgmma_wait<0>();
     if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
     if (current.single) promote_chunk<true>(accumulator, current, total);
     else promote_chunk<false>(accumulator, current, total);
-    if (more) {
-      if (scales.single) split_w_chunk<true>(w, scales, a);
-      else split_w_chunk<false>(w, scales, a);
-    }
+    ++iteration;
+  };
+  for (int chunk = 0; chunk < chunks; chunk += 2) {
+    multiply_chunk(chunk, a[0], a[1]);
+    if (chunk + 1 < chunks) multiply_chunk(chunk + 1, a[1], a[0]);
   }
 }
 
