@@ -3,7 +3,8 @@
 //
 // Warp specialisation: warpgroup 0 is the producer (one thread issues the TMA loads, waiting on each stage's
 // "empty" mbarrier) and keeps few registers; warpgroups 1 and 2 are consumers, each owning 64 rows of w. Per chunk
-// a consumer splits its rows of w in registers (gemm_sm90_w_split.cuh) and issues 12 wgmma m64n128k16 (small terms
+// a consumer splits its rows of w in registers (gemm_sm90_w_split.cuh; two sets of A registers, the next chunk's
+// split into one while the products read the other) and issues 12 wgmma m64n128k16 (small terms
 // first: lo_w hi_x, hi_w lo_x, hi_w hi_x per 16 of K) into a fresh accumulator. Once they complete it releases the
 // stage and adds the accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the
 // tensor cores' own accumulation over a long K loses precision; the per-chunk scale needs no pass over w before
