@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 // The kernel's own names live in gemm::sm80: the family's .cu files are joined into one translation unit.
 namespace kernels::gemm::sm80 {
@@ -288,33 +289,32 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
   // `exponent` holds the chunk before's exponents of the thread's w rows (zero accumulators before chunk 0).
   std::int32_t exponent[kFragsW][2] = {};
   bool single = true;
+  // promote_each(then): every fragment's promotion, each followed by then(i, j) (the next chunk's first product
+  // into it, or nothing after the last chunk). The branch on `single` is taken once, outside the unrolled loops.
+  const auto promote_each = [&](auto then) {
+    const auto promote_all = [&](auto single_multiply) {
+#pragma unroll
+      for (int i = 0; i < kFragsX; ++i)
+#pragma unroll
+        for (int j = 0; j < kFragsW; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int e = exponent[j][c % 2];
+            total[i][j][c] =
+                decltype(single_multiply)::value
+                    ? promote<true>(accumulator[i][j][c], {exact_power_of_two(-e), 1.0f}, total[i][j][c])
+                    : promote(accumulator[i][j][c], power_of_two(-e), total[i][j][c]);
+          }
+          then(i, j);
+        }
+    };
+    if (single) promote_all(std::true_type{});
+    else promote_all(std::false_type{});
+  };
   const auto promote_and_multiply_first = [&](const XFragments& a, const WFragments& b) {
-    if (single) {
-      float inverse[kFragsW][2];
-#pragma unroll
-      for (int j = 0; j < kFragsW; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) inverse[j][c] = exact_power_of_two(-exponent[j][c]);
-#pragma unroll
-      for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-        for (int j = 0; j < kFragsW; ++j) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            total[i][j][c] = promote<true>(accumulator[i][j][c], {inverse[j][c % 2], 1.0f}, total[i][j][c]);
-          mma_m16n8k16<true>(accumulator[i][j], a[i], b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
-        }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-        for (int j = 0; j < kFragsW; ++j) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent[j][c % 2]), total[i][j][c]);
-          mma_m16n8k16<true>(accumulator[i][j], a[i], b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
-        }
-    }
+    promote_each([&](int i, int j) {
+      mma_m16n8k16<true>(accumulator[i][j], a[i], b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
+    });
   };
 
   // Per 16 of k, three products, small terms first: hi_x lo_w, lo_x hi_w, hi_x hi_w. Each operand's fragments are
@@ -381,24 +381,7 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
     }
   }
   // The last chunk's promotion, as every other chunk's.
-  if (single) {
-#pragma unroll
-    for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-      for (int j = 0; j < kFragsW; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          total[i][j][c] = promote<true>(accumulator[i][j][c], {exact_power_of_two(-exponent[j][c % 2]), 1.0f},
-                                         total[i][j][c]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kFragsX; ++i)
-#pragma unroll
-      for (int j = 0; j < kFragsW; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          total[i][j][c] = promote(accumulator[i][j][c], power_of_two(-exponent[j][c % 2]), total[i][j][c]);
-  }
+  promote_each([](int, int) {});
 
   // Epilogue: y[x row, w row], pairs of w rows (2 t, 2 t + 1) side by side in y's row.
   float column_bias[kFragsW][2];
