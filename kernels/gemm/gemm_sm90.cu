@@ -74,7 +74,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   }
 
   registers_increase<kConsumerRegisters>();
-  const ConsumerThread thread(warpgroup);
+  const ConsumerThread thread(warpgroup, /*paired_rows=*/kTransposed);
   const std::uint32_t shared_base = smem_address(shared);
   const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, x_exponent, w_flags, bias, y,
                                              positive, m, n, multiplier, negative_slope};

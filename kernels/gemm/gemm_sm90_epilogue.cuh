@@ -48,8 +48,8 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   std::uint8_t* const positive = arguments.positive;
   const int m = arguments.m, n = arguments.n;
   const float multiplier = arguments.multiplier, negative_slope = arguments.negative_slope;
-  const int consumer = thread.consumer, t = thread.t, tile_row = thread.tile_row;
-  // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + 8 half, x row 8 j + 2 t + c.
+  const int consumer = thread.consumer, t = thread.t, tile_row = thread.tile_row, row_step = thread.row_step;
+  // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row 8 j + 2 t + c.
   const bool flags_writer = tile_x == 0;
   float column_bias[2];
 #pragma unroll
@@ -57,7 +57,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     bool bad = non_finite[half];
     bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
     bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-    const int column = tile_w * kBlockW + tile_row + 8 * half;
+    const int column = tile_w * kBlockW + tile_row + half * row_step;
     if (flags_writer && t == 0 && column < n) arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
     column_bias[half] = bias && column < n ? bias[column] : 0.0f;
   }
@@ -92,12 +92,12 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
         const int j = part * (kOutBoxRows / 8) + jj;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int local_column = tile_row - consumer * 64 + 8 * half;  // 0 .. 63 within the consumer's columns
+          const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63 within the consumer's columns
           const int box = local_column / kBoxK, box_column = local_column % kBoxK;
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int box_row = 8 * jj + 2 * t + c, row = tile_x * kBlockX + 8 * j + 2 * t + c;
-            const int column = tile_w * kBlockW + tile_row + 8 * half;
+            const int column = tile_w * kBlockW + tile_row + half * row_step;
             const Activated out = output(j, half, c, exponents[jj][c]);
             staging_floats[(box * kOutBoxBytes + box_row * 128) / 4 + ((box_column / 4) ^ (box_row % 8)) * 4 +
                            box_column % 4] = out.value;
@@ -119,7 +119,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   } else {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int column = tile_w * kBlockW + tile_row + 8 * half;
+      const int column = tile_w * kBlockW + tile_row + half * row_step;
       if (column >= n) continue;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {

@@ -42,20 +42,25 @@ static_assert(kSharedBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
 static_assert(2 * kOutBoxRows == kBlockX && 2 * kBoxK == kBlockW / kConsumers, "a consumer stores 2 x 2 boxes a tile");
 
 // A consumer thread's place in wgmma's fragments. Consumer i (warpgroup i + 1) owns the tile's rows of w 64 i ..
-// 64 i + 63, 16 per warp; with g = lane / 4 and t = lane % 4, the thread holds rows tile_row = 64 i + 16 warp + g
-// and tile_row + 8 of w (its A registers: gemm_sm90_w_split.cuh) and, of the products, accumulator element
-// j * 4 + half * 2 + c at w row tile_row + 8 half, x row 8 j + 2 t + c.
+// 64 i + 63, 16 per warp; with g = lane / 4 and t = lane % 4, the thread holds two of its warp's rows of w,
+// tile_row + half * row_step for half 0 and 1 (its A registers: gemm_sm90_w_split.cuh), and, of the products,
+// accumulator element j * 4 + half * 2 + c at w row tile_row + half * row_step, x row 8 j + 2 t + c. The fragment's
+// rows g and g + 8 are rows 16 warp + g and + 8 of the tile, or, where w comes transposed, 16 warp + 2 g and + 1:
+// side by side along the transposed tile's rows, so that one 8-byte load reads both at a k (any order of a tile's
+// rows of w computes the same products; the epilogue writes each output to its row's column).
 struct ConsumerThread {
   int consumer, lane, t;
-  int tile_row;  // this thread's first w row in the tile; the second is + 8
+  int tile_row;  // the tile's row of w of the thread's fragment row g
+  int row_step;  // ... and of its fragment row g + 8: tile_row + row_step (a constant once inlined)
 
-  __device__ __forceinline__ explicit ConsumerThread(int warpgroup) {
+  __device__ __forceinline__ ConsumerThread(int warpgroup, bool paired_rows) {
     consumer = warpgroup - 1;
     const int warp = (threadIdx.x % 128) / 32;
     lane = threadIdx.x % 32;
     const int g = lane / 4;
     t = lane % 4;
-    tile_row = consumer * 64 + warp * 16 + g;
+    tile_row = consumer * 64 + warp * 16 + (paired_rows ? 2 * g : g);
+    row_step = paired_rows ? 1 : 8;
   }
 };
 

@@ -66,6 +66,7 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
                                               bool (&non_finite)[2]) {
   using namespace sm90;
   const int consumer = thread.consumer, lane = thread.lane, t = thread.t, tile_row = thread.tile_row;
+  const int row_step = thread.row_step;
 #pragma unroll
   for (int i = 0; i < 64; ++i) total[i] = 0.0f;
   non_finite[0] = non_finite[1] = false;
@@ -76,7 +77,7 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
   ARegisters a[2];
   barrier_wait(&full[iteration % kStages], (iteration / kStages) & 1);
   ChunkScales scales =
-      load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, t, w, non_finite);
+      load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, row_step, t, w, non_finite);
   if (scales.single) split_w_chunk<true>(w, scales, a[0]);
   else split_w_chunk<false>(w, scales, a[0]);
 
@@ -106,7 +107,7 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
     if (more) {
       const int next = (iteration + 1) % kStages;
       barrier_wait(&full[next], ((iteration + 1) / kStages) & 1);
-      scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, t, w, non_finite);
+      scales = load_w_chunk<kTransposed>(shared_base + next * kStageBytes, tile_row, row_step, t, w, non_finite);
       if (scales.single) split_w_chunk<true>(w, scales, a_next);
       else split_w_chunk<false>(w, scales, a_next);
     }

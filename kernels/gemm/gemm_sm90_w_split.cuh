@@ -57,10 +57,10 @@ __device__ __forceinline__ float4 load_shared_float4(std::uint32_t address) {
   return v;
 }
 
-__device__ __forceinline__ float load_shared_float(std::uint32_t address) {
-  float v = 0.0f;
+__device__ __forceinline__ float2 load_shared_float2(std::uint32_t address) {
+  float2 v = make_float2(0.0f, 0.0f);
 #if KERNELS_SM90A_DEVICE
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address));
 #endif
   return v;
 }
@@ -72,30 +72,40 @@ __device__ __forceinline__ float load_shared_float(std::uint32_t address) {
 //   reads pack [half][box][h] as one 16-byte load: k = 32 box + 8 t + 4 h .. + 3, in x's split order
 //   (split_position).
 // kTransposed = true: w is given as its transpose (k x n, row-major); the stage holds four boxes of 64 of k x 32
-//   rows of w, and the thread reads each value alone: pack [half][box][h] holds k = 16 (2 box + h) + {0, 1, 8, 9}
-//   + 2 t, the natural order (its 4 lanes t read k of distinct k % 8 and so distinct banks).
+//   rows of w, and the thread's rows are side by side (ConsumerThread): one 8-byte load reads both at a k. Element e
+//   of pack [half][box][h] holds k = 16 (2 box + h) + 8 (e / 2) + 2 t + e % 2, the natural order (the warp's 8-byte
+//   loads: 8 lanes read 64 bytes of one k, its 4 values of t fill 4 rows of k in two pairs of bank halves).
+// tile_row, row_step: the thread's rows (ConsumerThread: tile_row and tile_row + row_step).
 template <bool kTransposed>
-__device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int tile_row, int t, WChunk& w,
-                                                    bool (&non_finite)[2]) {
+__device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int tile_row, int row_step, int t,
+                                                    WChunk& w, bool (&non_finite)[2]) {
+  if constexpr (!kTransposed) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = tile_row + 8 * half;
+    for (int half = 0; half < 2; ++half) {
+      const int row = tile_row + half * row_step;
+#pragma unroll
+      for (int box = 0; box < 2; ++box) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int unit = (2 * t + h) ^ (row % 8);
+          w.pack[half][box][h] = load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
+        }
+      }
+    }
+  } else {
+    const int row = tile_row;  // even; the second row is row + 1, in the same 16-byte unit
+    const std::uint32_t column_box = w_tiles + (row / 32) * kWTransposedBoxBytes + (row % 4) * 4;
+    const int unit = (row % 32) / 4;
 #pragma unroll
     for (int box = 0; box < 2; ++box) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if constexpr (!kTransposed) {
-          const int unit = (2 * t + h) ^ (row % 8);
-          w.pack[half][box][h] = load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
-        } else {
-          const std::uint32_t column_box = w_tiles + (row / 32) * kWTransposedBoxBytes;
-          const int unit = (row % 32) / 4, word = row % 4;
-          float* v = reinterpret_cast<float*>(&w.pack[half][box][h]);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int k = 16 * (2 * box + h) + 8 * (e / 2) + 2 * t + e % 2;
-            v[e] = load_shared_float(column_box + k * 128 + ((unit ^ (k % 8)) * 16) + word * 4);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int k = 16 * (2 * box + h) + 8 * (e / 2) + 2 * t + e % 2;
+          const float2 pair = load_shared_float2(column_box + k * 128 + ((unit ^ (k % 8)) * 16));
+          reinterpret_cast<float*>(&w.pack[0][box][h])[e] = pair.x;
+          reinterpret_cast<float*>(&w.pack[1][box][h])[e] = pair.y;
         }
       }
     }
