@@ -45,18 +45,21 @@ What each subcommand runs:
              output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest; then the split
              tests (-k split) and tools/sanitize_cases.py again at two stages (the A100's depth).
   profile    tools/tensor_core_rates.py (mma.sync's measured rate, alone and at the sm_80 kernel's ldmatrix ratio,
-             beside cuBLAS fp16 and fp32; tensor_core_rates.log); then, for each split path named (default:
-             split_fp16 and split_fp16_sm80), Nsight Compute over one forward at the problem's shape, that path
-             forced, on a build with source lines (KERNELS_LINEINFO=1): every kernel of the call with the speed of
-             light, compute and memory workload, scheduler and warp-state sections (ncu_<path>.txt), and the GEMM
-             kernel's SASS with its stall samples per instruction (ncu_<path>_source.csv).
+             beside cuBLAS fp16 and fp32; tensor_core_rates.log; --skip-rates leaves it out); then, for each split
+             path named (default: split_fp16 and split_fp16_sm80), Nsight Compute over one call at the problem's
+             shape, that path forced, on a build with source lines (KERNELS_LINEINFO=1): every kernel of the call
+             with the speed of light, compute and memory workload, scheduler and warp-state sections
+             (ncu_<name>.txt), and the GEMM kernel's SASS with its stall samples per instruction
+             (ncu_<name>_source.csv). The call is the forward, or, named PATH:grad_x or PATH:grad_w, one product of
+             the backward (the backward op asked for that gradient alone; grad_w with grad_b); <name> is the
+             argument with ':' as '_'.
   all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
              where the build or the smoke test failed.
 
 Every subcommand writes into --out (default: $OUT, else /tmp/device_check), its whole output also into
 device_check_<subcommand>.log there, and exits with status 1 where a step failed, naming the steps that did.
 Environment switches, beside the flags they default: SKIP_TESTS=1, SKIP_SANITIZE=1, SKIP_BENCH=1 (all; SKIP_TESTS
-for sm80 too), BENCH_ARGS (arguments for bench.py: all, bench), BENCH_RUNS (--runs), TEST_TIMEOUT (sm80's
+for sm80 too), SKIP_RATES=1 (profile), BENCH_ARGS (arguments for bench.py: all, bench), BENCH_RUNS (--runs), TEST_TIMEOUT (sm80's
 --test-time-limit), PYTEST_ARGS (arguments for sm80's pytest). Where matplotlib (bench's chart) or pytest-xdist
 (pyproject.toml's pytest options ask for it) is missing, the wheels in .whl/, if carried, are installed into
 /tmp/site for the processes started from here.
@@ -578,60 +581,84 @@ def sm80(args):
 
 
 # One forward of ModelNew at the problem's shape on the split path named in argv[1], after two unprofiled ones.
-PROFILED_FORWARD = """
+PROFILED_CALL = """
 import sys
 import torch
 import reference
 from kernels.gemm.gemm import forced_gemm_path
 from model_new import GemmMultiplyLeakyReLUModelNew
-model = GemmMultiplyLeakyReLUModelNew(*reference.gemm_multiply_leaky_relu_get_init_inputs()).cuda()
+init = reference.gemm_multiply_leaky_relu_get_init_inputs()
+model = GemmMultiplyLeakyReLUModelNew(*init).cuda()
+weight, bias = model.gemm.weight.detach(), model.gemm.bias.detach()
 x = torch.randn(1024, 8192, device="cuda")
-with forced_gemm_path(sys.argv[1]), torch.no_grad():
+path, call = sys.argv[1], sys.argv[2]
+with forced_gemm_path(path), torch.no_grad():
+    y, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, init[2], init[3], False)
+    grad_y = torch.randn_like(y)
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+
+    def once():
+        if call == "forward":
+            model(x)
+        else:
+            wants_x = call == "grad_x"
+            backward(grad_y, x, weight, y, init[2], init[3], wants_x, not wants_x, not wants_x)
+
     for _ in range(2):
-        model(x)
+        once()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    model(x)
+    once()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 """
+
+PROFILED_CALLS = ("forward", "grad_x", "grad_w")
 
 NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
                 "SchedulerStats", "WarpStateStats", "LaunchStats", "Occupancy", "SourceCounters")
 
 
 def profile(args):
-    """Tensor-core rates, then Nsight Compute over one forward per split path."""
+    """Tensor-core rates, then Nsight Compute over one call (the forward, or a product of the backward) per split
+    path named."""
     os.environ["KERNELS_LINEINFO"] = "1"
     failed = []
-    if not passed("tensor-core rates", run([PYTHON, "tools/tensor_core_rates.py"],
-                                           log=os.path.join(args.out, "tensor_core_rates.log"))):
+    targets = []
+    for target in args.extra or ["split_fp16", "split_fp16_sm80"]:
+        path, _, call = target.partition(":")
+        if call not in ("",) + PROFILED_CALLS:
+            return [f"profile: unknown call '{call}' in '{target}'; expected PATH, or PATH:" + " or PATH:".join(
+                PROFILED_CALLS[1:])]
+        targets.append((path, call or "forward", target.replace(":", "_")))
+    if not args.skip_rates and not passed("tensor-core rates", run(
+            [PYTHON, "tools/tensor_core_rates.py"], log=os.path.join(args.out, "tensor_core_rates.log"))):
         failed.append("tensor-core rates")
     if not passed("build", run(IMPORT_LIBRARY)):
         return failed + ["build"]
     ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
     if ncu is None:
         return failed + ["ncu not found"]
-    for path in args.extra or ["split_fp16", "split_fp16_sm80"]:
-        report = os.path.join(tempfile.mkdtemp(), path)
+    for path, call, name in targets:
+        report = os.path.join(tempfile.mkdtemp(), name)
         command = [ncu, "--profile-from-start", "off", "--import-source", "no", "-f", "-o", report,
                    *[part for section in NCU_SECTIONS for part in ("--section", section)],
-                   PYTHON, "-c", PROFILED_FORWARD, path]
-        say(f"== ncu, {path}")
-        if not passed(f"ncu {path}", run(command, log=os.path.join(args.out, f"ncu_{path}_run.log"), show=False,
+                   PYTHON, "-c", PROFILED_CALL, path, call]
+        say(f"== ncu, {path}, {call}")
+        if not passed(f"ncu {name}", run(command, log=os.path.join(args.out, f"ncu_{name}_run.log"), show=False,
                                          limit_s=300)):
-            failed.append(f"ncu {path}")
+            failed.append(f"ncu {name}")
             continue
-        if not passed(f"ncu {path} details", run([ncu, "--import", report + ".ncu-rep", "--page", "details"],
-                                                  log=os.path.join(args.out, f"ncu_{path}.txt"), show=False)):
-            failed.append(f"ncu {path} details")
-        if not passed(f"ncu {path} source", run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--csv",
+        if not passed(f"ncu {name} details", run([ncu, "--import", report + ".ncu-rep", "--page", "details"],
+                                                  log=os.path.join(args.out, f"ncu_{name}.txt"), show=False)):
+            failed.append(f"ncu {name} details")
+        if not passed(f"ncu {name} source", run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--csv",
                                                  "--print-source", "sass", "--kernel-name", "regex:split_gemm"],
-                                                log=os.path.join(args.out, f"ncu_{path}_source.csv"), show=False)):
-            failed.append(f"ncu {path} source")
+                                                log=os.path.join(args.out, f"ncu_{name}_source.csv"), show=False)):
+            failed.append(f"ncu {name} source")
         run(["grep", "-E", "^  [a-z_]|Duration|Compute \\(SM\\) Throughput|Memory Throughput|Issue Slots Busy|"
              "Executed Ipc A|Warp Cycles Per Issued|No Eligible|Registers Per|Achieved Occupancy",
-             os.path.join(args.out, f"ncu_{path}.txt")])
+             os.path.join(args.out, f"ncu_{name}.txt")])
     return failed
 
 
@@ -705,9 +732,11 @@ def parse_arguments(argv):
     sub.add_argument("--test-time-limit", type=int, default=int(os.environ.get("TEST_TIMEOUT") or 400),
                      help="seconds for the GEMM tests (default: $TEST_TIMEOUT, else 400)")
     name_extra_in_usage(sub, "PYTEST_ARGS")
-    sub = add("profile", profile, "tensor-core rates; Nsight Compute over one forward per split path named",
+    sub = add("profile", profile, "tensor-core rates; Nsight Compute over one call per split path named",
               extra="paths")
-    name_extra_in_usage(sub, "PATH")
+    sub.add_argument("--skip-rates", action="store_true", default=switch("SKIP_RATES"),
+                     help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES=1)")
+    name_extra_in_usage(sub, "PATH[:grad_x|:grad_w]")
     sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
     sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
                      help="(default: $SKIP_TESTS=1)")
