@@ -61,9 +61,9 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     if (flags_writer && t == 0 && column < n) arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
     column_bias[half] = bias && column < n ? bias[column] : 0.0f;
   }
-  // The output of total[j * 4 + half * 2 + c]; e is its x row's exponent.
-  const auto output = [&](int j, int half, int c, int e) {
-    return epilogue(unscale(total[j * 4 + half * 2 + c], e), column_bias[half], multiplier, negative_slope);
+  // The output of total[j * 4 + half * 2 + c]; row: its x row's factors.
+  const auto output = [&](int j, int half, int c, RowUnscale row) {
+    return epilogue(unscale(total[j * 4 + half * 2 + c], row), column_bias[half], multiplier, negative_slope);
   };
   if (arguments.y_by_tma) {
     // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores, which run on while the
@@ -91,14 +91,15 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
       for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
         const int j = part * (kOutBoxRows / 8) + jj;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63 within the consumer's columns
-          const int box = local_column / kBoxK, box_column = local_column % kBoxK;
+        for (int c = 0; c < 2; ++c) {
+          const RowUnscale row_factors = row_unscale(exponents[jj][c]);
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
+          for (int half = 0; half < 2; ++half) {
+            const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63: the consumer's columns
+            const int box = local_column / kBoxK, box_column = local_column % kBoxK;
             const int box_row = 8 * jj + 2 * t + c, row = tile_x * kBlockX + 8 * j + 2 * t + c;
             const int column = tile_w * kBlockW + tile_row + half * row_step;
-            const Activated out = output(j, half, c, exponents[jj][c]);
+            const Activated out = output(j, half, c, row_factors);
             staging_floats[(box * kOutBoxBytes + box_row * 128) / 4 + ((box_column / 4) ^ (box_row % 8)) * 4 +
                            box_column % 4] = out.value;
             if (positive && row < m && column < n)
@@ -127,7 +128,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
         for (int c = 0; c < 2; ++c) {
           const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
           if (row >= m) continue;
-          const Activated out = output(j, half, c, x_exponent[row]);
+          const Activated out = output(j, half, c, row_unscale(x_exponent[row]));
           const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
           y[at] = out.value;
           if (positive) positive[at] = out.positive;

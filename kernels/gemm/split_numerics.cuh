@@ -70,12 +70,24 @@ __device__ __forceinline__ float promote(float accumulator, PowerOfTwo inverse, 
   return kSingle ? fmaf(accumulator, inverse.a, total) : fmaf(accumulator * inverse.a, inverse.b, total);
 }
 
-// An output's product before the epilogue: the promoted total times 2^-e, e the exponent of its row of x. One exact
-// multiply where 2^-e is a normal float (every row but those below ~2^-113 or above 2^126 in magnitude); ldexpf,
-// rounding once, for the rest.
-__device__ __forceinline__ float unscale(float total, int e) {
-  return e >= -127 && e <= 126 ? total * exact_power_of_two(-e) : ldexpf(total, -e);
+// An output's product before the epilogue: the promoted total times 2^-e, e the exponent of its row of x, as two
+// multiplies by the row's factors (row_unscale), without a branch: for e <= 126 (every row but those below ~2^-113 in
+// magnitude; e >= -114 always), total 2^-e and 1, one multiply, exact but for the result's own rounding; for e up
+// to 252, total 2^(126 - e) (exact: |total| >= 2^-90 keeps it normal, and below that both ways give 0) and then
+// 2^-126, rounding once, as ldexpf(total, -e) does; beyond (a row flagged non-finite, whose outputs the fix-up
+// rewrites), 0.
+struct RowUnscale {
+  float a, b;
+};
+
+__device__ __forceinline__ RowUnscale row_unscale(int e) {
+  if (e <= 126) return {exact_power_of_two(-e), 1.0f};
+  return {e <= 252 ? exact_power_of_two(126 - e) : 0.0f, exact_power_of_two(-126)};
 }
+
+__device__ __forceinline__ float unscale(float total, RowUnscale row) { return (total * row.a) * row.b; }
+
+__device__ __forceinline__ float unscale(float total, int e) { return unscale(total, row_unscale(e)); }
 
 // The fused epilogue, eager's order of operations: v = (product + bias) * multiplier, then LeakyReLU. `positive`
 // (the mask the backward reads where the slope is negative) is v > 0.
