@@ -73,9 +73,9 @@ __device__ __forceinline__ float promote(float accumulator, PowerOfTwo inverse, 
 // An output's product before the epilogue: the promoted total times 2^-e, e the exponent of its row of x, as two
 // multiplies by the row's factors (row_unscale), without a branch: for e <= 126 (every row but those below ~2^-113 in
 // magnitude; e >= -114 always), total 2^-e and 1, one multiply, exact but for the result's own rounding; for e up
-// to 252, total 2^(126 - e) (exact: |total| >= 2^-90 keeps it normal, and below that both ways give 0) and then
-// 2^-126, rounding once, as ldexpf(total, -e) does; beyond (a row flagged non-finite, whose outputs the fix-up
-// rewrites), 0.
+// to 252, total 2^(126 - e), exact while that product is a normal float (|total| >= 2^(e - 252)), then 2^-126,
+// rounding once, as ldexpf(total, -e) does (a smaller |total| gives a result under 2^-252: 0 either way); beyond (a
+// row flagged non-finite, whose outputs the fix-up rewrites), 0.
 struct RowUnscale {
   float a, b;
 };
