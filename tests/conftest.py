@@ -32,6 +32,20 @@ FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+def find_nvcc():
+    """nvcc on PATH, else under torch's CUDA_HOME (or /usr/local/cuda); None where there is none."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("nvcc"):
+        return shutil.which("nvcc")
+    candidate = os.path.join(cpp_extension.CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
+    return candidate if os.path.exists(candidate) else None
+
+
+NVCC = find_nvcc()
+requires_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
@@ -41,7 +55,8 @@ def device(request):
 # long training loops, tensors of 2^31 elements, peak-memory probes. `pytest -m "not slow"` leaves them out for an
 # edit loop; the README's command runs everything.
 SLOW_TESTS = re.compile(r"test_loader\.py|test_cuda_compile\.py|test_multi_gpu\.py|test_export\.py|two_cpu_processes|"
-                        r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory|cpu_loops")
+                        r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory|cpu_loops|"
+                        r"host_program")
 
 
 # The tests that hold GPU memory by the tens of gigabytes (2^31 elements, LeakyReLU's candidate on the problem's
@@ -62,7 +77,7 @@ SLOWEST_TESTS = [re.compile(pattern) for pattern in (
     r"execd_twice_in_one_process",  # 23-44: the candidate's build
     r"test_cpu_loops",  # 30-38: builds of the CPU loops
     r"from_a_string_in_a_fresh_process",  # 22-28
-    r"test_loader\.py|test_cuda_compile\.py|two_cpu_processes",  # 5-23 each: builds, nvcc, torchrun
+    r"test_loader\.py|test_cuda_compile\.py|two_cpu_processes|host_program",  # 5-23 each: builds, nvcc, torchrun
 )]
 
 

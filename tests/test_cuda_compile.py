@@ -3,28 +3,17 @@ no local memory (ptxas -v): each family's unit, every family joined into one uni
 them), and each .cu alone where a family has several. Needs nvcc, not a GPU, so it runs in CI. Hopper-only code
 is guarded inside the sources, so every unit compiles for both targets."""
 
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
-from torch.utils import cpp_extension
 
+from conftest import NVCC, requires_nvcc
 from kernels import loader
 from kernels.manifest import FAMILIES
 
 ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 
-
-def find_nvcc():
-    if shutil.which("nvcc"):
-        return shutil.which("nvcc")
-    candidate = os.path.join(cpp_extension.CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
-    return candidate if os.path.exists(candidate) else None
-
-
-NVCC = find_nvcc()
 
 
 def compile_cuda(source_text, arch, tmp_path):
@@ -46,14 +35,14 @@ UNITS["all families"] = [family for family in FAMILIES if family.cuda_sources]
 ALONE = [path for family in FAMILIES if len(family.cuda_sources) > 1 for path in family.cuda_sources]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@requires_nvcc
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_joined_unit_compiles_without_spills_or_local_memory(unit, arch, tmp_path):
     compile_cuda(loader.family_sources(UNITS[unit])[1], arch, tmp_path)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@requires_nvcc
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("path", ALONE or [None])
 def test_each_cuda_file_compiles_alone(path, arch, tmp_path):

@@ -3,13 +3,14 @@ and CUDA, on every path: cuBLAS and the split fp16 tensor-core kernels (split_fp
 GPU from sm_80 on; every split test runs on each that the GPU can run)."""
 
 import copy
+import subprocess
 
 import pytest
 import torch
 
 import torch.nn.functional as F
 
-from conftest import HAS_CUDA, poison_allocator, requires_cuda
+from conftest import HAS_CUDA, NVCC, poison_allocator, requires_cuda, requires_nvcc
 from kernels.precision import (ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR, allclose,
                                matmul_precision, relative_error)
 from kernels.functional import gemm_multiply_leaky_relu
@@ -443,6 +444,76 @@ def test_split_path_on_hard_inputs(kind, operand, path):
         weight = special_inputs(kind, n, k, seed=3).cuda() / k ** 0.5
     check_split(x, weight, new.gemm.bias.detach(), multiplier=-1.5, slope=-0.2, path=path,
                 row_scale=kind in ("rows_times_1e30", "rows_times_1e-30", "wide_range_rows"))
+
+
+# A host program over split_numerics.cuh's unscaling: for every x row exponent the split makes ([-114, 162]), the
+# factors' border (252) and kNonFiniteRow, and totals of every sign, binade and mantissa (random bit patterns, zeros,
+# subnormals, the binades around 2^(e - 252) where the first multiply stops being exact), unscale(total, e) must be
+# ldexpf(total, -e) bit for bit: the kernels' two multiplies per output replace a branch to ldexpf.
+UNSCALE_CHECK = r"""
+#include "gemm/split_numerics.cuh"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+static std::uint32_t bits(float v) {
+  std::uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
+static float from_bits(std::uint32_t b) {
+  float v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+
+int main() {
+  using kernels::gemm::unscale;
+  std::mt19937 random(0);
+  std::vector<int> exponents;
+  for (int e = -114; e <= 162; ++e) exponents.push_back(e);
+  for (int e : {200, 251, 252, 253, kernels::gemm::kNonFiniteRow}) exponents.push_back(e);
+  long checked = 0, wrong = 0;
+  for (int e : exponents) {
+    std::vector<float> totals = {0.0f, -0.0f, from_bits(1), from_bits(0x80000001u), 1.0f, -3.5f, 1e30f, -1e-30f};
+    for (int binade = -150; binade <= 60; ++binade)  // around the border 2^(e - 252) and everywhere else
+      for (int i = 0; i < 8; ++i) totals.push_back(std::ldexp(1.0f + (random() % 8388608) / 8388608.0f, binade));
+    for (int i = 0; i < 20000; ++i) {
+      const std::uint32_t b = random();
+      totals.push_back(from_bits((b & 0x807fffffu) | ((b >> 8) % 188) << 23));  // binades 2^-127 .. 2^60
+    }
+    for (float total : totals) {
+      for (float signed_total : {total, -total}) {
+        const float ours = unscale(signed_total, e), expected = std::ldexp(signed_total, -e);
+        ++checked;
+        if (bits(ours) != bits(expected) && wrong++ < 5)
+          std::printf("e %d total %a: unscale %a, ldexpf %a\n", e, signed_total, ours, expected);
+      }
+    }
+  }
+  std::printf("checked %ld, wrong %ld\n", checked, wrong);
+  return wrong == 0 ? 0 : 1;
+}
+"""
+
+
+@requires_nvcc
+def test_unscale_is_ldexpf_bit_for_bit_host_program(tmp_path):
+    from kernels import loader
+
+    source = tmp_path / "unscale_check.cu"
+    source.write_text(UNSCALE_CHECK)
+    program = tmp_path / "unscale_check"
+    built = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", loader.SOURCE_ROOT, str(source), "-o", str(program)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-4000:]
+    result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "wrong 0" in result.stdout
 
 
 @over_split_paths

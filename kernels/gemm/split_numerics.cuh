@@ -3,10 +3,12 @@
 // of W), the fp16 hi/lo split, the promotion of a chunk's products into fp32, the output's unscaling and the fused
 // epilogue; and the order along K in which the Hopper kernel hands its fp16 halves to the tensor cores. Non-finite
 // values are split as 0 and their rows flagged (gemm.h, kNonFiniteRow); launch_nonfinite_outputs (gemm_split.cu)
-// writes the outputs they reach. Device code only, portable.
+// writes the outputs they reach. Device code, portable; the output's unscaling (exact_power_of_two, row_unscale,
+// unscale) is host code too, so that a host program checks it against ldexpf (tests/test_gemm.py).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <cuda_fp16.h>
 
 #include "gemm.h"
@@ -18,7 +20,16 @@ namespace kernels::gemm {
 constexpr int kTargetExponent = 14;
 
 // 2^p as a float, for -126 <= p <= 127.
-__device__ __forceinline__ float exact_power_of_two(int p) { return __int_as_float((127 + p) << 23); }
+KERNELS_GEMM_HOST_DEVICE __forceinline__ float exact_power_of_two(int p) {
+#ifdef __CUDA_ARCH__
+  return __int_as_float((127 + p) << 23);
+#else
+  const std::uint32_t bits = static_cast<std::uint32_t>(127 + p) << 23;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+#endif
+}
 
 // The exponent e with max_abs * 2^e in [2^13, 2^14), computed from the bits (exact for subnormals); 0 if max_abs is
 // 0. e lies in [-114, 162].
@@ -80,14 +91,14 @@ struct RowUnscale {
   float a, b;
 };
 
-__device__ __forceinline__ RowUnscale row_unscale(int e) {
+KERNELS_GEMM_HOST_DEVICE __forceinline__ RowUnscale row_unscale(int e) {
   if (e <= 126) return {exact_power_of_two(-e), 1.0f};
   return {e <= 252 ? exact_power_of_two(126 - e) : 0.0f, exact_power_of_two(-126)};
 }
 
-__device__ __forceinline__ float unscale(float total, RowUnscale row) { return (total * row.a) * row.b; }
+KERNELS_GEMM_HOST_DEVICE __forceinline__ float unscale(float total, RowUnscale row) { return (total * row.a) * row.b; }
 
-__device__ __forceinline__ float unscale(float total, int e) { return unscale(total, row_unscale(e)); }
+KERNELS_GEMM_HOST_DEVICE __forceinline__ float unscale(float total, int e) { return unscale(total, row_unscale(e)); }
 
 // The fused epilogue, eager's order of operations: v = (product + bias) * multiplier, then LeakyReLU. `positive`
 // (the mask the backward reads where the slope is negative) is v > 0.
