@@ -69,7 +69,8 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores, which run on while the
     // consumer goes on to the next tile: the tensor cores wait for no global store. The buffer holds two boxes
     // (32 columns each) in the 128-byte swizzle: unit u of box row r at u ^ (r % 8), so that the warp's 32
-    // writes (4 rows x 8 columns) fall in 32 distinct banks.
+    // writes (4 rows x 8 columns) fall in 32 distinct banks where the thread's rows of w are g and g + 8; where
+    // they are side by side (w transposed: ConsumerThread), two lanes share each bank.
     const int staging_offset = kStages * kStageBytes + consumer * kStagingBytes;
     const std::uint32_t staging = shared_base + staging_offset;
     float* const staging_floats = reinterpret_cast<float*>(shared + staging_offset);  // plain stores: STS

@@ -93,7 +93,7 @@ __device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int t
       }
     }
   } else {
-    const int row = tile_row;  // even; the second row is row + 1, in the same 16-byte unit
+    const int row = tile_row;  // even; the second row is row + 1 (row_step is 1 here), in the same 16-byte unit
     const std::uint32_t column_box = w_tiles + (row / 32) * kWTransposedBoxBytes + (row % 4) * 4;
     const int unit = (row % 32) / 4;
 #pragma unroll
