@@ -59,8 +59,8 @@ What each subcommand runs:
 Every subcommand writes into --out (default: $OUT, else /tmp/device_check), its whole output also into
 device_check_<subcommand>.log there, and exits with status 1 where a step failed, naming the steps that did.
 Environment switches, beside the flags they default: SKIP_TESTS=1, SKIP_SANITIZE=1, SKIP_BENCH=1 (all; SKIP_TESTS
-for sm80 too), SKIP_RATES=1 (profile), BENCH_ARGS (arguments for bench.py: all, bench), BENCH_RUNS (--runs), TEST_TIMEOUT (sm80's
---test-time-limit), PYTEST_ARGS (arguments for sm80's pytest). Where matplotlib (bench's chart) or pytest-xdist
+for sm80 too), SKIP_RATES=1 (profile), BENCH_ARGS (arguments for bench.py: all, bench), BENCH_RUNS (--runs),
+TEST_TIMEOUT (sm80's --test-time-limit), PYTEST_ARGS (arguments for sm80's pytest). Where matplotlib (bench's chart) or pytest-xdist
 (pyproject.toml's pytest options ask for it) is missing, the wheels in .whl/, if carried, are installed into
 /tmp/site for the processes started from here.
 """

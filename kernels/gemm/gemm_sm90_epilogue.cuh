@@ -49,7 +49,8 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   const int m = arguments.m, n = arguments.n;
   const float multiplier = arguments.multiplier, negative_slope = arguments.negative_slope;
   const int consumer = thread.consumer, t = thread.t, tile_row = thread.tile_row, row_step = thread.row_step;
-  // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row 8 j + 2 t + c.
+  // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row
+  // 8 j + 2 t + c.
   const bool flags_writer = tile_x == 0;
   float column_bias[2];
 #pragma unroll

@@ -76,8 +76,8 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
   WChunk w;
   ARegisters a[2];
   barrier_wait(&full[iteration % kStages], (iteration / kStages) & 1);
-  ChunkScales scales =
-      load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, row_step, t, w, non_finite);
+  ChunkScales scales = load_w_chunk<kTransposed>(shared_base + (iteration % kStages) * kStageBytes, tile_row, row_step,
+                                                 t, w, non_finite);
   if (scales.single) split_w_chunk<true>(w, scales, a[0]);
   else split_w_chunk<false>(w, scales, a[0]);
 
