@@ -14,7 +14,7 @@ from conftest import HAS_CUDA, NVCC, poison_allocator, requires_cuda, requires_n
 from kernels.precision import (ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR, allclose,
                                matmul_precision, relative_error)
 from kernels.functional import gemm_multiply_leaky_relu
-from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import SPLIT_PATHS, FusedLinear, forced_gemm_path, gemm_path, gemm_paths
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
@@ -587,7 +587,8 @@ WEIGHT_CHANGE_PATHS = ["auto", *SPLIT_KERNELS]
 
 
 @pytest.mark.parametrize("path", WEIGHT_CHANGE_PATHS)
-@pytest.mark.parametrize("change", ["in_place", "data_copy", "load_state_dict", "optimizer_step", "to"])
+@pytest.mark.parametrize("change", ["in_place", "data_copy", "new_parameter", "load_state_dict", "optimizer_step",
+                                    "to"])
 def test_weight_changes_show_in_the_next_call(device, change, path):
     if device == "cpu" and path != "auto":
         pytest.skip("the split path is CUDA only")
@@ -600,14 +601,20 @@ def test_weight_changes_show_in_the_next_call(device, change, path):
 
 
 def check_weight_change(reference, new, x, change):
-    """After a first call, the weight changes in one of the ways users change weights; the next call must see it."""
+    """After calls that leave the weight's split kept (FusedLinear, under no_grad from the second call on), the weight
+    changes in one of the ways users change weights; the next calls must see it."""
     with torch.no_grad():
-        new(x)  # a first call, so that anything kept from it would show
+        for _ in range(3):
+            new(x)  # anything kept from these calls would show
     if change == "in_place":
         with torch.no_grad():
             new.gemm.weight.mul_(-0.5)
     elif change == "data_copy":  # new values at nn.Linear's scale, 1 / sqrt(in_features)
         new.gemm.weight.data.copy_(torch.randn_like(new.gemm.weight) * x.shape[-1] ** -0.5)
+        # A change through .data is one PyTorch's version counter does not count: FusedLinear's documented step.
+        new.gemm.clear_weight_split()
+    elif change == "new_parameter":
+        new.gemm.weight = torch.nn.Parameter(torch.randn_like(new.gemm.weight) * x.shape[-1] ** -0.5)
     elif change == "load_state_dict":
         new.load_state_dict({k: torch.randn_like(v) * x.shape[-1] ** -0.5 for k, v in new.state_dict().items()})
     elif change == "optimizer_step":
@@ -619,7 +626,114 @@ def check_weight_change(reference, new, x, change):
         with torch.no_grad():
             new.gemm.weight.add_(x.shape[-1] ** -0.5)
     reference.load_state_dict(new.state_dict())
-    check_against_reference(reference, new, x)
+    for _ in range(3):  # the first call after the change, the one that splits the weight ahead, one that reads it
+        check_against_reference(reference, new, x)
+
+
+# ---- the weight's split kept between calls (FusedLinear) --------------------------------------------------------------
+
+def kept_split_expected(path, m, k, n):
+    """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead."""
+    return path == "split_fp16_sm80" or (path == "split_fp16" and n % 4 == 0 and not m * k > n * k + m * n)
+
+
+KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
+    "problem": (1024, 8192, 8192),
+    "tails": (1153, 1048, 1032),  # M, K not multiples of the tiles, K not of the chunk
+    "n_tail": (300, 1000, 260),  # N not a multiple of the tile
+    "n_odd": (257, 1032, 1031),  # N % 4 != 0: the Hopper kernel keeps no split (TMA's 16-byte rows of exponents)
+    "tall_narrow": (8200, 1032, 136),  # computed transposed on split_fp16: no split of the weight ahead
+}
+
+
+@over_split_paths
+@pytest.mark.parametrize("weights", ["randn", "non_finite_rows", "rows_times_1e-30"])
+@pytest.mark.parametrize("shape", KEPT_SPLIT_SHAPES)
+def test_kept_weight_split_gives_the_same_results_bit_for_bit(shape, weights, path):
+    m, k, n = KEPT_SPLIT_SHAPES[shape]
+    torch.manual_seed(0)
+    linear = FusedLinear(k, n).cuda()
+    with torch.no_grad():
+        if weights == "non_finite_rows":
+            linear.weight[3, 5], linear.weight[n - 1, k - 1] = float("inf"), float("nan")
+            linear.weight[n // 2, 0] = -float("inf")
+        elif weights == "rows_times_1e-30":
+            linear.weight[::3] *= 1e-30
+    x = torch.randn(m, k, device="cuda")
+    outputs = []
+    with torch.no_grad(), forced_gemm_path(path):
+        for _ in range(3):  # the weight seen, then split ahead and kept, then the kept split read
+            poison_allocator((m, n), torch.float32, "cuda")
+            outputs.append(linear(x, multiplier=2.0, negative_slope=0.1))
+        expected = kept_split_expected(path, m, k, n)
+        assert (linear._weight_split is not None) == expected
+        y_eager = F.leaky_relu(F.linear(x, linear.weight, linear.bias) * 2.0, 0.1)
+        # The op with the mask too, with and without the kept split.
+        split = torch.ops.kernels.gemm_weight_split(x, linear.weight)
+        assert bool(split) == expected
+        y_mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, linear.weight, linear.bias, 2.0, -0.3, True)
+        y_mask_kept = torch.ops.kernels.gemm_multiply_leaky_relu(x, linear.weight, linear.bias, 2.0, -0.3, True, split)
+    for y in outputs[1:]:
+        assert torch.equal(y.view(torch.int32), outputs[0].view(torch.int32))  # NaN payloads too
+    assert torch.equal(y_mask[0].view(torch.int32), y_mask_kept[0].view(torch.int32))
+    assert torch.equal(y_mask[1], y_mask_kept[1])
+    assert torch.equal(outputs[0].isnan(), y_eager.isnan()) and torch.equal(outputs[0].isinf(), y_eager.isinf())
+
+
+@over_split_paths
+def test_weight_split_of_another_weight_or_stream_is_not_used(path):
+    """The op checks the split's stamp on every use: a split of another weight, of the same weight before an in-place
+    change, or made on another stream is not read (the results are those of a call without it)."""
+    m, k, n = 256, 1024, 1024
+    torch.manual_seed(0)
+    x, weight, other = (torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"),
+                        torch.randn(n, k, device="cuda"))
+    op = torch.ops.kernels.gemm_multiply_leaky_relu
+    with torch.no_grad(), forced_gemm_path(path):
+        expected = op(x, weight, None, 2.0, 0.1, False)[0]
+        assert torch.equal(op(x, weight, None, 2.0, 0.1, False, torch.ops.kernels.gemm_weight_split(x, weight))[0],
+                           expected)
+        assert torch.equal(op(x, weight, None, 2.0, 0.1, False, torch.ops.kernels.gemm_weight_split(x, other))[0],
+                           expected)
+        before = torch.ops.kernels.gemm_weight_split(x, weight)
+        weight.mul_(-1.0)
+        assert torch.equal(op(x, weight, None, 2.0, 0.1, False, before)[0], op(x, weight, None, 2.0, 0.1, False)[0])
+        weight.mul_(-1.0)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            on_side = torch.ops.kernels.gemm_weight_split(x, weight)
+        side.synchronize()
+        assert torch.equal(op(x, weight, None, 2.0, 0.1, False, on_side)[0], expected)
+
+
+def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(device):
+    torch.manual_seed(0)
+    linear = FusedLinear(1024, 1024).to(device)
+    x = torch.randn(1024, 1024, device=device)  # in the automatic choice's range of the split path
+    kept_here = device == "cuda" and automatic_split_path() is not None
+    for _ in range(3):
+        linear(x)  # training the weight: nothing kept
+    assert linear._weight_split is None
+    with torch.no_grad():
+        for _ in range(3):
+            linear(x)
+    assert (linear._weight_split is not None) == kept_here
+    linear(x).sum().backward()  # a call that trains the weight drops it
+    assert linear._weight_split is None
+    linear.weight.requires_grad_(False)  # a frozen weight (fine-tuning around it) keeps it, grad mode or not
+    for _ in range(3):
+        linear(x)
+    assert (linear._weight_split is not None) == kept_here
+    linear.cache_weight_split = False
+    linear(x)
+    assert linear._weight_split is None and linear._weight_split_key is None
+    copy.deepcopy(linear)  # copies and pickles hold no split
+
+
+def test_weight_split_list_not_from_gemm_weight_split_is_a_clear_error(device):
+    x, weight = torch.randn(4, 8, device=device), torch.randn(6, 8, device=device)
+    with pytest.raises(RuntimeError, match="weight_split must be a list that kernels.gemm_weight_split returned"):
+        torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0, False, [x])
 
 
 # ---- the backward on the split path --------------------------------------------------------------------------------

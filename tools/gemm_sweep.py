@@ -11,6 +11,7 @@ goes, kernel by kernel.
                                           # gradient's error against float64, eager's beside ModelNew's
     python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
     python tools/gemm_sweep.py --loop-profile         # a training loop's step against bench's step: kernels
+    python tools/gemm_sweep.py --weight-split         # the forward with and without the weight's split kept
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
@@ -78,6 +79,33 @@ def profile_one_call():
     x = torch.randn(1024, 8192, device="cuda")
     with torch.no_grad():
         profile(lambda: new(x))
+
+
+def weight_split_times():
+    """The forward at the problem's size (no_grad, as an evaluation runs it) with and without the weight's split kept
+    (FusedLinear.cache_weight_split), on the current path: times, kernels, and the bitwise check of the outputs.
+    "split anew" is every call's cost without a kept split (also each first call after a weight change); the call
+    that splits ahead costs "weight split" plus "kept"."""
+    from kernels.timing import time_each_ms
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    torch.manual_seed(0)
+    anew = GemmMultiplyLeakyReLUModelNew(8192, 8192, 2.0, 0.1).cuda()
+    anew.gemm.cache_weight_split = False
+    torch.manual_seed(0)
+    kept = GemmMultiplyLeakyReLUModelNew(8192, 8192, 2.0, 0.1).cuda()
+    x = torch.randn(1024, 8192, device="cuda")
+    with torch.no_grad():
+        outputs = [kept(x) for _ in range(3)]
+        print("kept split:", kept.gemm._weight_split is not None)
+        same = all(torch.equal(y.view(torch.int32), anew(x).view(torch.int32)) for y in outputs)
+        print("outputs bit for bit the same with and without it:", same)
+        weight = kept.gemm.weight
+        times = time_each_ms([lambda: anew(x), lambda: kept(x),
+                              lambda: torch.ops.kernels.gemm_weight_split(x, weight)], samples=40)
+        for name, ms in zip(("split anew", "kept", "weight split"), times):
+            print(f"{name:>14} {ms:8.4f} ms")
+        profile(lambda: kept(x))
 
 
 def train_step():
@@ -302,6 +330,8 @@ def main():
     mode.add_argument("--train", action="store_true", help="an fp32 training step: its time, peak memory, errors")
     mode.add_argument("--train-profile", choices=["fp32", "bf16", "fp16"], metavar="DTYPE",
                       help="bench's training step in DTYPE (fp32, bf16, fp16): times, then kernels")
+    mode.add_argument("--weight-split", action="store_true",
+                      help="the forward with and without the weight's split kept: times, kernels, bitwise check")
     mode.add_argument("--loop-profile", action="store_true",
                       help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -331,6 +361,8 @@ def choose(args):
         train_step_profile(args.train_profile)
     elif args.loop_profile:
         loop_profile()
+    elif args.weight_split:
+        weight_split_times()
     elif args.shapes:
         outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
                    if args.outputs else SWEEP_OUTPUTS)

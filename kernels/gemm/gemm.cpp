@@ -32,6 +32,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/torch_checks.h"
 #include "gemm_op.h"
@@ -148,6 +149,12 @@ int compute_capability(int device) {
   return capabilities[device] = 10 * major + minor;
 }
 #endif
+
+// w's split made beforehand (gemm_weight_split, kept by the module that owns the weight): the tensors the GEMM reads
+// instead of splitting w (launch_split_chunks's hi, lo, chunk exponents and flags).
+struct WeightSplit {
+  at::Tensor hi, lo, exponent, flags;
+};
 
 // The sizes of a product y (m x n) = x (m x k) times w (n x k)^T, and whether w comes as its transpose (k x n).
 struct ProductShape {
@@ -316,12 +323,14 @@ void check_launch(cudaError_t err, const char* what) {
 // both float32 on one GPU, each given as itself or as its transpose (x_transposed: x as (k x m), which needs
 // w_transposed; w_transposed: w as (k x n)): x is split by one pass (its rows, or the columns of its transpose;
 // x_column_sums, if not null, then gets those columns' sums); w inside the GEMM kernel (split_fp16) or by a pass of
-// its own (split_fp16_sm80); y and the mask (where positive is not null) are dense. Temporary memory: x's split, 4
+// its own (split_fp16_sm80), or, where w_split is given (w's split made beforehand by gemm_weight_split), by
+// neither; y and the mask (where positive is not null) are dense. Temporary memory: x's split, 4
 // bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes per row of x and of
 // w (exponents, flags); on split_fp16_sm80 also w's split, 4 bytes per element of w and 4 per row and chunk of 64.
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
-                        std::uint8_t* positive, float* x_column_sums = nullptr) {
+                        std::uint8_t* positive, float* x_column_sums = nullptr,
+                        const WeightSplit* w_split = nullptr) {
   TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
@@ -332,7 +341,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const auto half = x.options().dtype(at::kHalf);
   const auto int32 = x.options().dtype(at::kInt);
   at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
-  at::Tensor x_exponent = at::empty({m}, int32), w_flags = at::empty({n}, int32);
+  at::Tensor x_exponent = at::empty({m}, int32);
+  at::Tensor w_flags = w_split != nullptr ? w_split->flags : at::empty({n}, int32);
   // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
   check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0),
@@ -345,7 +355,15 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
-  if (path == Path::kSplitFp16) {
+  if (w_split != nullptr) {
+    const auto launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
+                                                 : launch_split_gemm_sm80_multiply_leaky_relu;
+    check_launch(launch(x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                        w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
+                        w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(), positive,
+                        m, n, k, multiplier_f, slope_f, stream),
+                 "split GEMM (w's split given)");
+  } else if (path == Path::kSplitFp16) {
     check_launch(launch_split_gemm_multiply_leaky_relu(
                      x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
                      w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
@@ -355,7 +373,7 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
     at::Tensor w_hi = at::empty({n, split_k}, half), w_lo = at::empty({n, split_k}, half);
     at::Tensor w_exponent = at::empty({split_k / kSplitChunk, n}, int32);
     check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
-                                     w_hi.mutable_data_ptr(), w_lo.mutable_data_ptr(),
+                                     /*natural_order=*/true, w_hi.mutable_data_ptr(), w_lo.mutable_data_ptr(),
                                      w_exponent.mutable_data_ptr<int32_t>(), w_flags.mutable_data_ptr<int32_t>(),
                                      stream),
                  "split (w)");
@@ -385,12 +403,15 @@ bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
   return path == Path::kSplitFp16 && m * k > n * k + m * n;
 }
 
-// The forward on a split path. Temporary memory: split_fp16_product's; where the product is computed transposed,
-// w's split (4 bytes per element of w) and y^T (4 bytes per output) instead of x's split.
+// The forward on a split path, with w's split made beforehand where w_split is not null (never where the product is
+// computed transposed: gemm_weight_split makes none for those shapes). Temporary memory: split_fp16_product's; where
+// the product is computed transposed, w's split (4 bytes per element of w) and y^T (4 bytes per output) instead of
+// x's split.
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias, double multiplier,
-                                                                       double negative_slope, bool return_mask) {
+                                                                       double negative_slope, bool return_mask,
+                                                                       const WeightSplit* w_split) {
   const int64_t m = gemm_rows(x, weight), k = weight.size(1), n = weight.size(0);
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
@@ -399,7 +420,7 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
   if (!split_product_transposed(path, m, n, k)) {
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
-                       multiplier, negative_slope, y, positive);
+                       multiplier, negative_slope, y, positive, /*x_column_sums=*/nullptr, w_split);
     return {y, mask};
   }
   // y^T = w x^T as the plain product (no bias, multiplier 1, slope 1: the non-finite fix-up writes its raw values),
@@ -430,18 +451,112 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 }
 #endif
 
+// ---- w's split made beforehand ---------------------------------------------------------------------------------
+// gemm_weight_split(x, weight) returns, where the forward of x with weight takes a split path with w's split in a
+// pass of its own (not where the product is computed transposed), [hi, lo, exponent, flags, stamp]: w's split for
+// that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
+// CPU int64 tensor of what it was made from and for. Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference
+// tensor, which has no version counter) it returns []. Passed back to gemm_multiply_leaky_relu as weight_split, the
+// split is used only where the whole stamp matches that call: its path, and the weight's data address, version
+// counter (which every in-place change through PyTorch advances), sizes, row stride, device and current stream (the
+// one the split was made on, so that the GEMM reads it in order); else the weight is split as without it. The
+// results are the same either way, bit for bit. Memory: 4 bytes per weight element and 4 per row and chunk of 64,
+// about the weight's own size, for as long as the caller keeps the list (FusedLinear keeps it while the weight is
+// unchanged).
+enum StampField : int {
+  kStampPath, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride, kStampDevice, kStampStream,
+  kStampFields
+};
+
+#ifdef KERNELS_WITH_CUDA
+std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
+  std::vector<int64_t> stamp(kStampFields);
+  stamp[kStampPath] = static_cast<int64_t>(path);
+  stamp[kStampData] = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(weight.const_data_ptr()));
+  stamp[kStampVersion] = static_cast<int64_t>(weight._version());
+  stamp[kStampRows] = weight.size(0);
+  stamp[kStampColumns] = weight.size(1);
+  stamp[kStampRowStride] = weight.stride(0);
+  stamp[kStampDevice] = weight.device().index();
+  stamp[kStampStream] = c10::cuda::getCurrentCUDAStream(weight.device().index()).id();
+  return stamp;
+}
+#endif
+
+std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor& weight) {
+  check_gemm_arguments("gemm_weight_split", x, weight, std::nullopt);
+#ifdef KERNELS_WITH_CUDA
+  const ProductShape shape = linear_shape(x, weight);
+  const Path path = choose_path(x, shape, /*strict=*/false);
+  if (!is_split(path) || split_product_transposed(path, shape.m, shape.n, shape.k) || weight.is_inference() ||
+      (path == Path::kSplitFp16 &&
+       !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k)))
+    return {};
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t n = shape.n, k = shape.k, split_k = split_row_length(k);
+  const at::Tensor w = split_operand(weight);
+  const auto half = weight.options().dtype(at::kHalf);
+  const auto int32 = weight.options().dtype(at::kInt);
+  at::Tensor hi = at::empty({n, split_k}, half), lo = at::empty({n, split_k}, half);
+  at::Tensor exponent = at::empty({split_k / kSplitChunk, n}, int32), flags = at::empty({n}, int32);
+  check_launch(launch_split_chunks(w.const_data_ptr<float>(), n, k, w.stride(0), /*transposed=*/false,
+                                   /*natural_order=*/path == Path::kSplitFp16Sm80, hi.mutable_data_ptr(),
+                                   lo.mutable_data_ptr(), exponent.mutable_data_ptr<int32_t>(),
+                                   flags.mutable_data_ptr<int32_t>(),
+                                   c10::cuda::getCurrentCUDAStream(weight.device().index()).stream()),
+               "split (weight)");
+  const std::vector<int64_t> stamp = weight_stamp(path, weight);
+  at::Tensor stamp_tensor = at::empty({kStampFields}, at::TensorOptions().dtype(at::kLong));
+  std::copy(stamp.begin(), stamp.end(), stamp_tensor.mutable_data_ptr<int64_t>());
+  return {hi, lo, exponent, flags, stamp_tensor};
+#else
+  return {};
+#endif
+}
+
+// The split in weight_split where its stamp matches this call on `path` (see gemm_weight_split); else nullopt. A list
+// that is not one gemm_weight_split made raises.
+std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorList>& weight_split, Path path,
+                                               const at::Tensor& x, const at::Tensor& weight) {
+  if (!weight_split.has_value() || weight_split->empty()) return std::nullopt;
+  const at::TensorList list = *weight_split;
+  TORCH_CHECK(list.size() == 5 && list[4].defined() && list[4].device().is_cpu() &&
+                  list[4].scalar_type() == at::kLong && list[4].numel() == kStampFields,
+              "kernels.gemm_multiply_leaky_relu: weight_split must be a list that kernels.gemm_weight_split returned "
+              "(or None)");
+#ifdef KERNELS_WITH_CUDA
+  const ProductShape shape = linear_shape(x, weight);
+  if (!is_split(path) || split_product_transposed(path, shape.m, shape.n, shape.k) || weight.is_inference() ||
+      !weight.is_cuda())
+    return std::nullopt;
+  const int64_t* stamp = list[4].const_data_ptr<int64_t>();
+  const std::vector<int64_t> now = weight_stamp(path, weight);
+  for (int field = 0; field < kStampFields; ++field)
+    if (stamp[field] != now[field]) return std::nullopt;
+  return WeightSplit{list[0], list[1], list[2], list[3]};
+#else
+  (void)path;
+  (void)x;
+  return std::nullopt;
+#endif
+}
+
 // y = leaky_relu((x @ weight^T + bias) * multiplier, negative_slope), and, if return_mask, the bool mask of the
 // elements whose pre-activation is positive (the backward needs it when the slope is negative, as the output's
-// sign then no longer tells); else an empty mask.
+// sign then no longer tells); else an empty mask. weight_split: w's split made beforehand (gemm_weight_split), or
+// None.
 std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
                                                             const std::optional<at::Tensor>& bias, double multiplier,
-                                                            double negative_slope, bool return_mask) {
+                                                            double negative_slope, bool return_mask,
+                                                            const std::optional<at::TensorList>& weight_split) {
   check_gemm_arguments("gemm_multiply_leaky_relu", x, weight, bias);
   const at::Tensor b = bias.has_value() && bias->defined() ? *bias : at::Tensor();
 #ifdef KERNELS_WITH_CUDA
   const Path path = choose_path(x, linear_shape(x, weight));
-  if (is_split(path)) return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b, multiplier, negative_slope,
-                                                                 return_mask);
+  const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
+  if (is_split(path))
+    return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b, multiplier, negative_slope, return_mask,
+                                               w_split.has_value() ? &*w_split : nullptr);
   if (path == Path::kCublasBf16x9) {
     const int64_t m = gemm_rows(x, weight), k = weight.size(1);
     std::vector<int64_t> out_shape = x.sizes().vec();
@@ -450,6 +565,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
     at::Tensor mask = leaky_relu::multiply_leaky_relu_op().call(y, multiplier, negative_slope, return_mask);
     return {y, mask};
   }
+#else
+  (void)usable_weight_split(weight_split, Path::kCublas, x, weight);  // a malformed list raises here too
 #endif
   return cublas_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
 }
@@ -536,14 +653,16 @@ template <c10::DeviceType kDevice, c10::DispatchKey kAutocastKey>
 std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autocast(const at::Tensor& x, const at::Tensor& weight,
                                                                      const std::optional<at::Tensor>& bias,
                                                                      double multiplier, double negative_slope,
-                                                                     bool return_mask) {
+                                                                     bool return_mask,
+                                                                     const std::optional<at::TensorList>& weight_split) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
   const std::optional<at::Tensor> cast_bias =
       bias.has_value() && bias->defined() ? std::optional<at::Tensor>(cast(*bias)) : bias;
+  // A split of the float32 weight is of no use to the cast one: the op ignores it (its stamp no longer matches).
   return gemm_multiply_leaky_relu_op().call(cast(x), cast(weight), cast_bias, multiplier, negative_slope,
-                                            return_mask);
+                                            return_mask, weight_split);
 }
 
 }  // namespace
@@ -551,7 +670,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autocast(const at::T
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_multiply_leaky_relu(Tensor x, Tensor weight, Tensor? bias, float multiplier, float negative_slope, "
-        "bool return_mask) -> (Tensor, Tensor)");
+        "bool return_mask, Tensor[]? weight_split=None) -> (Tensor, Tensor)");
+  m.def("gemm_weight_split(Tensor x, Tensor weight) -> Tensor[]");
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_multiply_leaky_relu_path(Tensor x, Tensor weight) -> str");
@@ -567,7 +687,8 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu);                   \
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
-  m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal)
+  m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal);                               \
+  m.impl("gemm_weight_split", &kernels::gemm::gemm_weight_split)
 
 TORCH_LIBRARY_IMPL(kernels, AutocastCPU, m) {
   m.impl("gemm_multiply_leaky_relu",

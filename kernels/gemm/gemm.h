@@ -52,12 +52,14 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
 // element (j, c) at src[j * row_stride + c]; or, where transposed, w given as its transpose: cols x rows, element
 // (j, c) at src[c * row_stride + j]) and each chunk q of kSplitChunk along c, the power of two e that puts the
 // chunk's largest finite |value| in [2^13, 2^14) (split_numerics.cuh, scale_exponent), at chunk_exponent[q * rows +
-// j]; hi = fp16(v 2^e), lo = fp16(v 2^e - hi) in c's natural order, dense (rows x split_row_length(cols)), the pad
-// zeros; flags[j] = kNonFiniteRow where row j holds an infinity or NaN (split as 0), else 0. The same scales and
-// split as the Hopper kernel makes in its registers. Not transposed: requires cols % 4 == 0, row_stride % 4 == 0 and
-// src 16-byte aligned (cudaErrorInvalidValue else).
+// j]; hi = fp16(v 2^e), lo = fp16(v 2^e - hi), dense (rows x split_row_length(cols)), the pad zeros, in c's natural
+// order (natural_order; the sm_80 GEMM's) or in split_position's (the Hopper GEMM's given split,
+// launch_split_gemm_presplit_multiply_leaky_relu); flags[j] = kNonFiniteRow where row j holds an infinity or NaN
+// (split as 0), else 0. The same scales and split as the Hopper kernel makes in its registers. Transposed requires
+// natural_order; not transposed, cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue
+// else).
 cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                                bool transposed, void* hi, void* lo, std::int32_t* chunk_exponent,
+                                bool transposed, bool natural_order, void* hi, void* lo, std::int32_t* chunk_exponent,
                                 std::int32_t* flags, cudaStream_t stream);
 
 // y[i, j] = leaky_relu((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier, negative_slope), acc = sum over k of
@@ -117,5 +119,21 @@ cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
 // built for sm_90a, and a shape its TMA descriptors take (k % 4 == 0, for 16-byte row strides of w; m, n, k > 0).
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
+
+// launch_split_gemm_multiply_leaky_relu's product and epilogue from w's split made beforehand by launch_split_chunks
+// (not transposed, in split_position's order: w_hi, w_lo, w_exponent its chunk_exponent; 16-byte aligned) instead of
+// the float32 w: the kernel skips its own split of w, and its results are the same, bit for bit. w's non-finite
+// rows were flagged by that pass (its flags, for launch_nonfinite_outputs). Returns cudaErrorNotSupported where
+// split_gemm_presplit_supported() is false.
+cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,
+                                                           const std::int32_t* x_exponent, const void* w_hi,
+                                                           const void* w_lo, const std::int32_t* w_exponent,
+                                                           const float* bias, float* y, std::uint8_t* positive,
+                                                           std::int64_t m, std::int64_t n, std::int64_t k,
+                                                           float multiplier, float negative_slope, cudaStream_t stream);
+
+// Whether launch_split_gemm_presplit_multiply_leaky_relu can run: split_gemm_supported, and n % 4 == 0 (TMA's 16-byte
+// rows of w's chunk exponents).
+bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
 }  // namespace kernels::gemm

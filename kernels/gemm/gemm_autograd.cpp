@@ -83,7 +83,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
                                                                      const at::Tensor& weight,
                                                                      const std::optional<at::Tensor>& bias,
                                                                      double multiplier, double negative_slope,
-                                                                     bool return_mask) {
+                                                                     bool return_mask,
+                                                                     const std::optional<at::TensorList>& weight_split) {
   const bool has_bias = bias.has_value() && bias->defined();
   const bool needs_grad = c10::GradMode::is_enabled() &&
                           (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
@@ -94,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   const bool mask_needed = (needs_grad || has_tangent) && negative_slope < 0;
 
   auto [y, mask] = common::redispatch_below_autograd(gemm_multiply_leaky_relu_op(), keys, x, weight, bias, multiplier,
-                                                     negative_slope, return_mask || mask_needed);
+                                                     negative_slope, return_mask || mask_needed, weight_split);
   // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0).
   // y is kept through a detached alias (same data and version counter, no grad_fn): a node holding y itself would
   // hold its own output, a reference cycle.

@@ -14,7 +14,8 @@ namespace kernels::gemm {
 using GemmMultiplyLeakyReLU = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& weight,
                                                                  const std::optional<at::Tensor>& bias,
                                                                  double multiplier, double negative_slope,
-                                                                 bool return_mask);
+                                                                 bool return_mask,
+                                                                 const std::optional<at::TensorList>& weight_split);
 
 // kernels::gemm_multiply_leaky_relu, looked up once.
 inline const c10::TypedOperatorHandle<GemmMultiplyLeakyReLU>& gemm_multiply_leaky_relu_op() {

@@ -2,7 +2,9 @@
 // launch_split_gemm_multiply_leaky_relu): y = leaky_relu((x w^T + b) * multiplier) from the fp16 split of x
 // (gemm_split.cu) and the float32 weight itself, which this kernel splits in registers: three fp16 products per K
 // step, fp32 promotion, the epilogue fused. It computes y^T = w x^T, so that w is wgmma's A operand, which may come
-// from registers.
+// from registers. Where w's split is given (launch_split_gemm_presplit_multiply_leaky_relu: made once by
+// launch_split_chunks and kept by its owner while w is unchanged), the kernel reads it instead of splitting w: the
+// same products, without the split's CUDA-core work.
 //
 // Roles:
 // - gemm_sm90_layout.cuh: tile shapes, the shared-memory layout of the stages, named barriers, register budgets,
@@ -38,10 +40,12 @@ namespace kernels::gemm {
 namespace {
 
 // Warpgroup 0 loads every chunk of the CTA's tiles into the stages (load_tiles); warpgroups 1 and 2 each multiply
-// their 64 rows of w of a tile (multiply_tile) and store those outputs (store_tile), tile after tile.
-template <bool kTransposed>
+// their 64 rows of w of a tile (multiply_tile, or multiply_tile_presplit where w's split is given: then w_map is
+// w_hi's, and w_lo_map and w_exponent_map are read) and store those outputs (store_tile), tile after tile.
+template <bool kTransposed, bool kPresplit>
 __global__ void __launch_bounds__(kThreads, 1)
-split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_hi_map,
+split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
+                  const __grid_constant__ CUtensorMap w_exponent_map, const __grid_constant__ CUtensorMap x_hi_map,
                   const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
                   bool y_by_tma, const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
@@ -51,7 +55,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   extern __shared__ unsigned char shared_raw[];
   unsigned char* shared = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(shared_raw) + 1023) & ~std::uintptr_t{1023});
-  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(shared + kStages * kStageBytes + kConsumers * kStagingBytes);
+  std::int32_t* exponents = reinterpret_cast<std::int32_t*>(shared + kStages * kStageBytes + kConsumers * kStagingBytes);
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(exponents + kStages * kBlockW);
   std::uint64_t* empty = full + kStages;
 
   const TileScheduler scheduler(m, n);
@@ -69,7 +74,9 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
 
   if (warpgroup == 0) {  // producer
     registers_decrease<kProducerRegisters>();
-    if (threadIdx.x == 0) load_tiles<kTransposed>(w_map, x_hi_map, x_lo_map, shared, full, empty, scheduler, chunks);
+    if (threadIdx.x == 0)
+      load_tiles<kTransposed, kPresplit>(WMaps{&w_map, &w_lo_map, &w_exponent_map}, x_hi_map, x_lo_map, shared,
+                                         exponents, full, empty, scheduler, chunks);
     return;
   }
 
@@ -85,9 +92,13 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   for (int tile = scheduler.first(); tile < scheduler.tiles; tile = scheduler.next(tile)) {
     const int tile_x = scheduler.x_tile(tile), tile_w = scheduler.w_tile(tile);
     const bool last_tile = scheduler.is_last(tile);
-    bool non_finite[2];
-    multiply_tile<kTransposed>(thread, shared_base, full, empty, chunks, last_tile, iteration, accumulator, total,
-                               non_finite);
+    bool non_finite[2] = {false, false};  // where w's split is given, its pass flagged w's rows
+    if constexpr (kPresplit)
+      multiply_tile_presplit(thread, shared_base, exponents, full, empty, chunks, last_tile, iteration, accumulator,
+                             total);
+    else
+      multiply_tile<kTransposed>(thread, shared_base, full, empty, chunks, last_tile, iteration, accumulator, total,
+                                 non_finite);
     // store_tile's scratch for a part's x exponents, declared in the kernel: where the array is declared sets the
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
     int exponents[kOutBoxRows / 8][2];
@@ -124,6 +135,56 @@ bool make_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The TMA map of w's chunk exponents (chunks x n int32, launch_split_chunks's layout), in boxes of one chunk's
+// exponents of a tile's kBlockW rows of w (unswizzled; rows of w past n arrive as 0).
+bool make_exponent_map(CUtensorMap* map, const std::int32_t* exponent, std::int64_t chunks, std::int64_t n) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(chunks)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(n * 4)};
+  const cuuint32_t box[2] = {kBlockW, 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_INT32, 2, const_cast<std::int32_t*>(exponent), dims,
+                              strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// What both launchers share: x's maps, y's, the kernel's choice and its launch. maps[0..2]: the w operand's (w, or
+// w_hi, w_lo and the exponents), made by the caller.
+cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool presplit, const void* x_hi,
+                          const void* x_lo, const std::int32_t* x_exponent, std::int32_t* w_flags, const float* bias,
+                          float* y, std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
+                          float multiplier, float negative_slope, int device, cudaStream_t stream) {
+  if (reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const std::int64_t x_row = split_row_length(k);
+  if (!make_tile_map(&maps[3], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
+      !make_tile_map(&maps[4], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
+    return cudaErrorInvalidValue;
+  // y through TMA stores where its rows are 16-byte aligned (TMA's rule for strides and addresses); plain stores
+  // else, or where KERNELS_GEMM_PLAIN_STORES is set (not "" or "0"): compute-sanitizer's initcheck does not see TMA
+  // stores' writes (every later read of y is reported as uninitialized), so `tools/device_check.py sanitize` runs it
+  // on the plain stores.
+  static const bool plain_stores = [] {
+    const char* value = std::getenv("KERNELS_GEMM_PLAIN_STORES");
+    return value != nullptr && value[0] != '\0' && value[0] != '0';
+  }();
+  const bool y_by_tma = !plain_stores && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
+                        make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, y, m, n, n * 4, kOutBoxRows);
+  const auto kernel = presplit       ? split_gemm_kernel<false, true>
+                      : w_transposed ? split_gemm_kernel<true, false>
+                                     : split_gemm_kernel<false, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (err != cudaSuccess) return err;
+  const std::int64_t tiles = tile_count(m, n);
+  int processors = 0;
+  err = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const std::int64_t ctas = tiles < processors ? tiles : processors;  // persistent: one CTA per multiprocessor
+  kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
+      maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags, bias, y, positive,
+      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
@@ -138,7 +199,7 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
       minor != 0)
     return false;
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false>) != cudaSuccess || attributes.binaryVersion != 90)
+  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess || attributes.binaryVersion != 90)
     return false;  // the library holds no sm_90a code of the kernel
   return tensor_map_encoder() != nullptr;
 }
@@ -150,42 +211,46 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   std::int64_t k, float multiplier, float negative_slope,
                                                   cudaStream_t stream) {
   int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (!split_gemm_supported(device, m, n, k) || (w_transposed && n % 4 != 0)) return cudaErrorNotSupported;
-  if (w_stride % 4 != 0 || w_stride < (w_transposed ? n : k) || reinterpret_cast<std::uintptr_t>(w) % 16 != 0 ||
-      reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
+  if (w_stride % 4 != 0 || w_stride < (w_transposed ? n : k) || reinterpret_cast<std::uintptr_t>(w) % 16 != 0)
     return cudaErrorInvalidValue;
-  const std::int64_t x_row = split_row_length(k);
-  CUtensorMap maps[4] = {};
+  CUtensorMap maps[6] = {};
   const bool w_map = w_transposed
                          ? make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, k, n, w_stride * 4, kBlockK)
                          : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
-  if (!w_map || !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
-      !make_tile_map(&maps[2], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
+  if (!w_map) return cudaErrorInvalidValue;
+  return launch_kernel(maps, w_transposed, /*presplit=*/false, x_hi, x_lo, x_exponent, w_flags, bias, y, positive, m,
+                       n, k, multiplier, negative_slope, device, stream);
+}
+
+bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
+  return n % 4 == 0 && split_gemm_supported(device, m, n, k);  // n % 4: 16-byte rows of w's exponents for TMA
+}
+
+cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,
+                                                           const std::int32_t* x_exponent, const void* w_hi,
+                                                           const void* w_lo, const std::int32_t* w_exponent,
+                                                           const float* bias, float* y, std::uint8_t* positive,
+                                                           std::int64_t m, std::int64_t n, std::int64_t k,
+                                                           float multiplier, float negative_slope,
+                                                           cudaStream_t stream) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (!split_gemm_presplit_supported(device, m, n, k)) return cudaErrorNotSupported;
+  if (reinterpret_cast<std::uintptr_t>(w_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(w_lo) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(w_exponent) % 16 != 0)
     return cudaErrorInvalidValue;
-  // y through TMA stores where its rows are 16-byte aligned (TMA's rule for strides and addresses); plain stores
-  // else, or where KERNELS_GEMM_PLAIN_STORES is set (not "" or "0"): compute-sanitizer's initcheck does not see TMA
-  // stores' writes (every later read of y is reported as uninitialized), so `tools/device_check.py sanitize` runs it
-  // on the plain stores.
-  static const bool plain_stores = [] {
-    const char* value = std::getenv("KERNELS_GEMM_PLAIN_STORES");
-    return value != nullptr && value[0] != '\0' && value[0] != '0';
-  }();
-  const bool y_by_tma = !plain_stores && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
-                        make_tile_map(&maps[3], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, y, m, n, n * 4, kOutBoxRows);
-  const auto kernel = w_transposed ? split_gemm_kernel<true> : split_gemm_kernel<false>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (err != cudaSuccess) return err;
-  const std::int64_t tiles = tile_count(m, n);
-  int processors = 0;
-  err = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const std::int64_t ctas = tiles < processors ? tiles : processors;  // persistent: one CTA per multiprocessor
-  kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
-      maps[0], maps[1], maps[2], maps[3], y_by_tma, x_exponent, w_flags, bias, y, positive, static_cast<int>(m),
-      static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope);
-  return cudaGetLastError();
+  const std::int64_t row = split_row_length(k);
+  CUtensorMap maps[6] = {};
+  if (!make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w_hi, n, row, row * 2, kBlockW) ||
+      !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w_lo, n, row, row * 2, kBlockW) ||
+      !make_exponent_map(&maps[2], w_exponent, row / kSplitChunk, n))
+    return cudaErrorInvalidValue;
+  return launch_kernel(maps, /*w_transposed=*/false, /*presplit=*/true, x_hi, x_lo, x_exponent, /*w_flags=*/nullptr,
+                       bias, y, positive, m, n, k, multiplier, negative_slope, device, stream);
 }
 
 }  // namespace kernels::gemm

@@ -25,7 +25,7 @@ struct EpilogueArguments {
   const CUtensorMap* y_map;
   bool y_by_tma;  // TMA stores through the staging buffers; plain stores else
   const std::int32_t* x_exponent;
-  std::int32_t* w_flags;
+  std::int32_t* w_flags;  // null where w's split is given: its pass wrote the flags
   const float* bias;
   float* y;
   std::uint8_t* positive;
@@ -51,7 +51,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   const int consumer = thread.consumer, t = thread.t, tile_row = thread.tile_row, row_step = thread.row_step;
   // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row
   // 8 j + 2 t + c.
-  const bool flags_writer = tile_x == 0;
+  const bool flags_writer = tile_x == 0 && arguments.w_flags != nullptr;
   float column_bias[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

@@ -2,9 +2,11 @@
 // rows of a tile that a consumer thread holds.
 //
 // Tiles: 128 rows of w (output features) by 128 rows of x per CTA, K in chunks of 64. Per stage, TMA loads the w
-// tile as float32 (two 128 x 32 boxes, 128-byte swizzle) and the x_hi, x_lo tiles (128 x 64 fp16 each): 64 KB;
-// 3 stages in 192 KB of shared memory. After the stages: each consumer's staging buffer for its TMA stores
-// (gemm_sm90_epilogue.cuh), then the stages' "full" and "empty" mbarriers.
+// tile as float32 (two 128 x 32 boxes, 128-byte swizzle), or, where w's split is given (kPresplit), its w_hi and
+// w_lo tiles (128 x 64 fp16 each, in the places of the two boxes), and the x_hi, x_lo tiles (128 x 64 fp16 each):
+// 64 KB; 3 stages in 192 KB of shared memory. After the stages: each consumer's staging buffer for its TMA stores
+// (gemm_sm90_epilogue.cuh), the stages' w exponents (128 per stage, where w's split is given), then the stages'
+// "full" and "empty" mbarriers.
 #pragma once
 
 #include "gemm.h"
@@ -28,8 +30,9 @@ constexpr int kStageBytes = 2 * kWBoxBytes + 2 * kXTileBytes;
 constexpr int kOutBoxRows = 64;                             // y rows (rows of x) per TMA store box
 constexpr int kOutBoxBytes = kOutBoxRows * kBoxK * 4;       // 8 KB: 64 rows of y x 32 columns (rows of w)
 constexpr int kStagingBytes = 2 * kOutBoxBytes;             // per consumer: 64 rows of y x its 64 columns
-constexpr int kSharedBytes =
-    kStages * kStageBytes + kConsumers * kStagingBytes + 2 * kStages * 8 + 1024;  // tiles, staging, barriers, align
+constexpr int kExponentBytes = kBlockW * 4;                 // a stage's w exponents, where w's split is given
+constexpr int kSharedBytes = kStages * kStageBytes + kConsumers * kStagingBytes + kStages * kExponentBytes +
+                             2 * kStages * 8 + 1024;  // tiles, staging, exponents, barriers, alignment
 constexpr int kTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and consumer 1's turn to issue products
 constexpr int kStagingBarrier = 3;  // named barriers 3 and 4: consumer 0's and consumer 1's staging buffer
 constexpr int kProducerRegisters = 40;
@@ -37,6 +40,7 @@ constexpr int kConsumerRegisters = 232;
 static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows of w");
 static_assert(kBlockK == 2 * kBoxK && kBlockK * 2 == 128, "a chunk is two w boxes and one fp16 swizzle row of x");
 static_assert(4 * kWTransposedBoxBytes == 2 * kWBoxBytes, "either way, a stage holds 128 rows of w x 64 of k");
+static_assert(kWBoxBytes == kBlockW * kBlockK * 2, "w's fp16 hi (or lo) tile takes the place of one float32 box");
 static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "the register file");
 static_assert(kSharedBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
 static_assert(2 * kOutBoxRows == kBlockX && 2 * kBoxK == kBlockW / kConsumers, "a consumer stores 2 x 2 boxes a tile");

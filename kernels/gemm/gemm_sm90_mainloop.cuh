@@ -9,6 +9,10 @@
 // stage and adds the accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the
 // tensor cores' own accumulation over a long K loses precision; the per-chunk scale needs no pass over w before
 // the GEMM). The two consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
+// Where w's split is given (kPresplit: launch_split_chunks, in x's order along K), the producer loads w_hi, w_lo and
+// the chunk's w exponents instead of the float32 w, and the consumers' per-chunk work is the promotion alone: all
+// three products read both operands from shared memory (multiply_tile_presplit). The same products in the same
+// order as the in-register split's, so the same results, bit for bit.
 // Tails: TMA fills out-of-range w elements with zeros; x's split is zero-padded to whole chunks and TMA fills rows
 // past m with zeros.
 #pragma once
@@ -26,13 +30,24 @@
 namespace kernels::gemm {
 namespace {
 
+// The maps of the w operand: the float32 w (w), or, where its split is given, w_hi (w), w_lo and the exponents.
+struct WMaps {
+  const CUtensorMap* w;
+  const CUtensorMap* w_lo;
+  const CUtensorMap* exponent;
+};
+
 // The producer's one thread: every chunk of the CTA's tiles, into the stages in turn. `iteration` counts the CTA's
 // chunks, across tiles: its stage is iteration % kStages, refilled once the consumers' warps have released it.
-template <bool kTransposed>
-__device__ __forceinline__ void load_tiles(const CUtensorMap& w_map, const CUtensorMap& x_hi_map,
-                                           const CUtensorMap& x_lo_map, unsigned char* shared, std::uint64_t* full,
-                                           std::uint64_t* empty, const TileScheduler& scheduler, int chunks) {
+// `exponents`: the stages' w exponents (kPresplit).
+template <bool kTransposed, bool kPresplit>
+__device__ __forceinline__ void load_tiles(const WMaps& w_maps, const CUtensorMap& x_hi_map,
+                                           const CUtensorMap& x_lo_map, unsigned char* shared, std::int32_t* exponents,
+                                           std::uint64_t* full, std::uint64_t* empty, const TileScheduler& scheduler,
+                                           int chunks) {
   using namespace sm90;
+  static_assert(!(kTransposed && kPresplit), "a given split of w is w's own, not its transpose's");
+  const CUtensorMap& w_map = *w_maps.w;
   int iteration = 0;
   for (int tile = scheduler.first(); tile < scheduler.tiles; tile = scheduler.next(tile)) {
     const int tile_x = scheduler.x_tile(tile), tile_w = scheduler.w_tile(tile);
@@ -40,8 +55,12 @@ __device__ __forceinline__ void load_tiles(const CUtensorMap& w_map, const CUten
       const int stage = iteration % kStages, round = iteration / kStages;
       if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
       unsigned char* stage_tiles = shared + stage * kStageBytes;
-      barrier_arrive_expect_bytes(&full[stage], kStageBytes);
-      if constexpr (!kTransposed) {
+      barrier_arrive_expect_bytes(&full[stage], kStageBytes + (kPresplit ? kExponentBytes : 0));
+      if constexpr (kPresplit) {
+        tma_load_2d(stage_tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
+        tma_load_2d(stage_tiles + kWBoxBytes, w_maps.w_lo, &full[stage], chunk * kBlockK, tile_w * kBlockW);
+        tma_load_2d(exponents + stage * kBlockW, w_maps.exponent, &full[stage], tile_w * kBlockW, chunk);
+      } else if constexpr (!kTransposed) {
         tma_load_2d(stage_tiles, &w_map, &full[stage], chunk * kBlockK, tile_w * kBlockW);
         tma_load_2d(stage_tiles + kWBoxBytes, &w_map, &full[stage], chunk * kBlockK + kBoxK, tile_w * kBlockW);
       } else {
@@ -120,6 +139,51 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
   for (int chunk = 0; chunk < chunks; chunk += 2) {
     multiply_chunk(chunk, a[0], a[1]);
     if (chunk + 1 < chunks) multiply_chunk(chunk + 1, a[1], a[0]);
+  }
+}
+
+// multiply_tile where w's split is given: per chunk the thread reads its two rows' exponents from the stage, and
+// issues the chunk's 12 products with both operands in shared memory, in multiply_tile's order; after they
+// complete, the stage is released and the chunk promoted. The consumers take turns as in multiply_tile.
+__device__ __forceinline__ void multiply_tile_presplit(const ConsumerThread& thread, std::uint32_t shared_base,
+                                                       const std::int32_t* exponents, std::uint64_t* full,
+                                                       std::uint64_t* empty, int chunks, bool last_tile,
+                                                       int& iteration, float (&accumulator)[64], float (&total)[64]) {
+  using namespace sm90;
+  const int consumer = thread.consumer, lane = thread.lane, tile_row = thread.tile_row;
+  const int row_step = thread.row_step;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int stage = iteration % kStages;
+    barrier_wait(&full[stage], (iteration / kStages) & 1);
+    ChunkScales scales;
+    scales.single = true;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      set_row_scale(scales, half, exponents[stage * kBlockW + tile_row + half * row_step]);
+    const std::uint32_t stage_tiles = shared_base + stage * kStageBytes;
+    const std::uint32_t w_rows = stage_tiles + consumer * 64 * 128;  // the consumer's 64 rows of 128 bytes
+    const std::uint64_t w_hi = k_major_swizzle128_descriptor(w_rows);
+    const std::uint64_t w_lo = k_major_swizzle128_descriptor(w_rows + kWBoxBytes);
+    const std::uint64_t x_hi = k_major_swizzle128_descriptor(stage_tiles + 2 * kWBoxBytes);
+    const std::uint64_t x_lo = k_major_swizzle128_descriptor(stage_tiles + 2 * kWBoxBytes + kXTileBytes);
+    if (consumer == 1 || iteration > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
+      wgmma_m64n128k16_f16_ss(accumulator, w_lo + offset, x_hi + offset, step != 0);
+      wgmma_m64n128k16_f16_ss(accumulator, w_hi + offset, x_lo + offset, true);
+      wgmma_m64n128k16_f16_ss(accumulator, w_hi + offset, x_hi + offset, true);
+    }
+    wgmma_commit();
+    if (consumer == 0 || chunk + 1 < chunks || !last_tile) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
+    wgmma_wait<0>();
+    if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
+    if (scales.single) promote_chunk<true>(accumulator, scales, total);
+    else promote_chunk<false>(accumulator, scales, total);
+    ++iteration;
   }
 }
 

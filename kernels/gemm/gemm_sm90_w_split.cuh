@@ -36,6 +36,17 @@ struct ChunkScales {
   bool single;
 };
 
+// Row half's power of two 2^e for the chunk, and its inverse; scales.single must start true.
+__device__ __forceinline__ void set_row_scale(ChunkScales& scales, int half, int e) {
+  scales.single &= e <= 126;
+  scales.scale[half] = power_of_two(e);
+  scales.inverse[half] = power_of_two(-e);
+  if (e <= 126) {
+    scales.scale[half] = {exact_power_of_two(e), 1.0f};
+    scales.inverse[half] = {exact_power_of_two(-e), 1.0f};
+  }
+}
+
 __device__ __forceinline__ std::uint32_t bits(__half2 pair) { return *reinterpret_cast<std::uint32_t*>(&pair); }
 
 // max(a, |b|), NaN if either is NaN.
@@ -142,14 +153,7 @@ __device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int t
     // The quad of threads t = 0..3 holds the row; a NaN from a neighbour reads as "its values were cleaned".
     max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 1));
     max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, 2));
-    const int e = scale_exponent(is_finite(max_abs) ? max_abs : 0.0f);
-    scales.single &= e <= 126;
-    scales.scale[half] = power_of_two(e);
-    scales.inverse[half] = power_of_two(-e);
-    if (e <= 126) {
-      scales.scale[half] = {exact_power_of_two(e), 1.0f};
-      scales.inverse[half] = {exact_power_of_two(-e), 1.0f};
-    }
+    set_row_scale(scales, half, scale_exponent(is_finite(max_abs) ? max_abs : 0.0f));
   }
   return scales;
 }

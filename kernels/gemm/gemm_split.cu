@@ -66,16 +66,18 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
 }
 
 cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                                bool transposed, void* hi, void* lo, std::int32_t* chunk_exponent,
-                                std::int32_t* flags, cudaStream_t stream) {
+                                bool transposed, bool natural_order, void* hi, void* lo,
+                                std::int32_t* chunk_exponent, std::int32_t* flags, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const std::int64_t chunks = split_row_length(cols) / kSplitChunk;
-  if (reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
+  if (reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0 ||
+      (transposed && !natural_order))
     return cudaErrorInvalidValue;
   if (!transposed) {
     if (rows > 0x7fffffff || cols % 4 != 0 || row_stride % 4 != 0 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0)
       return cudaErrorInvalidValue;
-    split_chunks_kernel<<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
+    const auto kernel = natural_order ? split_chunks_kernel<true> : split_chunks_kernel<false>;
+    kernel<<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
         src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
     return cudaGetLastError();
   }

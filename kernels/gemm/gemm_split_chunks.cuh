@@ -1,4 +1,4 @@
-// w's split for the sm_80 GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: one kernel for w,
+// w's split made before a GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: one kernel for w,
 // one for w given as its transpose. Both take their block size, fold and split_pack, and the second its column
 // tile, from the row splits (gemm_split_rows.cuh). Portable (any architecture).
 #pragma once
@@ -12,11 +12,12 @@
 namespace kernels::gemm {
 namespace {
 
-// The split of w for the sm_80 GEMM (gemm.h, launch_split_chunks): a power of two per row and chunk of kSplitChunk
-// along k, hi and lo in k's natural order. One block per row: each thread takes a pack of 4, so a chunk's 16 packs
-// are 16 consecutive lanes, whose largest |v| takes four shuffles.
+// The split of w (gemm.h, launch_split_chunks): a power of two per row and chunk of kSplitChunk along k, hi and lo in
+// k's natural order (kNatural: the sm_80 GEMM's) or split_position's (the Hopper GEMM's). One block per row: each
+// thread takes a pack of 4, so a chunk's 16 packs are 16 consecutive lanes, whose largest |v| takes four shuffles.
 constexpr int kChunkPacks = kSplitChunk / 4;
 
+template <bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
 split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ chunk_exponent,
@@ -35,7 +36,7 @@ split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64
     const int e = scale_exponent(max_abs);
     if (i < length / 4) {
       if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * rows + row] = e;
-      split_pack<true>(v, power_of_two(e), i, hi + row * length, lo + row * length);
+      split_pack<kNatural>(v, power_of_two(e), i, hi + row * length, lo + row * length);
     }
   }
   non_finite = __syncthreads_or(non_finite);
