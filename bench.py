@@ -191,6 +191,19 @@ def bench_leaky_relu(rows, options):
 
 # ---- gemm_multiply_leaky_relu -----------------------------------------------------------------------------------
 
+# A variant that keeps no split of its weight (FusedLinear.cache_weight_split off): each call splits the weight anew,
+# as the first call after a change of the weight does, and every forward that trains it. The variants beside it
+# keep the split from their second call on, as a model evaluated with an unchanged weight does.
+ANEW = "weight split anew"
+
+
+def weight_split_anew(model):
+    """A copy of `model` whose calls split its weight anew (ANEW)."""
+    anew = copy.deepcopy(model)
+    anew.gemm.cache_weight_split = False
+    return anew
+
+
 class ForcedPath:
     """model(x) with every gemm_multiply_leaky_relu call on one path ("cublas" or one of FAST_FP32_PATHS)."""
 
@@ -313,11 +326,16 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                         if peer is not None:
                             variants["triton tf32x3"] = peer
                 if options.wants("ModelNew"):
+                    # Each variant its own copy: a model keeps its weight's split for the path it last ran on.
                     if path != "cublas":
-                        variants["ModelNew, cublas path"] = ForcedPath(new, "cublas")
+                        variants["ModelNew, cublas path"] = ForcedPath(copy.deepcopy(new), "cublas")
                     for other in other_fast_paths:
-                        variants[f"ModelNew, {other} path"] = ForcedPath(new, other)
+                        variants[f"ModelNew, {other} path"] = ForcedPath(copy.deepcopy(new), other)
+                        if other in SPLIT_PATHS:
+                            variants[f"ModelNew, {other} path, {ANEW}"] = ForcedPath(weight_split_anew(new), other)
                     variants[f"ModelNew ({path})"] = new
+                    if path in SPLIT_PATHS:
+                        variants[f"ModelNew ({path}), {ANEW}"] = weight_split_anew(new)
                 (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
                     [lambda: torch.mm(x, weight_t), lambda: torch.mm(x16, weight16_t)]
                     + [lambda model=model: model(x) for model in variants.values()], options)
@@ -432,6 +450,8 @@ def bench_gemm_shapes(rows, options):
         weight16_t, x16 = weight_t.half(), x.half()
         path = gemm_path(x, new.gemm.weight)
         variants = {"eager": eager, f"ModelNew ({path})": new}
+        if path in SPLIT_PATHS:
+            variants[f"ModelNew ({path}), {ANEW}"] = weight_split_anew(new)
         with torch.no_grad():
             (cublas_ms, cublas16_ms, *times), (_, _, *kb) = run_case(
                 [lambda: torch.mm(x, weight_t), lambda: torch.mm(x16, weight16_t)]

@@ -104,7 +104,8 @@ class GemmCase:
     forced below its range); the gradients allclose(1e-4)."""
 
     family = "gemm"
-    ops = {"gemm_multiply_leaky_relu", "gemm_multiply_leaky_relu_backward"}  # the backward: through autograd
+    # The backward through autograd; the weight's split through FusedLinear, kept from the second no_grad call on.
+    ops = {"gemm_multiply_leaky_relu", "gemm_multiply_leaky_relu_backward", "gemm_weight_split"}
 
     def __init__(self, shape, multiplier, slope, path):
         self.shape, self.multiplier, self.slope, self.path = shape, multiplier, slope, path
@@ -140,10 +141,16 @@ class GemmCase:
 
     def ours(self, x, grad):
         with forced_gemm_path(self.path):
-            return self.run(self.new, x, grad)
+            outputs = self.run(self.new, x, grad)
+            with torch.no_grad():
+                for _ in range(3):  # on a split path, the third call reads the weight's split kept by the second
+                    outputs["y, weight split kept"] = self.new(x)
+        return outputs
 
     def eager(self, x, grad):
-        return self.run(self.reference, x, grad)
+        outputs = self.run(self.reference, x, grad)
+        outputs["y, weight split kept"] = outputs["y"]
+        return outputs
 
     def check(self, got, expected, inputs):
         for name in expected:

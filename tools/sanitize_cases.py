@@ -51,8 +51,13 @@ def gemm_cases():
             weight, bias = torch.randn(n, k, device="cuda") / k ** 0.5, torch.randn(n, device="cuda")
             with forced_gemm_path(path):
                 y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -2.0, -0.1, True)
+                # The weight's split made ahead (gemm_weight_split; [] where the path takes none): the kernels
+                # that read it.
+                split = torch.ops.kernels.gemm_weight_split(x, weight)
+                y_split, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -2.0, -0.1, True, split)
             pre = F.linear(x, weight, bias) * -2.0
             check(f"gemm {path} {m}x{k}->{n}", y, F.leaky_relu(pre, -0.1))
+            assert torch.equal(y_split.view(torch.int32), y.view(torch.int32)), f"gemm {path} with the weight's split"
             assert bool(((mask == (pre > 0)) | (pre.abs() < 1e-4)).all()), f"gemm {path} mask"
         # The backward's products (on the split path: w and x read transposed by the kernel), slope 1 so that no
         # branch flip can move a gradient.
