@@ -12,6 +12,7 @@ goes, kernel by kernel.
     python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
     python tools/gemm_sweep.py --loop-profile         # a training loop's step against bench's step: kernels
     python tools/gemm_sweep.py --weight-split         # the forward with and without the weight's split kept
+    python tools/gemm_sweep.py --parts                # forward over batch sizes, backward products, train step
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
@@ -106,6 +107,36 @@ def weight_split_times():
         for name, ms in zip(("split anew", "kept", "weight split"), times):
             print(f"{name:>14} {ms:8.4f} ms")
         profile(lambda: kept(x))
+
+
+def parts():
+    """Each part's time alone (L2 flushed, no kept weight split): the forward over batch sizes at 8192 -> 8192, and,
+    at the problem's size, the backward op asked for grad_x alone and for grad_W (with grad_b) alone, and the training
+    step (forward and autograd.grad of x, W and b)."""
+    from kernels.timing import time_each_ms
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    torch.manual_seed(0)
+    new = GemmMultiplyLeakyReLUModelNew(8192, 8192, 2.0, 0.1).cuda()
+    new.gemm.cache_weight_split = False
+    weight, bias = new.gemm.weight, new.gemm.bias
+    with torch.no_grad():
+        rows = (1024, 2048, 4096, 8192)
+        xs = {m: torch.randn(m, 8192, device="cuda") for m in rows}
+        times = time_each_ms([lambda x=xs[m]: new(x) for m in rows], samples=20)
+        for m, ms in zip(rows, times):
+            print(f"forward {m}x8192->8192: {ms:8.4f} ms, {3 * 2 * m * 8192 * 8192 / ms / 1e9:6.1f} TFLOP/s (x3)")
+        x, grad_y = xs[1024], torch.randn(1024, 8192, device="cuda")
+        y, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1, False)
+        backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+        grad_x_ms, grad_w_ms = time_each_ms([
+            lambda: backward(grad_y, x, weight, y, 2.0, 0.1, True, False, False),
+            lambda: backward(grad_y, x, weight, y, 2.0, 0.1, False, True, True)], samples=20)
+    x_train = xs[1024].clone().requires_grad_(True)
+    step_ms = time_each_ms([lambda: torch.autograd.grad(new(x_train), [x_train, weight, bias], grad_y)],
+                           samples=20)[0]
+    print(f"backward grad_x alone {grad_x_ms:8.4f} ms, grad_W and grad_b alone {grad_w_ms:8.4f} ms, "
+          f"train step {step_ms:8.4f} ms")
 
 
 def train_step():
@@ -332,6 +363,8 @@ def main():
                       help="bench's training step in DTYPE (fp32, bf16, fp16): times, then kernels")
     mode.add_argument("--weight-split", action="store_true",
                       help="the forward with and without the weight's split kept: times, kernels, bitwise check")
+    mode.add_argument("--parts", action="store_true",
+                      help="the forward over batch sizes, each backward product alone and the training step: times")
     mode.add_argument("--loop-profile", action="store_true",
                       help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -363,6 +396,8 @@ def choose(args):
         loop_profile()
     elif args.weight_split:
         weight_split_times()
+    elif args.parts:
+        parts()
     elif args.shapes:
         outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
                    if args.outputs else SWEEP_OUTPUTS)

@@ -5,7 +5,8 @@
 // - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
 //   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor
 //   cores with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and
-//   faster. Tall, narrow forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the
+//   faster. From kSplitWAheadRows rows of x on, or where the caller kept W's split (gemm_weight_split), the kernel
+//   reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the
 //   kernel's registers, y^T computed and y written from it (split_product_transposed).
 // - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
 //   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
@@ -319,14 +320,50 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
+// w's split per row and chunk of 64 (launch_split_chunks) into new tensors, for `path`'s GEMM reading x's split in
+// the order split_fp16_product gives it: split_position's for split_fp16 with w as it is, else k's. w2 is w (n x k)
+// or, where w_transposed, its transpose (k x n), as split_operand returns it.
+WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
+                           cudaStream_t stream) {
+  const int64_t split_k = split_row_length(k);
+  const auto half = w2.options().dtype(at::kHalf);
+  const auto int32 = w2.options().dtype(at::kInt);
+  WeightSplit split{at::empty({n, split_k}, half), at::empty({n, split_k}, half),
+                    at::empty({split_k / kSplitChunk, n}, int32), at::empty({n}, int32)};
+  check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
+                                   /*natural_order=*/w_transposed || path == Path::kSplitFp16Sm80,
+                                   split.hi.mutable_data_ptr(), split.lo.mutable_data_ptr(),
+                                   split.exponent.mutable_data_ptr<int32_t>(), split.flags.mutable_data_ptr<int32_t>(),
+                                   stream),
+               "split (w)");
+  return split;
+}
+
+// The rows of x from which the Hopper GEMM reads w's split made by a pass (split_w_chunks) instead of splitting w in
+// its registers: the kernel splits each tile of w once per tile of x it meets (m / 128 times), the pass once, for
+// 8 bytes of memory traffic per element of w. Measured on the H100 (kernels/gemm/NOTES.md): at m = 1024 the split in
+// registers costs 0.14 ms of the forward at 8192 x 8192, the pass 0.21 ms; from 2048 rows on the pass is the cheaper.
+// It also decides grad_W's product, whose x is grad_pre^T (out_features rows).
+constexpr int64_t kSplitWAheadRows = 2048;
+
+// Whether split_fp16_product splits w by a pass of its own before the GEMM: always on split_fp16_sm80 (its kernel
+// reads only split operands); on split_fp16 from kSplitWAheadRows rows of x on, where the kernel that reads it can
+// take the shape.
+bool splits_w_ahead(Path path, int64_t m, int64_t n) {
+  // split_fp16 was chosen where split_gemm_supported holds; the kernel that reads w's split needs n % 4 == 0 besides
+  // (split_gemm_presplit_supported).
+  return path == Path::kSplitFp16Sm80 || (path == Path::kSplitFp16 && m >= kSplitWAheadRows && n % 4 == 0);
+}
+
 // The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path` (split_fp16 or split_fp16_sm80),
 // both float32 on one GPU, each given as itself or as its transpose (x_transposed: x as (k x m), which needs
 // w_transposed; w_transposed: w as (k x n)): x is split by one pass (its rows, or the columns of its transpose;
 // x_column_sums, if not null, then gets those columns' sums); w inside the GEMM kernel (split_fp16) or by a pass of
-// its own (split_fp16_sm80), or, where w_split is given (w's split made beforehand by gemm_weight_split), by
-// neither; y and the mask (where positive is not null) are dense. Temporary memory: x's split, 4
-// bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes per row of x and of
-// w (exponents, flags); on split_fp16_sm80 also w's split, 4 bytes per element of w and 4 per row and chunk of 64.
+// its own (split_fp16_sm80, and split_fp16 where splits_w_ahead says so), or, where w_split is given (w's split made
+// beforehand by gemm_weight_split), by neither; y and the mask (where positive is not null) are dense. Temporary
+// memory: x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes
+// per row of x and of w (exponents, flags); where w is split by a pass, also w's split, 4 bytes per element of w and
+// 4 per row and chunk of 64.
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
@@ -342,6 +379,11 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const auto int32 = x.options().dtype(at::kInt);
   at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
   at::Tensor x_exponent = at::empty({m}, int32);
+  WeightSplit w_split_made;
+  if (w_split == nullptr && splits_w_ahead(path, m, n)) {
+    w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
+    w_split = &w_split_made;
+  }
   at::Tensor w_flags = w_split != nullptr ? w_split->flags : at::empty({n}, int32);
   // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
@@ -363,25 +405,12 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                         w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(), positive,
                         m, n, k, multiplier_f, slope_f, stream),
                  "split GEMM (w's split given)");
-  } else if (path == Path::kSplitFp16) {
+  } else {
     check_launch(launch_split_gemm_multiply_leaky_relu(
                      x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
                      w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
                      bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
                  "split GEMM");
-  } else {
-    at::Tensor w_hi = at::empty({n, split_k}, half), w_lo = at::empty({n, split_k}, half);
-    at::Tensor w_exponent = at::empty({split_k / kSplitChunk, n}, int32);
-    check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
-                                     /*natural_order=*/true, w_hi.mutable_data_ptr(), w_lo.mutable_data_ptr(),
-                                     w_exponent.mutable_data_ptr<int32_t>(), w_flags.mutable_data_ptr<int32_t>(),
-                                     stream),
-                 "split (w)");
-    check_launch(launch_split_gemm_sm80_multiply_leaky_relu(
-                     x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                     w_hi.const_data_ptr(), w_lo.const_data_ptr(), w_exponent.const_data_ptr<int32_t>(), bias_data,
-                     y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
-                 "split GEMM (sm_80)");
   }
   // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
   const int64_t x_row_stride = x_transposed ? 1 : x2.stride(0), x_element_stride = x_transposed ? x2.stride(0) : 1;
@@ -493,22 +522,13 @@ std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor&
        !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k)))
     return {};
   const c10::cuda::CUDAGuard guard(weight.device());
-  const int64_t n = shape.n, k = shape.k, split_k = split_row_length(k);
-  const at::Tensor w = split_operand(weight);
-  const auto half = weight.options().dtype(at::kHalf);
-  const auto int32 = weight.options().dtype(at::kInt);
-  at::Tensor hi = at::empty({n, split_k}, half), lo = at::empty({n, split_k}, half);
-  at::Tensor exponent = at::empty({split_k / kSplitChunk, n}, int32), flags = at::empty({n}, int32);
-  check_launch(launch_split_chunks(w.const_data_ptr<float>(), n, k, w.stride(0), /*transposed=*/false,
-                                   /*natural_order=*/path == Path::kSplitFp16Sm80, hi.mutable_data_ptr(),
-                                   lo.mutable_data_ptr(), exponent.mutable_data_ptr<int32_t>(),
-                                   flags.mutable_data_ptr<int32_t>(),
-                                   c10::cuda::getCurrentCUDAStream(weight.device().index()).stream()),
-               "split (weight)");
+  const WeightSplit split =
+      split_w_chunks(path, split_operand(weight), /*w_transposed=*/false, shape.n, shape.k,
+                     c10::cuda::getCurrentCUDAStream(weight.device().index()).stream());
   const std::vector<int64_t> stamp = weight_stamp(path, weight);
   at::Tensor stamp_tensor = at::empty({kStampFields}, at::TensorOptions().dtype(at::kLong));
   std::copy(stamp.begin(), stamp.end(), stamp_tensor.mutable_data_ptr<int64_t>());
-  return {hi, lo, exponent, flags, stamp_tensor};
+  return {split.hi, split.lo, split.exponent, split.flags, stamp_tensor};
 #else
   return {};
 #endif
