@@ -581,6 +581,11 @@ def legend(rows):
     if any(r["error"] is not None for r in rows):
         lines.append("error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
                      "float32 at atol = rtol = 1e-4.")
+    if any(r["variant"].endswith(ANEW) for r in rows):
+        lines.append(f"ModelNew's forward rows: a model called again with its weight unchanged keeps the weight's "
+                     f"split (FusedLinear, from its second call on; the results are the same bit for bit); the rows "
+                     f"named \"{ANEW}\" keep none, as each first call after a change of the weight and every forward "
+                     f"that trains the weight run.")
     failed = sorted({r["precision"] for r in rows if r["verdict"] == "FAIL"})
     if failed:
         lines.append(f"FAIL in the fp32 tol column ({', '.join(failed)} rows): those rows compute in a lower "

@@ -592,8 +592,8 @@ WEIGHT_CHANGE_PATHS = ["auto", *SPLIT_KERNELS]
 def test_weight_changes_show_in_the_next_call(device, change, path):
     if device == "cpu" and path != "auto":
         pytest.skip("the split path is CUDA only")
-    # The split path at a size in its range, where its error is held to eager's.
-    features, rows = (1024, 1024) if path in SPLIT_PATHS else (64, 16)
+    # The split path at a size in its range, where its error is held to eager's and the weight's split is kept.
+    features, rows = (2048, 2048) if path in SPLIT_PATHS else (64, 16)
     reference, new = make_pair(features, features - 16, 2.0, 0.1, device)
     x = torch.randn(rows, features, device=device)
     with forced_gemm_path(path):
@@ -633,16 +633,19 @@ def check_weight_change(reference, new, x, change):
 # ---- the weight's split kept between calls (FusedLinear) --------------------------------------------------------------
 
 def kept_split_expected(path, m, k, n):
-    """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead."""
-    return path == "split_fp16_sm80" or (path == "split_fp16" and n % 4 == 0 and not m * k > n * k + m * n)
+    """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead
+    (gemm.cpp: gemm_weight_split; from 2^32 multiply-adds on, kKeptSplitMinProducts)."""
+    return m * n * k >= 1 << 32 and (
+        path == "split_fp16_sm80" or (path == "split_fp16" and n % 4 == 0 and not m * k > n * k + m * n))
 
 
 KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
     "problem": (1024, 8192, 8192),
-    "tails": (1153, 1048, 1032),  # M, K not multiples of the tiles, K not of the chunk
-    "n_tail": (300, 1000, 260),  # N not a multiple of the tile
-    "n_odd": (257, 1032, 1031),  # N % 4 != 0: the Hopper kernel keeps no split (TMA's 16-byte rows of exponents)
+    "tails": (1153, 4104, 1032),  # M, N not multiples of the tiles, K not of the chunk
+    "n_tail": (1100, 4000, 1060),  # N not a multiple of the tile, K of half a chunk
+    "n_odd": (1030, 4104, 1031),  # N % 4 != 0: the Hopper kernel keeps no split (TMA's 16-byte rows of exponents)
     "tall_narrow": (8200, 1032, 136),  # computed transposed on split_fp16: no split of the weight ahead
+    "small": (1024, 1024, 1024),  # under 2^32 multiply-adds: none kept (the call's time is the host's)
 }
 
 
@@ -684,15 +687,16 @@ def test_kept_weight_split_gives_the_same_results_bit_for_bit(shape, weights, pa
 def test_weight_split_of_another_weight_or_stream_is_not_used(path):
     """The op checks the split's stamp on every use: a split of another weight, of the same weight before an in-place
     change, or made on another stream is not read (the results are those of a call without it)."""
-    m, k, n = 256, 1024, 1024
+    m, k, n = 1024, 1024, 4096
     torch.manual_seed(0)
     x, weight, other = (torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"),
                         torch.randn(n, k, device="cuda"))
     op = torch.ops.kernels.gemm_multiply_leaky_relu
     with torch.no_grad(), forced_gemm_path(path):
         expected = op(x, weight, None, 2.0, 0.1, False)[0]
-        assert torch.equal(op(x, weight, None, 2.0, 0.1, False, torch.ops.kernels.gemm_weight_split(x, weight))[0],
-                           expected)
+        own = torch.ops.kernels.gemm_weight_split(x, weight)
+        assert own  # a split is made here, so the cases below are not vacuous
+        assert torch.equal(op(x, weight, None, 2.0, 0.1, False, own)[0], expected)
         assert torch.equal(op(x, weight, None, 2.0, 0.1, False, torch.ops.kernels.gemm_weight_split(x, other))[0],
                            expected)
         before = torch.ops.kernels.gemm_weight_split(x, weight)
@@ -708,8 +712,8 @@ def test_weight_split_of_another_weight_or_stream_is_not_used(path):
 
 def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(device):
     torch.manual_seed(0)
-    linear = FusedLinear(1024, 1024).to(device)
-    x = torch.randn(1024, 1024, device=device)  # in the automatic choice's range of the split path
+    linear = FusedLinear(2048, 2048).to(device)
+    x = torch.randn(1024, 2048, device=device)  # in the automatic choice's range, 2^32 multiply-adds: kept
     kept_here = device == "cuda" and automatic_split_path() is not None
     for _ in range(3):
         linear(x)  # training the weight: nothing kept
