@@ -14,7 +14,8 @@ from conftest import HAS_CUDA, NVCC, poison_allocator, requires_cuda, requires_n
 from kernels.precision import (ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR, allclose,
                                matmul_precision, relative_error)
 from kernels.functional import gemm_multiply_leaky_relu
-from kernels.gemm.gemm import SPLIT_PATHS, FusedLinear, forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import (KEPT_SPLIT_MIN_PRODUCTS, SPLIT_PATHS, FusedLinear, forced_gemm_path, gemm_path,
+                               gemm_paths)
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 
@@ -634,8 +635,8 @@ def check_weight_change(reference, new, x, change):
 
 def kept_split_expected(path, m, k, n):
     """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead
-    (gemm.cpp: gemm_weight_split; from 2^32 multiply-adds on, kKeptSplitMinProducts)."""
-    return m * n * k >= 1 << 32 and (
+    (gemm.cpp: gemm_weight_split; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on)."""
+    return m * n * k >= KEPT_SPLIT_MIN_PRODUCTS and (
         path == "split_fp16_sm80" or (path == "split_fp16" and n % 4 == 0 and not m * k > n * k + m * n))
 
 

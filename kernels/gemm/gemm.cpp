@@ -514,7 +514,8 @@ std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
 
 // Products below this many multiply-adds get no kept split: their calls take about the host's time, which reading a
 // kept split lengthens (H100, 1024 x 1024 -> 1024: 0.085 ms with it, 0.073 without; at 256 x 8192 -> 8192, 2^34,
-// it pays: 0.166 against 0.199 ms).
+// it pays: 0.166 against 0.199 ms). gemm.py's KEPT_SPLIT_MIN_PRODUCTS is the same number, checked there first so
+// that such calls skip FusedLinear's bookkeeping.
 constexpr int64_t kKeptSplitMinProducts = int64_t{1} << 32;
 
 std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor& weight) {

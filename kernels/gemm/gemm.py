@@ -168,6 +168,8 @@ class FusedLinear(nn.Linear):
 
     def _weight_split_for(self, x):
         weight = self.weight
+        if x.numel() * weight.shape[0] < KEPT_SPLIT_MIN_PRODUCTS:  # none is made: the call stays host-bound and lean
+            return None
         if not (self.cache_weight_split and _split_may_be_kept(x, weight)):
             if self._weight_split_key is not None:
                 self.clear_weight_split()
@@ -195,6 +197,11 @@ class FusedLinear(nn.Linear):
         state = self.__dict__.copy()  # the split is not saved, pickled or copied: the copy makes its own
         state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=())
         return state
+
+
+# The multiply-adds (rows x in_features x out_features) from which kernels::gemm_weight_split makes a split to keep
+# (gemm.cpp, kKeptSplitMinProducts): below, a call's time is mostly the host's, which a kept split would lengthen.
+KEPT_SPLIT_MIN_PRODUCTS = 1 << 32
 
 
 def _split_may_be_kept(x, weight):
