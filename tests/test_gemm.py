@@ -589,7 +589,7 @@ WEIGHT_CHANGE_PATHS = ["auto", *SPLIT_KERNELS]
 
 @pytest.mark.parametrize("path", WEIGHT_CHANGE_PATHS)
 @pytest.mark.parametrize("change", ["in_place", "data_copy", "new_parameter", "load_state_dict", "optimizer_step",
-                                    "to"])
+                                    "to", "bf16_round_trip"])
 def test_weight_changes_show_in_the_next_call(device, change, path):
     if device == "cpu" and path != "auto":
         pytest.skip("the split path is CUDA only")
@@ -622,6 +622,8 @@ def check_weight_change(reference, new, x, change):
         optimizer = torch.optim.SGD(new.parameters(), lr=0.5)
         new(x).square().mean().backward()
         optimizer.step()
+    elif change == "bf16_round_trip":  # new data, the same Parameter and version counter (module._apply)
+        new.to(torch.bfloat16).to(torch.float32)
     elif change == "to":
         new.to(torch.float64).to(torch.float32)
         with torch.no_grad():
@@ -645,7 +647,7 @@ KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
     "tails": (1153, 4104, 1032),  # M, N not multiples of the tiles, K not of the chunk
     "n_tail": (1100, 4000, 1060),  # N not a multiple of the tile, K of half a chunk
     "n_odd": (1030, 4104, 1031),  # N % 4 != 0: the Hopper kernel keeps no split (TMA's 16-byte rows of exponents)
-    "tall_narrow": (8200, 1032, 136),  # computed transposed on split_fp16: no split of the weight ahead
+    "tall_narrow": (16400, 2056, 264),  # computed transposed on split_fp16: no split of the weight ahead
     "small": (1024, 1024, 1024),  # under 2^32 multiply-adds: none kept (the call's time is the host's)
 }
 
@@ -708,7 +710,11 @@ def test_weight_split_of_another_weight_or_stream_is_not_used(path):
         with torch.cuda.stream(side):
             on_side = torch.ops.kernels.gemm_weight_split(x, weight)
         side.synchronize()
+        on_side[0].zero_()  # read, it would change the output
         assert torch.equal(op(x, weight, None, 2.0, 0.1, False, on_side)[0], expected)
+        # The op does read a split that matches: zeroed hi halves change the output.
+        own[0].zero_()
+        assert not torch.equal(op(x, weight, None, 2.0, 0.1, False, own)[0], expected)
 
 
 def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(device):
@@ -729,6 +735,11 @@ def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(dev
     for _ in range(3):
         linear(x)
     assert (linear._weight_split is not None) == kept_here
+    linear.clear_weight_split()
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):  # the op casts the weight: none kept
+        for _ in range(3):
+            linear(x)
+    assert linear._weight_split is None
     linear.cache_weight_split = False
     linear(x)
     assert linear._weight_split is None and linear._weight_split_key is None

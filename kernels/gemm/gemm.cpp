@@ -5,8 +5,8 @@
 // - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
 //   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor
 //   cores with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and
-//   faster. From kSplitWAheadRows rows of x on, or where the caller kept W's split (gemm_weight_split), the kernel
-//   reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the
+//   faster. From kSplitWAheadRows rows of x on (where out_features % 4 == 0), or where the caller kept W's split
+//   (gemm_weight_split), the kernel reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the
 //   kernel's registers, y^T computed and y written from it (split_product_transposed).
 // - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
 //   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
@@ -349,10 +349,11 @@ constexpr int64_t kSplitWAheadRows = 2048;
 // Whether split_fp16_product splits w by a pass of its own before the GEMM: always on split_fp16_sm80 (its kernel
 // reads only split operands); on split_fp16 from kSplitWAheadRows rows of x on, where the kernel that reads it can
 // take the shape.
-bool splits_w_ahead(Path path, int64_t m, int64_t n) {
+bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transposed) {
   // split_fp16 was chosen where split_gemm_supported holds; the kernel that reads w's split needs n % 4 == 0 besides
-  // (split_gemm_presplit_supported).
-  return path == Path::kSplitFp16Sm80 || (path == Path::kSplitFp16 && m >= kSplitWAheadRows && n % 4 == 0);
+  // (split_gemm_presplit_supported), and the split of a transposed w takes at most 65535 chunks (its grid).
+  return path == Path::kSplitFp16Sm80 || (path == Path::kSplitFp16 && m >= kSplitWAheadRows && n % 4 == 0 &&
+                                          (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
 }
 
 // The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path` (split_fp16 or split_fp16_sm80),
@@ -380,7 +381,7 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
   at::Tensor x_exponent = at::empty({m}, int32);
   WeightSplit w_split_made;
-  if (w_split == nullptr && splits_w_ahead(path, m, n)) {
+  if (w_split == nullptr && splits_w_ahead(path, m, n, k, w_transposed)) {
     w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
     w_split = &w_split_made;
   }
@@ -435,7 +436,7 @@ bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
 // The forward on a split path, with w's split made beforehand where w_split is not null (never where the product is
 // computed transposed: gemm_weight_split makes none for those shapes). Temporary memory: split_fp16_product's; where
 // the product is computed transposed, w's split (4 bytes per element of w) and y^T (4 bytes per output) instead of
-// x's split.
+// x's split, and, where w has kSplitWAheadRows rows or more, x's split by a pass too (4 bytes per element of x).
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias, double multiplier,
@@ -482,19 +483,20 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 
 // ---- w's split made beforehand ---------------------------------------------------------------------------------
 // gemm_weight_split(x, weight) returns, where the forward of x with weight takes a split path with w's split in a
-// pass of its own (not where the product is computed transposed), [hi, lo, exponent, flags, stamp]: w's split for
-// that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
-// CPU int64 tensor of what it was made from and for. Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference
+// pass of its own (not where the product is computed transposed), [hi, lo, exponent, flags, stamp, weight]: w's
+// split for that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
+// CPU int64 tensor of what it was made from and for, and an alias of the weight, which keeps its storage alive. Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference
 // tensor, which has no version counter, products under kKeptSplitMinProducts) it returns []. Passed back to gemm_multiply_leaky_relu as weight_split, the
-// split is used only where the whole stamp matches that call: its path, and the weight's data address, version
-// counter (which every in-place change through PyTorch advances), sizes, row stride, device and current stream (the
-// one the split was made on, so that the GEMM reads it in order); else the weight is split as without it. The
+// split is used only where the call's weight shares the alias's storage and the whole stamp matches that call: its
+// path, and the weight's data address, version counter (which every in-place change through PyTorch advances),
+// sizes, strides, device and current stream (the one the split was made on, so that the GEMM reads it in order);
+// else the weight is split as without it. A change PyTorch does not count (through .data) is not seen. The
 // results are the same either way, bit for bit. Memory: 4 bytes per weight element and 4 per row and chunk of 64,
 // about the weight's own size, for as long as the caller keeps the list (FusedLinear keeps it while the weight is
 // unchanged).
 enum StampField : int {
-  kStampPath, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride, kStampDevice, kStampStream,
-  kStampFields
+  kStampPath, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride, kStampColumnStride, kStampDevice,
+  kStampStream, kStampFields
 };
 
 #ifdef KERNELS_WITH_CUDA
@@ -506,6 +508,7 @@ std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
   stamp[kStampRows] = weight.size(0);
   stamp[kStampColumns] = weight.size(1);
   stamp[kStampRowStride] = weight.stride(0);
+  stamp[kStampColumnStride] = weight.stride(1);
   stamp[kStampDevice] = weight.device().index();
   stamp[kStampStream] = c10::cuda::getCurrentCUDAStream(weight.device().index()).id();
   return stamp;
@@ -535,7 +538,10 @@ std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor&
   const std::vector<int64_t> stamp = weight_stamp(path, weight);
   at::Tensor stamp_tensor = at::empty({kStampFields}, at::TensorOptions().dtype(at::kLong));
   std::copy(stamp.begin(), stamp.end(), stamp_tensor.mutable_data_ptr<int64_t>());
-  return {split.hi, split.lo, split.exponent, split.flags, stamp_tensor};
+  // The weight itself (an alias, sharing its storage) goes with the split: while the split lives, the weight's
+  // memory cannot be freed and handed to another tensor at the same address with a version counter that matches
+  // (module.to(...) and back swaps a parameter's data and keeps its counter), and the use checks that storage.
+  return {split.hi, split.lo, split.exponent, split.flags, stamp_tensor, weight.detach()};
 #else
   return {};
 #endif
@@ -547,8 +553,8 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
                                                const at::Tensor& x, const at::Tensor& weight) {
   if (!weight_split.has_value() || weight_split->empty()) return std::nullopt;
   const at::TensorList list = *weight_split;
-  TORCH_CHECK(list.size() == 5 && list[4].defined() && list[4].device().is_cpu() &&
-                  list[4].scalar_type() == at::kLong && list[4].numel() == kStampFields,
+  TORCH_CHECK(list.size() == 6 && list[4].defined() && list[4].device().is_cpu() &&
+                  list[4].scalar_type() == at::kLong && list[4].numel() == kStampFields && list[5].defined(),
               "kernels.gemm_multiply_leaky_relu: weight_split must be a list that kernels.gemm_weight_split returned "
               "(or None)");
 #ifdef KERNELS_WITH_CUDA
@@ -556,6 +562,7 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
   if (!is_split(path) || split_product_transposed(path, shape.m, shape.n, shape.k) || weight.is_inference() ||
       !weight.is_cuda())
     return std::nullopt;
+  if (!weight.is_alias_of(list[5])) return std::nullopt;  // another storage: the weight's data was swapped
   const int64_t* stamp = list[4].const_data_ptr<int64_t>();
   const std::vector<int64_t> now = weight_stamp(path, weight);
   for (int field = 0; field < kStampFields; ++field)

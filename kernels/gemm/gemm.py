@@ -188,7 +188,7 @@ class FusedLinear(nn.Linear):
             with torch.no_grad():
                 split = torch.ops.kernels.gemm_weight_split(x, weight)
             if not split:  # this shape's path takes no split of the weight
-                self._weight_split_refused_rows += (rows,)
+                self._weight_split_refused_rows = (*self._weight_split_refused_rows[-15:], rows)
                 return None
             self._weight_split = split
         return self._weight_split
@@ -198,6 +198,12 @@ class FusedLinear(nn.Linear):
         state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=())
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "cache_weight_split" not in state:  # pickled before the split was kept
+            self.cache_weight_split = True
+            self.clear_weight_split()
+
 
 # The multiply-adds (rows x in_features x out_features) from which kernels::gemm_weight_split makes a split to keep
 # (gemm.cpp, kKeptSplitMinProducts): below, a call's time is mostly the host's, which a kept split would lengthen.
@@ -206,9 +212,10 @@ KEPT_SPLIT_MIN_PRODUCTS = 1 << 32
 
 def _split_may_be_kept(x, weight):
     """Whether a split of `weight` may be kept across calls here (an eager call): CUDA float32 tensors, autograd not
-    recording the weight, no CUDA graph capture or torch.func transform."""
+    recording the weight, no autocast, CUDA graph capture or torch.func transform."""
+    # Under autocast the op casts the weight, and a split of the float32 weight would never be read.
     return (weight.is_cuda and type(weight) in (nn.Parameter, torch.Tensor) and weight.dtype == torch.float32
-            and type(x) is torch.Tensor and x.dtype == torch.float32
+            and type(x) is torch.Tensor and x.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
             and not (weight.requires_grad and torch.is_grad_enabled()) and not weight.is_inference()
             and not torch._C._are_functorch_transforms_active()
             and not torch.cuda.is_current_stream_capturing())

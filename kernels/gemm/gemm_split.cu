@@ -6,8 +6,8 @@
 // - gemm_split_rows.cuh: one power of two per row: x's split by rows (launch_split_rows), in the order along K that
 //   the Hopper GEMM reads or in k's natural order, and the split of a matrix's columns (launch_split_columns) for
 //   the backward's products.
-// - gemm_split_chunks.cuh: one power of two per row and chunk of 64 along k: w's split for the sm_80 GEMM
-//   (launch_split_chunks), from w or from its transpose.
+// - gemm_split_chunks.cuh: one power of two per row and chunk of 64 along k: w's split made before a GEMM (the sm_80
+//   GEMM's; the Hopper GEMM's where it reads a given split) (launch_split_chunks), from w or from its transpose.
 // - gemm_split_nonfinite_outputs.cuh: the outputs whose row of x or of w holds a non-finite value
 //   (launch_nonfinite_outputs).
 // - gemm_split_transposed_epilogue.cuh: y through the epilogue from a product computed transposed
