@@ -712,9 +712,10 @@ def test_weight_split_of_another_weight_or_stream_is_not_used(path):
         side.synchronize()
         on_side[0].zero_()  # read, it would change the output
         assert torch.equal(op(x, weight, None, 2.0, 0.1, False, on_side)[0], expected)
-        # The op does read a split that matches: zeroed hi halves change the output.
-        own[0].zero_()
-        assert not torch.equal(op(x, weight, None, 2.0, 0.1, False, own)[0], expected)
+        # The op does read a split that matches (made after the changes above): zeroed hi halves change the output.
+        fresh = torch.ops.kernels.gemm_weight_split(x, weight)
+        fresh[0].zero_()
+        assert not torch.equal(op(x, weight, None, 2.0, 0.1, False, fresh)[0], expected)
 
 
 def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(device):
