@@ -633,7 +633,7 @@ def check_weight_change(reference, new, x, change):
         check_against_reference(reference, new, x)
 
 
-# ---- the weight's split kept between calls (FusedLinear) --------------------------------------------------------------
+# ---- the weight's split kept between calls (FusedLinear) -----------------------------------------------------------
 
 def kept_split_expected(path, m, k, n):
     """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead

@@ -3,11 +3,12 @@
 //
 // Four paths, chosen per call from the inputs' device, dtype, shape, GPU and the float32 matmul precision setting:
 // - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
-//   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor
-//   cores with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and
-//   faster. From kSplitWAheadRows rows of x on (where out_features % 4 == 0), or where the caller kept W's split
-//   (gemm_weight_split), the kernel reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the
-//   kernel's registers, y^T computed and y written from it (split_product_transposed).
+//   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor cores
+//   with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and faster. From
+//   kSplitWAheadRows rows of x on (where out_features % 4 == 0), or where the caller kept W's split
+//   (gemm_weight_split), the kernel reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow
+//   forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the kernel's registers, y^T
+//   computed and y written from it (split_product_transposed).
 // - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
 //   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
 // - cublas_bf16x9 (Blackwell, sm_100 and sm_103, float32 at "highest"): cuBLAS's own FP32 emulation on bf16 tensor
@@ -482,18 +483,18 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 #endif
 
 // ---- w's split made beforehand ---------------------------------------------------------------------------------
-// gemm_weight_split(x, weight) returns, where the forward of x with weight takes a split path with w's split in a
-// pass of its own (not where the product is computed transposed), [hi, lo, exponent, flags, stamp, weight]: w's
-// split for that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
-// CPU int64 tensor of what it was made from and for, and an alias of the weight, which keeps its storage alive. Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference
-// tensor, which has no version counter, products under kKeptSplitMinProducts) it returns []. Passed back to gemm_multiply_leaky_relu as weight_split, the
-// split is used only where the call's weight shares the alias's storage and the whole stamp matches that call: its
-// path, and the weight's data address, version counter (which every in-place change through PyTorch advances),
-// sizes, strides, device and current stream (the one the split was made on, so that the GEMM reads it in order);
-// else the weight is split as without it. A change PyTorch does not count (through .data) is not seen. The
-// results are the same either way, bit for bit. Memory: 4 bytes per weight element and 4 per row and chunk of 64,
-// about the weight's own size, for as long as the caller keeps the list (FusedLinear keeps it while the weight is
-// unchanged).
+// gemm_weight_split(x, weight) returns, where the forward of x with weight takes a split path with w's split in a pass
+// of its own (not where the product is computed transposed), [hi, lo, exponent, flags, stamp, weight]: w's split for
+// that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
+// CPU int64 tensor of what it was made from and for, and an alias of the weight, which keeps its storage alive.
+// Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference tensor, which has no version counter, products under
+// kKeptSplitMinProducts) it returns []. Passed back to gemm_multiply_leaky_relu as weight_split, the split is used only
+// where the call's weight shares the alias's storage and the whole stamp matches that call: its path, and the weight's
+// data address, version counter (which every in-place change through PyTorch advances), sizes, strides, device and
+// current stream (the one the split was made on, so that the GEMM reads it in order); else the weight is split as
+// without it. A change PyTorch does not count (through .data) is not seen. The results are the same either way, bit for
+// bit. Memory: 4 bytes per weight element and 4 per row and chunk of 64, about the weight's own size, for as long as
+// the caller keeps the list (FusedLinear keeps it while the weight is unchanged).
 enum StampField : int {
   kStampPath, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride, kStampColumnStride, kStampDevice,
   kStampStream, kStampFields
@@ -688,7 +689,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autocast(const at::T
                                                                      const std::optional<at::Tensor>& bias,
                                                                      double multiplier, double negative_slope,
                                                                      bool return_mask,
-                                                                     const std::optional<at::TensorList>& weight_split) {
+                                                                     const std::optional<at::TensorList>&
+                                                                         weight_split) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };

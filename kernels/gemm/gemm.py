@@ -134,8 +134,9 @@ class FusedLinear(nn.Linear):
     The weight's split (cache_weight_split, on by default). On a split path the weight is split into fp16 halves on
     every call; where the same weight is used again unchanged, FusedLinear keeps its split (kernels::gemm_weight_split,
     which makes one for products of 2^32 multiply-adds or more) from the second such call on and passes it to the op,
-    which then skips that work (on an H100 at 1024 x 8192 -> 8192 the forward goes from 0.72 to 0.58 ms;
-    docs/bench.md has the measured rows). The results are the same, bit for bit. The split is kept only where the weight cannot change unseen between calls:
+    which then skips that work (on an H100 at 1024 x 8192 -> 8192 the forward goes from 0.73 to 0.59 ms;
+    docs/bench.md has the measured rows). The results are the same, bit for bit. The split is kept only where the
+    weight cannot change unseen between calls:
     - keyed on the weight tensor itself, its data address and its version counter, which every in-place change made
       through PyTorch advances (an optimizer's step, copy_, load_state_dict); gemm.cpp checks the same stamp again on
       every use, with the device and the stream;

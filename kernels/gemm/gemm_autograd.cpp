@@ -84,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
                                                                      const std::optional<at::Tensor>& bias,
                                                                      double multiplier, double negative_slope,
                                                                      bool return_mask,
-                                                                     const std::optional<at::TensorList>& weight_split) {
+                                                                     const std::optional<at::TensorList>&
+                                                                         weight_split) {
   const bool has_bias = bias.has_value() && bias->defined();
   const bool needs_grad = c10::GradMode::is_enabled() &&
                           (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));

@@ -55,7 +55,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   extern __shared__ unsigned char shared_raw[];
   unsigned char* shared = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(shared_raw) + 1023) & ~std::uintptr_t{1023});
-  std::int32_t* exponents = reinterpret_cast<std::int32_t*>(shared + kStages * kStageBytes + kConsumers * kStagingBytes);
+  std::int32_t* exponents =
+      reinterpret_cast<std::int32_t*>(shared + kStages * kStageBytes + kConsumers * kStagingBytes);
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(exponents + kStages * kBlockW);
   std::uint64_t* empty = full + kStages;
 
@@ -199,7 +200,8 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
       minor != 0)
     return false;
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess || attributes.binaryVersion != 90)
+  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess ||
+      attributes.binaryVersion != 90)
     return false;  // the library holds no sm_90a code of the kernel
   return tensor_map_encoder() != nullptr;
 }
