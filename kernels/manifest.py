@@ -8,6 +8,10 @@ tests/test_<name>.py. Project headers included with #include "x.h" are inlined b
 only the files listed here are named; the order of each list is the order in which the files are joined into one
 translation unit.
 
+A family builds as two libraries: its ops (the C++ and CUDA units) and its autograd (a C++ unit of its own, which
+reaches the ops through the dispatcher only, loaded after them). Their units compile at the same time: parsing the
+autograd headers costs as much as a unit's own code, and a cold build takes as long as its slowest unit.
+
 This is data only (no torch import), so tools that read the sources need not build anything.
 """
 
@@ -19,23 +23,26 @@ class Family:
     name: str
     cpp_sources: tuple  # paths under kernels/, joined into the family's C++ translation unit
     cuda_sources: tuple  # paths under kernels/, joined into its CUDA translation unit (built where a GPU is)
-    python_module: str  # registers fakes and batching rules; imported once the family's library is loaded
+    python_module: str  # registers fakes and batching rules; imported once the family's libraries are loaded
     requires: tuple = ()  # the families whose ops this one's C++ calls (listed before it here)
+    autograd_sources: tuple = ()  # paths under kernels/, joined into the C++ unit of the family's autograd library
 
 
 FAMILIES = (
     Family(
         name="leaky_relu",
-        cpp_sources=("leaky_relu/leaky_relu.cpp", "leaky_relu/leaky_relu_autograd.cpp"),
+        cpp_sources=("leaky_relu/leaky_relu.cpp",),
         cuda_sources=("leaky_relu/leaky_relu.cu",),
         python_module="kernels.leaky_relu.leaky_relu",
+        autograd_sources=("leaky_relu/leaky_relu_autograd.cpp",),
     ),
     Family(
         name="gemm",
-        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm.cpp", "gemm/gemm_autograd.cpp"),
+        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm.cpp"),
         cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu", "gemm/gemm_sm80.cu"),
         python_module="kernels.gemm.gemm",
         requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops
+        autograd_sources=("gemm/gemm_autograd.cpp",),
     ),
 )
 

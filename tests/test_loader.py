@@ -98,8 +98,30 @@ TORCH_LIBRARY_IMPL(kernels, CPU, m) { m.impl("_test_twin_twice", &kernels::twin:
 TORCH_LIBRARY_IMPL(kernels, CUDA, m) { m.impl("_test_twin_twice", &kernels::twin::twice); }
 #endif
 """,
+    # Its autograd source: an op of its own that reaches the family's op through the dispatcher only, as the
+    # families' autograd files do.
+    "twin/twin_autograd.cpp": """\
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace kernels::twin {
+namespace {
+at::Tensor twice_twice(const at::Tensor& x) {
+  static const auto twice = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("kernels::_test_twin_twice", "")
+                                .typed<at::Tensor(const at::Tensor&)>();
+  return twice.call(twice.call(x));
+}
+}  // namespace
+}  // namespace kernels::twin
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) { m.def("_test_twin_twice_twice(Tensor x) -> Tensor", &kernels::twin::twice_twice); }
+""",
 }
 TWIN = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="")
+TWIN_WITH_AUTOGRAD = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",),
+                            python_module="", autograd_sources=("twin/twin_autograd.cpp",))
 
 
 @pytest.fixture
@@ -157,15 +179,66 @@ def test_second_family_builds_and_runs_through_the_loader(library_copy, tmp_path
         torch.testing.assert_close(torch.ops.kernels._test_twin_twice(x.cuda()).cpu(), x * 2, rtol=0, atol=0)
 
 
-def test_joined_cpp_of_every_family_compiles_as_one_unit(library_copy, tmp_path):
-    """A single-file build (one C++ unit for all families) must see no name collide; g++ checks the syntax."""
-    cpp, _ = loader.family_sources([*FAMILIES, TWIN], root=library_copy)
-    source = tmp_path / "joined.cpp"
+BUILD_TWIN_WITH_AUTOGRAD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from kernels import loader
+from kernels.manifest import Family
+twin = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="",
+              autograd_sources=("twin/twin_autograd.cpp",))
+builds = loader.family_builds(twin, root=sys.argv[2], separate_autograd=True)
+assert [b.label for b in builds] == ["twin", "twin_autograd"], [b.label for b in builds]
+assert "twice_twice" not in builds[0].cpp_source and "twice_twice" in builds[1].cpp_source
+assert not builds[1].cuda_source
+loader.build_and_load(builds)
+x = torch.randn(100)
+assert torch.equal(torch.ops.kernels._test_twin_twice_twice(x), x * 4)
+"""
+
+
+def test_a_family_with_its_autograd_as_a_library_of_its_own_builds_and_runs(library_copy, tmp_path):
+    """The layout library_builds takes where the machine has a CPU per unit (the GPU machines): the autograd
+    library links on its own and reaches the family's op, loaded before it, through the dispatcher."""
+    result = subprocess.run([sys.executable, "-c", BUILD_TWIN_WITH_AUTOGRAD, REPO, str(library_copy)],
+                            capture_output=True, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("cpus, with_cuda, separate", [(2, False, False), (4, False, True), (4, True, False),
+                                                       (6, True, True), (16, True, True)])
+def test_autograd_is_a_library_of_its_own_where_every_unit_has_a_cpu(monkeypatch, cpus, with_cuda, separate):
+    monkeypatch.setattr(loader, "_cpu_count", lambda: cpus)
+    labels = [build.label for build in loader.library_builds(with_cuda=with_cuda)]
+    joined = [family.name for family in FAMILIES]
+    assert labels == ([label for name in joined for label in (name, f"{name}_autograd")] if separate else joined)
+    # Either way, every family's sources are built, and the autograd ones once.
+    for family in FAMILIES:
+        autograd = family.autograd_sources[0]
+        texts = [b.cpp_source for b in loader.library_builds(with_cuda=with_cuda) if b.label.startswith(family.name)]
+        assert sum(f'#line 1 "kernels/{autograd}"' in text for text in texts) == 1
+
+
+def check_cpp_syntax(cpp, tmp_path):
+    source = tmp_path / "unit.cpp"
     source.write_text(cpp)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *includes,
-                             f"-I{sys.base_prefix}/include", str(source)], capture_output=True, text=True)
+    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-DAT_PER_OPERATOR_HEADERS",
+                             *includes, f"-I{sys.base_prefix}/include", str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_joined_cpp_of_every_family_compiles_as_one_unit(library_copy, tmp_path):
+    """A single-file build (one C++ unit for all families) must see no name collide; g++ checks the syntax."""
+    check_cpp_syntax(loader.family_sources([*FAMILIES, TWIN], root=library_copy)[0], tmp_path)
+
+
+@pytest.mark.parametrize("label", [label for family in FAMILIES for label in (family.name, f"{family.name}_autograd")])
+def test_each_cpp_unit_of_a_family_built_apart_compiles_alone(tmp_path, label):
+    """Each C++ unit of the layout with the autograd apart includes what it uses (joined, a unit can lean on the
+    includes of the file before it)."""
+    builds = [b for family in FAMILIES for b in loader.family_builds(family, with_cuda=False, separate_autograd=True)]
+    check_cpp_syntax(next(b.cpp_source for b in builds if b.label == label), tmp_path)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

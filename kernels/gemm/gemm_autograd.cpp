@@ -1,8 +1,9 @@
 // The autograd of the GEMM family: the Autograd kernel of kernels::gemm_multiply_leaky_relu (defined in gemm.cpp,
-// joined after it into the family's unit) and the graph node it records: reverse mode (the backward op, or
-// differentiable ops where the backward is itself recorded, for a double backward) and forward mode. Recording in
-// C++ keeps a training step's host time below eager's three ops (a Python autograd.Function costs tens of us a
-// step, which a host-bound step pays in GPU idle time). It reaches the ops through the dispatcher only.
+// which this file is joined after, or built beside as a library of its own: kernels/loader.py, library_builds) and
+// the graph node it records: reverse mode (the backward op, or differentiable ops where the backward is itself
+// recorded, for a double backward) and forward mode. Recording in C++ keeps a training step's host time below eager's
+// three ops (a Python autograd.Function costs tens of us a step, which a host-bound step pays in GPU idle time). It
+// reaches the ops through the dispatcher only.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

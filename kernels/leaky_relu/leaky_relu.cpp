@@ -2,7 +2,7 @@
 // CPU and CUDA implementations. CUDA work goes through the plain launchers of leaky_relu.cu (leaky_relu.h), on the
 // current stream of the tensor's own device. Fake (meta) implementations are registered in leaky_relu.py; every
 // op's Autograd kernel, and the in-place ops' ADInplaceOrView kernels, are in leaky_relu_autograd.cpp, joined after
-// this file.
+// this file or built as a library of its own (kernels/loader.py, library_builds).
 //
 // Ops: leaky_relu, leaky_relu_ (in place), multiply_leaky_relu_ (in place, with the multiply and the branch mask:
 // the epilogue of the GEMM family's cuBLAS path), leaky_relu_backward.

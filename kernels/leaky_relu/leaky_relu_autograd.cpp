@@ -1,11 +1,12 @@
 // The autograd of the LeakyReLU family: the Autograd kernels of kernels::leaky_relu, kernels::leaky_relu_backward
-// and the in-place kernels::leaky_relu_ and kernels::multiply_leaky_relu_ (all defined in leaky_relu.cpp, joined
-// after it into the family's unit), the in-place ops' ADInplaceOrView kernels (which bump the written tensor's
-// version), and the graph node they record. It reaches the ops through the dispatcher only. Its header,
-// torch/csrc/autograd/function.h (common/autograd_node.h), is the unit's heaviest: with ATen's per-operator headers
-// (the loader's build flags) it adds about 4 s of parsing on a 2-core machine.
+// and the in-place kernels::leaky_relu_ and kernels::multiply_leaky_relu_ (all defined in leaky_relu.cpp; this file
+// is joined after it, or built as a library of its own), the in-place ops' ADInplaceOrView kernels (which bump the
+// written tensor's version), and the graph node they record. It reaches the ops through the dispatcher only. Its
+// header, torch/csrc/autograd/function.h (common/autograd_node.h), is the unit's heaviest: with ATen's per-operator
+// headers (the loader's build flags) it adds about 4 s of parsing on a 2-core machine.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>  // check_inplace, rebase_history
