@@ -124,10 +124,13 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
 // order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp a row at a time, 128 bytes)
 // for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them (from L2) through a shared
 // tile, transposed, and writes each column's hi and lo as rows. split_row_length(rows) is a multiple of 64.
+// Both passes keep kColumnRowsInFlight rows' loads of each warp in flight before using any: the pass is bound by
+// how many bytes are in flight (two blocks per SM), not by its arithmetic.
 constexpr int kColumnTile = 32;
 constexpr int kColumnThreads = 1024;  // a warp per row in flight: pass 1 is a strided walk down the columns
+constexpr int kColumnRowsInFlight = 4;
 
-__global__ void __launch_bounds__(kColumnThreads)
+__global__ void __launch_bounds__(kColumnThreads, 2)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                      __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
                      float* __restrict__ column_sums) {
@@ -136,7 +139,7 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   __shared__ float warp_compensation[kWarps][kColumnTile];
   __shared__ bool warp_bad[kWarps][kColumnTile];
   __shared__ PowerOfTwo scales[kColumnTile];
-  __shared__ float tile[2 * kColumnTile][kColumnTile + 1];
+  __shared__ float tile[kColumnRowsInFlight * kColumnTile][kColumnTile + 1];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + lane;
   const bool inside = column < cols;
@@ -144,14 +147,25 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   // IEEE's inf or NaN where a value is not finite or the sum overflows (compensation would turn an inf into NaN).
   float max_abs = 0.0f, sum = 0.0f, compensation = 0.0f, plain_sum = 0.0f;
   bool non_finite = false;
-  for (std::int64_t r = warp; r < rows && inside; r += kWarps) {
-    const float v = src[r * row_stride + column];
-    max_abs = fmaxf(max_abs, is_finite(v) ? fabsf(v) : 0.0f);
-    non_finite |= !is_finite(v);
-    const float term = v - compensation, next = sum + term;
-    compensation = (next - sum) - term;
-    sum = next;
-    plain_sum += v;
+  // Rows warp, warp + kWarps, ... in that order (the sums' order), loaded kColumnRowsInFlight at a time.
+  const std::int64_t warp_step = kWarps * row_stride;
+  const float* at = src + warp * row_stride + column;
+  for (std::int64_t r0 = warp; r0 < rows && inside; r0 += kWarps * kColumnRowsInFlight) {
+    float values[kColumnRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kColumnRowsInFlight; ++u) values[u] = r0 + u * kWarps < rows ? at[u * warp_step] : 0.0f;
+    at += kColumnRowsInFlight * warp_step;
+#pragma unroll
+    for (int u = 0; u < kColumnRowsInFlight; ++u) {
+      if (r0 + u * kWarps >= rows) break;
+      const float v = values[u];
+      max_abs = fmaxf(max_abs, is_finite(v) ? fabsf(v) : 0.0f);
+      non_finite |= !is_finite(v);
+      const float term = v - compensation, next = sum + term;
+      compensation = (next - sum) - term;
+      sum = next;
+      plain_sum += v;
+    }
   }
   warp_max[warp][lane] = max_abs;
   warp_sum[warp][lane] = is_finite(sum) ? sum : plain_sum;
@@ -182,19 +196,27 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   __syncthreads();
   const std::int64_t length = split_row_length(rows);
   const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
-  // Pass 2, 64 rows at a time: each warp loads two rows of the tile; then warp i writes column first_column + i's
-  // rows r0 .. r0 + 63 as fp16 pairs, 128 bytes of hi and of lo per warp.
-  for (std::int64_t r0 = 0; r0 < length; r0 += 2 * kColumnTile) {
-    for (int i = warp; i < 2 * kColumnTile; i += kWarps) {
-      const std::int64_t r = r0 + i;
-      tile[i][lane] = r < rows && inside ? src[r * row_stride + column] : 0.0f;
+  // Pass 2, kTileRows rows at a time: each warp loads kColumnRowsInFlight rows of the tile; then warp i writes
+  // column first_column + i's rows, 64 at a time, as fp16 pairs: 128 bytes of hi and of lo per warp and step.
+  constexpr int kTileRows = kColumnRowsInFlight * kWarps;
+  static_assert(kWarps == kColumnTile && kTileRows % 64 == 0, "a warp per column of the tile; whole steps of 64 rows");
+  for (std::int64_t r0 = 0; r0 < length; r0 += kTileRows) {
+    const float* from = src + (r0 + warp) * row_stride + column;
+#pragma unroll
+    for (int u = 0; u < kColumnRowsInFlight; ++u) {
+      const int i = warp + u * kWarps;
+      tile[i][lane] = r0 + i < rows && inside ? from[u * warp_step] : 0.0f;
     }
     __syncthreads();
-    for (int i = warp; i < kColumnTile; i += kWarps) {
-      if (first_column + i < cols) {
+    const std::int64_t column_i = first_column + warp;
+    if (column_i < cols) {
+#pragma unroll
+      for (int step = 0; step < kTileRows / 64; ++step) {
+        if (r0 + 64 * step >= length) break;
         const auto clean = [](float v) { return is_finite(v) ? v : 0.0f; };
-        const SplitPair pair = split_pair(clean(tile[2 * lane][i]), clean(tile[2 * lane + 1][i]), scales[i]);
-        const std::int64_t at = (first_column + i) * length + r0 + 2 * lane;
+        const int row = 64 * step + 2 * lane;
+        const SplitPair pair = split_pair(clean(tile[row][warp]), clean(tile[row + 1][warp]), scales[warp]);
+        const std::int64_t at = column_i * length + r0 + row;
         *reinterpret_cast<__half2*>(hi + at) = pair.hi;
         *reinterpret_cast<__half2*>(lo + at) = pair.lo;
       }
