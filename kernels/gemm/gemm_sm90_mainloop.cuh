@@ -75,6 +75,49 @@ __device__ __forceinline__ void load_tiles(const WMaps& w_maps, const CUtensorMa
   }
 }
 
+// What multiply_tile and multiply_tile_presplit share, chunk by chunk: the turn on the tensor cores, the products'
+// order, and the stage's release and the promotion once the products complete.
+
+// The consumers take turns issuing their chunk's products, so that the tensor cores run one's while the other
+// promotes and splits (issued at once, the two would interleave, finish together and leave the tensor cores idle
+// while both split). Consumer 1 goes after consumer 0 in every chunk; consumer 0 after consumer 1 in every chunk
+// but the CTA's first.
+__device__ __forceinline__ void wait_for_turn(int consumer, int iteration) {
+  if (consumer == 1 || iteration > 0) sm90::named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
+}
+
+// Gives the other consumer its turn, unless this was consumer 1's last chunk of the CTA (nobody waits for it).
+__device__ __forceinline__ void pass_turn(int consumer, bool more_chunks, bool last_tile) {
+  if (consumer == 0 || more_chunks || !last_tile) sm90::named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
+}
+
+// Issues a chunk's 12 products into a fresh accumulator, small terms first per 16 of K: lo_w hi_x, hi_w lo_x,
+// hi_w hi_x. product(step, w_lo, x, offset, accumulate) issues one wgmma of w's lo (w_lo) or hi half at K step
+// `step` with the x half whose descriptor is x, both descriptors advanced by `offset`.
+template <typename Product>
+__device__ __forceinline__ void issue_chunk_products(std::uint64_t x_hi, std::uint64_t x_lo, const Product& product) {
+  using namespace sm90;
+  wgmma_fence();
+#pragma unroll
+  for (int step = 0; step < 4; ++step) {
+    const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
+    product(step, /*w_lo=*/true, x_hi, offset, step != 0);
+    product(step, /*w_lo=*/false, x_lo, offset, true);
+    product(step, /*w_lo=*/false, x_hi, offset, true);
+  }
+  wgmma_commit();
+}
+
+// Once the chunk's products complete: the stage released (this warp's reads of it are done) and the accumulator,
+// times the chunk's inverse powers of two, added into total.
+__device__ __forceinline__ void finish_chunk(int lane, std::uint64_t* empty, int stage, const ChunkScales& scales,
+                                             float (&accumulator)[64], float (&total)[64]) {
+  sm90::wgmma_wait<0>();
+  if (lane == 0) sm90::barrier_arrive(&empty[stage]);
+  if (scales.single) promote_chunk<true>(accumulator, scales, total);
+  else promote_chunk<false>(accumulator, scales, total);
+}
+
 // A consumer's products of one tile: total (its 64 rows of w x the tile's 128 rows of x, as ConsumerThread lays
 // them out) over all chunks; non_finite[half] is set where the thread's row half of w holds a non-finite value.
 // `iteration` counts the CTA's chunks, across tiles, as the producer's does.
@@ -105,22 +148,12 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
     const std::uint32_t x_hi_tile = shared_base + stage * kStageBytes + 2 * kWBoxBytes;
     const std::uint64_t x_hi = k_major_swizzle128_descriptor(x_hi_tile);
     const std::uint64_t x_lo = k_major_swizzle128_descriptor(x_hi_tile + kXTileBytes);
-    // The consumers take turns issuing their chunk's products, so that the tensor cores run one's while the
-    // other promotes and splits (issued at once, the two would interleave, finish together and leave the tensor
-    // cores idle while both split). Consumer 1 goes after consumer 0 in every chunk; consumer 0 after consumer 1
-    // in every chunk but the CTA's first.
-    if (consumer == 1 || iteration > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
-    wgmma_fence();
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-      const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
-      wgmma_m64n128k16_f16_rs(accumulator, a_now.lo[step], x_hi + offset, step != 0);
-      wgmma_m64n128k16_f16_rs(accumulator, a_now.hi[step], x_lo + offset, true);
-      wgmma_m64n128k16_f16_rs(accumulator, a_now.hi[step], x_hi + offset, true);
-    }
-    wgmma_commit();
+    wait_for_turn(consumer, iteration);
+    issue_chunk_products(x_hi, x_lo, [&](int step, bool w_lo, std::uint64_t x, std::uint64_t offset, bool accumulate) {
+      wgmma_m64n128k16_f16_rs(accumulator, w_lo ? a_now.lo[step] : a_now.hi[step], x + offset, accumulate);
+    });
     const bool more = chunk + 1 < chunks;
-    if (consumer == 0 || more || !last_tile) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
+    pass_turn(consumer, more, last_tile);
 
     const ChunkScales current = scales;
     if (more) {
@@ -130,10 +163,7 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
       if (scales.single) split_w_chunk<true>(w, scales, a_next);
       else split_w_chunk<false>(w, scales, a_next);
     }
-    wgmma_wait<0>();
-    if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
-    if (current.single) promote_chunk<true>(accumulator, current, total);
-    else promote_chunk<false>(accumulator, current, total);
+    finish_chunk(lane, empty, stage, current, accumulator, total);
     ++iteration;
   };
   for (int chunk = 0; chunk < chunks; chunk += 2) {
@@ -143,8 +173,8 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
 }
 
 // multiply_tile where w's split is given: per chunk the thread reads its two rows' exponents from the stage, and
-// issues the chunk's 12 products with both operands in shared memory, in multiply_tile's order; after they
-// complete, the stage is released and the chunk promoted. The consumers take turns as in multiply_tile.
+// issues the chunk's 12 products with both operands in shared memory, in multiply_tile's order and turns; after
+// they complete, the stage is released and the chunk promoted.
 __device__ __forceinline__ void multiply_tile_presplit(const ConsumerThread& thread, std::uint32_t shared_base,
                                                        const std::int32_t* exponents, std::uint64_t* full,
                                                        std::uint64_t* empty, int chunks, bool last_tile,
@@ -168,21 +198,12 @@ __device__ __forceinline__ void multiply_tile_presplit(const ConsumerThread& thr
     const std::uint64_t w_lo = k_major_swizzle128_descriptor(w_rows + kWBoxBytes);
     const std::uint64_t x_hi = k_major_swizzle128_descriptor(stage_tiles + 2 * kWBoxBytes);
     const std::uint64_t x_lo = k_major_swizzle128_descriptor(stage_tiles + 2 * kWBoxBytes + kXTileBytes);
-    if (consumer == 1 || iteration > 0) named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
-    wgmma_fence();
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-      const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
-      wgmma_m64n128k16_f16_ss(accumulator, w_lo + offset, x_hi + offset, step != 0);
-      wgmma_m64n128k16_f16_ss(accumulator, w_hi + offset, x_lo + offset, true);
-      wgmma_m64n128k16_f16_ss(accumulator, w_hi + offset, x_hi + offset, true);
-    }
-    wgmma_commit();
-    if (consumer == 0 || chunk + 1 < chunks || !last_tile) named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
-    wgmma_wait<0>();
-    if (lane == 0) barrier_arrive(&empty[stage]);  // this warp's reads of the stage are done
-    if (scales.single) promote_chunk<true>(accumulator, scales, total);
-    else promote_chunk<false>(accumulator, scales, total);
+    wait_for_turn(consumer, iteration);
+    issue_chunk_products(x_hi, x_lo, [&](int, bool w_is_lo, std::uint64_t x, std::uint64_t offset, bool accumulate) {
+      wgmma_m64n128k16_f16_ss(accumulator, (w_is_lo ? w_lo : w_hi) + offset, x + offset, accumulate);
+    });
+    pass_turn(consumer, chunk + 1 < chunks, last_tile);
+    finish_chunk(lane, empty, stage, scales, accumulator, total);
     ++iteration;
   }
 }
