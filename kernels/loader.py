@@ -3,10 +3,11 @@ two libraries per kernel family (kernels/manifest.py), and loads them.
 
 Sources. Each family's C++ files are joined, in the manifest's order, into one translation unit, and its CUDA files
 into another; its autograd files are joined after its C++ files, or, where the machine has the CPUs to compile them
-at the same time (library_builds), into the C++ unit of a library of their own, loaded after the family's. A project header (`#include "x.h"` or `"x.cuh"`, looked up beside the including file, then under
-kernels/) is inlined at its first include in the unit and skipped after that; every inlined file is preceded by
-`#line 1 "kernels/<path>"` and followed by a `#line` back into the includer, so compiler errors name the real file
-and line. Quoted includes are for project headers only; system and toolkit headers use <...>.
+at the same time (library_builds), into the C++ unit of a library of their own, loaded after the family's. A
+project header (`#include "x.h"` or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined
+at its first include in the unit and skipped after that; every inlined file is preceded by `#line 1
+"kernels/<path>"` and followed by a `#line` back into the includer, so compiler errors name the real file and line.
+Quoted includes are for project headers only; system and toolkit headers use <...>.
 
 Builds. A build is named after a hash of everything that shapes it (the joined sources, so every inlined header
 too; the flags; torch, CUDA and Python versions; the target GPU architectures), so it is made once per content and

@@ -1,5 +1,5 @@
-// Host launchers of the GEMM family's kernels (gemm_split.cu, gemm_sm90.cu, gemm_sm80.cu): the only interface between them and
-// the torch side (gemm.cpp). Plain C++ and the CUDA runtime only (no torch headers); fp16 arrays are passed as
+// Host launchers of the GEMM family's kernels (gemm_split.cu, gemm_sm90.cu, gemm_sm80.cu): the only interface between
+// them and the torch side (gemm.cpp). Plain C++ and the CUDA runtime only (no torch headers); fp16 arrays are passed as
 // void pointers, so this header needs no CUDA half type. Every launcher returns the launch's cudaError_t and never
 // synchronizes.
 #pragma once
@@ -79,10 +79,10 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   cudaStream_t stream);
 
 // The same product and epilogue as launch_split_gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix,
-// cp.async), for GPUs from sm_80 on whose blocks may take 129 KB of shared memory (A100, A30, Orin, Hopper,
-// datacenter Blackwell; not sm_86, sm_89 or sm_120, whose 99-100 KB is too little): x's split from launch_split_rows in natural order, w's from
-// launch_split_chunks (w_exponent: its chunk_exponent). Three fp16 products per 16 of k (hi_x lo_w, lo_x
-// hi_w, hi_x hi_w), promoted into fp32 registers every chunk with w's power of two per row and chunk, the epilogue
+// cp.async), for GPUs from sm_80 on whose blocks may take 129 KB of shared memory (A100, A30, Orin, Hopper, datacenter
+// Blackwell; not sm_86, sm_89 or sm_120, whose 99-100 KB is too little): x's split from launch_split_rows in natural
+// order, w's from launch_split_chunks (w_exponent: its chunk_exponent). Three fp16 products per 16 of k (hi_x lo_w,
+// lo_x hi_w, hi_x hi_w), promoted into fp32 registers every chunk with w's power of two per row and chunk, the epilogue
 // fused; y and positive as there. Returns cudaErrorNotSupported where split_gemm_sm80_supported() is false.
 cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const void* x_lo,
                                                        const std::int32_t* x_exponent, const void* w_hi,
@@ -96,12 +96,12 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
 // k % 4 == 0 (x's split reads 16-byte packs) and sizes whose indices fit its ints.
 bool split_gemm_sm80_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
-// After launch_split_gemm_multiply_leaky_relu (or its sm_80 twin), on the same stream: rewrites the outputs y[i, j] (and positive[i, j])
-// whose row i of x or row j of w is flagged as holding a non-finite value (x_exponent from launch_split_rows,
-// w_exponent: the GEMM's w_flags) with eager's non-finite result (NaN, +inf or -inf) through the same epilogue.
-// x (m x k) and w (n x k) are the float32 operands the GEMM's were made from: element k of x's row i at
-// x[i * x_stride + k * x_element_stride], of w's row j at w[j * w_stride + k * w_element_stride] (element strides
-// > 1 where an operand was given transposed). Reads only the flags where nothing is flagged.
+// After launch_split_gemm_multiply_leaky_relu (or its sm_80 twin), on the same stream: rewrites the outputs y[i, j]
+// (and positive[i, j]) whose row i of x or row j of w is flagged as holding a non-finite value (x_exponent from
+// launch_split_rows, w_exponent: the GEMM's w_flags) with eager's non-finite result (NaN, +inf or -inf) through the
+// same epilogue. x (m x k) and w (n x k) are the float32 operands the GEMM's were made from: element k of x's row i at
+// x[i * x_stride + k * x_element_stride], of w's row j at w[j * w_stride + k * w_element_stride] (element strides > 1
+// where an operand was given transposed). Reads only the flags where nothing is flagged.
 cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std::int64_t x_element_stride,
                                      const float* w, std::int64_t w_stride,
                                      std::int64_t w_element_stride, const std::int32_t* x_exponent,
