@@ -3,11 +3,11 @@ two libraries per kernel family (kernels/manifest.py), and loads them.
 
 Sources. Each family's C++ files are joined, in the manifest's order, into one translation unit, and its CUDA files
 into another; its autograd files are joined after its C++ files, or, where the machine has the CPUs to compile them
-at the same time (library_builds), into the C++ unit of a library of their own, loaded after the family's. A
-project header (`#include "x.h"` or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined
-at its first include in the unit and skipped after that; every inlined file is preceded by `#line 1
-"kernels/<path>"` and followed by a `#line` back into the includer, so compiler errors name the real file and line.
-Quoted includes are for project headers only; system and toolkit headers use <...>.
+at the same time (library_builds), into the C++ unit of a library of their own. A project header (`#include "x.h"`
+or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined at its first include in the unit
+and skipped after that; every inlined file is preceded by `#line 1 "kernels/<path>"` and followed by a `#line` back
+into the includer, so compiler errors name the real file and line. Quoted includes are for project headers only;
+system and toolkit headers use <...>.
 
 Builds. A build is named after a hash of everything that shapes it (the joined sources, so every inlined header
 too; the flags; torch, CUDA and Python versions; the target GPU architectures), so it is made once per content and
@@ -146,7 +146,7 @@ def build_flags(with_cuda):
 @dataclass(frozen=True)
 class Build:
     """One library: its sources, flags and where it lives."""
-    label: str  # the family's name, or what the caller named a joined build
+    label: str  # the family's name, <family>_autograd, or what the caller named a joined build
     name: str
     cpp_source: str
     cuda_source: str
@@ -168,9 +168,10 @@ def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
 
 
 def family_builds(family, root=SOURCE_ROOT, with_cuda=None, separate_autograd=True):
-    """The Builds of one family, in load order. With separate_autograd (where the family has autograd sources): its
-    ops (C++ and CUDA units), then its autograd, a C++ unit that reaches the ops through the dispatcher only and so
-    links on its own. Else one library of all its sources."""
+    """The Builds of one family. With separate_autograd (where the family has autograd sources): its ops (C++ and
+    CUDA units) and its autograd, a C++ unit that reaches the ops through the dispatcher only, so it links on its own
+    and may load before or after them (a cold build loads each library as its compiler finishes; the dispatcher takes
+    a kernel for an op whose schema comes later). Else one library of all its sources."""
     if not (separate_autograd and family.autograd_sources):
         return [plan_build(family.name, [family], root, with_cuda)]
     cuda_source = joined_source(family.cuda_sources, root) if family.cuda_sources else ""
@@ -190,11 +191,25 @@ def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
     return [build for family in families for build in family_builds(family, root, with_cuda, separate)]
 
 
+_CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in us, or "max <period>"
+
+
 def _cpu_count():
+    """The CPUs this process may use: those it may run on (its affinity: taskset, a container's cpuset), within its
+    container's CPU quota (docker --cpus, Kubernetes limits). A process pinned to fewer CPUs than the one that built
+    the library may choose the other layout, and build it once."""
     try:
-        return len(os.sched_getaffinity(0))  # the CPUs this process may run on (a container's share)
+        count = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    try:
+        with open(_CGROUP_CPU_MAX, encoding="utf-8") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return count
 
 
 def _plan(label, cpp_source, cuda_source, with_cuda):
@@ -202,6 +217,8 @@ def _plan(label, cpp_source, cuda_source, with_cuda):
     if not with_cuda:
         cuda_source = ""
     cflags, cuda_cflags, ldflags = build_flags(with_cuda)
+    if not cuda_source:
+        cuda_cflags = []  # a library without a CUDA unit (an autograd library) is not rebuilt for CUDA's switches
     key = hashlib.sha256()
     for part in [cpp_source, cuda_source, *cflags, *cuda_cflags, *ldflags, torch.__version__,
                  str(torch.version.cuda), sys.version, str(with_cuda)]:

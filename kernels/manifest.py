@@ -8,9 +8,10 @@ tests/test_<name>.py. Project headers included with #include "x.h" are inlined b
 only the files listed here are named; the order of each list is the order in which the files are joined into one
 translation unit.
 
-A family builds as two libraries: its ops (the C++ and CUDA units) and its autograd (a C++ unit of its own, which
-reaches the ops through the dispatcher only, loaded after them). Their units compile at the same time: parsing the
-autograd headers costs as much as a unit's own code, and a cold build takes as long as its slowest unit.
+Where the machine has a CPU for each unit (kernels/loader.py, library_builds), a family builds as two libraries: its
+ops (the C++ and CUDA units) and its autograd (a C++ unit of its own, which reaches the ops through the dispatcher
+only), whose units compile at the same time: parsing the autograd headers costs as much as a unit's own code, and a
+cold build takes as long as its slowest unit. Elsewhere its autograd files are joined after its C++ files.
 
 This is data only (no torch import), so tools that read the sources need not build anything.
 """

@@ -98,11 +98,12 @@ TORCH_LIBRARY_IMPL(kernels, CPU, m) { m.impl("_test_twin_twice", &kernels::twin:
 TORCH_LIBRARY_IMPL(kernels, CUDA, m) { m.impl("_test_twin_twice", &kernels::twin::twice); }
 #endif
 """,
-    # Its autograd source: an op of its own that reaches the family's op through the dispatcher only, as the
-    # families' autograd files do.
+    # Its autograd source, as the families' autograd files are: a kernel for the family's op under another key (Meta
+    # here), and an op of its own that reaches the family's op through the dispatcher only.
     "twin/twin_autograd.cpp": """\
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 namespace kernels::twin {
@@ -113,15 +114,15 @@ at::Tensor twice_twice(const at::Tensor& x) {
                                 .typed<at::Tensor(const at::Tensor&)>();
   return twice.call(twice.call(x));
 }
+at::Tensor twice_meta(const at::Tensor& x) { return at::empty_like(x); }
 }  // namespace
 }  // namespace kernels::twin
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) { m.def("_test_twin_twice_twice(Tensor x) -> Tensor", &kernels::twin::twice_twice); }
+TORCH_LIBRARY_IMPL(kernels, Meta, m) { m.impl("_test_twin_twice", &kernels::twin::twice_meta); }
 """,
 }
 TWIN = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="")
-TWIN_WITH_AUTOGRAD = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",),
-                            python_module="", autograd_sources=("twin/twin_autograd.cpp",))
 
 
 @pytest.fixture
@@ -194,12 +195,13 @@ assert not builds[1].cuda_source
 loader.build_and_load(builds)
 x = torch.randn(100)
 assert torch.equal(torch.ops.kernels._test_twin_twice_twice(x), x * 4)
+assert torch.ops.kernels._test_twin_twice(torch.empty(7, device="meta")).shape == (7,)
 """
 
 
 def test_a_family_with_its_autograd_as_a_library_of_its_own_builds_and_runs(library_copy, tmp_path):
     """The layout library_builds takes where the machine has a CPU per unit (the GPU machines): the autograd
-    library links on its own and reaches the family's op, loaded before it, through the dispatcher."""
+    library links on its own, registers a kernel for the family's op and reaches it through the dispatcher."""
     result = subprocess.run([sys.executable, "-c", BUILD_TWIN_WITH_AUTOGRAD, REPO, str(library_copy)],
                             capture_output=True, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-4000:]
@@ -209,21 +211,36 @@ def test_a_family_with_its_autograd_as_a_library_of_its_own_builds_and_runs(libr
                                                        (6, True, True), (16, True, True)])
 def test_autograd_is_a_library_of_its_own_where_every_unit_has_a_cpu(monkeypatch, cpus, with_cuda, separate):
     monkeypatch.setattr(loader, "_cpu_count", lambda: cpus)
-    labels = [build.label for build in loader.library_builds(with_cuda=with_cuda)]
-    joined = [family.name for family in FAMILIES]
-    assert labels == ([label for name in joined for label in (name, f"{name}_autograd")] if separate else joined)
-    # Either way, every family's sources are built, and the autograd ones once.
+    builds = loader.library_builds(with_cuda=with_cuda)
+    expected = []
     for family in FAMILIES:
-        autograd = family.autograd_sources[0]
-        texts = [b.cpp_source for b in loader.library_builds(with_cuda=with_cuda) if b.label.startswith(family.name)]
-        assert sum(f'#line 1 "kernels/{autograd}"' in text for text in texts) == 1
+        expected += [family.name] + ([f"{family.name}_autograd"] if separate and family.autograd_sources else [])
+    assert [build.label for build in builds] == expected
+    # Either way, every source file of a family is built, once.
+    for family in FAMILIES:
+        texts = [b.cpp_source + b.cuda_source for b in builds if b.label in (family.name, f"{family.name}_autograd")]
+        for path in (*family.cpp_sources, *family.autograd_sources, *(family.cuda_sources if with_cuda else ())):
+            assert sum(f'#line 1 "kernels/{path}"' in text for text in texts) == 1, path
+
+
+def test_the_cpu_count_keeps_within_a_containers_quota(tmp_path, monkeypatch):
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(loader, "_CGROUP_CPU_MAX", str(cpu_max))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    cpu_max.write_text("max 100000\n")
+    assert loader._cpu_count() == 16
+    cpu_max.write_text("200000 100000\n")  # docker --cpus=2
+    assert loader._cpu_count() == 2
+    cpu_max.write_text("50000 100000\n")
+    assert loader._cpu_count() == 1
 
 
 def check_cpp_syntax(cpp, tmp_path):
+    """g++ -fsyntax-only on a C++ unit, with the loader's flags for a CPU build."""
     source = tmp_path / "unit.cpp"
     source.write_text(cpp)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-DAT_PER_OPERATOR_HEADERS",
+    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *loader.build_flags(False)[0],
                              *includes, f"-I{sys.base_prefix}/include", str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -233,7 +250,8 @@ def test_joined_cpp_of_every_family_compiles_as_one_unit(library_copy, tmp_path)
     check_cpp_syntax(loader.family_sources([*FAMILIES, TWIN], root=library_copy)[0], tmp_path)
 
 
-@pytest.mark.parametrize("label", [label for family in FAMILIES for label in (family.name, f"{family.name}_autograd")])
+@pytest.mark.parametrize("label", [label for family in FAMILIES if family.autograd_sources
+                                   for label in (family.name, f"{family.name}_autograd")])
 def test_each_cpp_unit_of_a_family_built_apart_compiles_alone(tmp_path, label):
     """Each C++ unit of the layout with the autograd apart includes what it uses (joined, a unit can lean on the
     includes of the file before it)."""

@@ -177,7 +177,7 @@ def ops_that_compute():
     run right on any device. Settings and queries (a string result) are left out."""
     defined = set()
     for family in FAMILIES:
-        for path in family.cpp_sources:
+        for path in (*family.cpp_sources, *family.autograd_sources):
             with open(os.path.join(loader.SOURCE_ROOT, path), encoding="utf-8") as f:
                 defined |= set(re.findall(r'm\.def\(\s*"(\w+)\(', f.read()))
     names = set()

@@ -547,7 +547,7 @@ def sm80(args):
         return ["build"]
     failed = []
     sass = os.path.join(args.out, "sm80_sass.txt")
-    dump_sass(sorted(glob.glob(os.path.join(default_build_root(), "*gemm*", "*.so"))), sass)
+    dump_sass(sorted(glob.glob(os.path.join(default_build_root(), "kernels_gemm_cuda_*", "*.so"))), sass)
     say("SASS: tensor-core instructions per GEMM kernel:")
     print_instruction_counts(sass, "HMMA|HGMMA", by_opcode=True)
     sweep = [PYTHON, "tools/gemm_sweep.py", "--path", "split_fp16_sm80"]

@@ -121,14 +121,14 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
 }
 
 // The split of src's columns (src: rows x cols, row-major): row c of the result is column c of src, in natural
-// order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp a row at a time, 128 bytes)
-// for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them (from L2) through a shared
-// tile, transposed, and writes each column's hi and lo as rows. split_row_length(rows) is a multiple of 64.
-// Both passes keep kColumnRowsInFlight rows' loads of each warp in flight before using any: the pass is bound by
-// how many bytes are in flight (two blocks per SM), not by its arithmetic.
+// order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp kColumnRowsInFlight rows
+// at a time, 128 bytes each) for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them
+// (from L2) through a shared tile, transposed, and writes each column's hi and lo as rows. split_row_length(rows) is
+// a multiple of 64. Each warp's loads of kColumnRowsInFlight rows are in flight before any is used: the pass is
+// bound by the bytes in flight (two blocks per SM where an SM takes 2048 threads: sm_80, sm_90), not by arithmetic.
 constexpr int kColumnTile = 32;
-constexpr int kColumnThreads = 1024;  // a warp per row in flight: pass 1 is a strided walk down the columns
-constexpr int kColumnRowsInFlight = 4;
+constexpr int kColumnThreads = 1024;  // a warp per row: pass 1 is a strided walk down the columns
+constexpr int kColumnRowsInFlight = 4;  // 32 registers, no spills (8 spill)
 
 __global__ void __launch_bounds__(kColumnThreads, 2)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
