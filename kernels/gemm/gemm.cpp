@@ -400,8 +400,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
   if (w_split != nullptr) {
-    const auto launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
-                                                 : launch_split_gemm_sm80_multiply_leaky_relu;
+    SplitGemmFromSplits* const launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
+                                                                 : launch_split_gemm_sm80_multiply_leaky_relu;
     check_launch(launch(x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
                         w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
                         w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(), positive,
@@ -514,6 +514,12 @@ std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
   stamp[kStampStream] = c10::cuda::getCurrentCUDAStream(weight.device().index()).id();
   return stamp;
 }
+
+// Whether the forward of this shape on `path` can read w's split made beforehand: a split path whose product is not
+// computed transposed, and a weight with a version counter (an inference tensor has none).
+bool reads_weight_split(Path path, const ProductShape& shape, const at::Tensor& weight) {
+  return is_split(path) && !split_product_transposed(path, shape.m, shape.n, shape.k) && !weight.is_inference();
+}
 #endif
 
 // Products below this many multiply-adds get no kept split: their calls take about the host's time, which reading a
@@ -527,8 +533,7 @@ std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor&
 #ifdef KERNELS_WITH_CUDA
   const ProductShape shape = linear_shape(x, weight);
   const Path path = choose_path(x, shape, /*strict=*/false);
-  if (!is_split(path) || split_product_transposed(path, shape.m, shape.n, shape.k) || weight.is_inference() ||
-      shape.m * shape.n * shape.k < kKeptSplitMinProducts ||
+  if (!reads_weight_split(path, shape, weight) || shape.m * shape.n * shape.k < kKeptSplitMinProducts ||
       (path == Path::kSplitFp16 &&
        !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k)))
     return {};
@@ -560,9 +565,7 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
               "(or None)");
 #ifdef KERNELS_WITH_CUDA
   const ProductShape shape = linear_shape(x, weight);
-  if (!is_split(path) || split_product_transposed(path, shape.m, shape.n, shape.k) || weight.is_inference() ||
-      !weight.is_cuda())
-    return std::nullopt;
+  if (!reads_weight_split(path, shape, weight) || !weight.is_cuda()) return std::nullopt;
   if (!weight.is_alias_of(list[5])) return std::nullopt;  // another storage: the weight's data was swapped
   const int64_t* stamp = list[4].const_data_ptr<int64_t>();
   const std::vector<int64_t> now = weight_stamp(path, weight);

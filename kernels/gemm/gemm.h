@@ -78,18 +78,22 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   std::int64_t k, float multiplier, float negative_slope,
                                                   cudaStream_t stream);
 
+// The signature of the launchers that take both operands' splits (x's from launch_split_rows, w's from
+// launch_split_chunks: w_hi, w_lo and w_exponent its chunk_exponent): one for sm_80 instructions and one for Hopper's,
+// declared below; gemm.cpp picks one of the two where w's split is made before the GEMM.
+using SplitGemmFromSplits = cudaError_t(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
+                                        const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
+                                        const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
+                                        std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                        cudaStream_t stream);
+
 // The same product and epilogue as launch_split_gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix,
 // cp.async), for GPUs from sm_80 on whose blocks may take 129 KB of shared memory (A100, A30, Orin, Hopper, datacenter
 // Blackwell; not sm_86, sm_89 or sm_120, whose 99-100 KB is too little): x's split from launch_split_rows in natural
 // order, w's from launch_split_chunks (w_exponent: its chunk_exponent). Three fp16 products per 16 of k (hi_x lo_w,
 // lo_x hi_w, hi_x hi_w), promoted into fp32 registers every chunk with w's power of two per row and chunk, the epilogue
 // fused; y and positive as there. Returns cudaErrorNotSupported where split_gemm_sm80_supported() is false.
-cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const void* x_lo,
-                                                       const std::int32_t* x_exponent, const void* w_hi,
-                                                       const void* w_lo, const std::int32_t* w_exponent,
-                                                       const float* bias, float* y, std::uint8_t* positive,
-                                                       std::int64_t m, std::int64_t n, std::int64_t k,
-                                                       float multiplier, float negative_slope, cudaStream_t stream);
+SplitGemmFromSplits launch_split_gemm_sm80_multiply_leaky_relu;
 
 // Whether launch_split_gemm_sm80_multiply_leaky_relu can run on `device` for this shape: a GPU of compute capability
 // 8.0 or newer whose blocks may take two pipeline stages of shared memory (129 KB), the library built for it,
@@ -125,12 +129,7 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
 // the float32 w: the kernel skips its own split of w, and its results are the same, bit for bit. w's non-finite
 // rows were flagged by that pass (its flags, for launch_nonfinite_outputs). Returns cudaErrorNotSupported where
 // split_gemm_presplit_supported() is false.
-cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,
-                                                           const std::int32_t* x_exponent, const void* w_hi,
-                                                           const void* w_lo, const std::int32_t* w_exponent,
-                                                           const float* bias, float* y, std::uint8_t* positive,
-                                                           std::int64_t m, std::int64_t n, std::int64_t k,
-                                                           float multiplier, float negative_slope, cudaStream_t stream);
+SplitGemmFromSplits launch_split_gemm_presplit_multiply_leaky_relu;
 
 // Whether launch_split_gemm_presplit_multiply_leaky_relu can run: split_gemm_supported, and n % 4 == 0 (TMA's 16-byte
 // rows of w's chunk exponents).
