@@ -11,6 +11,8 @@ goes, kernel by kernel.
                                           # gradient's error against float64, eager's beside ModelNew's
     python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
     python tools/gemm_sweep.py --loop-profile         # a training loop's step against bench's step: kernels
+    python tools/gemm_sweep.py --loop-kernels         # ModelNew's loop step only: its five largest kernels and
+                                                      # its time, on two lines (for kernel_variants.py's A/B)
     python tools/gemm_sweep.py --weight-split         # the forward with and without the weight's split kept
     python tools/gemm_sweep.py --parts                # forward over batch sizes, backward products, train step
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
@@ -284,6 +286,30 @@ def loop_profile():
         print(f"ModelNew autograd.grad step, one grad_y after the other, round {round_}: " + ", ".join(times))
 
 
+def loop_kernels():
+    """ModelNew's training-loop step alone (fp32 1024x8192 -> 8192; zero_grad, forward, y.square().mean(),
+    backward): its kernels' device time per step with the five largest, then its time (the median of 30 steps), each
+    on one line: short enough to compare versions of a kernel with tools/kernel_variants.py."""
+    import reference
+    from kernels.timing import time_ms
+    from model_new import GemmMultiplyLeakyReLUModelNew
+
+    init = reference.gemm_multiply_leaky_relu_get_init_inputs()
+    torch.manual_seed(0)
+    model = GemmMultiplyLeakyReLUModelNew(*init).cuda()
+    x = torch.randn(1024, init[0], device="cuda", requires_grad=True)
+
+    def loop_step():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        model(x).square().mean().backward()
+
+    total, rows = kernel_table(loop_step)
+    largest = ", ".join(f"{ms:.4f} {key.split('(')[0].split('::')[-1][:40]}" for ms, _, key in rows[:5])
+    print(f"loop step kernels {total:.4f} ms: {largest}")
+    print(f"loop step {time_ms(loop_step, samples=30, flush_l2=False):.4f} ms")
+
+
 def k_sweep():
     import torch.nn.functional as F
     from kernels.functional import gemm_multiply_leaky_relu
@@ -367,6 +393,8 @@ def main():
                       help="the forward over batch sizes, each backward product alone and the training step: times")
     mode.add_argument("--loop-profile", action="store_true",
                       help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
+    mode.add_argument("--loop-kernels", action="store_true",
+                      help="ModelNew's training-loop step alone: its largest kernels and its time, two lines")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
     parser.add_argument("--outputs", metavar="MxN[,MxN...]",
                         help="--shapes over these output sizes instead (e.g. 256x8192,512x8192: small batches)")
@@ -394,6 +422,8 @@ def choose(args):
         train_step_profile(args.train_profile)
     elif args.loop_profile:
         loop_profile()
+    elif args.loop_kernels:
+        loop_kernels()
     elif args.weight_split:
         weight_split_times()
     elif args.parts:

@@ -102,8 +102,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
                                  non_finite);
     // store_tile's scratch for a part's x exponents, declared in the kernel: where the array is declared sets the
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
-    int exponents[kOutBoxRows / 8][2];
-    store_tile(epilogue_arguments, thread, shared, shared_base, tile_x, tile_w, total, non_finite, exponents);
+    int row_exponents[kOutBoxRows / 8];
+    store_tile(epilogue_arguments, thread, shared_base, tile_x, tile_w, total, non_finite, row_exponents);
   }
   finish_stores(epilogue_arguments);
 #endif

@@ -2,11 +2,11 @@
 // leaky_relu((total 2^-e + bias) * multiplier), e the x row's exponent (split_numerics.cuh: unscale, epilogue), and
 // `positive` beside them; and w's non-finite row flags.
 //
-// The consumers write outputs into shared memory and TMA stores them (y's rows 16-byte aligned; plain stores else),
-// so that a consumer goes on to the next tile's products without waiting on global stores. TMA stores and the plain
-// stores' guards write nothing outside y. A non-finite w value was split as 0 and its row flagged
-// (gemm_sm90_w_split.cuh); the CTAs of x's first tile write the flags to w_flags, and launch_nonfinite_outputs then
-// writes the outputs it reaches.
+// The consumers write their totals into shared memory, make the outputs there, and TMA stores them (y's rows 16-byte
+// aligned; plain stores else), so that a consumer goes on to the next tile's products without waiting on global
+// stores. TMA stores and the plain stores' guards write nothing outside y. A non-finite w value was split as 0 and
+// its row flagged (gemm_sm90_w_split.cuh); the CTAs of x's first tile write the flags to w_flags, and
+// launch_nonfinite_outputs then writes the outputs it reaches.
 #pragma once
 
 #include "gemm_sm90_layout.cuh"
@@ -34,12 +34,12 @@ struct EpilogueArguments {
 };
 
 // Writes the tile's outputs from this consumer thread's totals (ConsumerThread's layout) and, from the CTAs of x's
-// first tile, its rows' flags. `shared` is the CTA's shared memory (at shared address shared_base); `exponents`
-// holds one part's x exponents at a time on the TMA path.
+// first tile, its rows' flags. shared_base is the CTA's shared memory (its shared-window address); row_exponents
+// holds the x exponents of the rows a thread makes outputs of in one part, on the TMA path.
 __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, const ConsumerThread& thread,
-                                           unsigned char* shared, std::uint32_t shared_base, int tile_x, int tile_w,
+                                           std::uint32_t shared_base, int tile_x, int tile_w,
                                            const float (&total)[64], const bool (&non_finite)[2],
-                                           int (&exponents)[kOutBoxRows / 8][2]) {
+                                           int (&row_exponents)[kOutBoxRows / 8]) {
   using namespace sm90;
   const CUtensorMap* const y_map = arguments.y_map;
   const std::int32_t* const x_exponent = arguments.x_exponent;
@@ -62,59 +62,99 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     if (flags_writer && t == 0 && column < n) arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
     column_bias[half] = bias && column < n ? bias[column] : 0.0f;
   }
-  // The output of total[j * 4 + half * 2 + c]; row: its x row's factors.
+  // The output of total[j * 4 + half * 2 + c]; row: its x row's factors. The plain stores' path (the TMA path makes
+  // its outputs in the staging buffer, below).
   const auto output = [&](int j, int half, int c, RowUnscale row) {
     return epilogue(unscale(total[j * 4 + half * 2 + c], row), column_bias[half], multiplier, negative_slope);
   };
   if (arguments.y_by_tma) {
     // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores, which run on while the
     // consumer goes on to the next tile: the tensor cores wait for no global store. The buffer holds two boxes
-    // (32 columns each) in the 128-byte swizzle: unit u of box row r at u ^ (r % 8), so that the warp's 32
-    // writes (4 rows x 8 columns) fall in 32 distinct banks where the thread's rows of w are g and g + 8; where
-    // they are side by side (w transposed: ConsumerThread), two lanes share each bank.
-    const int staging_offset = kStages * kStageBytes + consumer * kStagingBytes;
-    const std::uint32_t staging = shared_base + staging_offset;
-    float* const staging_floats = reinterpret_cast<float*>(shared + staging_offset);  // plain stores: STS
-    const bool store_thread = threadIdx.x % 128 == 0;
+    // (32 columns each) in the 128-byte swizzle: 16-byte unit u of box row r at u ^ (r % 8). Per part, the
+    // thread writes its totals there as they are (one STS each; the warp's 32 fall in 32 distinct banks where the
+    // thread's rows of w are g and g + 8; where they are side by side, w transposed, two lanes share each bank),
+    // then a pass over the buffer makes the outputs: each thread the same 16-byte unit of 8 of its rows, read,
+    // unscaled, activated and written back as 4 outputs at a time, the mask's 4 bytes in one store. The pass is
+    // one loop body (about 80 instructions) run 8 times a part, where making each output where its total lies took
+    // a straight-line block of about 1,000 instructions a part, fetched anew by the consumers on every tile
+    // (kernels/gemm/NOTES.md, sixth session: grad_W's GEMM 17 us faster).
+    const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
+    const int thread_index = threadIdx.x % 128;
+    const bool store_thread = thread_index == 0;
+    // The thread's totals of row c, half `half` of a part's first 8 rows (jj = 0); of row jj, 8 jj rows (1 KB)
+    // further: the swizzle depends on the row only through row % 8.
+    std::uint32_t total_address[2][2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63: the consumer's columns
+        const int box = local_column / kBoxK, box_column = local_column % kBoxK, box_row = 2 * t + c;
+        total_address[c][half] = staging + box * kOutBoxBytes + box_row * 128 +
+                                 ((box_column / 4) ^ (box_row % 8)) * 16 + (box_column % 4) * 4;
+      }
+    }
+    // The pass's unit: unit `unit` of box `box` of rows first_row + 8 i (i = 0 .. 7), columns first_column .. + 3.
+    const int unit = thread_index % 8, box = (thread_index / 8) % 2, first_row = thread_index / 16;
+    const std::uint32_t unit_address = staging + box * kOutBoxBytes + first_row * 128 + (unit ^ first_row) * 16;
+    const int first_column = tile_w * kBlockW + consumer * 64 + box * kBoxK + unit * 4;
+    const bool columns_inside = first_column < n;  // n % 4 == 0 on the TMA path: all 4 or none
+    float unit_bias[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) unit_bias[q] = bias && columns_inside ? bias[first_column + q] : 0.0f;
+    const bool mask_words = reinterpret_cast<std::uintptr_t>(positive) % 4 == 0;  // n % 4 == 0: rows stay aligned
 #pragma unroll
     for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
       if (store_thread) tma_store_wait_read<0>();  // the buffer's previous stores have read it
       named_barrier_sync(kStagingBarrier + consumer, 128);
-      // The part's x exponents loaded together, ahead of the outputs: one global latency per part.
-#pragma unroll
-      for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int row = tile_x * kBlockX + part * kOutBoxRows + 8 * jj + 2 * t + c;
-          exponents[jj][c] = row < m ? x_exponent[row] : 0;
-        }
-      }
 #pragma unroll
       for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
         const int j = part * (kOutBoxRows / 8) + jj;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const RowUnscale row_factors = row_unscale(exponents[jj][c]);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63: the consumer's columns
-            const int box = local_column / kBoxK, box_column = local_column % kBoxK;
-            const int box_row = 8 * jj + 2 * t + c, row = tile_x * kBlockX + 8 * j + 2 * t + c;
-            const int column = tile_w * kBlockW + tile_row + half * row_step;
-            const Activated out = output(j, half, c, row_factors);
-            staging_floats[(box * kOutBoxBytes + box_row * 128) / 4 + ((box_column / 4) ^ (box_row % 8)) * 4 +
-                           box_column % 4] = out.value;
-            if (positive && row < m && column < n)
-              positive[static_cast<std::int64_t>(row) * n + column] = out.positive;
+          for (int half = 0; half < 2; ++half)
+            store_shared_float(total_address[c][half] + jj * 8 * 128, total[j * 4 + half * 2 + c]);
+        }
+      }
+      named_barrier_sync(kStagingBarrier + consumer, 128);
+      // The exponents of the thread's 8 rows of the part, loaded together: one global latency per part.
+      const int part_row = tile_x * kBlockX + part * kOutBoxRows + first_row;
+#pragma unroll
+      for (int i = 0; i < kOutBoxRows / 8; ++i)
+        row_exponents[i] = part_row + 8 * i < m ? x_exponent[part_row + 8 * i] : 0;
+#pragma unroll 1
+      for (int i = 0; i < kOutBoxRows / 8; ++i) {
+        const int row = part_row + 8 * i;
+        const std::uint32_t address = unit_address + i * 8 * 128;
+        const float4 totals = load_shared_float4(address);
+        const RowUnscale factors = row_unscale(row_exponents[0]);
+        const Activated out[4] = {epilogue(unscale(totals.x, factors), unit_bias[0], multiplier, negative_slope),
+                                  epilogue(unscale(totals.y, factors), unit_bias[1], multiplier, negative_slope),
+                                  epilogue(unscale(totals.z, factors), unit_bias[2], multiplier, negative_slope),
+                                  epilogue(unscale(totals.w, factors), unit_bias[3], multiplier, negative_slope)};
+        store_shared_float4(address, make_float4(out[0].value, out[1].value, out[2].value, out[3].value));
+        if (positive && row < m && columns_inside) {
+          std::uint8_t* const at = positive + static_cast<std::int64_t>(row) * n + first_column;
+          if (mask_words) {
+            *reinterpret_cast<std::uint32_t*>(at) =
+                std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
+                std::uint32_t{out[2].positive} << 16 | std::uint32_t{out[3].positive} << 24;
+          } else {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
           }
         }
+        // The next row's exponent into place (the rolled loop reads one register).
+#pragma unroll
+        for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
       }
       fence_async_shared();
       named_barrier_sync(kStagingBarrier + consumer, 128);
       if (store_thread) {
 #pragma unroll
-        for (int box = 0; box < 2; ++box)
-          tma_store_2d(y_map, staging + box * kOutBoxBytes, tile_w * kBlockW + consumer * 64 + box * kBoxK,
+        for (int b = 0; b < 2; ++b)
+          tma_store_2d(y_map, staging + b * kOutBoxBytes, tile_w * kBlockW + consumer * 64 + b * kBoxK,
                        tile_x * kBlockX + part * kOutBoxRows);
         tma_store_commit();
       }

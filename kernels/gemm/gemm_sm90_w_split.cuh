@@ -60,22 +60,6 @@ __device__ __forceinline__ float max_abs_nan(float a, float b) {
   return r;
 }
 
-__device__ __forceinline__ float4 load_shared_float4(std::uint32_t address) {
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#if KERNELS_SM90A_DEVICE
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address));
-#endif
-  return v;
-}
-
-__device__ __forceinline__ float2 load_shared_float2(std::uint32_t address) {
-  float2 v = make_float2(0.0f, 0.0f);
-#if KERNELS_SM90A_DEVICE
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address));
-#endif
-  return v;
-}
-
 // Loads the thread's values of w from the stage and finds each row's scale over the chunk. Non-finite values become
 // 0; non_finite[half] is set where the row held one. In the 128-byte swizzle, 16-byte unit u of a box's row r sits
 // at unit u ^ (r % 8).
@@ -99,7 +83,7 @@ __device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int t
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int unit = (2 * t + h) ^ (row % 8);
-          w.pack[half][box][h] = load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
+          w.pack[half][box][h] = sm90::load_shared_float4(w_tiles + box * kWBoxBytes + row * 128 + unit * 16);
         }
       }
     }
@@ -114,7 +98,7 @@ __device__ __forceinline__ ChunkScales load_w_chunk(std::uint32_t w_tiles, int t
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int k = 16 * (2 * box + h) + 8 * (e / 2) + 2 * t + e % 2;
-          const float2 pair = load_shared_float2(column_box + k * 128 + ((unit ^ (k % 8)) * 16));
+          const float2 pair = sm90::load_shared_float2(column_box + k * 128 + ((unit ^ (k % 8)) * 16));
           reinterpret_cast<float*>(&w.pack[0][box][h])[e] = pair.x;
           reinterpret_cast<float*>(&w.pack[1][box][h])[e] = pair.y;
         }

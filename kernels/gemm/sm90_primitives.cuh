@@ -1,7 +1,8 @@
 // Hopper (sm_90a) building blocks of the GEMM family's kernels, as thin wrappers over their PTX: mbarriers, TMA
 // tile loads into shared memory and stores from it, named barriers, wgmma descriptors, the m64n128k16 fp16 -> fp32
-// wgmma with A from registers, and the warpgroup register reallocation. Device code only; every body is compiled
-// only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
+// wgmma with A from registers, shared-memory loads and stores at shared-window addresses, and the warpgroup
+// register reallocation. Device code only; every body is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a
+// unit that includes this builds for any target.
 #pragma once
 
 #include <cstdint>
@@ -123,6 +124,37 @@ template <int kPending>
 __device__ __forceinline__ void tma_store_wait() {
 #if KERNELS_SM90A_DEVICE
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Shared-memory accesses at shared-window addresses (smem_address's): one LDS or STS each, where an access through
+// a generic pointer would take a generic LD or ST and its 64-bit address arithmetic.
+__device__ __forceinline__ float4 load_shared_float4(std::uint32_t address) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if KERNELS_SM90A_DEVICE
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address));
+#endif
+  return v;
+}
+
+__device__ __forceinline__ float2 load_shared_float2(std::uint32_t address) {
+  float2 v = make_float2(0.0f, 0.0f);
+#if KERNELS_SM90A_DEVICE
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address));
+#endif
+  return v;
+}
+
+__device__ __forceinline__ void store_shared_float(std::uint32_t address, float value) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(address), "f"(value) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void store_shared_float4(std::uint32_t address, float4 v) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(address), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
 #endif
 }
 
