@@ -3,7 +3,9 @@ and CUDA, on every path: cuBLAS and the split fp16 tensor-core kernels (split_fp
 GPU from sm_80 on; every split test runs on each that the GPU can run)."""
 
 import copy
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -582,6 +584,61 @@ def test_split_fp16_computes_tall_narrow_products_transposed(m, k, n, transposed
     kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
     assert any("split_gemm_kernel" in name for name in kernels), kernels
     assert any("transposed_epilogue_kernel" in name for name in kernels) == transposed, kernels
+
+
+# The Hopper kernel's two epilogues, run in processes of their own (the kernel reads KERNELS_GEMM_PLAIN_STORES once
+# per process): each case's forward with the mask, the forward from a weight split made beforehand where one is kept,
+# and the three gradients, saved for the test to compare.
+EPILOGUE_CASES_SCRIPT = r"""
+import sys
+import torch
+from kernels.gemm.gemm import forced_gemm_path
+
+cases = {  # name: (m, k, n)
+    "tails": (300, 1040, 520),  # rows and columns past the tiles' ends; rows down to 2^-120 (unscale's two factors)
+    "kept_split": (1100, 4000, 1060),  # the forward from w's split made beforehand (the presplit kernel)
+    "w_split_ahead": (1000, 520, 2056),  # grad_W from a split made beforehand (grad_pre^T has 2056 rows)
+}
+results = {}
+for name, (m, k, n) in cases.items():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(n, device="cuda")
+    x[::7] *= 1e-36
+    x[5, 7] = float("inf")  # a row the fix-up rewrites after the epilogue
+    with forced_gemm_path("split_fp16"), torch.no_grad():
+        y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.2, True)
+        split = torch.ops.kernels.gemm_weight_split(x, weight)
+        y_kept, mask_kept = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.2, True, split)
+        grad_y = torch.randn_like(y)
+        grads = torch.ops.kernels.gemm_multiply_leaky_relu_backward(grad_y, x, weight, mask, -1.5, -0.2, True, True,
+                                                                    True)
+    results[name] = [t.cpu() for t in (y, mask, y_kept, mask_kept, *grads)] + [len(split)]
+torch.save(results, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+def test_split_fp16_epilogue_by_tma_and_by_plain_stores_agree_bit_for_bit(tmp_path):
+    """The Hopper kernel's TMA epilogue (outputs made in the staging buffer, then TMA stores) and its plain-stores
+    epilogue (KERNELS_GEMM_PLAIN_STORES=1, what the sanitizer's initcheck runs) give the same outputs, masks and
+    gradients bit for bit: forward, the forward from a kept split, grad_x and grad_W, on shapes with tails."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {}
+    for plain in ("0", "1"):
+        out = tmp_path / f"plain_{plain}.pt"
+        done = subprocess.run([sys.executable, "-c", EPILOGUE_CASES_SCRIPT, str(out)], cwd=root, capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, KERNELS_GEMM_PLAIN_STORES=plain))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[plain] = torch.load(out)
+    for name, by_tma in runs["0"].items():
+        by_plain = runs["1"][name]
+        assert by_tma[-1] == by_plain[-1] and (by_tma[-1] > 0) == (name == "kept_split"), (name, by_tma[-1])
+        for i, (a, b) in enumerate(zip(by_tma[:-1], by_plain[:-1])):
+            if a.dtype == torch.float32:
+                a, b = a.view(torch.int32), b.view(torch.int32)  # NaN payloads too
+            assert a.shape == b.shape and torch.equal(a, b), (name, i)
+        y = by_tma[0]
+        assert bool(y.isinf().any()) or bool(y.isnan().any()), name  # the fix-up's rows are in the comparison
 
 
 WEIGHT_CHANGE_PATHS = ["auto", *SPLIT_KERNELS]
