@@ -56,7 +56,7 @@ def device(request):
 # edit loop; the README's command runs everything.
 SLOW_TESTS = re.compile(r"test_loader\.py|test_cuda_compile\.py|test_multi_gpu\.py|test_export\.py|two_cpu_processes|"
                         r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory|cpu_loops|"
-                        r"host_program")
+                        r"host_program|epilogue_by_tma")
 
 
 # The tests that hold GPU memory by the tens of gigabytes (2^31 elements, LeakyReLU's candidate on the problem's
