@@ -402,6 +402,14 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                  lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
 
 
+def training_loop_step(model, x):
+    """One step as a training loop runs it: zero_grad(set_to_none=True), x's gradient cleared, the forward,
+    y.square().mean(), backward()."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    model(x).square().mean().backward()
+
+
 def add_training_loop_rows(rows, problem, eager, new, x, options):
     """A step as a training loop runs it: zero_grad(set_to_none=True), the forward, y.square().mean(), backward().
     With x requiring grad (a layer inside a network: grad_x, grad_W, grad_b) and without (a first layer: no grad_x).
@@ -414,13 +422,8 @@ def add_training_loop_rows(rows, problem, eager, new, x, options):
                              (f"train loop, first layer, fp32 {m}x{k}->{n}", False)):
         progress(f"{problem}: {case}")
         x_in = x.detach().clone().requires_grad_(needs_grad)
-
-        def loop_step(model):
-            model.zero_grad(set_to_none=True)
-            x_in.grad = None
-            model(x_in).square().mean().backward()
-
-        times, kb = run_case([lambda model=model: loop_step(model) for model in variants.values()], options)
+        times, kb = run_case([lambda model=model: training_loop_step(model, x_in) for model in variants.values()],
+                             options)
         products = 3 if needs_grad else 2
         add_rows(rows, problem, case, "fp32", list(variants), times, kb, [None] * len(times),
                  lambda v, products=products: products * 2 * m * n * k / 1e9, "TFLOP/s", "-", None, None, None)

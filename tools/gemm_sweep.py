@@ -249,6 +249,7 @@ def loop_profile():
     autograd.grad step timed with three grad_y (randn, the loop's 2y/numel, 2y), one after the other, in alternating
     orders, to tell the data's effect on the split GEMMs from the card's state under sustained load."""
     import reference
+    from bench import training_loop_step
     from kernels.timing import time_ms
     from model_new import GemmMultiplyLeakyReLUModelNew
 
@@ -260,16 +261,11 @@ def loop_profile():
     x = torch.randn(1024, init[0], device="cuda", requires_grad=True)
     grad = torch.randn(1024, init[1], device="cuda")
 
-    def loop_step(model):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        model(x).square().mean().backward()
-
     def grad_step(model, grad_y=grad):
         torch.autograd.grad(model(x), [x, model.gemm.weight, model.gemm.bias], grad_y)
 
     for name, model in (("eager", eager), ("ModelNew", new)):
-        for kind, step in (("loop", loop_step), ("autograd.grad step", grad_step)):
+        for kind, step in (("loop", lambda model: training_loop_step(model, x)), ("autograd.grad step", grad_step)):
             total, rows = kernel_table(lambda: step(model))
             print(f"== {name}, {kind}: {total:.4f} ms of kernels per step")
             for ms, count, key in rows[:12]:
@@ -291,6 +287,7 @@ def loop_kernels():
     backward): its kernels' device time per step with the five largest, then its time (the median of 30 steps), each
     on one line: short enough to compare versions of a kernel with tools/kernel_variants.py."""
     import reference
+    from bench import training_loop_step
     from kernels.timing import time_ms
     from model_new import GemmMultiplyLeakyReLUModelNew
 
@@ -298,16 +295,10 @@ def loop_kernels():
     torch.manual_seed(0)
     model = GemmMultiplyLeakyReLUModelNew(*init).cuda()
     x = torch.randn(1024, init[0], device="cuda", requires_grad=True)
-
-    def loop_step():
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        model(x).square().mean().backward()
-
-    total, rows = kernel_table(loop_step)
+    total, rows = kernel_table(lambda: training_loop_step(model, x))
     largest = ", ".join(f"{ms:.4f} {key.split('(')[0].split('::')[-1][:40]}" for ms, _, key in rows[:5])
     print(f"loop step kernels {total:.4f} ms: {largest}")
-    print(f"loop step {time_ms(loop_step, samples=30, flush_l2=False):.4f} ms")
+    print(f"loop step {time_ms(lambda: training_loop_step(model, x), samples=30, flush_l2=False):.4f} ms")
 
 
 def k_sweep():
