@@ -103,9 +103,9 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
     for (int q = 0; q < 4; ++q) unit_bias[q] = bias && columns_inside ? bias[first_column + q] : 0.0f;
     const bool mask_words = reinterpret_cast<std::uintptr_t>(positive) % 4 == 0;  // n % 4 == 0: rows stay aligned
-    // A plain product (the backward's products: no bias, multiplier and slope 1, no mask): each output is its
-    // unscaled total plus 0 (-0 becomes +0), which is epilogue()'s result there, bit for bit, in 2 or 3 instructions
-    // an output instead of 5 (kernels/gemm/NOTES.md, seventh session: grad_W's GEMM 8 us faster).
+    // A plain product (the backward's products: no bias, multiplier and slope 1, no mask): each output made by
+    // plain_product_output, epilogue()'s value there bit for bit, in 2 or 3 instructions an output instead of 5
+    // (kernels/gemm/NOTES.md, seventh session: grad_W's GEMM 8 us faster).
     const bool plain_product = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
 #pragma unroll
     for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
@@ -137,9 +137,10 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
         for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
         if (plain_product) {
-          store_shared_float4(address, make_float4(unscale(totals.x, factors) + 0.0f, unscale(totals.y, factors) + 0.0f,
-                                                   unscale(totals.z, factors) + 0.0f,
-                                                   unscale(totals.w, factors) + 0.0f));
+          store_shared_float4(address, make_float4(plain_product_output(unscale(totals.x, factors)),
+                                                   plain_product_output(unscale(totals.y, factors)),
+                                                   plain_product_output(unscale(totals.z, factors)),
+                                                   plain_product_output(unscale(totals.w, factors))));
           continue;
         }
         const Activated out[4] = {epilogue(unscale(totals.x, factors), unit_bias[0], multiplier, negative_slope),

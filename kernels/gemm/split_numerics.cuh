@@ -113,6 +113,10 @@ __device__ __forceinline__ Activated epilogue(float product, float bias, float m
   return {positive ? v : v * negative_slope, positive};
 }
 
+// epilogue()'s value for a plain product (bias 0, multiplier and slope 1: the backward's products), in one add:
+// (product + 0) * 1 either way, so -0 becomes +0 here too.
+__device__ __forceinline__ float plain_product_output(float product) { return product + 0.0f; }
+
 // The order along K in which the GEMM feeds the tensor cores, per chunk of kSplitChunk consecutive k (gemm.h). The GEMM's
 // threads read W (fp32, from TMA's 128-byte-swizzled tiles) as packs of 4 consecutive k; wgmma's register operand
 // wants each thread's pairs at k = 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-wide step (t = lane % 4). So pack q of a
