@@ -589,12 +589,7 @@ def test_split_fp16_computes_tall_narrow_products_transposed(m, k, n, transposed
 # The Hopper kernel's two epilogues, run in processes of their own (the kernel reads KERNELS_GEMM_PLAIN_STORES once
 # per process): each case's forward with the mask, the forward from a weight split made beforehand where one is kept,
 # and the three gradients, saved for the test to compare.
-EPILOGUE_CASES_SCRIPT = r"""
-import sys
-import torch
-from kernels.gemm.gemm import forced_gemm_path
-
-cases = {  # name: (m, k, n)
+EPILOGUE_CASES = {  # name: (m, k, n)
     "tails": (300, 1040, 520),  # rows and columns past the tiles' ends; rows down to 2^-120 (unscale's two factors)
     "kept_split": (1100, 4000, 1060),  # the forward from w's split made beforehand (the presplit kernel)
     "w_split_ahead": (1000, 520, 2056),  # grad_W from a split made beforehand (grad_pre^T has 2056 rows)
@@ -603,6 +598,14 @@ cases = {  # name: (m, k, n)
     "one_chunk": (2048, 64, 2560),
     "two_chunks": (2048, 128, 2560),
 }
+
+EPILOGUE_CASES_SCRIPT = r"""
+import ast
+import sys
+import torch
+from kernels.gemm.gemm import forced_gemm_path
+
+cases = ast.literal_eval(sys.argv[2])  # EPILOGUE_CASES
 results = {}
 for name, (m, k, n) in cases.items():
     torch.manual_seed(0)
@@ -633,15 +636,16 @@ def test_split_fp16_epilogue_by_tma_and_by_plain_stores_agree_bit_for_bit(tmp_pa
     runs = {}
     for plain in ("0", "1"):
         out = tmp_path / f"plain_{plain}.pt"
-        done = subprocess.run([sys.executable, "-c", EPILOGUE_CASES_SCRIPT, str(out)], cwd=root, capture_output=True,
-                              text=True, timeout=600, env=dict(os.environ, KERNELS_GEMM_PLAIN_STORES=plain))
+        done = subprocess.run([sys.executable, "-c", EPILOGUE_CASES_SCRIPT, str(out), repr(EPILOGUE_CASES)],
+                              cwd=root, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, KERNELS_GEMM_PLAIN_STORES=plain))
         assert done.returncode == 0, done.stderr[-3000:]
         runs[plain] = torch.load(out)
     for name, by_tma in runs["0"].items():
         by_plain = runs["1"][name]
         assert by_tma[-1] == by_plain[-1], (name, by_tma[-1])
-        if name in ("tails", "kept_split", "w_split_ahead"):  # the forward from a kept split: that case only
-            assert (by_tma[-1] > 0) == (name == "kept_split"), (name, by_tma[-1])
+        # Which cases read a split of w made ahead (the presplit kernel) and which split w in registers.
+        assert (by_tma[-1] > 0) == kept_split_expected("split_fp16", *EPILOGUE_CASES[name]), (name, by_tma[-1])
         for i, (a, b) in enumerate(zip(by_tma[:-1], by_plain[:-1])):
             if a.dtype == torch.float32:
                 a, b = a.view(torch.int32), b.view(torch.int32)  # NaN payloads too
