@@ -50,7 +50,9 @@ What each subcommand runs:
              shape, that path forced, on a build with source lines (KERNELS_LINEINFO=1): every kernel of the call
              with the speed of light, compute and memory workload, scheduler and warp-state sections
              (ncu_<name>.txt), and the GEMM kernel's SASS with its stall samples per instruction
-             (ncu_<name>_source.csv). The call is the forward, or, named PATH:grad_x or PATH:grad_w, one product of
+             (ncu_<name>_source.csv). The call is the forward (a model's, which keeps its weight's split from its
+             second call on), or, named PATH:forward_anew, the op's forward without a weight split (w split in
+             registers, as a training forward runs), or, named PATH:grad_x or PATH:grad_w, one product of
              the backward (the backward op asked for that gradient alone; grad_w with grad_b); <name> is the
              argument with ':' as '_'.
   all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
@@ -598,8 +600,10 @@ with forced_gemm_path(path), torch.no_grad():
     backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
 
     def once():
-        if call == "forward":
+        if call == "forward":  # from the second call on, the model's kept weight split (the presplit kernel)
             model(x)
+        elif call == "forward_anew":  # the op without a weight split: w split in registers, as a training forward
+            torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, init[2], init[3], False)
         else:
             wants_x = call == "grad_x"
             backward(grad_y, x, weight, y, init[2], init[3], wants_x, not wants_x, not wants_x)
@@ -613,7 +617,7 @@ with forced_gemm_path(path), torch.no_grad():
     torch.cuda.cudart().cudaProfilerStop()
 """
 
-PROFILED_CALLS = ("forward", "grad_x", "grad_w")
+PROFILED_CALLS = ("forward", "forward_anew", "grad_x", "grad_w")
 
 NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
                 "SchedulerStats", "WarpStateStats", "LaunchStats", "Occupancy", "SourceCounters")
@@ -736,7 +740,7 @@ def parse_arguments(argv):
               extra="paths")
     sub.add_argument("--skip-rates", action="store_true", default=switch("SKIP_RATES"),
                      help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES=1)")
-    name_extra_in_usage(sub, "PATH[:grad_x|:grad_w]")
+    name_extra_in_usage(sub, "PATH[:forward_anew|:grad_x|:grad_w]")
     sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
     sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
                      help="(default: $SKIP_TESTS=1)")

@@ -15,6 +15,8 @@ goes, kernel by kernel.
                                                       # its time, on two lines (for kernel_variants.py's A/B)
     python tools/gemm_sweep.py --weight-split         # the forward with and without the weight's split kept
     python tools/gemm_sweep.py --parts                # forward over batch sizes, backward products, train step
+    python tools/gemm_sweep.py --waves                # the three GEMMs of a training step at widths whose tile
+                                                      # counts fill the multiprocessors by whole rounds, or not
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
@@ -301,6 +303,38 @@ def loop_kernels():
     print(f"loop step {time_ms(lambda: training_loop_step(model, x), samples=30, flush_l2=False):.4f} ms")
 
 
+def waves():
+    """Whether the Hopper GEMM's time follows its rounds of tiles: the persistent kernel gives each CTA (one per
+    multiprocessor) every P-th tile, so a GEMM of T tiles takes ceil(T / P) tile-times, and T / P is the work. At
+    1024 x 8192 -> N, the forward and grad_W have T = 8 N / 128 and 64 N / 128 tiles (grad_x's output, 1024 x 8192, is
+    512 tiles at every N: its time follows N's work alone). Per width: each GEMM kernel's device time per call, its
+    tiles, rounds and rounds' fill, and its time per round."""
+    import kernels.functional  # noqa: F401  (loads the op library)
+
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    print(f"{processors} multiprocessors; the split GEMM kernel's device time per call (torch.profiler)")
+    print(f"{'N':>6} {'product':>8} {'tiles':>6} {'rounds':>6} {'fill':>6} {'ms':>8} {'ms/round':>9}")
+    for n in (7936, 8192, 8448, 8576):
+        torch.manual_seed(0)
+        x, weight = torch.randn(1024, 8192, device="cuda"), torch.randn(n, 8192, device="cuda") / 8192 ** 0.5
+        bias, grad_y = torch.randn(n, device="cuda"), torch.randn(1024, n, device="cuda")
+        with torch.no_grad():
+            y, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1, False)
+        steps = {
+            "forward": (8 * n // 128, lambda: torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1,
+                                                                                         False)),
+            "grad_x": (512, lambda: backward(grad_y, x, weight, y, 2.0, 0.1, True, False, False)),
+            "grad_W": (64 * n // 128, lambda: backward(grad_y, x, weight, y, 2.0, 0.1, False, True, True)),
+        }
+        for name, (tiles, step) in steps.items():
+            _, rows = kernel_table(step, calls=10)
+            ms = sum(ms for ms, _, key in rows if "split_gemm_kernel" in key)
+            rounds = -(-tiles // processors)
+            print(f"{n:>6} {name:>8} {tiles:>6} {rounds:>6} {tiles / processors / rounds:6.1%} {ms:8.4f} "
+                  f"{ms / rounds:9.4f}")
+
+
 def k_sweep():
     import torch.nn.functional as F
     from kernels.functional import gemm_multiply_leaky_relu
@@ -386,6 +420,8 @@ def main():
                       help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
     mode.add_argument("--loop-kernels", action="store_true",
                       help="ModelNew's training-loop step alone: its largest kernels and its time, two lines")
+    mode.add_argument("--waves", action="store_true",
+                      help="the training step's three GEMMs at widths that fill the multiprocessors by whole rounds")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
     parser.add_argument("--outputs", metavar="MxN[,MxN...]",
                         help="--shapes over these output sizes instead (e.g. 256x8192,512x8192: small batches)")
@@ -419,6 +455,8 @@ def choose(args):
         weight_split_times()
     elif args.parts:
         parts()
+    elif args.waves:
+        waves()
     elif args.shapes:
         outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
                    if args.outputs else SWEEP_OUTPUTS)
