@@ -7,6 +7,7 @@ library itself, so a family or op added later fails it until it is covered."""
 
 import contextlib
 import copy
+import math
 import os
 import re
 import subprocess
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_bitwise_equal, run_on_two_processes
 from kernels import loader
-from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import KEPT_SPLIT_MIN_PRODUCTS, SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from kernels.manifest import FAMILIES
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, relative_error
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
@@ -36,7 +37,8 @@ requires_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
 FIRST, SECOND = torch.device("cuda", 0), torch.device("cuda", 1)
 PATHS_ON_SECOND = gemm_paths(SECOND) if TWO_GPUS else ["cublas"]
 PATHS_ON_BOTH = [p for p in PATHS_ON_SECOND if p in gemm_paths(FIRST)] if TWO_GPUS else ["cublas"]
-SPLIT_SIZED = (1024, 1024, 1024)  # M, K, N: the automatic choice takes split_fp16 here on Hopper (all >= 1024)
+SPLIT_SIZED = (1024, 2048, 2048)  # M, K, N: the automatic choice takes split_fp16 here on Hopper (all >= 1024),
+# and at 2^32 multiply-adds a model called again under no_grad keeps its weight's split (gemm_weight_split)
 
 # ---- the cases: one per family, each calling the family's ops through ModelNew, the functions and the ops ----------
 
@@ -104,12 +106,15 @@ class GemmCase:
     forced below its range); the gradients allclose(1e-4)."""
 
     family = "gemm"
-    # The backward through autograd; the weight's split through FusedLinear, kept from the second no_grad call on.
-    ops = {"gemm_multiply_leaky_relu", "gemm_multiply_leaky_relu_backward", "gemm_weight_split"}
 
     def __init__(self, shape, multiplier, slope, path):
         self.shape, self.multiplier, self.slope, self.path = shape, multiplier, slope, path
         self.reference = self.new = None
+        # The backward through autograd; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on, FusedLinear asks for the
+        # weight's split from the second no_grad call on (an empty list where the path takes none).
+        self.ops = {"gemm_multiply_leaky_relu", "gemm_multiply_leaky_relu_backward"}
+        if math.prod(shape) >= KEPT_SPLIT_MIN_PRODUCTS:
+            self.ops.add("gemm_weight_split")
 
     def __str__(self):
         m, k, n = self.shape
@@ -377,10 +382,12 @@ F.leaky_relu(F.linear(x, weight, bias) * 2.0, 0.1).sum().backward()
 F.leaky_relu(x, -0.3).sum().backward()
 torch.cuda.synchronize(device)
 print("eager made a context on cuda:0:", torch._C._cuda_hasPrimaryContext(0))
+x_wide, weight_wide = torch.randn(1024, 2048, device=device), torch.randn(2048, 2048, device=device)
 for path in gemm_paths(device):
     with forced_gemm_path(path):
         gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1).sum().backward()
         gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.2).sum().backward()
+        torch.ops.kernels.gemm_weight_split(x_wide, weight_wide)  # 2^32 multiply-adds: a split where the path takes one
 leaky_relu(x, -0.3).sum().backward()
 torch.cuda.synchronize(device)
 print("the library made a context on cuda:0:", torch._C._cuda_hasPrimaryContext(0))

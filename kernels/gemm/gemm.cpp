@@ -533,11 +533,12 @@ std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor&
 #ifdef KERNELS_WITH_CUDA
   const ProductShape shape = linear_shape(x, weight);
   const Path path = choose_path(x, shape, /*strict=*/false);
-  if (!reads_weight_split(path, shape, weight) || shape.m * shape.n * shape.k < kKeptSplitMinProducts ||
-      (path == Path::kSplitFp16 &&
-       !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k)))
-    return {};
+  if (!reads_weight_split(path, shape, weight) || shape.m * shape.n * shape.k < kKeptSplitMinProducts) return {};
+  // A split path: CUDA tensors. The guard comes before the support check, which reads kernel attributes on the
+  // current device.
   const c10::cuda::CUDAGuard guard(weight.device());
+  if (path == Path::kSplitFp16 && !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k))
+    return {};
   const WeightSplit split =
       split_w_chunks(path, split_operand(weight), /*w_transposed=*/false, shape.n, shape.k,
                      c10::cuda::getCurrentCUDAStream(weight.device().index()).stream());

@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <climits>
@@ -34,9 +35,15 @@ constexpr cublasComputeType_t kBf16x9ComputeType = CUBLAS_COMPUTE_32F;  // never
 // against a cuBLAS older than 12.9, a cuBLAS older than 12.9 loaded, or a dimension past cuBLAS's int.
 const char* cublas_bf16x9_refusal(int64_t m, int64_t n, int64_t k) {
   if (!kBf16x9Compiled) return "the library was built against a cuBLAS older than 12.9 (no FP32 emulation)";
+  // The loaded library's version in CUBLAS_VERSION's encoding, read without a handle: a handle is made on the current
+  // device, which need not be the tensors' (a process that uses only cuda:1 would get a context on cuda:0).
   static const int loaded_version = [] {
-    int version = 0;
-    return cublasGetVersion(at::cuda::getCurrentCUDABlasHandle(), &version) == CUBLAS_STATUS_SUCCESS ? version : 0;
+    int major = 0, minor = 0, patch = 0;
+    if (cublasGetProperty(MAJOR_VERSION, &major) != CUBLAS_STATUS_SUCCESS ||
+        cublasGetProperty(MINOR_VERSION, &minor) != CUBLAS_STATUS_SUCCESS ||
+        cublasGetProperty(PATCH_LEVEL, &patch) != CUBLAS_STATUS_SUCCESS)
+      return 0;
+    return major * 10000 + minor * 100 + patch;
   }();
   if (loaded_version < 120900) return "the cuBLAS loaded is older than 12.9 (no FP32 emulation)";
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX) return "a dimension is past cuBLAS's int range";
@@ -63,6 +70,9 @@ ColumnMajorOperand column_major_transpose(const at::Tensor& t) {
 // no dimension 0, computed as y^T = b^T a^T in cuBLAS's column-major terms. Raises where cuBLAS refuses.
 at::Tensor cublas_bf16x9_addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  // The handle and stream of the tensors' GPU: custom ops get no device guard from the dispatcher, and the current
+  // device may be another (cuBLAS would then run on that device's handle with this one's pointers).
+  const c10::cuda::CUDAGuard guard(a.device());
   // No determinism alert under torch.use_deterministic_algorithms: at::mm raises none either (torch 2.11, measured
   // by tests/test_modes.py), cuBLAS being deterministic on the fixed workspace torch gives each stream's handle,
   // which this call uses too.
