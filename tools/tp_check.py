@@ -39,13 +39,20 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def same(name, got, expected):
-    """Equal placements (DTensors), shapes and values within allclose(1e-4)."""
+def same(name, got, expected, gradient=False):
+    """Equal placements (DTensors), shapes and values within allclose(1e-4); for a gradient, with an atol of 1e-4
+    times its largest magnitude: a gradient summed over the batch carries eager's own absolute rounding errors at
+    every element, those near zero too (H100, the weight gradient at 1024 x 2048 -> 2048, up to 251 in magnitude:
+    eager's largest error against float64 3.7e-4, the split path's 8.7e-5)."""
     if isinstance(expected, DTensor) or isinstance(got, DTensor):
         assert isinstance(got, DTensor) and isinstance(expected, DTensor), (name, type(got), type(expected))
         assert got.placements == expected.placements, (name, got.placements, expected.placements)
     assert got.shape == expected.shape, (name, got.shape, expected.shape)
-    torch.testing.assert_close(full(got), full(expected), msg=name, **TOLERANCE)
+    got, expected = full(got), full(expected)
+    tolerance = dict(TOLERANCE)
+    if gradient:
+        tolerance["atol"] *= max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(got, expected, msg=name, **tolerance)
 
 
 def away_from_the_kink(grad, y):
@@ -90,9 +97,9 @@ def tensor_parallel(plan_name, shape, mesh, device, rank, world):
     grad = away_from_the_kink(torch.randn(y_ref.shape, device=device, generator=g), y_ref.detach())
     y_ref.backward(grad)
     y_new.backward(grad)
-    same("x grad", x_new.grad, x_ref.grad)
-    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad)
-    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad)
+    same("x grad", x_new.grad, x_ref.grad, gradient=True)
+    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad, gradient=True)
+    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad, gradient=True)
     data = [torch.randn(x.shape, device=device, generator=g) for _ in range(3)]
     sgd_steps(reference, data)
     sgd_steps(new, data)
@@ -125,9 +132,9 @@ def replicated_weight(x_placement, shape, mesh, device, rank, world):
                               mesh, y_ref.placements)
     y_ref.backward(grad)
     y_new.backward(grad)
-    same("x grad", x_new.grad, x_ref.grad)
-    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad)
-    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad)
+    same("x grad", x_new.grad, x_ref.grad, gradient=True)
+    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad, gradient=True)
+    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad, gradient=True)
 
 
 def fsdp2(target, shape, mesh, device, rank, world):
