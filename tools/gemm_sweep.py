@@ -313,6 +313,10 @@ def waves():
 
     processors = torch.cuda.get_device_properties(0).multi_processor_count
     backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+
+    def tiles(rows, columns):  # the kernel's 128 x 128 output tiles (gemm_sm90_tile_scheduler.cuh, tile_count)
+        return -(-rows // 128) * -(-columns // 128)
+
     print(f"{processors} multiprocessors; the split GEMM kernel's device time per call (torch.profiler)")
     print(f"{'N':>6} {'product':>8} {'tiles':>6} {'rounds':>6} {'fill':>6} {'ms':>8} {'ms/round':>9}")
     for n in (7936, 8192, 8448, 8576):
@@ -321,17 +325,17 @@ def waves():
         bias, grad_y = torch.randn(n, device="cuda"), torch.randn(1024, n, device="cuda")
         with torch.no_grad():
             y, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1, False)
-        steps = {
-            "forward": (8 * n // 128, lambda: torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1,
-                                                                                         False)),
-            "grad_x": (512, lambda: backward(grad_y, x, weight, y, 2.0, 0.1, True, False, False)),
-            "grad_W": (64 * n // 128, lambda: backward(grad_y, x, weight, y, 2.0, 0.1, False, True, True)),
+        steps = {  # each product's tiles over its output: y (1024 x n), grad_x (1024 x 8192), grad_W (n x 8192)
+            "forward": (tiles(1024, n), lambda: torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1,
+                                                                                           False)),
+            "grad_x": (tiles(1024, 8192), lambda: backward(grad_y, x, weight, y, 2.0, 0.1, True, False, False)),
+            "grad_W": (tiles(n, 8192), lambda: backward(grad_y, x, weight, y, 2.0, 0.1, False, True, True)),
         }
-        for name, (tiles, step) in steps.items():
+        for name, (count, step) in steps.items():
             _, rows = kernel_table(step, calls=10)
             ms = sum(ms for ms, _, key in rows if "split_gemm_kernel" in key)
-            rounds = -(-tiles // processors)
-            print(f"{n:>6} {name:>8} {tiles:>6} {rounds:>6} {tiles / processors / rounds:6.1%} {ms:8.4f} "
+            rounds = -(-count // processors)
+            print(f"{n:>6} {name:>8} {count:>6} {rounds:>6} {count / processors / rounds:6.1%} {ms:8.4f} "
                   f"{ms / rounds:9.4f}")
 
 

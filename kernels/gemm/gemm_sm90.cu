@@ -186,17 +186,14 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   return cudaGetLastError();
 }
 
-// Whether the CTA's register pool holds the roles' budgets: setmaxnreg moves registers within the pool the launch
-// gives the CTA (the kernel's register count, in steps of 8, for each thread), and a consumer that asks for more
-// than is left waits in setmaxnreg forever. ptxas gives the kernel 168 registers, which fill the pool exactly
-// (gemm_sm90_layout.cuh); a compiler that gave fewer would hang the kernel, so it is refused instead. Asked once:
-// every sm_90 device runs the same sm_90a code.
+// Whether ptxas gave `kernel` registers enough for the roles' budgets (gemm_sm90_layout.cuh,
+// register_pool_holds_budgets): it gives 168, which fill the pool exactly; a compiler that gave fewer would hang the
+// kernel in setmaxnreg, so it is refused instead. Asked once: every sm_90 device runs the same sm_90a code.
 template <typename Kernel>
-bool register_pool_holds_budgets(Kernel* kernel) {
+bool kernel_registers_hold_budgets(Kernel* kernel) {
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return false;
-  const int per_thread = (attributes.numRegs + 7) / 8 * 8;
-  return per_thread * (1 + kConsumers) >= kProducerRegisters + kConsumers * kConsumerRegisters;
+  return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess &&
+         register_pool_holds_budgets(attributes.numRegs);
 }
 
 }  // namespace
@@ -216,9 +213,9 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
   if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess ||
       attributes.binaryVersion != 90)
     return false;  // the library holds no sm_90a code of the kernel
-  static const bool pools_hold_budgets = register_pool_holds_budgets(split_gemm_kernel<false, false>) &&
-                                         register_pool_holds_budgets(split_gemm_kernel<true, false>) &&
-                                         register_pool_holds_budgets(split_gemm_kernel<false, true>);
+  static const bool pools_hold_budgets = kernel_registers_hold_budgets(split_gemm_kernel<false, false>) &&
+                                         kernel_registers_hold_budgets(split_gemm_kernel<true, false>) &&
+                                         kernel_registers_hold_budgets(split_gemm_kernel<false, true>);
   return pools_hold_budgets && tensor_map_encoder() != nullptr;
 }
 

@@ -41,10 +41,13 @@ static_assert(kBlockW == 64 * kConsumers, "each consumer warpgroup owns 64 rows 
 static_assert(kBlockK == 2 * kBoxK && kBlockK * 2 == 128, "a chunk is two w boxes and one fp16 swizzle row of x");
 static_assert(4 * kWTransposedBoxBytes == 2 * kWBoxBytes, "either way, a stage holds 128 rows of w x 64 of k");
 static_assert(kWBoxBytes == kBlockW * kBlockK * 2, "w's fp16 hi (or lo) tile takes the place of one float32 box");
-// setmaxnreg moves registers within the CTA's own pool: the launch's per-thread count (65536 / kThreads in steps of 8:
-// 168) times the warpgroups. Asking for more leaves the consumers waiting for registers forever.
-static_assert(kProducerRegisters + kConsumerRegisters * kConsumers <= (65536 / kThreads) / 8 * 8 * (1 + kConsumers),
-              "the CTA's register pool");
+// setmaxnreg moves registers within the CTA's own pool: the launch's per-thread count (in steps of 8) times the
+// warpgroups. Asking for more leaves the consumers waiting for registers forever. Checked here for the most a launch
+// can give (65536 / kThreads: 168), and at run time for what ptxas gave (split_gemm_supported).
+constexpr bool register_pool_holds_budgets(int registers_per_thread) {
+  return (registers_per_thread + 7) / 8 * 8 * (1 + kConsumers) >= kProducerRegisters + kConsumerRegisters * kConsumers;
+}
+static_assert(register_pool_holds_budgets(65536 / kThreads / 8 * 8), "the CTA's register pool");
 static_assert(kSharedBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
 static_assert(2 * kOutBoxRows == kBlockX && 2 * kBoxK == kBlockW / kConsumers, "a consumer stores 2 x 2 boxes a tile");
 
