@@ -16,7 +16,8 @@ What each subcommand runs:
              into a fresh $TORCH_EXTENSIONS_DIR (whatever is cached elsewhere), timed, with each library's targets'
              seconds from ninja's log; the build again into another empty folder (the compilers' files are in the
              page cache by then, so the difference is cold disk); a warm import in a new process and of kernels
-             alone after torch, timed. cuobjdump's SASS of every library into sass.txt, with the global loads and
+             alone after torch, timed; python, torch and CUDA's start-up alone, timed. With --units, each compiler
+             command of the build (from its ninja files) again, alone and then all at once. cuobjdump's SASS of every library into sass.txt, with the global loads and
              stores of the vectorized fp32 forward kernel and the HGMMA count per GEMM kernel. Then the smoke test:
              tools/sanitize_cases.py (every kernel once on small shapes against eager) under a 180 s limit, as a
              pipeline that deadlocks hangs.
@@ -69,6 +70,7 @@ TEST_TIMEOUT (sm80's --test-time-limit), PYTEST_ARGS (arguments for sm80's pytes
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -369,6 +371,11 @@ def build(args):
                        "start = time.perf_counter(); import kernels.functional\n"
                        "print(f'warm import of kernels alone (torch already imported): "
                        "{time.perf_counter() - start:.2f} s')"])
+    start = time.time()
+    run([PYTHON, "-c", "import torch; torch.cuda.init()"])
+    say(f"python + torch + CUDA start-up alone: {time.time() - start:.2f} s")
+    if getattr(args, "units", False):
+        time_units(build_root)
 
     sass = os.path.join(args.out, "sass.txt")
     dump_sass(sorted(glob.glob(os.path.join(build_root, "*", "*.so"))), sass)
@@ -378,6 +385,45 @@ def build(args):
 
     failed += smoke_test()
     return failed
+
+
+def time_units(build_root):
+    """Each compiler command of the cold build run again, one at a time, then all at once, from the build folders'
+    ninja files (no Python): how much of a unit's time in the parallel build is the unit's own and how much is the
+    compilers running beside it."""
+    targets = []
+    for ninja_file in sorted(glob.glob(os.path.join(build_root, "*", "build.ninja"))):
+        folder = os.path.dirname(ninja_file)
+        with open(ninja_file) as f:
+            objects = re.findall(r"^build ([^ :]+\.o):", f.read(), flags=re.MULTILINE)
+        targets += [(folder, target) for target in objects]
+
+    def start(folder, target):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, target))
+        return subprocess.Popen(["ninja", "-C", folder, target], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def label(folder, target):
+        return f"{os.path.basename(folder).rsplit('_', 1)[0]} {target}"
+
+    say("== each unit alone, then all at once (ninja, no Python)")
+    alone = {}
+    for folder, target in targets:
+        began = time.perf_counter()
+        start(folder, target).wait()
+        alone[(folder, target)] = time.perf_counter() - began
+    began = time.perf_counter()
+    running = {(folder, target): start(folder, target) for folder, target in targets}
+    together = {}
+    while running:
+        for key, process in list(running.items()):
+            if process.poll() is not None:
+                together[key] = time.perf_counter() - began
+                del running[key]
+        time.sleep(0.02)
+    for key in targets:
+        say(f"    {label(*key):<48} alone {alone[key]:5.1f} s, all at once {together[key]:5.1f} s")
+    say(f"    sum alone {sum(alone.values()):.1f} s, all at once {max(together.values()):.1f} s")
 
 
 def smoke_test():
@@ -716,7 +762,9 @@ def parse_arguments(argv):
         sub.add_argument("--bench-args", default=os.environ.get("BENCH_ARGS", ""),
                          help="arguments for bench.py, one string (default: $BENCH_ARGS)")
 
-    add("build", build, "cold build and warm imports timed, SASS summaries, the smoke test")
+    sub = add("build", build, "cold build and warm imports timed, SASS summaries, the smoke test")
+    sub.add_argument("--units", action="store_true",
+                     help="each compiler command of the build again, alone and then all at once")
     sub = add("tests", tests, "the full test suite; other arguments go to pytest", extra="pytest")
     sub.add_argument("--quick", action="store_true", help='only -m "not slow"')
     sub.add_argument("--time-limit", type=int, default=900, help="seconds (900)")

@@ -1,0 +1,154 @@
+"""Where a cold build's time goes, unit by unit: each compiler command of the op library's build run again alone,
+beside the same command on the unit's headers only (its preprocessor lines: includes, conditionals, defines), so
+that a unit's time splits into parsing torch's headers and compiling its own code. Optionally the CUDA units again
+with nvcc's -split-compile, with their SASS compared function by function against the plain build's.
+
+    python tools/build_units.py [--build-root DIR] [--split-compile] [--repeat N] [--part LIBRARY:PATH[,PATH]] ...
+
+--build-root: a folder the loader built into ($TORCH_EXTENSIONS_DIR); default: a fresh build into a temporary one.
+--part: files under kernels/ (joined as the loader joins them) compiled alone with that library's C++ command, e.g.
+gemm:gemm/gemm_cublas_bf16x9.cpp: what a unit of their own would take. The commands are ninja's own (`ninja -t commands`), so flags and include paths are the loader's.
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def unit_commands(build_root):
+    """(library label, object, compiler command as a list) for every compiled unit under build_root."""
+    units = []
+    for ninja_file in sorted(glob.glob(os.path.join(build_root, "*", "build.ninja"))):
+        folder = os.path.dirname(ninja_file)
+        with open(ninja_file) as f:
+            objects = re.findall(r"^build ([^ :]+\.o):", f.read(), flags=re.MULTILINE)
+        for target in objects:
+            command = subprocess.run(["ninja", "-C", folder, "-t", "commands", target], capture_output=True,
+                                     text=True, check=True).stdout.strip().splitlines()[-1]
+            units.append((os.path.basename(folder).rsplit("_", 1)[0], target, shlex.split(command)))
+    return units
+
+
+def with_source_and_output(command, source, output):
+    """The compiler command with its input replaced by `source` and its output by `output`; no depfile."""
+    result, skip = [], False
+    for i, part in enumerate(command):
+        if skip:
+            skip = False
+            continue
+        if part in ("-MF",):
+            skip = True
+            continue
+        if part in ("-MMD", "-MD"):
+            continue
+        if part == "-o":
+            result += ["-o", output]
+            skip = True
+            continue
+        if part.endswith((".cpp", ".cu")) and os.path.isfile(part):
+            result.append(source)
+            continue
+        result.append(part)
+    return result
+
+
+def source_of(command):
+    return next(part for part in command if part.endswith((".cpp", ".cu")) and os.path.isfile(part))
+
+
+def headers_only(text):
+    """The preprocessor lines of a unit (with their continuations), minus #line: what the unit includes under the
+    same conditions, and none of its own code."""
+    kept, continuing = [], False
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if continuing or (stripped.startswith("#") and not re.match(r"#\s*line\b", stripped)):
+            kept.append(line)
+            continuing = line.rstrip().endswith("\\")
+    return "\n".join(kept) + "\n"
+
+
+def timed(command):
+    start = time.perf_counter()
+    ran = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if ran.returncode != 0:
+        print(f"failed: {shlex.join(command)[:300]}\n{ran.stderr[-2000:]}", flush=True)
+        return float("nan")
+    return seconds
+
+
+def sass_by_function(path):
+    """{function: its SASS text, addresses kept} from cuobjdump."""
+    text = subprocess.run(["cuobjdump", "--dump-sass", path], capture_output=True, text=True).stdout
+    functions, name = collections.defaultdict(list), None
+    for line in text.splitlines():
+        match = re.search(r"Function : (\S+)", line)
+        if match:
+            name = match.group(1)
+        elif name:
+            functions[name].append(line.strip())
+    return {name: "\n".join(lines) for name, lines in functions.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build-root")
+    parser.add_argument("--split-compile", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--part", action="append", default=[])
+    args = parser.parse_args()
+    build_root = args.build_root
+    if build_root is None:
+        build_root = tempfile.mkdtemp(prefix="build_units_")
+        subprocess.run([sys.executable, "-c", "import kernels.functional"], cwd=REPO, check=True,
+                       env=dict(os.environ, TORCH_EXTENSIONS_DIR=build_root))
+    scratch = tempfile.mkdtemp(prefix="build_units_scratch_")
+    print(f"{'unit':<44} {'whole':>7} {'headers':>8}  (seconds, each alone; best of {args.repeat})")
+    for label, target, command in unit_commands(build_root):
+        source = source_of(command)
+        headers = os.path.join(scratch, f"{label}_{target}_headers" + os.path.splitext(source)[1])
+        with open(source) as f, open(headers, "w") as out:
+            out.write(headers_only(f.read()))
+        whole = min(timed(with_source_and_output(command, source, os.path.join(scratch, "whole.o")))
+                    for _ in range(args.repeat))
+        parse = min(timed(with_source_and_output(command, headers, os.path.join(scratch, "headers.o")))
+                    for _ in range(args.repeat))
+        print(f"{label + ' ' + target:<44} {whole:7.1f} {parse:8.1f}", flush=True)
+        if args.split_compile and target.endswith(".cuda.o"):
+            plain = os.path.join(scratch, f"{label}_plain.o")
+            split = os.path.join(scratch, f"{label}_split.o")
+            timed(with_source_and_output(command, source, plain))
+            seconds = min(timed(with_source_and_output(command, source, split) + ["-split-compile=0"])
+                          for _ in range(args.repeat))
+            a, b = sass_by_function(plain), sass_by_function(split)
+            differing = sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+            print(f"{'  with -split-compile=0':<44} {seconds:7.1f}           SASS: {len(a)} functions, "
+                  f"{len(differing)} differ{': ' + ', '.join(differing[:6]) if differing else ''}", flush=True)
+
+    sys.path.insert(0, REPO)
+    from kernels.loader import joined_source
+    units = unit_commands(build_root)
+    for part in args.part:
+        library, paths = part.split(":", 1)
+        command = next(c for label, target, c in units
+                       if label in (f"kernels_{library}_cuda", f"kernels_{library}_cpu") and target == "main.o")
+        source = os.path.join(scratch, f"part_{library}.cpp")
+        with open(source, "w") as f:
+            f.write(joined_source(paths.split(",")))
+        seconds = min(timed(with_source_and_output(command, source, os.path.join(scratch, "part.o")))
+                      for _ in range(args.repeat))
+        print(f"{'part ' + paths:<44} {seconds:7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
