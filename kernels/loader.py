@@ -2,8 +2,11 @@
 two libraries per kernel family (kernels/manifest.py), and loads them.
 
 Sources. Each family's C++ files are joined, in the manifest's order, into one translation unit, and its CUDA files
-into another; its autograd files are joined after its C++ files, or, where the machine has the CPUs to compile them
-at the same time (library_builds), into the C++ unit of a library of their own. A project header (`#include "x.h"`
+into another; its CPU loop files are joined before its C++ files and its autograd files after them, or, where the
+machine has the CPUs to compile them at the same time (library_builds), each into the C++ unit of a library of their
+own. A loops library exports its table of plain functions (kernels_<family>_cpu_loops, a C name), and once every
+library is loaded the loader hands it to the family's op library (kernels_<family>_bind_cpu_loops) with ctypes: no
+library depends on another's symbols, so each links alone and loads as its compiler finishes. A project header (`#include "x.h"`
 or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined at its first include in the unit
 and skipped after that; every inlined file is preceded by `#line 1 "kernels/<path>"` and followed by a `#line` back
 into the includer, so compiler errors name the real file and line. Quoted includes are for project headers only;
@@ -28,6 +31,7 @@ and one that does not: KERNELS_BUILD_LOCK_TIMEOUT (seconds, default 600), how lo
 
 import concurrent.futures
 import contextlib
+import ctypes
 import hashlib
 import importlib
 import os
@@ -91,9 +95,11 @@ def joined_source(paths, root=SOURCE_ROOT):
 
 
 def family_sources(families, root=SOURCE_ROOT):
-    """(C++ text, CUDA text) of one library made of `families`, their autograd sources included: one family's, or all
-    of them joined (as a single-file build would take them; per-family namespaces keep their names apart)."""
-    cpp = joined_source([p for family in families for p in (*family.cpp_sources, *family.autograd_sources)], root)
+    """(C++ text, CUDA text) of one library made of `families`, their CPU loop and autograd sources included: one
+    family's, or all of them joined (as a single-file build would take them; per-family namespaces keep their names
+    apart)."""
+    cpp = joined_source([p for family in families
+                         for p in (*family.cpu_loop_sources, *family.cpp_sources, *family.autograd_sources)], root)
     cuda_paths = [p for family in families for p in family.cuda_sources]
     return cpp, joined_source(cuda_paths, root) if cuda_paths else ""
 
@@ -146,7 +152,7 @@ def build_flags(with_cuda):
 @dataclass(frozen=True)
 class Build:
     """One library: its sources, flags and where it lives."""
-    label: str  # the family's name, <family>_autograd, or what the caller named a joined build
+    label: str  # the family's name, <family>_autograd, <family>_cpu_loops, or what the caller named a joined build
     name: str
     cpp_source: str
     cuda_source: str
@@ -155,6 +161,7 @@ class Build:
     ldflags: tuple
     with_cuda: bool
     build_dir: str
+    cpu_loops_for: str = ""  # a CPU loops library: the family whose op library takes its table once both are loaded
 
     @property
     def library(self):
@@ -167,28 +174,41 @@ def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
     return _plan(label, *family_sources(families, root), with_cuda)
 
 
-def family_builds(family, root=SOURCE_ROOT, with_cuda=None, separate_autograd=True):
-    """The Builds of one family. With separate_autograd (where the family has autograd sources): its ops (C++ and
-    CUDA units) and its autograd, a C++ unit that reaches the ops through the dispatcher only, so it links on its own
-    and may load before or after them (a cold build loads each library as its compiler finishes; the dispatcher takes
-    a kernel for an op whose schema comes later). Else one library of all its sources."""
-    if not (separate_autograd and family.autograd_sources):
+def family_builds(family, root=SOURCE_ROOT, with_cuda=None, apart=True):
+    """The Builds of one family, in load order. With `apart` (where the family has CPU loop or autograd sources):
+    - its CPU loops, plain functions in a C++ unit without the dispatcher's headers, which export their table;
+    - its ops (C++ and CUDA units), built with KERNELS_CPU_LOOPS_APART where the family has CPU loops, so that they
+      call the loops through the table the loader binds (build_and_load);
+    - its autograd, a C++ unit that reaches the ops through the dispatcher only.
+    Each links on its own and may load before or after the others (a cold build loads each library as its compiler
+    finishes; the dispatcher takes a kernel for an op whose schema comes later). Else one library of all its
+    sources."""
+    if not (apart and (family.autograd_sources or family.cpu_loop_sources)):
         return [plan_build(family.name, [family], root, with_cuda)]
+    builds = []
+    if family.cpu_loop_sources:
+        builds.append(_plan(f"{family.name}_cpu_loops", joined_source(family.cpu_loop_sources, root), "", with_cuda,
+                            cpu_loops_for=family.name))
     cuda_source = joined_source(family.cuda_sources, root) if family.cuda_sources else ""
-    return [_plan(family.name, joined_source(family.cpp_sources, root), cuda_source, with_cuda),
-            _plan(f"{family.name}_autograd", joined_source(family.autograd_sources, root), "", with_cuda)]
+    builds.append(_plan(family.name, joined_source(family.cpp_sources, root), cuda_source, with_cuda,
+                        defines=("-DKERNELS_CPU_LOOPS_APART",) if family.cpu_loop_sources else ()))
+    if family.autograd_sources:
+        builds.append(_plan(f"{family.name}_autograd", joined_source(family.autograd_sources, root), "", with_cuda))
+    return builds
 
 
 def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
-    """The Builds of `families`, each family's autograd a library of its own where the machine has a CPU for each of
-    the units that then compile at once. A cold build takes as long as its slowest unit. With 16 CPUs (the H100's
-    host) the torch headers of a family's ops and autograd are parsed at the same time: cold builds 17.4 and 18.2 s
-    against 18.7 s joined. With 2 CPUs, more units compile slower: 30.7 s against 22.4 s joined
-    (kernels/leaky_relu/NOTES.md, v7)."""
+    """The Builds of `families`, each family's autograd and CPU loops a library of their own where the machine has a
+    CPU for each of the units that then compile at once. A cold build takes as long as its slowest unit. With 16 CPUs
+    (the H100's host) the torch headers of a family's ops and autograd are parsed at the same time: cold builds 17.4
+    and 18.2 s against 18.7 s joined; leaky_relu's op unit, the slowest, loses its loops' code generation apart
+    (kernels/leaky_relu/NOTES.md, build layout). With 2 CPUs, more units compile slower: 30.7 s against 22.4 s
+    joined (kernels/leaky_relu/NOTES.md, v7)."""
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
-    units = sum(1 + bool(family.cuda_sources and with_cuda) + bool(family.autograd_sources) for family in families)
-    separate = _cpu_count() >= units
-    return [build for family in families for build in family_builds(family, root, with_cuda, separate)]
+    units = sum(1 + bool(family.cuda_sources and with_cuda) + bool(family.autograd_sources)
+                + bool(family.cpu_loop_sources) for family in families)
+    apart = _cpu_count() >= units
+    return [build for family in families for build in family_builds(family, root, with_cuda, apart)]
 
 
 _CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in us, or "max <period>"
@@ -212,11 +232,12 @@ def _cpu_count():
     return count
 
 
-def _plan(label, cpp_source, cuda_source, with_cuda):
+def _plan(label, cpp_source, cuda_source, with_cuda, defines=(), cpu_loops_for=""):
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
     if not with_cuda:
         cuda_source = ""
     cflags, cuda_cflags, ldflags = build_flags(with_cuda)
+    cflags = [*cflags, *defines]
     if not cuda_source:
         cuda_cflags = []  # a library without a CUDA unit (an autograd library) is not rebuilt for CUDA's switches
     key = hashlib.sha256()
@@ -227,7 +248,7 @@ def _plan(label, cpp_source, cuda_source, with_cuda):
     name = f"{LIBRARY_PREFIX}_{label}_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
     build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Build(label, name, cpp_source, cuda_source, tuple(cflags), tuple(cuda_cflags), tuple(ldflags), with_cuda,
-                 os.path.join(build_root, name))
+                 os.path.join(build_root, name), cpu_loops_for)
 
 
 def _check_build_tools(with_cuda):
@@ -316,9 +337,22 @@ def _load(build):
         _compile(build)
 
 
+def _bind_cpu_loops(loops, ops):
+    """Hands the table of the CPU loops library `loops` (kernels_<family>_cpu_loops there) to the family's op library
+    `ops` (kernels_<family>_bind_cpu_loops), both loaded: ctypes opens each again by its path, which gives the handle
+    of the library already loaded."""
+    family = loops.cpu_loops_for
+    table = getattr(ctypes.CDLL(loops.library), f"kernels_{family}_cpu_loops")
+    table.restype, table.argtypes = ctypes.c_void_p, []
+    bind = getattr(ctypes.CDLL(ops.library), f"kernels_{family}_bind_cpu_loops")
+    bind.restype, bind.argtypes = None, [ctypes.c_void_p]
+    bind(table())
+
+
 def build_and_load(builds):
     """Builds the libraries of `builds` that are not built yet, all at once, then loads every one of them (in
-    order) that is not loaded yet."""
+    order) that is not loaded yet, and binds each CPU loops library to its family's op library (which `builds` must
+    hold too)."""
     missing = [b for b in builds if not os.path.exists(b.library)]
     if missing:
         _check_build_tools(any(b.with_cuda for b in missing))
@@ -335,6 +369,12 @@ def build_and_load(builds):
     for build in builds:
         if os.path.realpath(build.library) not in torch.ops.loaded_libraries:
             _load(build)
+    for loops in (b for b in builds if b.cpu_loops_for):
+        ops = next((b for b in builds if b.label == loops.cpu_loops_for), None)
+        if ops is None:
+            raise ValueError(f"kernels: the CPU loops library {loops.label} is built without its family's op library "
+                             f"({loops.cpu_loops_for}), which alone can take its table")
+        _bind_cpu_loops(loops, ops)
 
 
 _loaded = False

@@ -188,7 +188,7 @@ from kernels import loader
 from kernels.manifest import Family
 twin = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="",
               autograd_sources=("twin/twin_autograd.cpp",))
-builds = loader.family_builds(twin, root=sys.argv[2], separate_autograd=True)
+builds = loader.family_builds(twin, root=sys.argv[2], apart=True)
 assert [b.label for b in builds] == ["twin", "twin_autograd"], [b.label for b in builds]
 assert "twice_twice" not in builds[0].cpp_source and "twice_twice" in builds[1].cpp_source
 assert not builds[1].cuda_source
@@ -207,20 +207,58 @@ def test_a_family_with_its_autograd_as_a_library_of_its_own_builds_and_runs(libr
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-@pytest.mark.parametrize("cpus, with_cuda, separate", [(2, False, False), (4, False, True), (4, True, False),
-                                                       (6, True, True), (16, True, True)])
-def test_autograd_is_a_library_of_its_own_where_every_unit_has_a_cpu(monkeypatch, cpus, with_cuda, separate):
+BUILD_LEAKY_RELU_APART = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+import pytest
+import torch
+from kernels import loader
+from kernels.manifest import FAMILIES
+loops, ops, autograd = loader.family_builds(FAMILIES[0], with_cuda=False, apart=True)
+assert (loops.label, ops.label, autograd.label) == ("leaky_relu_cpu_loops", "leaky_relu", "leaky_relu_autograd")
+loader.build_and_load([ops, autograd])  # the op library alone loads (it needs no symbol of the loops' library) ...
+with pytest.raises(RuntimeError, match="CPU loops' library is not bound"):  # ... and says what is missing
+    torch.ops.kernels.leaky_relu(torch.randn(10), 0.1)
+loader.build_and_load([loops, ops, autograd])  # builds the loops, binds their table
+loader._cpu_count = lambda: 16  # the library's load (test_leaky_relu imports it) takes these, and gemm's, apart too
+import test_leaky_relu
+test_leaky_relu.check_cpu_loops()
+"""
+
+
+def test_cpu_loops_as_a_library_of_their_own_are_bound_to_the_op_library(tmp_path):
+    """The layout library_builds takes where the machine has a CPU per unit: leaky_relu's CPU loops in a library of
+    their own, whose table the loader hands to the op library; every CPU loop then gives eager's bits. Before the
+    binding, a CPU call is a clear error."""
+    result = subprocess.run([sys.executable, "-c", BUILD_LEAKY_RELU_APART, REPO], capture_output=True, text=True,
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("cpus, with_cuda, apart", [(2, False, False), (4, False, False), (5, False, True),
+                                                    (6, True, False), (7, True, True), (16, True, True)])
+def test_autograd_and_cpu_loops_are_libraries_of_their_own_where_every_unit_has_a_cpu(monkeypatch, cpus, with_cuda,
+                                                                                     apart):
     monkeypatch.setattr(loader, "_cpu_count", lambda: cpus)
     builds = loader.library_builds(with_cuda=with_cuda)
     expected = []
     for family in FAMILIES:
-        expected += [family.name] + ([f"{family.name}_autograd"] if separate and family.autograd_sources else [])
+        expected += ([f"{family.name}_cpu_loops"] if apart and family.cpu_loop_sources else []) + [family.name] + (
+            [f"{family.name}_autograd"] if apart and family.autograd_sources else [])
     assert [build.label for build in builds] == expected
-    # Either way, every source file of a family is built, once.
+    # Either way, every source file of a family is built, once; apart, the op library calls the loops through the
+    # table the loader binds.
     for family in FAMILIES:
-        texts = [b.cpp_source + b.cuda_source for b in builds if b.label in (family.name, f"{family.name}_autograd")]
-        for path in (*family.cpp_sources, *family.autograd_sources, *(family.cuda_sources if with_cuda else ())):
+        mine = [b for b in builds if b.label in (family.name, f"{family.name}_autograd", f"{family.name}_cpu_loops")]
+        texts = [b.cpp_source + b.cuda_source for b in mine]
+        for path in (*family.cpu_loop_sources, *family.cpp_sources, *family.autograd_sources,
+                     *(family.cuda_sources if with_cuda else ())):
             assert sum(f'#line 1 "kernels/{path}"' in text for text in texts) == 1, path
+        ops = next(b for b in mine if b.label == family.name)
+        assert ("-DKERNELS_CPU_LOOPS_APART" in ops.cflags) == bool(apart and family.cpu_loop_sources)
+        assert [b.cpu_loops_for for b in mine if b.cpu_loops_for] == (
+            [family.name] if apart and family.cpu_loop_sources else [])
 
 
 def test_the_cpu_count_keeps_within_a_containers_quota(tmp_path, monkeypatch):
@@ -235,12 +273,13 @@ def test_the_cpu_count_keeps_within_a_containers_quota(tmp_path, monkeypatch):
     assert loader._cpu_count() == 1
 
 
-def check_cpp_syntax(cpp, tmp_path):
-    """g++ -fsyntax-only on a C++ unit, with the loader's flags for a CPU build."""
+def check_cpp_syntax(cpp, tmp_path, cflags=None):
+    """g++ -fsyntax-only on a C++ unit, with `cflags` (default: the loader's flags for a CPU build)."""
     source = tmp_path / "unit.cpp"
     source.write_text(cpp)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *loader.build_flags(False)[0],
+    cflags = loader.build_flags(False)[0] if cflags is None else cflags
+    result = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", *cflags,
                              *includes, f"-I{sys.base_prefix}/include", str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -250,13 +289,15 @@ def test_joined_cpp_of_every_family_compiles_as_one_unit(library_copy, tmp_path)
     check_cpp_syntax(loader.family_sources([*FAMILIES, TWIN], root=library_copy)[0], tmp_path)
 
 
-@pytest.mark.parametrize("label", [label for family in FAMILIES if family.autograd_sources
-                                   for label in (family.name, f"{family.name}_autograd")])
+APART_BUILDS = [b for family in FAMILIES for b in loader.family_builds(family, with_cuda=False, apart=True)]
+
+
+@pytest.mark.parametrize("label", [b.label for b in APART_BUILDS])
 def test_each_cpp_unit_of_a_family_built_apart_compiles_alone(tmp_path, label):
-    """Each C++ unit of the layout with the autograd apart includes what it uses (joined, a unit can lean on the
-    includes of the file before it)."""
-    builds = [b for family in FAMILIES for b in loader.family_builds(family, with_cuda=False, separate_autograd=True)]
-    check_cpp_syntax(next(b.cpp_source for b in builds if b.label == label), tmp_path)
+    """Each C++ unit of the layout with the autograd and CPU loops apart includes what it uses (joined, a unit can
+    lean on the includes of the file before it)."""
+    build = next(b for b in APART_BUILDS if b.label == label)
+    check_cpp_syntax(build.cpp_source, tmp_path, build.cflags)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -6,10 +6,9 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
-namespace kernels::leaky_relu {
+#include "leaky_relu_element_type.h"
 
-// Element types the element-wise kernels are instantiated for.
-enum class ElementType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+namespace kernels::leaky_relu {
 
 // y[i] = leaky_relu(x[i] * multiplier, negative_slope) over n elements that x and y store in the same order.
 // The arithmetic is done in float (double for kFloat64); multiplier == 1 skips the multiply, so that path is
