@@ -1,16 +1,16 @@
-"""The one loader: builds the op library `torch.ops.kernels` with torch.utils.cpp_extension.load_inline, one or
-two libraries per kernel family (kernels/manifest.py), and loads them.
+"""The one loader: builds the op library `torch.ops.kernels` with torch.utils.cpp_extension.load_inline, one to
+three libraries per kernel family (kernels/manifest.py), and loads them.
 
 Sources. Each family's C++ files are joined, in the manifest's order, into one translation unit, and its CUDA files
 into another; its CPU loop files are joined before its C++ files and its autograd files after them, or, where the
 machine has the CPUs to compile them at the same time (library_builds), each into the C++ unit of a library of their
 own. A loops library exports its table of plain functions (kernels_<family>_cpu_loops, a C name), and once every
 library is loaded the loader hands it to the family's op library (kernels_<family>_bind_cpu_loops) with ctypes: no
-library depends on another's symbols, so each links alone and loads as its compiler finishes. A project header (`#include "x.h"`
-or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined at its first include in the unit
-and skipped after that; every inlined file is preceded by `#line 1 "kernels/<path>"` and followed by a `#line` back
-into the includer, so compiler errors name the real file and line. Quoted includes are for project headers only;
-system and toolkit headers use <...>.
+library depends on another's symbols, so each links alone and loads as its compiler finishes. A project header
+(`#include "x.h"` or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined at its first
+include in the unit and skipped after that; every inlined file is preceded by `#line 1 "kernels/<path>"` and
+followed by a `#line` back into the includer, so compiler errors name the real file and line. Quoted includes are
+for project headers only; system and toolkit headers use <...>.
 
 Builds. A build is named after a hash of everything that shapes it (the joined sources, so every inlined header
 too; the flags; torch, CUDA and Python versions; the target GPU architectures), so it is made once per content and
@@ -353,6 +353,12 @@ def build_and_load(builds):
     """Builds the libraries of `builds` that are not built yet, all at once, then loads every one of them (in
     order) that is not loaded yet, and binds each CPU loops library to its family's op library (which `builds` must
     hold too)."""
+    by_label = {b.label: b for b in builds}
+    for loops in (b for b in builds if b.cpu_loops_for):
+        ops = by_label.get(loops.cpu_loops_for)
+        if ops is None or "-DKERNELS_CPU_LOOPS_APART" not in ops.cflags:
+            raise ValueError(f"kernels: the CPU loops library {loops.label} needs its family's op library "
+                             f"({loops.cpu_loops_for}) built with KERNELS_CPU_LOOPS_APART beside it, to take its table")
     missing = [b for b in builds if not os.path.exists(b.library)]
     if missing:
         _check_build_tools(any(b.with_cuda for b in missing))
@@ -370,11 +376,7 @@ def build_and_load(builds):
         if os.path.realpath(build.library) not in torch.ops.loaded_libraries:
             _load(build)
     for loops in (b for b in builds if b.cpu_loops_for):
-        ops = next((b for b in builds if b.label == loops.cpu_loops_for), None)
-        if ops is None:
-            raise ValueError(f"kernels: the CPU loops library {loops.label} is built without its family's op library "
-                             f"({loops.cpu_loops_for}), which alone can take its table")
-        _bind_cpu_loops(loops, ops)
+        _bind_cpu_loops(loops, by_label[loops.cpu_loops_for])
 
 
 _loaded = False

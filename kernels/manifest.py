@@ -14,7 +14,7 @@ Where the machine has a CPU for each unit (kernels/loader.py, library_builds), a
 libraries: its ops (the C++ and CUDA units), its autograd (a C++ unit of its own, which reaches the ops through the
 dispatcher only) and its CPU loops (a C++ unit of plain functions, whose table the loader hands to the op library),
 whose units compile at the same time: parsing the autograd headers costs as much as a unit's own code, the loops'
-code generation a quarter of the op unit's time, and a cold build takes as long as its slowest unit. Elsewhere its
+code generation about a third of the op unit's time, and a cold build takes as long as its slowest unit. Elsewhere its
 CPU loop files are joined before its C++ files, and its autograd files after them.
 
 This is data only (no torch import), so tools that read the sources need not build anything.

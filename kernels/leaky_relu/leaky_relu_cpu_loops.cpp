@@ -55,7 +55,8 @@ void multiply_leaky_relu_range(const scalar_t* in, scalar_t* out, std::uint8_t* 
 }
 
 template <typename scalar_t, bool kMultiplied, bool kMask>
-void leaky_relu_backward_range(const scalar_t* grad_out, const scalar_t* saved, const std::uint8_t* mask, scalar_t* grad_in,
+void leaky_relu_backward_range(const scalar_t* grad_out, const scalar_t* saved, const std::uint8_t* mask,
+                               scalar_t* grad_in,
                                int64_t begin, int64_t end, at::opmath_type<scalar_t> multiplier,
                                at::opmath_type<scalar_t> slope) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -165,7 +166,8 @@ void multiply_leaky_relu_range(const scalar_t* in, scalar_t* out, std::uint8_t* 
 }
 
 template <typename scalar_t, bool kMultiplied, bool kMask>
-void leaky_relu_backward_range(const scalar_t* grad_out, const scalar_t* saved, const std::uint8_t* mask, scalar_t* grad_in,
+void leaky_relu_backward_range(const scalar_t* grad_out, const scalar_t* saved, const std::uint8_t* mask,
+                               scalar_t* grad_in,
                                int64_t begin, int64_t end, at::opmath_type<scalar_t> multiplier,
                                at::opmath_type<scalar_t> slope) {
   using opmath_t = at::opmath_type<scalar_t>;

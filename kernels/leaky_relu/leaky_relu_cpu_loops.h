@@ -1,7 +1,7 @@
 // The CPU loops of the LeakyReLU family (leaky_relu_cpu_loops.cpp): the CPU's counterpart of leaky_relu.h's
 // launchers, with the same contracts, over raw pointers. The torch side (leaky_relu.cpp) reaches them through a
 // table of function pointers, because the loader may build them into a library of their own: where the machine has
-// a CPU for each unit, their code generation (a quarter of the family's C++ unit) compiles beside the op library
+// a CPU for each unit, their code generation (about a third of the family's C++ unit) compiles beside the op library
 // instead of inside it, and the loader hands the table to the op library once both are loaded (kernels/loader.py).
 // Elsewhere their file is joined into the op library's unit, which then reads the table directly.
 #pragma once
