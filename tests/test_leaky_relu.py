@@ -1,6 +1,7 @@
 """LeakyReLU: the op and ModelNew against the reference model (F.leaky_relu), bit for bit, on CPU and CUDA."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -67,11 +68,30 @@ def test_special_values(device, dtype, slope):
         assert_bitwise_equal(LeakyReLUModelNew(slope)(view), F.leaky_relu(view, slope))
 
 
+def expected_cpu_loops_isa():
+    """The build of the CPU loops that CPU calls should take here, or None where this cannot tell: "avx2" on an x86-64
+    CPU with AVX2, FMA and F16C, where ATen runs its vectorized kernels (not held to its generic ones by
+    ATEN_CPU_CAPABILITY=default) and g++ built the library (the AVX2 build is GCC's target pragma), else "generic"."""
+    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return "generic"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(f.read().split())
+        compiler = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags and "clang" not in compiler.lower() else "generic"
+
+
 def check_cpu_loops():
     """Every CPU loop (forward, the multiply epilogue with and without its mask, backward from the input or from a
     mask, with and without a multiplier) against eager or a reference computed the loops' way: in float (double for
     double) with one rounding at the end. Lengths that are not a whole number of vectors, both signs, and the
-    special values."""
+    special values. First, that the loops' build is the one this CPU and ATen's setting call for (both builds give
+    the same bits, so only the choice tells them apart)."""
+    expected = expected_cpu_loops_isa()
+    if expected is not None:
+        assert torch.ops.kernels._leaky_relu_cpu_loops_isa() == expected
     g = torch.Generator().manual_seed(1)
     special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-30, -1e-30, 3.0, -3.0])
     for dtype in FLOAT_DTYPES:

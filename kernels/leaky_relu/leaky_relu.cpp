@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "common/torch_checks.h"
 #include "leaky_relu_cpu_loops.h"
@@ -181,6 +182,10 @@ at::Tensor leaky_relu_backward(const at::Tensor& grad_output, const at::Tensor& 
   return grad_in;
 }
 
+// The build of the CPU loops that CPU calls take ("avx2" or "generic"): what the tests check the choice by, as
+// both builds give the same bits.
+std::string leaky_relu_cpu_loops_isa() { return cpu_loops().isa(aten_cpu_vectorized()); }
+
 }  // namespace
 }  // namespace kernels::leaky_relu
 
@@ -197,6 +202,9 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("leaky_relu_(Tensor(a!) x, float negative_slope) -> ()");
   m.def("multiply_leaky_relu_(Tensor(a!) x, float multiplier, float negative_slope, bool return_mask) -> Tensor");
   m.def("leaky_relu_backward(Tensor grad_output, Tensor saved, float negative_slope, float multiplier) -> Tensor");
+  m.def("_leaky_relu_cpu_loops_isa() -> str");
+  m.impl("_leaky_relu_cpu_loops_isa", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                                      &kernels::leaky_relu::leaky_relu_cpu_loops_isa));
 }
 
 // The same functions serve both devices: each picks the CPU loop or the CUDA launch by the tensors' device.

@@ -7,6 +7,9 @@ Ops (schemas in leaky_relu.cpp):
                                                              in place: x = leaky_relu(x * multiplier); the GEMM
                                                              family's epilogue on its cuBLAS path
   leaky_relu_backward(grad_output, saved, negative_slope, multiplier) -> grad_input
+  _leaky_relu_cpu_loops_isa() -> str                          the build of the CPU loops CPU calls take: "avx2" or
+                                                             "generic" (ATen held to its generic kernels, or a CPU
+                                                             or compiler without AVX2)
 
 The autograd of every op is C++ (leaky_relu_autograd.cpp): the Autograd kernels run the kernel, then record a graph
 node where a gradient can flow (reverse mode, to any order) and set the tangent (forward mode); the in-place ops

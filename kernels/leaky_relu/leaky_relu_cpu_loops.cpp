@@ -297,7 +297,11 @@ void cpu_leaky_relu_backward(ElementType type, const void* grad_out, const void*
   });
 }
 
-constexpr CpuLoops kCpuLoops{&cpu_multiply_leaky_relu, &cpu_leaky_relu_backward};
+const char* cpu_loops_isa(bool aten_vectorized) {
+  return loops_isa(aten_vectorized) == CpuIsa::kAvx2 ? "avx2" : "generic";
+}
+
+constexpr CpuLoops kCpuLoops{&cpu_multiply_leaky_relu, &cpu_leaky_relu_backward, &cpu_loops_isa};
 
 }  // namespace
 }  // namespace kernels::leaky_relu

@@ -22,6 +22,8 @@ struct CpuLoops {
   void (*leaky_relu_backward)(ElementType type, const void* grad_out, const void* saved, const std::uint8_t* mask,
                               void* grad_in, std::int64_t n, double multiplier, double negative_slope,
                               bool aten_vectorized);
+  // The build of the loops that the two above take: "avx2" or "generic".
+  const char* (*isa)(bool aten_vectorized);
 };
 // Both take the work over ATen's intra-op threads (at::parallel_for). aten_vectorized: whether ATen runs its own
 // vectorized CPU kernels (at::get_cpu_capability() is not "DEFAULT", which ATEN_CPU_CAPABILITY=default forces); only
