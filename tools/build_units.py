@@ -4,8 +4,11 @@ that a unit's time splits into parsing torch's headers and compiling its own cod
 with nvcc's -split-compile, with their SASS compared function by function against the plain build's.
 
     python tools/build_units.py [--build-root DIR] [--split-compile] [--repeat N] [--part LIBRARY:PATH[,PATH]] ...
+    python tools/build_units.py --build-root DIR --together
 
 --build-root: a folder the loader built into ($TORCH_EXTENSIONS_DIR); default: a fresh build into a temporary one.
+--together: instead, each unit's command alone, then all of them at once (as the loader's build runs them): how much of
+a unit's time in the parallel build is its own and how much the compilers beside it.
 --part: files under kernels/ (joined as the loader joins them) compiled alone with that library's C++ command, e.g.
 gemm:gemm/gemm_cublas_bf16x9.cpp: what a unit of their own would take. The commands are ninja's own (`ninja -t commands`), so flags and include paths are the loader's.
 """
@@ -41,7 +44,7 @@ def unit_commands(build_root):
 def with_source_and_output(command, source, output):
     """The compiler command with its input replaced by `source` and its output by `output`; no depfile."""
     result, skip = [], False
-    for i, part in enumerate(command):
+    for part in command:
         if skip:
             skip = False
             continue
@@ -100,12 +103,33 @@ def sass_by_function(path):
     return {name: "\n".join(lines) for name, lines in functions.items()}
 
 
+def time_alone_and_together(units, scratch):
+    """Each unit's command once alone, then all at once; prints both per unit."""
+    commands = [with_source_and_output(command, source_of(command), os.path.join(scratch, f"{label}_{target}"))
+                for label, target, command in units]
+    alone = [timed(command) for command in commands]
+    began = time.perf_counter()
+    running = {i: subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+               for i, command in enumerate(commands)}
+    together = {}
+    while running:
+        for i, process in list(running.items()):
+            if process.poll() is not None:
+                together[i] = time.perf_counter() - began
+                del running[i]
+        time.sleep(0.02)
+    for i, (label, target, _) in enumerate(units):
+        print(f"{label + ' ' + target:<44} alone {alone[i]:5.1f} s, all at once {together[i]:5.1f} s")
+    print(f"sum alone {sum(alone):.1f} s, all at once {max(together.values()):.1f} s", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build-root")
     parser.add_argument("--split-compile", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--part", action="append", default=[])
+    parser.add_argument("--together", action="store_true")
     args = parser.parse_args()
     build_root = args.build_root
     if build_root is None:
@@ -113,6 +137,9 @@ def main():
         subprocess.run([sys.executable, "-c", "import kernels.functional"], cwd=REPO, check=True,
                        env=dict(os.environ, TORCH_EXTENSIONS_DIR=build_root))
     scratch = tempfile.mkdtemp(prefix="build_units_scratch_")
+    if args.together:
+        time_alone_and_together(unit_commands(build_root), scratch)
+        return
     print(f"{'unit':<44} {'whole':>7} {'headers':>8}  (seconds, each alone; best of {args.repeat})")
     for label, target, command in unit_commands(build_root):
         source = source_of(command)

@@ -70,7 +70,6 @@ TEST_TIMEOUT (sm80's --test-time-limit), PYTEST_ARGS (arguments for sm80's pytes
 
 import argparse
 import collections
-import contextlib
 import glob
 import json
 import os
@@ -375,7 +374,7 @@ def build(args):
     run([PYTHON, "-c", "import torch; torch.cuda.init()"])
     say(f"python + torch + CUDA start-up alone: {time.time() - start:.2f} s")
     if getattr(args, "units", False):
-        time_units(build_root)
+        run([PYTHON, "tools/build_units.py", "--build-root", build_root, "--together"])
 
     sass = os.path.join(args.out, "sass.txt")
     dump_sass(sorted(glob.glob(os.path.join(build_root, "*", "*.so"))), sass)
@@ -385,45 +384,6 @@ def build(args):
 
     failed += smoke_test()
     return failed
-
-
-def time_units(build_root):
-    """Each compiler command of the cold build run again, one at a time, then all at once, from the build folders'
-    ninja files (no Python): how much of a unit's time in the parallel build is the unit's own and how much is the
-    compilers running beside it."""
-    targets = []
-    for ninja_file in sorted(glob.glob(os.path.join(build_root, "*", "build.ninja"))):
-        folder = os.path.dirname(ninja_file)
-        with open(ninja_file) as f:
-            objects = re.findall(r"^build ([^ :]+\.o):", f.read(), flags=re.MULTILINE)
-        targets += [(folder, target) for target in objects]
-
-    def start(folder, target):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, target))
-        return subprocess.Popen(["ninja", "-C", folder, target], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-    def label(folder, target):
-        return f"{os.path.basename(folder).rsplit('_', 1)[0]} {target}"
-
-    say("== each unit alone, then all at once (ninja, no Python)")
-    alone = {}
-    for folder, target in targets:
-        began = time.perf_counter()
-        start(folder, target).wait()
-        alone[(folder, target)] = time.perf_counter() - began
-    began = time.perf_counter()
-    running = {(folder, target): start(folder, target) for folder, target in targets}
-    together = {}
-    while running:
-        for key, process in list(running.items()):
-            if process.poll() is not None:
-                together[key] = time.perf_counter() - began
-                del running[key]
-        time.sleep(0.02)
-    for key in targets:
-        say(f"    {label(*key):<48} alone {alone[key]:5.1f} s, all at once {together[key]:5.1f} s")
-    say(f"    sum alone {sum(alone.values()):.1f} s, all at once {max(together.values()):.1f} s")
 
 
 def smoke_test():
