@@ -126,8 +126,13 @@ def cuda_arch_flags():
     return flags
 
 
-def build_flags(with_cuda):
-    """(C++ flags, CUDA flags, link flags)."""
+def build_flags(with_cuda, cpu_loops=True):
+    """(C++ flags, CUDA flags, link flags). `cpu_loops`: whether the C++ unit holds CPU loops (a family's, or a
+    joined build that includes them), which build at -O3; a unit without them, the torch side (checks, dispatch,
+    registrations) or an autograd library, builds at -O1: it is mostly parsing torch's headers, and -O3's code
+    generation of its own code took a third of its time (gemm's op unit 11.9 -> 8.1 s, its headers alone 7.7 s, on a
+    2-core machine) for host code that runs once per call (bench.py's per-call rows: kernels/leaky_relu/NOTES.md,
+    v11)."""
     # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
     # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
     # with it too, the library shares the libgomp that torch has loaded (same soname).
@@ -135,11 +140,15 @@ def build_flags(with_cuda):
     # AT_PER_OPERATOR_HEADERS, as torch's own sources are built: a unit includes the ATen ops it calls
     # (ATen/ops/<op>.h), and torch headers include theirs, instead of ATen/Functions.h, every op's declaration; the
     # autograd headers pull that in otherwise (~2 s of parsing per unit on a 2-core machine).
-    cflags = (["-O3", "-fno-trapping-math", "-DAT_PER_OPERATOR_HEADERS", *openmp]
+    cflags = (["-O3" if cpu_loops else "-O1", "-fno-trapping-math", "-DAT_PER_OPERATOR_HEADERS", *openmp]
               + (["-DKERNELS_WITH_CUDA"] if with_cuda else []))
     cuda_cflags = []
     if with_cuda:
-        cuda_cflags = ["-O3", *cuda_arch_flags()]
+        # -split-compile=0: cicc and ptxas take the unit's kernels in threads, one per CPU (gemm's CUDA unit 12.8 ->
+        # 7.4 s alone on the H100's host). Its SASS is the same for every thread count (checked for 1 to 16 CPUs);
+        # against an unsplit build only the address arithmetic of two memory-bound passes (split_rows_kernel,
+        # nonfinite_outputs_kernel) is rearranged (kernels/gemm/NOTES.md, eleventh session).
+        cuda_cflags = ["-O3", "-split-compile=0", *cuda_arch_flags()]
         if _env_flag("KERNELS_LINEINFO"):
             cuda_cflags.append("-lineinfo")
         if _env_flag("KERNELS_PTXAS_REPORT"):
@@ -171,7 +180,8 @@ class Build:
 def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
     """The Build of one library made of `families` (all their sources), named
     kernels_<label>_<cuda|cpu>_<hash of its content>."""
-    return _plan(label, *family_sources(families, root), with_cuda)
+    return _plan(label, *family_sources(families, root), with_cuda,
+                 cpu_loops=any(family.cpu_loop_sources for family in families))
 
 
 def family_builds(family, root=SOURCE_ROOT, with_cuda=None, apart=True):
@@ -188,12 +198,13 @@ def family_builds(family, root=SOURCE_ROOT, with_cuda=None, apart=True):
     builds = []
     if family.cpu_loop_sources:
         builds.append(_plan(f"{family.name}_cpu_loops", joined_source(family.cpu_loop_sources, root), "", with_cuda,
-                            cpu_loops_for=family.name))
+                            cpu_loops=True, cpu_loops_for=family.name))
     cuda_source = joined_source(family.cuda_sources, root) if family.cuda_sources else ""
-    builds.append(_plan(family.name, joined_source(family.cpp_sources, root), cuda_source, with_cuda,
+    builds.append(_plan(family.name, joined_source(family.cpp_sources, root), cuda_source, with_cuda, cpu_loops=False,
                         defines=("-DKERNELS_CPU_LOOPS_APART",) if family.cpu_loop_sources else ()))
     if family.autograd_sources:
-        builds.append(_plan(f"{family.name}_autograd", joined_source(family.autograd_sources, root), "", with_cuda))
+        builds.append(_plan(f"{family.name}_autograd", joined_source(family.autograd_sources, root), "", with_cuda,
+                            cpu_loops=False))
     return builds
 
 
@@ -232,11 +243,11 @@ def _cpu_count():
     return count
 
 
-def _plan(label, cpp_source, cuda_source, with_cuda, defines=(), cpu_loops_for=""):
+def _plan(label, cpp_source, cuda_source, with_cuda, cpu_loops, defines=(), cpu_loops_for=""):
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
     if not with_cuda:
         cuda_source = ""
-    cflags, cuda_cflags, ldflags = build_flags(with_cuda)
+    cflags, cuda_cflags, ldflags = build_flags(with_cuda, cpu_loops)
     cflags = [*cflags, *defines]
     if not cuda_source:
         cuda_cflags = []  # a library without a CUDA unit (an autograd library) is not rebuilt for CUDA's switches

@@ -1,9 +1,10 @@
 """Where a cold build's time goes, unit by unit: each compiler command of the op library's build run again alone,
 beside the same command on the unit's headers only (its preprocessor lines: includes, conditionals, defines), so
 that a unit's time splits into parsing torch's headers and compiling its own code. Optionally the CUDA units again
-with nvcc's -split-compile, with their SASS compared function by function against the plain build's.
+without nvcc's -split-compile (the loader's flag), with their SASS compared function by function against the
+loader's build; and the C++ units again at -O3 (the loader builds those without CPU loops at -O1).
 
-    python tools/build_units.py [--build-root DIR] [--split-compile] [--repeat N] [--part LIBRARY:PATH[,PATH]] ...
+    python tools/build_units.py [--build-root DIR] [--split-compile] [--o3] [--repeat N] [--part LIBRARY:PATH[,PATH]]
     python tools/build_units.py --build-root DIR --together
 
 --build-root: a folder the loader built into ($TORCH_EXTENSIONS_DIR); default: a fresh build into a temporary one.
@@ -127,6 +128,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build-root")
     parser.add_argument("--split-compile", action="store_true")
+    parser.add_argument("--o3", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--part", action="append", default=[])
     parser.add_argument("--together", action="store_true")
@@ -152,15 +154,19 @@ def main():
                     for _ in range(args.repeat))
         print(f"{label + ' ' + target:<44} {whole:7.1f} {parse:8.1f}", flush=True)
         if args.split_compile and target.endswith(".cuda.o"):
-            plain = os.path.join(scratch, f"{label}_plain.o")
-            split = os.path.join(scratch, f"{label}_split.o")
-            timed(with_source_and_output(command, source, plain))
-            seconds = min(timed(with_source_and_output(command, source, split) + ["-split-compile=0"])
-                          for _ in range(args.repeat))
-            a, b = sass_by_function(plain), sass_by_function(split)
+            unsplit_command = [part for part in command if not part.startswith("-split-compile")]
+            split, unsplit = (os.path.join(scratch, f"{label}_{name}.o") for name in ("split", "unsplit"))
+            timed(with_source_and_output(command, source, split))
+            seconds = min(timed(with_source_and_output(unsplit_command, source, unsplit)) for _ in range(args.repeat))
+            a, b = sass_by_function(split), sass_by_function(unsplit)
             differing = sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
-            print(f"{'  with -split-compile=0':<44} {seconds:7.1f}           SASS: {len(a)} functions, "
+            print(f"{'  without -split-compile':<44} {seconds:7.1f}           SASS: {len(a)} functions, "
                   f"{len(differing)} differ{': ' + ', '.join(differing[:6]) if differing else ''}", flush=True)
+        if args.o3 and not target.endswith(".cuda.o") and "-O3" not in command:
+            o3_command = ["-O3" if part in ("-O0", "-O1", "-O2", "-Os") else part for part in command]
+            seconds = min(timed(with_source_and_output(o3_command, source, os.path.join(scratch, "o3.o")))
+                          for _ in range(args.repeat))
+            print(f"{'  at -O3':<44} {seconds:7.1f}", flush=True)
 
     sys.path.insert(0, REPO)
     from kernels.loader import joined_source
