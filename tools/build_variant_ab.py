@@ -26,15 +26,13 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Run in the child before bench.py: patches the loader's choices, then runs bench.py as __main__.
+_EVERY_UNIT_AT_O3 = ("from kernels import loader\n"
+                     "_flags = loader.build_flags\n"
+                     "loader.build_flags = lambda with_cuda, cpu_loops=True: _flags(with_cuda, True)\n")
 VARIANT_PATCHES = {
     "loader": "",
-    "o3": ("from kernels import loader\n"
-           "_flags = loader.build_flags\n"
-           "loader.build_flags = lambda with_cuda, cpu_loops=True: _flags(with_cuda, True)\n"),
-    "joined": ("from kernels import loader\n"
-               "_flags = loader.build_flags\n"
-               "loader.build_flags = lambda with_cuda, cpu_loops=True: _flags(with_cuda, True)\n"
-               "loader._cpu_count = lambda: 1\n"),
+    "o3": _EVERY_UNIT_AT_O3,
+    "joined": _EVERY_UNIT_AT_O3 + "loader._cpu_count = lambda: 1\n",  # one library per family
 }
 CHILD = """import runpy, sys
 sys.path.insert(0, {repo!r})
