@@ -367,6 +367,52 @@ def k_sweep():
             print(f"{k:>6} {kind:>10} {worst[0]:10.3e} {worst[1]:10.3e} {worst[2]:6.3f}")
 
 
+# Real models' outputs (rows x out_features): ViT-B/16 at batch 64, BERT and GPT-2 at 8-16 x 512 tokens, LLaMA-style,
+# KernelBench level 3's small transformers.
+MODEL_OUTPUTS = ((12608, 2304), (12608, 768), (12608, 3072), (8192, 1024), (8192, 4096), (4096, 2048), (4096, 512),
+                 (2048, 2048), (1024, 1024), (394, 512))
+
+
+def small_k(outputs=MODEL_OUTPUTS, ks=(256, 384, 512, 640, 768, 1000, 1024)):
+    """Below the split path's smallest K: time and error of both paths, forced, at real models' outputs with the
+    identity epilogue (a plain linear layer), per K; the worst error ratio over randn, rand and scaled-row inputs."""
+    import torch.nn.functional as F
+    from kernels.timing import time_each_ms
+    from kernels.functional import gemm_multiply_leaky_relu
+    from kernels.gemm.gemm import forced_gemm_path
+    from kernels.precision import relative_error
+
+    print(f"{'m':>6} {'n':>5} {'k':>5} {'split ms':>9} {'cublas ms':>9} {'speedup':>7} {'worst':>9} {'split':>10} "
+          f"{'eager':>10} {'ratio':>6}")
+    for m, n in outputs:
+        for k in ks:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            worst = ("", 0.0, 1.0, 0.0)
+            for kind in ("randn", "rand", "wide_rows"):
+                draw = torch.rand if kind == "rand" else torch.randn
+                x = draw(m, k, device="cuda", generator=g)
+                if kind == "wide_rows":
+                    x *= torch.pow(10.0, torch.empty(m, 1, device="cuda").uniform_(-10, 10, generator=g))
+                weight = (torch.rand(n, k, device="cuda", generator=g) * 2 - 1) / k ** 0.5
+                bias = (torch.rand(n, device="cuda", generator=g) * 2 - 1) / k ** 0.5
+                with torch.no_grad():
+                    with forced_gemm_path(SPLIT_PATH):
+                        y = gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
+                    y_eager = F.linear(x, weight, bias)
+                    y64 = F.linear(x.double(), weight.double(), bias.double())
+                    ours, eager = relative_error(y, y64), relative_error(y_eager, y64)
+                    if kind == "randn":
+                        def split():
+                            with forced_gemm_path(SPLIT_PATH):
+                                gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
+                        times = time_each_ms([split, lambda: F.linear(x, weight, bias)])
+                if ours / eager > worst[3]:
+                    worst = (kind, ours, eager, ours / eager)
+                del x, weight, y, y_eager, y64
+            print(f"{m:>6} {n:>5} {k:>5} {times[0]:9.4f} {times[1]:9.4f} {times[1] / times[0]:7.3f} {worst[0]:>9} "
+                  f"{worst[1]:10.3e} {worst[2]:10.3e} {worst[3]:6.3f}", flush=True)
+
+
 SWEEP_OUTPUTS = ((128, 512), (512, 512), (1024, 1024), (1024, 2048), (2048, 2048), (1024, 8192), (4096, 4096))
 
 
@@ -412,6 +458,8 @@ def main():
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--k-sweep", action="store_true", help="error of the forced split path against eager's, per K")
     mode.add_argument("--shapes", action="store_true", help="time and error of both paths over output sizes and K")
+    mode.add_argument("--small-k", action="store_true",
+                      help="time and error of both paths at real models' outputs, K 256-1024, identity epilogue")
     mode.add_argument("--profile", action="store_true", help="only where one call's time goes")
     mode.add_argument("--train", action="store_true", help="an fp32 training step: its time, peak memory, errors")
     mode.add_argument("--train-profile", choices=["fp32", "bf16", "fp16"], metavar="DTYPE",
@@ -445,6 +493,8 @@ def main():
 def choose(args):
     if args.k_sweep:
         k_sweep()
+    elif args.small_k:
+        small_k()
     elif args.profile:
         profile_one_call()
     elif args.train:

@@ -164,8 +164,14 @@ struct ProductShape {
   bool w_transposed = false;
 };
 
+// Whether a weight (out_features x in_features) is the transpose of a row-major (in_features x out_features) matrix,
+// as F.linear(x, w.t()), x @ w and transformers' Conv1D give it: the split path then reads that matrix as it is.
+bool is_transposed_weight(const at::Tensor& weight) {
+  return weight.size(0) > 1 && weight.size(1) > 1 && weight.stride(0) == 1 && weight.stride(1) != 1;
+}
+
 ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight) {
-  return {gemm_rows(x, weight), weight.size(0), weight.size(1)};
+  return {gemm_rows(x, weight), weight.size(0), weight.size(1), is_transposed_weight(weight)};
 }
 
 // Why the fast float32 path `path` (a split path or cublas_bf16x9) cannot take a product of this shape on x's device
@@ -245,21 +251,28 @@ Path automatic_fast_fp32_path(const at::Tensor& x, ProductShape shape) {
 }
 
 // The automatic choice takes the split path only where it was measured to be both faster and more accurate than
-// cuBLAS SGEMM (tools/gemm_sweep.py --k-sweep and --shapes, H100; kernels/gemm/NOTES.md). The split represents each
-// operand to about 2^-22, so its error has a floor near 2.5e-7 whatever K is, while SGEMM's error grows with K: below
-// K = 1024 SGEMM can be the more accurate one (at K = 64 it is, by up to 2.5x). For outputs of fewer than 2^20
-// elements, cuBLAS splits K across CTAs, which is both faster than the split kernel's few 128 x 128 tiles and, for
-// all-positive inputs, more accurate (1.8e-7 against the split's 3.4e-7 at 1024 x 512 x 8192; 2.2e-7 against 2.8e-7
-// at 128 x 1024 x 1024). From 2^20 outputs on, in any aspect down to 128 rows or columns (128 x 8192, 256 x 4096,
-// 512 x 2048, 8192 x 256, at K = 1024 to 8192), the split path measured faster (1.2-3.8x) and at most 0.67x
-// SGEMM's error for randn, rand and KernelBench's inputs alike.
-constexpr int64_t kSplitMinReduction = 1024;
-constexpr int64_t kSplitMinOutputs = int64_t{1} << 20;
+// cuBLAS SGEMM (tools/gemm_sweep.py --small-k, --k-sweep and --shapes; kernels/gemm/NOTES.md). The split's error has a
+// floor near 2.5e-7 whatever K is, while SGEMM's grows with K, so a short reduction favours SGEMM's accuracy (at
+// K = 64 it is the more accurate); small outputs favour cuBLAS's speed (it splits K across CTAs). Two regions:
+// K >= 512 from 2^20 outputs on, and K >= 256 from 2^22 outputs on; both in any aspect down to 128 rows or columns.
 constexpr int64_t kSplitMinSide = 128;  // one tile; narrower outputs were not measured
+constexpr int64_t kSplitMinOutputs = int64_t{1} << 20;
+constexpr int64_t kSplitMinReduction = 512;
+constexpr int64_t kSplitMinOutputsShortReduction = int64_t{1} << 22;
+constexpr int64_t kSplitMinShortReduction = 256;
 
 bool split_pays_off(ProductShape shape) {
-  return shape.k >= kSplitMinReduction && shape.m >= kSplitMinSide && shape.n >= kSplitMinSide &&
-         shape.m * shape.n >= kSplitMinOutputs;
+  const int64_t outputs = shape.m * shape.n;
+  return shape.m >= kSplitMinSide && shape.n >= kSplitMinSide &&
+         ((shape.k >= kSplitMinReduction && outputs >= kSplitMinOutputs) ||
+          (shape.k >= kSplitMinShortReduction && outputs >= kSplitMinOutputsShortReduction));
+}
+
+// split_pays_off's thresholds, for gemm.py's check that skips the op where no split can pay: [min_side, min_outputs,
+// min_reduction, min_outputs_short_reduction, min_short_reduction].
+std::vector<int64_t> gemm_split_thresholds() {
+  return {kSplitMinSide, kSplitMinOutputs, kSplitMinReduction, kSplitMinOutputsShortReduction,
+          kSplitMinShortReduction};
 }
 
 // The path of one product (the forward's, or one of the backward's), chosen from x's device and dtype, the GPU,
@@ -299,11 +312,13 @@ std::string gemm_path_refusal(const at::Tensor& x, const at::Tensor& weight, con
   return refusal == nullptr ? "" : refusal;
 }
 
-// The cuBLAS path: at::linear, then the epilogue op in place.
+// The cuBLAS path: at::linear, then the epilogue op in place (none for the identity epilogue).
 std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
                                                                    const at::Tensor& bias, double multiplier,
                                                                    double negative_slope, bool return_mask) {
   at::Tensor y = at::linear(x, weight, bias).contiguous();
+  if (is_identity_epilogue(multiplier, negative_slope) && !return_mask)  // a plain linear: nothing more to do
+    return {y, at::empty({0}, x.options().dtype(at::kBool))};
   at::Tensor mask = leaky_relu::multiply_leaky_relu_op().call(y, multiplier, negative_slope, return_mask);
   return {y, mask};
 }
@@ -449,6 +464,11 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
   at::Tensor y = at::empty(out_shape, x.options());
   at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
+  if (is_transposed_weight(weight)) {  // read as the (k x n) matrix it is a view of, without a copy
+    split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight.t(), /*w_transposed=*/true, bias,
+                       multiplier, negative_slope, y, positive);
+    return {y, mask};
+  }
   if (!split_product_transposed(path, m, n, k)) {
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
                        multiplier, negative_slope, y, positive, /*x_column_sums=*/nullptr, w_split);
@@ -488,7 +508,8 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 // that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
 // CPU int64 tensor of what it was made from and for, and an alias of the weight, which keeps its storage alive.
 // Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference tensor, which has no version counter, products under
-// kKeptSplitMinProducts) it returns []. Passed back to gemm_multiply_leaky_relu as weight_split, the split is used only
+// kKeptSplitMinProducts, a transposed weight view) it returns []; where the GPU's memory runs out while making it, a
+// list of one empty tensor. Passed back to gemm_multiply_leaky_relu as weight_split, the split is used only
 // where the call's weight shares the alias's storage and the whole stamp matches that call: its path, and the weight's
 // data address, version counter (which every in-place change through PyTorch advances), sizes, strides, device and
 // current stream (the one the split was made on, so that the GEMM reads it in order); else the weight is split as
@@ -518,7 +539,8 @@ std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
 // Whether the forward of this shape on `path` can read w's split made beforehand: a split path whose product is not
 // computed transposed, and a weight with a version counter (an inference tensor has none).
 bool reads_weight_split(Path path, const ProductShape& shape, const at::Tensor& weight) {
-  return is_split(path) && !split_product_transposed(path, shape.m, shape.n, shape.k) && !weight.is_inference();
+  return is_split(path) && !shape.w_transposed && !split_product_transposed(path, shape.m, shape.n, shape.k) &&
+         !weight.is_inference();
 }
 #endif
 
@@ -539,9 +561,14 @@ std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor&
   const c10::cuda::CUDAGuard guard(weight.device());
   if (path == Path::kSplitFp16 && !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k))
     return {};
-  const WeightSplit split =
-      split_w_chunks(path, split_operand(weight), /*w_transposed=*/false, shape.n, shape.k,
-                     c10::cuda::getCurrentCUDAStream(weight.device().index()).stream());
+  // A split to keep is an optimization: where its memory cannot be had, the caller goes on without one.
+  WeightSplit split;
+  try {
+    split = split_w_chunks(path, split_operand(weight), /*w_transposed=*/false, shape.n, shape.k,
+                           c10::cuda::getCurrentCUDAStream(weight.device().index()).stream());
+  } catch (const c10::OutOfMemoryError&) {
+    return {at::empty({0}, at::TensorOptions().dtype(at::kLong))};  // the caller's sign to make room
+  }
   const std::vector<int64_t> stamp = weight_stamp(path, weight);
   at::Tensor stamp_tensor = at::empty({kStampFields}, at::TensorOptions().dtype(at::kLong));
   std::copy(stamp.begin(), stamp.end(), stamp_tensor.mutable_data_ptr<int64_t>());
@@ -637,16 +664,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
   y_shape.back() = n;
   TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(y_shape), "kernels.gemm_multiply_leaky_relu_backward: grad_y must have "
               "the output's shape ", shape_str(y_shape), ", got ", shape_str(grad_y.sizes()));
+  // The identity epilogue passes grad_y through (its `saved` is empty: gemm_autograd.cpp keeps nothing).
   const at::Tensor grad_pre =
-      leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
+      is_identity_epilogue(multiplier, negative_slope)
+          ? grad_y.reshape({m, n})
+          : leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
   const at::Tensor x2 = x.reshape({m, k});
   at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
              grad_bias = at::empty({0}, x.options());
   if (x_grad) {
-    const Path path = choose_path(grad_pre, {m, k, n, true}, /*strict=*/false);
-    grad_x = is_split(path)                   ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight)
-             : path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight)
-                                           : grad_pre.mm(weight);
+    // grad_x = grad_pre w: w read as it is (n x k), or, where it is a transposed view, as the row-major (k x n) matrix
+    // it views, whose rows are then the product's.
+    const bool w_view = is_transposed_weight(weight);
+    const Path path = choose_path(grad_pre, {m, k, n, !w_view}, /*strict=*/false);
+#ifdef KERNELS_WITH_CUDA
+    if (is_split(path) && w_view) {
+      grad_x = at::empty({m, k}, x.options());
+      split_fp16_product(path, grad_pre, /*x_transposed=*/false, weight.t(), /*w_transposed=*/false, at::Tensor(), 1.0,
+                         1.0, grad_x, nullptr);
+    } else
+#endif
+    {
+      grad_x = is_split(path)                   ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight)
+               : path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight)
+                                             : grad_pre.mm(weight);
+    }
     grad_x = grad_x.reshape(x.sizes());
   }
   bool bias_done = false;
@@ -719,6 +761,9 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("_gemm_force_path(str path) -> str");
   m.impl("_gemm_force_path", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_path));
   m.def("_gemm_fp32_path_for_capability(int capability) -> str");
+  m.def("_gemm_split_thresholds() -> int[]");
+  m.impl("_gemm_split_thresholds",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::gemm_split_thresholds));
   m.impl("_gemm_fp32_path_for_capability", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                                                            &kernels::gemm::gemm_fp32_path_for_capability));
 }

@@ -14,10 +14,13 @@ Ops (schemas in gemm.cpp):
   _gemm_fp32_path_for_capability(capability) -> str     the automatic choice's float32 path per architecture
 """
 
+import collections
 import math
 import sys
+import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import loader
@@ -123,20 +126,54 @@ _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
 
 
+# split_pays_off's thresholds (gemm.cpp): [min_side, min_outputs, min_reduction, min_outputs_short_reduction,
+# min_short_reduction].
+_SPLIT_THRESHOLDS = tuple(torch.ops.kernels._gemm_split_thresholds())
+
+
+def _split_may_pay(m, n, k):
+    """gemm.cpp's split_pays_off for a product (m x k) times (k x n)."""
+    min_side, min_outputs, min_k, min_outputs_short_k, min_short_k = _SPLIT_THRESHOLDS
+    outputs = m * n
+    return m >= min_side and n >= min_side and (
+        (k >= min_k and outputs >= min_outputs) or (k >= min_short_k and outputs >= min_outputs_short_k))
+
+
+def plain_linear_suffices(x, weight):
+    """Whether F.linear(x, weight, bias) is what the op would compute for a plain linear layer (multiplier 1, slope 1):
+    no product of the call, nor of its backward where autograd records it, can take a split path (CPU tensors, other
+    dtypes, TF32 allowed, autocast, shapes gemm.cpp sends to cuBLAS). Then a call skips the op and costs the host no
+    more than nn.Linear's. Only plain CUDA tensors are judged; anything else goes to the op."""
+    if type(x) is not torch.Tensor or _forced_path != "auto":
+        return type(x) is torch.Tensor and _forced_path == "cublas"
+    if not x.is_cuda or x.dtype != torch.float32 or _tf32_allowed() or torch.is_autocast_enabled("cuda"):
+        return True
+    n, k = weight.shape
+    m = x.numel() // k if k else 0
+    if _split_may_pay(m, n, k):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return not (_split_may_pay(m, k, n) or _split_may_pay(n, k, m))  # grad_x's product, grad_W's
+    return True
+
+
+_tf32_allowed = torch._C._get_cublas_allow_tf32  # the setting gemm.cpp reads (allowTF32CuBLAS)
+
+
 class FusedLinear(nn.Linear):
     """nn.Linear (same parameters, initialization and state_dict keys) whose call can fuse the epilogue:
     linear(x) is x @ W^T + b, and linear(x, multiplier=m, negative_slope=s) is leaky_relu((x @ W^T + b) * m, s), both
-    one call of gemm_multiply_leaky_relu (multiplier 1 and slope 1 leave the product as it is, exactly). A model
-    calls it as a module, so that what is attached to the module applies: a tensor-parallel plan's hooks
-    (parallelize_module with ColwiseParallel or RowwiseParallel on it), FSDP2's fully_shard on it alone, forward
-    hooks of the user's.
+    one call of gemm_multiply_leaky_relu (multiplier 1 and slope 1 leave the product as it is, exactly). A plain call
+    that no split path can take is F.linear itself (plain_linear_suffices). A model calls it as a module, so that what
+    is attached to the module applies: a tensor-parallel plan's hooks (parallelize_module with ColwiseParallel or
+    RowwiseParallel on it), FSDP2's fully_shard on it alone, forward hooks of the user's. Public name:
+    kernels.nn.Linear; kernels.patch(model) turns a model's nn.Linear layers into it.
 
     The weight's split (cache_weight_split, on by default). On a split path the weight is split into fp16 halves on
     every call; where the same weight is used again unchanged, FusedLinear keeps its split (kernels::gemm_weight_split,
     which makes one for products of 2^32 multiply-adds or more) from the second such call on and passes it to the op,
-    which then skips that work (on an H100 at 1024 x 8192 -> 8192 the forward goes from 0.73 to 0.59 ms;
-    docs/bench.md has the measured rows). The results are the same, bit for bit. The split is kept only where the
-    weight cannot change unseen between calls:
+    which then skips that work. The results are the same, bit for bit. The split is kept only where the weight cannot
+    change unseen between calls:
     - keyed on the weight tensor itself, its data address and its version counter, which every in-place change made
       through PyTorch advances (an optimizer's step, copy_, load_state_dict); gemm.cpp checks the same stamp again on
       every use, with the device and the stream;
@@ -146,7 +183,9 @@ class FusedLinear(nn.Linear):
       that a later change of the weight would leave stale).
     A change PyTorch does not count (through `.data`, or by code outside PyTorch writing the weight's memory) is not
     seen: after one, call clear_weight_split(). Memory: about the weight's own size (4 bytes per weight element) while
-    kept. Set cache_weight_split = False to keep none.
+    kept, all kept splits of a GPU together within kept_split_budget(), the least recently used dropped first; where
+    memory for one runs out, the kept splits of that GPU are dropped and the call goes on without. Set
+    cache_weight_split = False to keep none.
     """
 
     def __init__(self, *args, cache_weight_split=True, **kwargs):
@@ -155,14 +194,19 @@ class FusedLinear(nn.Linear):
         self.clear_weight_split()
 
     def forward(self, x, multiplier=1.0, negative_slope=1.0):
+        weight = self.weight
+        if multiplier == 1.0 and negative_slope == 1.0 and plain_linear_suffices(x, weight):
+            return F.linear(x, weight, self.bias)
         # Under tracing (torch.compile, export) nothing is kept: the traced graph splits the weight on each call.
-        weight_split = None if _is_compiling() else self._weight_split_for(x)
-        return gemm_multiply_leaky_relu(x, self.weight, self.bias, multiplier, negative_slope, weight_split)
+        weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x)
+        return gemm_multiply_leaky_relu(x, weight, self.bias, multiplier, negative_slope, weight_split)
 
     def clear_weight_split(self):
         """Drops the kept split of the weight (the next calls split it again)."""
         # (the weight, its data address, version and the forced path when seen; its split, None before the second
         # such call; the row counts of x for which the op made none)
+        if getattr(self, "_weight_split", None) is not None:
+            _kept_splits.forget(self)
         self._weight_split_key = None
         self._weight_split = None
         self._weight_split_refused_rows = ()
@@ -186,12 +230,20 @@ class FusedLinear(nn.Linear):
             rows = x.numel() // max(x.shape[-1], 1)
             if rows in self._weight_split_refused_rows:
                 return None
+            split_bytes = _kept_splits.split_bytes(weight)
+            if not _kept_splits.make_room(weight.device, split_bytes):
+                return None
             with torch.no_grad():
                 split = torch.ops.kernels.gemm_weight_split(x, weight)
+            if len(split) == 1:  # out of memory: make room on that GPU, go on without one
+                _kept_splits.drop_all(weight.device)
+                return None
             if not split:  # this shape's path takes no split of the weight
                 self._weight_split_refused_rows = (*self._weight_split_refused_rows[-15:], rows)
                 return None
             self._weight_split = split
+            _kept_splits.add(self, weight.device, split_bytes)
+        _kept_splits.touch(self)
         return self._weight_split
 
     def __getstate__(self):
@@ -204,6 +256,99 @@ class FusedLinear(nn.Linear):
         if "cache_weight_split" not in state:  # pickled before the split was kept
             self.cache_weight_split = True
             self.clear_weight_split()
+
+
+class _KeptSplits:
+    """The weight splits FusedLinear modules keep, per GPU, within a budget of bytes: least recently used first out."""
+
+    def __init__(self):
+        self.budget_bytes = None  # None: DEFAULT_KEPT_SPLIT_BUDGET of each GPU's memory
+        self.entries = collections.OrderedDict()  # id(module) -> (weakref to module, device, bytes); oldest first
+        self.device_bytes = collections.Counter()
+
+    @staticmethod
+    def split_bytes(weight):
+        # hi and lo (2 bytes each per element, rows padded to whole chunks of 64), 4 bytes per row and chunk, 4 per row
+        rows, columns = weight.shape
+        chunks = -(-columns // 64)
+        return rows * chunks * 64 * 4 + rows * chunks * 4 + rows * 4
+
+    def budget(self, device):
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_KEPT_SPLIT_BUDGET)
+
+    def make_room(self, device, nbytes):
+        """Drops the least recently used splits of `device` until `nbytes` more fit its budget; False if they cannot."""
+        budget = self.budget(device)
+        if nbytes > budget:
+            return False
+        for key in list(self.entries):
+            if self.device_bytes[device] + nbytes <= budget:
+                break
+            module_ref, entry_device, _ = self.entries[key]
+            module = module_ref()
+            if entry_device == device and module is not None:
+                module.clear_weight_split()
+            elif module is None:
+                self._remove(key)
+        return self.device_bytes[device] + nbytes <= budget
+
+    def add(self, module, device, nbytes):
+        key = id(module)
+        self.entries[key] = (weakref.ref(module, lambda _, key=key: self._remove(key)), device, nbytes)
+        self.device_bytes[device] += nbytes
+
+    def touch(self, module):
+        if id(module) in self.entries:
+            self.entries.move_to_end(id(module))
+
+    def forget(self, module):
+        self._remove(id(module))
+
+    def _remove(self, key):
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.device_bytes[entry[1]] -= entry[2]
+
+    def drop_all(self, device=None):
+        for key, (module_ref, entry_device, _) in list(self.entries.items()):
+            module = module_ref()
+            if device is None or entry_device == device:
+                if module is not None:
+                    module.clear_weight_split()
+                else:
+                    self._remove(key)
+
+
+_kept_splits = _KeptSplits()
+
+# The default budget of kept weight splits: this fraction of each GPU's memory.
+DEFAULT_KEPT_SPLIT_BUDGET = 0.25
+
+
+def _gpu(device):
+    """`device` as a torch.device with its index (the current GPU's where it names none)."""
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
+def kept_split_budget(device="cuda"):
+    """The bytes that kept weight splits may take on `device` together (set_kept_split_budget changes it)."""
+    return _kept_splits.budget(_gpu(device))
+
+
+def set_kept_split_budget(nbytes):
+    """Sets the bytes kept weight splits may take on each GPU (None: DEFAULT_KEPT_SPLIT_BUDGET of its memory; 0: keep
+    none), and drops the least recently used splits over it now."""
+    _kept_splits.budget_bytes = None if nbytes is None else int(nbytes)
+    for device in [d for d, used in _kept_splits.device_bytes.items() if used > 0]:
+        _kept_splits.make_room(device, 0)
+
+
+def kept_split_bytes(device="cuda"):
+    """The bytes the kept weight splits take on `device` now."""
+    return _kept_splits.device_bytes[_gpu(device)]
 
 
 # The multiply-adds (rows x in_features x out_features) from which kernels::gemm_weight_split makes a split to keep

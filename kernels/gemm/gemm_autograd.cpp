@@ -54,8 +54,10 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
       return grad_inputs;
     }
     // A double backward: differentiable ops, so that the backward has a backward of its own.
-    const at::Tensor grad_pre = leaky_relu::leaky_relu_backward_op()
-                                    .call(grad_y, saved, negative_slope_, multiplier_)
+    const at::Tensor grad_pre = (is_identity_epilogue(multiplier_, negative_slope_)
+                                     ? grad_y
+                                     : leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope_,
+                                                                                multiplier_))
                                     .reshape({-1, weight.size(0)});
     if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
     if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
@@ -98,10 +100,11 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
 
   auto [y, mask] = common::redispatch_below_autograd(gemm_multiply_leaky_relu_op(), keys, x, weight, bias, multiplier,
                                                      negative_slope, return_mask || mask_needed, weight_split);
-  // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0).
-  // y is kept through a detached alias (same data and version counter, no grad_fn): a node holding y itself would
-  // hold its own output, a reference cycle.
-  const at::Tensor saved = mask_needed ? mask : y.detach();
+  // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0);
+  // nothing for the identity epilogue. y is kept through a detached alias (same data and version counter, no
+  // grad_fn): a node holding y itself would hold its own output, a reference cycle.
+  const bool identity = is_identity_epilogue(multiplier, negative_slope);
+  const at::Tensor saved = mask_needed ? mask : identity ? at::empty({0}, y.options()) : y.detach();
   if (needs_grad) {
     common::NodePtr node = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, saved, multiplier, negative_slope);
     node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
@@ -115,7 +118,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
     if (x_tangent.defined()) add(at::linear(x_tangent, weight_primal));
     if (weight_tangent.defined()) add(at::linear(x_primal, weight_tangent));
     if (bias_tangent.defined()) add(bias_tangent.expand(y.sizes()));
-    y._set_fw_grad(leaky_relu::leaky_relu_backward_op().call(pre_tangent, saved, negative_slope, multiplier),
+    y._set_fw_grad(identity ? pre_tangent
+                            : leaky_relu::leaky_relu_backward_op().call(pre_tangent, saved, negative_slope, multiplier),
                    /*level=*/0, /*is_inplace_op=*/false);
   }
   if (mask_needed && !return_mask) mask = at::empty({0}, mask.options());

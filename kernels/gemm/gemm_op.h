@@ -11,6 +11,11 @@
 
 namespace kernels::gemm {
 
+// Multiplier 1 and slope 1 leave the product as it is: a plain linear layer, whose backward passes grad_y through.
+inline bool is_identity_epilogue(double multiplier, double negative_slope) {
+  return multiplier == 1.0 && negative_slope == 1.0;
+}
+
 using GemmMultiplyLeakyReLU = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& weight,
                                                                  const std::optional<at::Tensor>& bias,
                                                                  double multiplier, double negative_slope,

@@ -1,0 +1,180 @@
+"""Any model on the library's GEMM: patch() turns a model's linear layers into the library's, in place, and
+fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm) to it.
+
+    kernels.patch(model)          # every nn.Linear and transformers Conv1D; kernels.unpatch(model) undoes it
+    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm in the block
+        loss = model(x).sum()
+
+A patched layer keeps its Parameters, hooks and state_dict keys and stays an instance of its class (its class becomes
+a subclass of that class); the kept weight split (FusedLinear) follows the weight's version counter, which writes
+through `.data` do not advance: after one, call the layer's clear_weight_split().
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, plain_linear_suffices
+
+# The original class -> its patched subclass.
+_PATCHED_CLASSES = {}
+
+
+class _Conv1DPatch:
+    """transformers' Conv1D (y = x @ W + b, W stored as (in, out)) on the library's GEMM: W read through its
+    transposed view, without a copy."""
+
+    def forward(self, x):
+        weight = self.weight.t()
+        if plain_linear_suffices(x, weight):
+            return F.linear(x, weight, self.bias)
+        return gemm_multiply_leaky_relu(x, weight, self.bias)
+
+
+def _conv1d_class():
+    """transformers' Conv1D where transformers is already imported (it is never imported here), else None."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def _patch_base(module):
+    """The mixin that patches `module`'s class, or None where patch() leaves it: only classes whose forward is
+    nn.Linear's or Conv1D's own (a subclass with a forward of its own computes something else)."""
+    cls = type(module)
+    if cls in _PATCHED_CLASSES.values():
+        return None
+    if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward:
+        return FusedLinear
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d) and cls.forward is conv1d.forward:
+        return _Conv1DPatch
+    return None
+
+
+def _class_name(cls):
+    # A module-level name that pickle looks up here and __getattr__ rebuilds in a new process: "patched$" then the
+    # class's module and qualified name, dots as "$", the two joined by "$$".
+    return "patched$" + cls.__module__.replace(".", "$") + "$$" + cls.__qualname__.replace(".", "$")
+
+
+def _patched_class(cls, base):
+    patched = _PATCHED_CLASSES.get(cls)
+    if patched is None:
+        name = _class_name(cls)
+        patched = type(cls.__name__, (base, cls), {"__module__": __name__, "__qualname__": name})
+        _PATCHED_CLASSES[cls] = patched
+        globals()[name] = patched
+    return patched
+
+
+def __getattr__(name):
+    """Rebuilds a patched class by its name (a pickled patched model loaded in a new process)."""
+    if not name.startswith("patched$") or "$$" not in name:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, qualname = name[len("patched$"):].split("$$")
+    import importlib
+
+    cls = importlib.import_module(module_name.replace("$", "."))
+    for part in qualname.split("$"):
+        cls = getattr(cls, part)
+    return _patched_class(cls, FusedLinear if issubclass(cls, nn.Linear) else _Conv1DPatch)
+
+
+def patch(model):
+    """Turns every nn.Linear of `model` (itself included) and every transformers Conv1D into the library's, in place,
+    and returns `model`. Idempotent; subclasses with a forward of their own are left as they are."""
+    for module in model.modules():
+        base = _patch_base(module)
+        if base is not None:
+            module.__class__ = _patched_class(type(module), base)
+            if base is FusedLinear:
+                module.cache_weight_split = True
+                module.clear_weight_split()
+    return model
+
+
+def unpatch(model):
+    """Undoes patch(): every patched layer of `model` gets its own class back (and drops its kept split)."""
+    originals = {patched: cls for cls, patched in _PATCHED_CLASSES.items()}
+    for module in model.modules():
+        original = originals.get(type(module))
+        if original is not None:
+            if isinstance(module, FusedLinear):
+                module.clear_weight_split()
+                for name in ("cache_weight_split", "_weight_split_key", "_weight_split",
+                             "_weight_split_refused_rows"):
+                    module.__dict__.pop(name, None)
+            module.__class__ = original
+    return model
+
+
+def is_patched(module):
+    """Whether patch() turned `module` into the library's."""
+    return type(module) in _PATCHED_CLASSES.values()
+
+
+# ---- the scoped mode ------------------------------------------------------------------------------------------------
+
+def _plain(*tensors):
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def _linear_route(x, weight, bias=None):
+    if _plain(x, weight) and (bias is None or _plain(bias)) and weight.dim() == 2 and x.dim() >= 1 and (
+            not plain_linear_suffices(x, weight)):
+        return gemm_multiply_leaky_relu(x, weight, bias)
+    return NotImplemented
+
+
+def _matmul_route(a, b):
+    # a (..., k) times a matrix b (k x n): the linear layer of weight b^T. Batched products stay with eager.
+    if _plain(a, b) and b.dim() == 2 and a.dim() >= 2:
+        return _linear_route(a, b.t())
+    return NotImplemented
+
+
+def _mm_route(a, b):
+    if _plain(a, b) and a.dim() == 2 and b.dim() == 2:
+        return _linear_route(a, b.t())
+    return NotImplemented
+
+
+def _addmm_route(bias, a, b, *, beta=1, alpha=1):
+    if beta == 1 and alpha == 1 and _plain(bias, a, b) and a.dim() == 2 and b.dim() == 2 and bias.dim() == 1 and (
+            bias.shape[0] == b.shape[1]):
+        return _linear_route(a, b.t(), bias)
+    return NotImplemented
+
+
+_ROUTES = {
+    F.linear: _linear_route,
+    torch.matmul: _matmul_route,
+    torch.Tensor.matmul: _matmul_route,
+    torch.Tensor.__matmul__: _matmul_route,
+    torch.mm: _mm_route,
+    torch.Tensor.mm: _mm_route,
+    torch.addmm: _addmm_route,
+    torch.Tensor.addmm: _addmm_route,
+}
+
+
+class fp32_gemm(TorchFunctionMode):
+    """with kernels.fp32_gemm(): float32 CUDA products issued in the block through F.linear, torch.matmul, @, mm and
+    addmm take the library's GEMM where it is faster and more accurate than cuBLAS (the rule of gemm.cpp's path
+    choice); everything else runs as it would without the mode. Batched products (bmm, matmul of two batched tensors)
+    stay on cuBLAS."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = _ROUTES.get(func)
+        if route is not None and "out" not in kwargs:
+            result = route(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*args, **kwargs)
+
+
+__all__ = ["patch", "unpatch", "is_patched", "fp32_gemm"]
