@@ -468,6 +468,151 @@ def bench_gemm_shapes(rows, options):
         del eager, new, x, outputs, y64
 
 
+# ---- whole models: any fp32 model patched with kernels.patch ----------------------------------------------------
+
+def _model_specs():
+    """Real architectures built from config with random weights (no download), at bench sizes: name -> (build,
+    inputs, loss). build() gives the model on the GPU; inputs(generator) a batch; loss(model, batch) a scalar."""
+    import transformers
+
+    def lm_batch(vocab, batch, tokens):
+        return lambda g: torch.randint(0, vocab, (batch, tokens), device=DEVICE, generator=g)
+
+    def lm_loss(model, ids):
+        logits = model(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    def logits(model, ids):
+        return model(input_ids=ids).logits
+
+    def llama():
+        config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                          num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
+                                          attention_dropout=0.0)
+        return transformers.LlamaForCausalLM(config)
+
+    def bert():
+        config = transformers.BertConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                         intermediate_size=4096, vocab_size=30522, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        return transformers.BertForMaskedLM(config)
+
+    def gpt2():
+        config = transformers.GPT2Config(n_embd=1024, n_layer=4, n_head=16, vocab_size=50257, n_positions=1024,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config)
+
+    def vit():
+        import timm
+
+        return timm.create_model("vit_base_patch16_224", pretrained=False)
+
+    def images(g):
+        return torch.randn(64, 3, 224, 224, device=DEVICE, generator=g)
+
+    def image_loss(model, x):
+        return model(x).float().logsumexp(-1).mean()
+
+    def image_logits(model, x):
+        return model(x)
+
+    return {
+        "LLaMA-style 4 layers, hidden 2048, 8x512 tokens": (llama, lm_batch(32000, 8, 512), lm_loss, logits),
+        "BERT-large-style 4 layers + MLM head, 16x512": (bert, lm_batch(30522, 16, 512), lm_loss, logits),
+        "ViT-B/16 (timm), batch 64": (vit, images, image_loss, image_logits),
+        "GPT-2-medium-style 4 layers, tied head, 8x512": (gpt2, lm_batch(50257, 8, 512), lm_loss, logits),
+    }
+
+
+MODEL_VARIANTS = ("eager", "TF32", "patched")
+
+
+def _has_model_zoo():
+    """Whether transformers and timm, which the models bench builds its architectures with, are installed."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "timm"))
+DRIFT_STEPS = 20
+
+
+def _variant_context(variant):
+    return matmul_precision("high" if variant == "TF32" else "highest")
+
+
+def _train_losses(model, loss, batches, variant):
+    """The losses of len(batches) AdamW steps from the model's current weights (the model is trained in place)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    with _variant_context(variant):
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            value = loss(model, batch)
+            value.backward()
+            optimizer.step()
+            losses.append(value.item())
+    return losses
+
+
+def bench_models(rows, options):
+    """Each model of _model_specs in fp32: eager, eager with TF32 allowed, and patched (kernels.patch): the AdamW
+    training step and the no_grad forward (medians), the logits' error against a float64 copy, and the loss drift
+    over DRIFT_STEPS AdamW steps against a float64 run and against eager fp32."""
+    import kernels
+
+    problem = "models (fp32, AdamW)"
+    for name, (build, inputs, loss, logits) in _model_specs().items():
+        progress(f"{problem}: {name}")
+        torch.manual_seed(0)
+        initial = build().to(DEVICE).train()
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        batch = inputs(g)
+        batches = [inputs(g) for _ in range(DRIFT_STEPS)]
+        # float64: the logits' reference and the drift's
+        model64 = copy.deepcopy(initial).double()
+        with torch.no_grad():
+            reference_logits = logits(model64, batch).double()
+        losses64 = _train_losses(model64, lambda m, b: loss(m, b), batches, "eager")
+        del model64
+        figures = {}
+        for variant in MODEL_VARIANTS:
+            model = copy.deepcopy(initial)
+            if variant == "patched":
+                kernels.patch(model)
+            with torch.no_grad(), _variant_context(variant):
+                error = relative_error(logits(model, batch).double(), reference_logits)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def step(model=model, optimizer=optimizer, variant=variant):
+                with _variant_context(variant):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss(model, batch).backward()
+                    optimizer.step()
+
+            def forward(model=model, variant=variant):
+                with torch.no_grad(), _variant_context(variant):
+                    logits(model, batch)
+
+            train_ms = time_ms(step, samples=options.samples // 2, warmup=3, flush_l2=False)
+            forward_ms = time_ms(forward, samples=options.samples // 2, warmup=3, flush_l2=False)
+            del optimizer
+            model.load_state_dict(initial.state_dict())
+            losses = _train_losses(model, loss, batches, variant)
+            figures[variant] = dict(train_ms=train_ms, forward_ms=forward_ms, error=error, losses=losses)
+            del model
+            torch.cuda.empty_cache()
+        eager = figures["eager"]
+        for variant, f in figures.items():
+            rows.append(dict(
+                problem=problem, case=name, variant=variant, precision="tf32" if variant == "TF32" else "fp32",
+                ms=f["train_ms"], kernelbench_ms=None, speedup=eager["train_ms"] / f["train_ms"], vs_compile=None,
+                rate=None, unit="", ceiling="-", pct_of_ceiling=None, error=f["error"], verdict=None,
+                forward_ms=f["forward_ms"], forward_speedup=eager["forward_ms"] / f["forward_ms"],
+                drift64=max(abs(a - b) for a, b in zip(f["losses"], losses64)),
+                drift_eager=max(abs(a - b) for a, b in zip(f["losses"], eager["losses"]))))
+        del initial, batch, batches, reference_logits
+        torch.cuda.empty_cache()
+
+
 # ---- CPU, every dtype, small sizes ------------------------------------------------------------------------------
 
 CPU_DTYPES = (("fp32", torch.float32), ("fp64", torch.float64), ("fp16", torch.float16), ("bf16", torch.bfloat16))
@@ -560,7 +705,20 @@ COLUMNS = [  # header, cell
     ("error", lambda r: fmt(r["error"], ".2e")),
     ("fp32 tol", lambda r: fmt(r["verdict"], "")),
 ]
-LEFT_ALIGNED = {"case", "variant", "% of ceiling"}
+LEFT_ALIGNED = {"case", "variant", "% of ceiling", "model"}
+
+# The models table's own columns (bench_models).
+MODEL_COLUMNS = [
+    ("model", lambda r: r["case"]),
+    ("variant", lambda r: r["variant"]),
+    ("train step ms", lambda r: f"{r['ms']:.2f}"),
+    ("vs eager", lambda r: f"{r['speedup']:.3f}x"),
+    ("no_grad forward ms", lambda r: f"{r['forward_ms']:.2f}"),
+    ("vs eager ", lambda r: f"{r['forward_speedup']:.3f}x"),
+    ("logits error", lambda r: fmt(r["error"], ".2e")),
+    (f"loss drift vs float64", lambda r: f"{r['drift64']:.2e}"),
+    ("vs eager fp32", lambda r: f"{r['drift_eager']:.2e}"),
+]
 
 
 def legend(rows):
@@ -581,6 +739,12 @@ def legend(rows):
         kinds = dict.fromkeys(CEILINGS.get(c.split()[0] + (" x3" if c.endswith("x3") else ""), c) for c in ceilings)
         lines.append("% of ceiling: the row's rate over the ceiling's, measured in the same run (" + "; ".join(kinds)
                      + ").")
+    if any(r["problem"].startswith("models") for r in rows):
+        lines.append(f"models: eager fp32, eager with TF32 allowed (float32 matmul precision \"high\"), and the model "
+                     f"after kernels.patch(model); median times of back-to-back steps (no L2 flush); logits error "
+                     f"against a float64 copy; loss drift: the largest difference of the losses over {DRIFT_STEPS} "
+                     f"AdamW steps (lr 1e-4) from the same weights and batches, against the float64 run's and "
+                     f"against eager fp32's.")
     if any(r["error"] is not None for r in rows):
         lines.append("error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
                      "float32 at atol = rtol = 1e-4.")
@@ -613,14 +777,15 @@ def tables_text(rows):
     """The tables, one per problem, each column as wide as its widest cell."""
     lines = []
     for problem in dict.fromkeys(r["problem"] for r in rows):
-        table = [[cell(r) for _, cell in COLUMNS] for r in rows if r["problem"] == problem]
-        widths = [max(len(header), *(len(line[i]) for line in table)) for i, (header, _) in enumerate(COLUMNS)]
+        columns = MODEL_COLUMNS if problem.startswith("models") else COLUMNS
+        table = [[cell(r) for _, cell in columns] for r in rows if r["problem"] == problem]
+        widths = [max(len(header), *(len(line[i]) for line in table)) for i, (header, _) in enumerate(columns)]
 
-        def line(cells):
+        def line(cells, columns=columns, widths=widths):
             return "| " + " | ".join(c.ljust(w) if h in LEFT_ALIGNED else c.rjust(w)
-                                     for c, w, (h, _) in zip(cells, widths, COLUMNS)) + " |"
+                                     for c, w, (h, _) in zip(cells, widths, columns)) + " |"
 
-        lines += ["", problem, line([h for h, _ in COLUMNS]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        lines += ["", problem, line([h for h, _ in columns]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
         lines += [line(cells) for cells in table]
     return "\n".join(lines)
 
@@ -680,7 +845,7 @@ def plot(rows, path, device, torch_version=torch.__version__):
 
 
 GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
-               "gemm_shapes": bench_gemm_shapes}
+               "gemm_shapes": bench_gemm_shapes, "models": bench_models}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
 VARIANTS = ["eager", "torch.compile", "compile max-autotune", "triton tf32x3", "ModelNew"]
@@ -703,7 +868,7 @@ def main():
     parser.add_argument("--markdown", metavar="PATH", help="also write the tables and legend into PATH (Markdown; "
                         "docs/bench.md is this file of the latest GPU run)")
     args = parser.parse_args()
-    problems = args.problem or list(BENCHES if HAS_CUDA else CPU_BENCHES)
+    problems = args.problem or [p for p in (BENCHES if HAS_CUDA else CPU_BENCHES) if p != "models" or _has_model_zoo()]
     if not HAS_CUDA and any(p in GPU_BENCHES for p in problems):
         parser.error(f"no GPU visible: --problem takes {', '.join(CPU_BENCHES)} here")
     if args.size and len(problems) != 1:

@@ -315,7 +315,10 @@ def test_split_path_is_taken_by_default_where_the_table_says():
     assert gemm_path(x.double(), weight.double()) == "cublas"
     assert gemm_path(x[:, :1013], weight[:, :1013]) == "cublas"  # rows of 1013 floats: no 16-byte TMA strides
     # Below the measured range (gemm.cpp's split_pays_off) cuBLAS is the more accurate or the faster one...
-    assert gemm_path(x[:, :1016], weight[:, :1016].contiguous()) == "cublas"
+    assert gemm_path(x[:, :508], weight[:, :508].contiguous()) == "cublas"  # K under 512 at 2^20 outputs
+    short = torch.randn(2048, 256, device="cuda")
+    assert gemm_path(short, short) == "split_fp16"  # K of 256 from 2^22 outputs on
+    assert gemm_path(short[:, :252], short[:, :252].contiguous()) == "cublas"
     assert gemm_path(x[:1023], weight) == "cublas"  # fewer than 2^20 outputs
     assert gemm_path(x, weight[:1023]) == "cublas"
     wide = torch.randn(4096, 1024, device="cuda")

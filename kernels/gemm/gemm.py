@@ -72,6 +72,15 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
     return _gemm_handle(x, weight, bias, multiplier, negative_slope, False, weight_split)[0]
 
 
+def linear(x, weight, bias=None):
+    """F.linear(x, weight, bias) on the library's GEMM: gemm_multiply_leaky_relu with the identity epilogue, or
+    F.linear itself where no split path can take the call (plain_linear_suffices). weight may be a transposed view of
+    an (in_features, out_features) matrix, which the split path reads without a copy."""
+    if plain_linear_suffices(x, weight):
+        return F.linear(x, weight, bias)
+    return gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
+
+
 # The split paths: fp32 accuracy from three fp16 tensor-core products (docs in gemm.cpp). split_fp16: the Hopper
 # kernel (wgmma, TMA); split_fp16_sm80: the same method on sm_80 instructions (mma.sync), any GPU from the A100 on.
 SPLIT_PATHS = ("split_fp16", "split_fp16_sm80")

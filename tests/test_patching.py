@@ -1,0 +1,368 @@
+"""kernels.patch / unpatch / fp32_gemm and kernels.nn.Linear: any model on the library's GEMM. Patched models against
+the same models unpatched (outputs, gradients, state_dicts, ties, pickling), the functional mode against eager, and
+the product shapes real models bring (transposed weights, short reductions) against float64."""
+
+import copy
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from conftest import HAS_CUDA, requires_cuda
+from kernels.gemm.gemm import (FusedLinear, gemm_path, kept_split_bytes, linear, plain_linear_suffices,
+                               set_kept_split_budget)
+from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol, relative_error
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = ALLCLOSE_TOLERANCE[torch.float32]
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass with a forward of its own: patch() must leave it as it is."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), ScaledLinear(32, 32), nn.Linear(32, 8, bias=False))
+
+
+def ops_called(fn):
+    """The names of the ops fn() dispatches (aten's and the library's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return names
+
+
+def check_close_to_float64(ours, eager, y64):
+    """The precision contract: our error against float64 at most eager's, and allclose to eager at 1e-4."""
+    assert relative_error(ours, y64) <= relative_error(eager, y64) * 1.0001 + 1e-12
+    assert torch.allclose(ours, eager, atol=TOL, rtol=TOL)
+
+
+# ---- patch() and unpatch() --------------------------------------------------------------------------------------------
+
+def test_patch_keeps_parameters_hooks_and_classes(device):
+    model = small_model().to(device)
+    parameters = {name: p for name, p in model.named_parameters()}
+    calls = []
+    model[0].register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    model[3].weight.requires_grad_(False)
+    keys = list(model.state_dict())
+
+    assert kernels.patch(model) is model
+    kernels.patch(model)  # idempotent
+    assert kernels.is_patched(model[0]) and kernels.is_patched(model[3]) and not kernels.is_patched(model[2])
+    assert type(model[2]) is ScaledLinear  # a forward of its own: left as it is
+    for layer in (model[0], model[3]):
+        assert isinstance(layer, nn.Linear) and isinstance(layer, FusedLinear) and isinstance(layer, kernels.nn.Linear)
+    assert all(p is parameters[name] for name, p in model.named_parameters())
+    assert list(model.state_dict()) == keys and not model[3].weight.requires_grad
+    assert repr(model[0]) == "Linear(in_features=16, out_features=32, bias=True)"
+    model(torch.randn(4, 16, device=device))
+    assert calls == [torch.Size([4, 32])]
+
+    assert kernels.unpatch(model) is model
+    assert type(model[0]) is nn.Linear and type(model[3]) is nn.Linear and type(model[2]) is ScaledLinear
+    assert "_weight_split" not in model[0].__dict__
+    assert all(p is parameters[name] for name, p in model.named_parameters())
+
+
+def test_patched_model_matches_unpatched(device):
+    """Outputs and gradients of every parameter and of x, on the CPU exactly (the same F.linear), on the GPU within
+    the contract."""
+    model = small_model().to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    x = torch.randn(5, 3, 16, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y_patched = model(x), patched(x2)
+    torch.testing.assert_close(y_patched, y, atol=TOL, rtol=TOL)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_patched.backward(grad)
+    torch.testing.assert_close(x2.grad, x.grad, atol=TOL, rtol=TOL)
+    for (name, p), q in zip(model.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=name)
+
+
+def test_state_dicts_load_both_ways(device):
+    model = small_model().to(device)
+    patched = kernels.patch(small_model().to(device))
+    with torch.no_grad():
+        for p in patched.parameters():
+            p.add_(1.0)
+    model.load_state_dict(patched.state_dict())
+    for p, q in zip(model.parameters(), patched.parameters()):
+        assert torch.equal(p, q)
+    fresh = small_model().to(device)
+    patched.load_state_dict(fresh.state_dict())  # the version counter moves: a kept split would be dropped
+    for p, q in zip(fresh.parameters(), patched.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_patched_model_pickles_into_a_new_process(tmp_path):
+    model = kernels.patch(small_model())
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    x = torch.randn(2, 16)
+    expected = model(x)
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(expected, tmp_path / "y.pt")
+    script = (f"import sys, torch; sys.path.insert(0, {REPO_ROOT!r}); sys.path.insert(0, {REPO_ROOT + '/tests'!r});"
+              f"import kernels; from test_patching import ScaledLinear;"
+              f"m = torch.load({str(path)!r}, weights_only=False);"
+              f"assert kernels.is_patched(m[0]) and type(m[2]).__name__ == 'ScaledLinear';"
+              f"y = m(torch.load({str(tmp_path / 'x.pt')!r}));"
+              f"assert torch.equal(y, torch.load({str(tmp_path / 'y.pt')!r}))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_linear_with_a_list_raises_a_type_error():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        FusedLinear(8, 6)([[1.0] * 8])
+
+
+# ---- real architectures (transformers; timm where installed) --------------------------------------------------------
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def tiny_transformers_models():
+    t = _transformers()
+    return {
+        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=101, n_positions=64,
+                                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "bert": (t.BertForMaskedLM, t.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 intermediate_size=128, vocab_size=97, hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0)),
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=103)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_transformers_models_patch_round_trip(name, device):
+    cls, config = tiny_transformers_models()[name]
+    torch.manual_seed(0)
+    model = cls(config).to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    conv1d = sys.modules["transformers.pytorch_utils"].Conv1D
+    layers = [m for m in patched.modules() if isinstance(m, (nn.Linear, conv1d))]
+    assert layers and all(kernels.is_patched(m) for m in layers)
+    if name == "gpt2":  # Conv1D layers, and the tied head still tied
+        assert any(isinstance(m, conv1d) for m in layers)
+        assert patched.lm_head.weight is patched.transformer.wte.weight
+    ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
+    out, out_patched = model(input_ids=ids).logits, patched(input_ids=ids).logits
+    torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
+    out.square().mean().backward()
+    out_patched.square().mean().backward()
+    for (p_name, p), q in zip(model.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=p_name)
+    model.load_state_dict(patched.state_dict())
+    patched.load_state_dict(model.state_dict())
+    kernels.unpatch(patched)
+    assert not any(kernels.is_patched(m) for m in patched.modules())
+
+
+def test_timm_vit_patch_round_trip(device):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8).to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    x = torch.randn(2, 3, 32, 32, device=device)
+    torch.testing.assert_close(patched(x), model(x), atol=TOL, rtol=TOL)
+    kernels.unpatch(patched)
+    assert not any(kernels.is_patched(m) for m in patched.modules())
+
+
+# ---- the functional mode ---------------------------------------------------------------------------------------------
+
+FUNCTIONAL_CALLS = {
+    "F.linear": lambda x, w, b: F.linear(x, w, b),
+    "matmul": lambda x, w, b: torch.matmul(x, w.t()) + b,
+    "@": lambda x, w, b: x @ w.t() + b,
+    "@ contiguous": lambda x, w, b: x @ w.t().contiguous() + b,
+    "mm": lambda x, w, b: torch.mm(x.flatten(0, -2), w.t()).view(*x.shape[:-1], -1) + b,
+    "Tensor.mm": lambda x, w, b: x.flatten(0, -2).mm(w.t()).view(*x.shape[:-1], -1) + b,
+    "addmm": lambda x, w, b: torch.addmm(b, x.flatten(0, -2), w.t()).view(*x.shape[:-1], -1),
+}
+
+
+@pytest.mark.parametrize("call", sorted(FUNCTIONAL_CALLS))
+def test_fp32_gemm_mode_small_shapes_are_eager(call, device):
+    """Shapes no split takes (and every CPU product): the mode changes nothing, bit for bit."""
+    x, w, b = torch.randn(3, 5, 16, device=device), torch.randn(24, 16, device=device), torch.randn(24, device=device)
+    expected = FUNCTIONAL_CALLS[call](x, w, b)
+    with kernels.fp32_gemm():
+        assert torch.equal(FUNCTIONAL_CALLS[call](x, w, b), expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("call", sorted(FUNCTIONAL_CALLS))
+def test_fp32_gemm_mode_takes_the_split_path(call):
+    """At a shape the split takes: the library's op runs, within the contract, with gradients."""
+    if gemm_path(torch.empty(2048, 1024, device="cuda"), torch.empty(2048, 1024, device="cuda")) == "cublas":
+        pytest.skip("this GPU's float32 path is cuBLAS")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 1024, 1024, device="cuda", generator=g, requires_grad=True)
+    w = (torch.randn(2048, 1024, device="cuda", generator=g) / 32).requires_grad_(True)
+    b = torch.randn(2048, device="cuda", generator=g).requires_grad_(True)
+    eager = FUNCTIONAL_CALLS[call](x, w, b)
+    with kernels.fp32_gemm():
+        names = ops_called(lambda: FUNCTIONAL_CALLS[call](x, w, b))
+        ours = FUNCTIONAL_CALLS[call](x, w, b)
+    assert any("kernels.gemm_multiply_leaky_relu" in n for n in names), names
+    y64 = FUNCTIONAL_CALLS[call](x.double(), w.double(), b.double())
+    check_close_to_float64(ours, eager, y64)
+    grad = torch.randn_like(eager)
+    grads = torch.autograd.grad(ours, (x, w, b), grad)
+    grads_eager = torch.autograd.grad(eager, (x, w, b), grad)
+    for ours_g, eager_g in zip(grads, grads_eager):
+        torch.testing.assert_close(ours_g, eager_g, atol=gradient_atol(eager_g), rtol=TOL)
+
+
+def test_fp32_gemm_mode_leaves_batched_products_to_eager(device):
+    q, k = torch.randn(2, 4, 8, 16, device=device), torch.randn(2, 4, 8, 16, device=device)
+    expected = q @ k.transpose(-2, -1)
+    with kernels.fp32_gemm():
+        assert torch.equal(q @ k.transpose(-2, -1), expected)
+        assert torch.equal(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)), expected.flatten(0, 1))
+
+
+# ---- the shapes real models bring, on the GPU ------------------------------------------------------------------------
+
+def _draw(kind, shape, g):
+    return (torch.rand if kind == "rand" else torch.randn)(*shape, device="cuda", generator=g)
+
+
+@requires_cuda
+@pytest.mark.parametrize("m,k,n", [(4096, 768, 2304), (8192, 256, 1024), (2048, 512, 1024), (4096, 384, 4096)])
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+def test_short_reductions_beat_eager(m, k, n, kind):
+    """K of 256-768 at outputs the split now takes: error at most eager's against float64, forward and gradients."""
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = _draw(kind, (m, k), g).requires_grad_(True)
+    w = ((torch.rand(n, k, device="cuda", generator=g) * 2 - 1) / k ** 0.5).requires_grad_(True)
+    b = torch.randn(n, device="cuda", generator=g) * 0.1
+    y = linear(x, w, b)
+    y_eager = F.linear(x, w, b)
+    y64 = F.linear(x.double(), w.double(), b.double())
+    check_close_to_float64(y, y_eager, y64)
+    grad = torch.randn(m, n, device="cuda", generator=g)
+    grads = torch.autograd.grad(y, (x, w), grad)
+    grads_eager = torch.autograd.grad(y_eager, (x, w), grad)
+    grads64 = (grad.double() @ w.double(), grad.double().t() @ x.double())
+    for ours, eager, exact in zip(grads, grads_eager, grads64):
+        assert relative_error(ours, exact) <= relative_error(eager, exact) * 1.0001
+
+
+@requires_cuda
+@pytest.mark.parametrize("m,k,n", [(2048, 1024, 3072), (1024, 2048, 1024), (1000, 1024, 4096), (2048, 1024, 1022)])
+def test_transposed_weight_view(m, k, n):
+    """A weight given as the transpose of an (in, out) matrix (Conv1D, x @ W): the same results as the weight made
+    contiguous, forward and backward, NaN and Inf rows included; no copy of the weight where n % 4 == 0."""
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    w_in_out = (torch.randn(k, n, device="cuda", generator=g) / k ** 0.5).requires_grad_(True)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x[3, 5] = float("nan")
+    x[7, 0] = float("inf")
+    x.requires_grad_(True)
+    b = torch.randn(n, device="cuda", generator=g)
+    y = linear(x, w_in_out.t(), b)
+    y_eager = torch.addmm(b, x, w_in_out)
+    y64 = torch.addmm(b.double(), x.double(), w_in_out.double())
+    assert torch.equal(torch.isnan(y), torch.isnan(y_eager))
+    finite = torch.isfinite(y64).all(1)
+    check_close_to_float64(y[finite], y_eager[finite], y64[finite])
+    xc = x.detach()[finite].clone().requires_grad_(True)
+    grad = torch.randn(xc.shape[0], n, device="cuda", generator=g)
+    grads = torch.autograd.grad(linear(xc, w_in_out.t(), b), (xc, w_in_out), grad)
+    grads_eager = torch.autograd.grad(torch.addmm(b, xc, w_in_out), (xc, w_in_out), grad)
+    for ours, eager in zip(grads, grads_eager):
+        assert ours.shape == eager.shape
+        torch.testing.assert_close(ours, eager, atol=gradient_atol(eager), rtol=TOL)
+    if n % 4 == 0:
+        names = ops_called(lambda: linear(x.detach(), w_in_out.detach().t(), b))
+        assert not any("clone" in name or "copy" in name or "contiguous" in name for name in names), names
+
+
+# ---- plain layers: no extra work -------------------------------------------------------------------------------------
+
+def test_plain_small_layer_is_f_linear(device):
+    """A plain call that no split can take is F.linear itself: the op is not called, and the result is F.linear's bit
+    for bit."""
+    layer = FusedLinear(64, 48).to(device)
+    x = torch.randn(10, 64, device=device, requires_grad=True)
+    assert plain_linear_suffices(x, layer.weight)
+    names = ops_called(lambda: layer(x))
+    assert not any("kernels." in name for name in names), names
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@requires_cuda
+def test_identity_epilogue_keeps_no_output():
+    """The identity epilogue's backward needs nothing of the output: the graph keeps x and the weight only."""
+    layer = FusedLinear(1024, 2048).cuda()
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = layer(x)
+    assert (1024, 2048) not in saved, saved
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(1024, -1), atol=1e-4, rtol=1e-4)
+
+
+# ---- kept weight splits within a budget ------------------------------------------------------------------------------
+
+@requires_cuda
+def test_kept_splits_stay_within_the_budget():
+    layers = [FusedLinear(2048, 2048).cuda() for _ in range(3)]
+    x = torch.randn(1024, 2048, device="cuda")
+    if gemm_path(x, layers[0].weight) not in ("split_fp16", "split_fp16_sm80"):
+        pytest.skip("this GPU's float32 path keeps no split")
+    try:
+        set_kept_split_budget(None)
+        with torch.no_grad():
+            for layer in layers:
+                layer(x), layer(x)  # kept from the second call on
+        assert all(layer._weight_split is not None for layer in layers)
+        per_split = kept_split_bytes() // 3
+        set_kept_split_budget(2 * per_split)  # the least recently used goes
+        assert layers[0]._weight_split is None and layers[2]._weight_split is not None
+        assert kept_split_bytes() == 2 * per_split
+        with torch.no_grad():
+            expected = F.linear(x, layers[0].weight, layers[0].bias)
+            layers[0](x)
+            y = layers[0](x)  # its split again (from its second call after the drop): layers[1] goes
+        assert layers[1]._weight_split is None and layers[0]._weight_split is not None
+        torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)
+        set_kept_split_budget(0)
+        assert kept_split_bytes() == 0 and all(layer._weight_split is None for layer in layers)
+        with torch.no_grad():
+            layers[0](x), layers[0](x)
+        assert layers[0]._weight_split is None
+        del layers
+        assert kept_split_bytes() == 0
+    finally:
+        set_kept_split_budget(None)
