@@ -569,9 +569,13 @@ def bench_models(rows, options):
         batches = [inputs(g) for _ in range(DRIFT_STEPS)]
         # float64: the logits' reference and the drift's
         model64 = copy.deepcopy(initial).double()
+
+        def in_float64(b):
+            return b.double() if b.is_floating_point() else b
+
         with torch.no_grad():
-            reference_logits = logits(model64, batch).double()
-        losses64 = _train_losses(model64, lambda m, b: loss(m, b), batches, "eager")
+            reference_logits = logits(model64, in_float64(batch)).double()
+        losses64 = _train_losses(model64, loss, [in_float64(b) for b in batches], "eager")
         del model64
         figures = {}
         for variant in MODEL_VARIANTS:
