@@ -413,6 +413,38 @@ def small_k(outputs=MODEL_OUTPUTS, ks=(256, 384, 512, 640, 768, 1000, 1024)):
                   f"{worst[1]:10.3e} {worst[2]:10.3e} {worst[3]:6.3f}", flush=True)
 
 
+def models_profile(names=None):
+    """Each model of bench.py's models table, patched, one AdamW training step: its kernels by device time per step
+    (the 15 largest), eager's total beside."""
+    import copy
+
+    import bench
+    import kernels
+
+    for name, (build, inputs, loss, _) in bench._model_specs().items():
+        if names and not any(n.lower() in name.lower() for n in names):
+            continue
+        torch.manual_seed(0)
+        eager = build().cuda().train()
+        patched = kernels.patch(copy.deepcopy(eager))
+        batch = inputs(torch.Generator(device="cuda").manual_seed(0))
+        totals = {}
+        for label, model in (("eager", eager), ("patched", patched)):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def step(model=model, optimizer=optimizer):
+                optimizer.zero_grad(set_to_none=True)
+                loss(model, batch).backward()
+                optimizer.step()
+
+            totals[label], rows = kernel_table(step, calls=3)
+        print(f"\n{name}: device ms per step, eager {totals['eager']:.2f}, patched {totals['patched']:.2f}")
+        for ms, count, key in rows[:15]:
+            print(f"{ms:9.3f} {count:5d}  {key[:110]}")
+        del eager, patched
+        torch.cuda.empty_cache()
+
+
 SWEEP_OUTPUTS = ((128, 512), (512, 512), (1024, 1024), (1024, 2048), (2048, 2048), (1024, 8192), (4096, 4096))
 
 
@@ -458,6 +490,8 @@ def main():
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--k-sweep", action="store_true", help="error of the forced split path against eager's, per K")
     mode.add_argument("--shapes", action="store_true", help="time and error of both paths over output sizes and K")
+    mode.add_argument("--models-profile", nargs="*", metavar="MODEL",
+                      help="bench.py's models, patched: one training step's kernels (models named by a word, or all)")
     mode.add_argument("--small-k", action="store_true",
                       help="time and error of both paths at real models' outputs, K 256-1024, identity epilogue")
     mode.add_argument("--profile", action="store_true", help="only where one call's time goes")
@@ -495,6 +529,8 @@ def choose(args):
         k_sweep()
     elif args.small_k:
         small_k()
+    elif args.models_profile is not None:
+        models_profile(args.models_profile)
     elif args.profile:
         profile_one_call()
     elif args.train:
