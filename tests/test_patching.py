@@ -278,6 +278,32 @@ def test_short_reductions_beat_eager(m, k, n, kind):
 
 
 @requires_cuda
+@pytest.mark.parametrize("m,k,n", [(2048, 1024, 5003), (2560, 768, 30522)])
+def test_vocabulary_products(m, k, n):
+    """An output layer over a vocabulary of any size: grad_x's reduction runs over it (rows of grad_y not 16-byte
+    aligned). Forward and both gradients at most eager's error against float64, NaN rows included."""
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x[1, 2] = float("nan")
+    x.requires_grad_(True)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).requires_grad_(True)
+    y, y_eager = linear(x, w), F.linear(x, w)
+    y64 = F.linear(x.double(), w.double())
+    assert torch.equal(torch.isnan(y), torch.isnan(y_eager))
+    check_close_to_float64(y[2:], y_eager[2:], y64[2:])
+    grad = torch.randn(m, n, device="cuda", generator=g)
+    grad[:2] = 0  # the NaN row's gradient stays out of grad_w's comparison
+    grads = torch.autograd.grad(y, (x, w), grad)
+    grads_eager = torch.autograd.grad(y_eager, (x, w), grad)
+    x64 = x.detach().double().nan_to_num()
+    grads64 = (grad.double() @ w.double(), grad.double().t() @ x64)
+    for ours, eager, exact in zip(grads, grads_eager, grads64):
+        assert torch.equal(torch.isnan(ours), torch.isnan(eager))
+        finite = torch.isfinite(exact) & ~torch.isnan(eager)
+        assert relative_error(ours[finite], exact[finite]) <= relative_error(eager[finite], exact[finite]) * 1.0001
+
+
+@requires_cuda
 @pytest.mark.parametrize("m,k,n", [(2048, 1024, 3072), (1024, 2048, 1024), (1000, 1024, 4096), (2048, 1024, 1022)])
 def test_transposed_weight_view(m, k, n):
     """A weight given as the transpose of an (in, out) matrix (Conv1D, x @ W): the same results as the weight made

@@ -122,16 +122,16 @@ std::string force_path(const std::string& name) {
 #ifdef KERNELS_WITH_CUDA
 // split_gemm_supported or split_gemm_sm80_supported (by `path`), asked once per device, kernel and shape: they read
 // device and kernel attributes.
-bool split_supported(Path path, int device, int64_t m, int64_t n, int64_t k) {
+bool split_supported(Path path, int device, int64_t m, int64_t n, int64_t k, bool w_transposed) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, int64_t, int64_t, int64_t>, bool> answers;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int64_t, bool>, bool> answers;
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(static_cast<int>(path), device, m, n, k);
+  const auto key = std::make_tuple(static_cast<int>(path), device, m, n, k, w_transposed);
   const auto found = answers.find(key);
   if (found != answers.end()) return found->second;
   if (answers.size() > 4096) answers.clear();  // a bound for programs that see ever new shapes
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // kernel attributes are per device
-  return answers[key] = path == Path::kSplitFp16 ? split_gemm_supported(device, m, n, k)
+  return answers[key] = path == Path::kSplitFp16 ? split_gemm_supported(device, m, n, k, w_transposed)
                                                  : split_gemm_sm80_supported(device, m, n, k);
 }
 
@@ -184,10 +184,10 @@ const char* fast_fp32_refusal(Path path, const at::Tensor& x, ProductShape shape
     return "TF32 is allowed (float32 matmul precision 'high' or 'medium'), and cuBLAS's TF32 is faster";
   if (path == Path::kCublasBf16x9) return cublas_bf16x9_refusal(shape.m, shape.n, shape.k);
   if (path == Path::kSplitFp16 &&
-      (!split_supported(path, x.device().index(), shape.m, shape.n, shape.k) ||
-       (shape.w_transposed && shape.n % 4 != 0)))
+      !split_supported(path, x.device().index(), shape.m, shape.n, shape.k, shape.w_transposed))
     return "the GPU is not sm_90 or the library was not built for sm_90a, or the shape is one the kernel does not take";
-  if (path == Path::kSplitFp16Sm80 && !split_supported(path, x.device().index(), shape.m, shape.n, shape.k))
+  if (path == Path::kSplitFp16Sm80 &&
+      !split_supported(path, x.device().index(), shape.m, shape.n, shape.k, shape.w_transposed))
     return "the GPU is older than sm_80 or allows less shared memory per block than two pipeline stages take "
            "(129 KB: sm_86, sm_89 and sm_120 allow 99-100 KB), or the shape is one the kernel does not take "
            "(in_features not a multiple of 4)";
@@ -389,7 +389,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const int64_t m = x.size(x_transposed ? 1 : 0), k = x.size(x_transposed ? 0 : 1), n = w.size(w_transposed ? 1 : 0);
-  const at::Tensor x2 = split_operand(x);
+  // x's split pass reads rows of any alignment; w goes to TMA (split_operand).
+  const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
   const auto half = x.options().dtype(at::kHalf);

@@ -36,7 +36,7 @@ KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_row_length(std::int64_t k)
 //   hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
 // hi and lo are dense (rows x split_row_length(cols)) fp16 arrays in the order along K that the GEMM reads: k's own
 // order (natural_order, for a GEMM given w transposed), else split_numerics.cuh's split_position; the pad zeros.
-// Requires cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue else).
+// Any cols and row_stride; rows of a multiple of 4 floats, 16-byte aligned, take the vectorized kernels.
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                               bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
 
@@ -121,8 +121,9 @@ cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias
                                       cudaStream_t stream);
 
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
-// built for sm_90a, and a shape its TMA descriptors take (k % 4 == 0, for 16-byte row strides of w; m, n, k > 0).
-bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
+// built for sm_90a, and a shape its TMA descriptors take (16-byte row strides of w: k % 4 == 0, or, where w comes
+// transposed, n % 4 == 0; m, n, k > 0).
+bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k, bool w_transposed = false);
 
 // launch_split_gemm_multiply_leaky_relu's product and epilogue from w's split made beforehand by launch_split_chunks
 // (not transposed, in split_position's order: w_hi, w_lo, w_exponent its chunk_exponent; 16-byte aligned) instead of

@@ -198,8 +198,8 @@ bool kernel_registers_hold_budgets(Kernel* kernel) {
 
 }  // namespace
 
-bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
-  if (m <= 0 || n <= 0 || k <= 0 || k % 4 != 0) return false;  // TMA: 16-byte row strides of w
+bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k, bool w_transposed) {
+  if (m <= 0 || n <= 0 || k <= 0 || (w_transposed ? n : k) % 4 != 0) return false;  // TMA: 16-byte rows of w
   if (m >= (std::int64_t{1} << 31) || n >= (std::int64_t{1} << 31) || k >= (std::int64_t{1} << 31) - kSplitChunk)
     return false;
   const std::int64_t tiles = tile_count(m, n);
@@ -228,7 +228,7 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (!split_gemm_supported(device, m, n, k) || (w_transposed && n % 4 != 0)) return cudaErrorNotSupported;
+  if (!split_gemm_supported(device, m, n, k, w_transposed)) return cudaErrorNotSupported;
   if (w_stride % 4 != 0 || w_stride < (w_transposed ? n : k) || reinterpret_cast<std::uintptr_t>(w) % 16 != 0)
     return cudaErrorInvalidValue;
   CUtensorMap maps[6] = {};
@@ -241,7 +241,8 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
 }
 
 bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
-  return n % 4 == 0 && split_gemm_supported(device, m, n, k);  // n % 4: 16-byte rows of w's exponents for TMA
+  // n % 4: 16-byte rows of w's exponents for TMA; w's split has rows of whole chunks, whatever k is.
+  return n % 4 == 0 && split_gemm_supported(device, m, n, split_row_length(k));
 }
 
 cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,

@@ -95,8 +95,8 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                               bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows > 0x7fffffff || cols % 4 != 0 || row_stride % 4 != 0 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0 ||
-      reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
+  if (rows > 0x7fffffff || reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 ||
+      reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
     return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(rows));
   const auto split = [&](auto kernel) {
@@ -104,8 +104,11 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
                                                static_cast<__half*>(lo), exponent);
     return cudaGetLastError();
   };
+  const bool aligned =
+      cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
   const auto in_order = [&](auto natural) {
     constexpr bool kNatural = decltype(natural)::value;
+    if (!aligned) return split(split_rows_unaligned_kernel<kNatural>);
     constexpr std::int64_t kPackFloats = 4 * kSplitThreads;
     const std::int64_t length = split_row_length(cols);
     if (length <= 2 * kPackFloats) return split(split_rows_in_registers_kernel<2, kNatural>);

@@ -120,6 +120,25 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
                lo + row * length);
 }
 
+// Rows of any length and stride (not 16-byte aligned: a vocabulary of 50257 as the reduction): split_rows_kernel's two
+// passes with scalar loads, each pack of 4 gathered from its floats (those past the row's end are zeros).
+template <bool kNatural>
+__global__ void __launch_bounds__(kSplitThreads)
+split_rows_unaligned_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride,
+                            __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
+  const std::int64_t row = blockIdx.x;
+  const float* in = src + row * row_stride;
+  const std::int64_t length = split_row_length(cols);
+  float max_abs = 0.0f;
+  bool non_finite = false;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kSplitThreads) fold(in[c], max_abs, non_finite);
+  const PowerOfTwo scale = row_scale(max_abs, non_finite, exponent + row);
+  const auto at = [&](std::int64_t c) { return c < cols ? in[c] : 0.0f; };
+  for (std::int64_t i = threadIdx.x; i < length / 4; i += kSplitThreads)
+    split_pack<kNatural>(make_float4(at(4 * i), at(4 * i + 1), at(4 * i + 2), at(4 * i + 3)), scale, i,
+                         hi + row * length, lo + row * length);
+}
+
 // The split of src's columns (src: rows x cols, row-major): row c of the result is column c of src, in natural
 // order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp kColumnRowsInFlight rows
 // at a time, 128 bytes each) for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them
