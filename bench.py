@@ -88,7 +88,7 @@ def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs,
             rate=rate_of(variant) / ms, unit=unit, ceiling=name,
             pct_of_ceiling=100 * rate_ceiling_ms / ms if rate_ceiling_ms else None,
             error=relative_error(y, y64) if y is not None else None,
-            verdict=None if y is None else ("pass" if allclose(y.float(), y_eager32) else "FAIL")))
+            verdict=None if y is None or y_eager32 is None else ("pass" if allclose(y.float(), y_eager32) else "FAIL")))
 
 
 CPU_SAMPLE_MS = 1.0
@@ -617,6 +617,106 @@ def bench_models(rows, options):
         torch.cuda.empty_cache()
 
 
+def _model_gemm_shapes(model, inputs):
+    """The (rows, in_features, out_features) of every linear layer call of one forward of `model` (patched), in call
+    order, each shape once."""
+    import kernels
+
+    shapes = {}
+
+    def record(module, args, output):
+        x = args[0]
+        k = x.shape[-1]
+        shapes[(x.numel() // k, k, output.shape[-1])] = None
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if kernels.is_patched(m)]
+    with torch.no_grad():
+        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    for hook in hooks:
+        hook.remove()
+    return list(shapes)
+
+
+def bench_model_gemms(rows, options):
+    """Every GEMM shape of the models table: the forward, grad_x's and grad_W's product, each on the path the library
+    takes (named in the variant) against eager's product, with errors against float64."""
+    import kernels
+    from kernels.gemm.gemm import linear
+
+    problem = "model GEMMs (fp32)"
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    seen = set()
+    for name, (build, inputs, _, _) in _model_specs().items():
+        torch.manual_seed(0)
+        model = kernels.patch(build().to(DEVICE))
+        batch = inputs(torch.Generator(device=DEVICE).manual_seed(0))
+        shapes = [s for s in _model_gemm_shapes(model, {"input_ids": batch} if not batch.is_floating_point()
+                                                else batch) if s not in seen]
+        seen.update(shapes)
+        del model
+        for m, k, n in shapes:
+            g = torch.Generator(device=DEVICE).manual_seed(m + k + n)
+            x = torch.randn(m, k, device=DEVICE, generator=g)
+            w = (torch.rand(n, k, device=DEVICE, generator=g) * 2 - 1) / k ** 0.5
+            grad = torch.randn(m, n, device=DEVICE, generator=g)
+            none = torch.empty(0, device=DEVICE)
+            products = {
+                "forward": (lambda: linear(x, w), lambda: torch.nn.functional.linear(x, w),
+                            lambda: x.double() @ w.double().t(), gemm_path(x, w), 2 * m * n * k),
+                "grad_x": (lambda: backward(grad, x, w, none, 1.0, 1.0, True, False, False)[0],
+                           lambda: grad @ w, lambda: grad.double() @ w.double(), gemm_path(grad, w.t()), 2 * m * n * k),
+                "grad_W": (lambda: backward(grad, x, w, none, 1.0, 1.0, False, True, False)[1],
+                           lambda: grad.t() @ x, lambda: grad.double().t() @ x.double(), gemm_path(grad.t(), x.t()),
+                           2 * m * n * k),
+            }
+            for product, (ours, eager, exact, path, flops) in products.items():
+                case = f"{name.split(' ')[0]} {m}x{k}->{n} {product}"
+                progress(f"{problem}: {case}")
+                with torch.no_grad():
+                    times, kb = run_case([eager, ours], options, kernelbench=False)
+                    y64 = exact()
+                    outputs = [eager(), ours()]
+                # allclose's verdict for the forward only: a gradient's sum over thousands of rows carries eager's own
+                # rounding at every element (kernels.precision.gradient_atol); the error column is the contract.
+                add_rows(rows, problem, case, "fp32", ["eager", f"library ({path})"], times, kb, outputs,
+                         lambda v, flops=flops: flops / 1e9, "TFLOP/s", "-", None, y64,
+                         outputs[0] if product == "forward" else None)
+                del y64, outputs
+            del x, w, grad
+            torch.cuda.empty_cache()
+
+
+# Host-bound linear layers (KernelBench level 3's small transformers): nn.Linear against kernels.nn.Linear.
+HOST_BOUND_LINEARS = ((394, 512, 512), (64, 1024, 1024))
+
+
+def bench_linear_layers(rows, options):
+    """nn.Linear against kernels.nn.Linear at host-bound sizes, called back to back (no L2 flush): the forward, and a
+    training step's forward and backward."""
+    import kernels
+
+    problem = "host-bound linear layers (fp32)"
+    for m, k, n in HOST_BOUND_LINEARS:
+        torch.manual_seed(0)
+        eager = torch.nn.Linear(k, n).to(DEVICE)
+        ours = kernels.nn.Linear(k, n).to(DEVICE)
+        ours.load_state_dict(eager.state_dict())
+        x = torch.randn(m, k, device=DEVICE)
+        x_grad = x.clone().requires_grad_(True)
+        grad = torch.randn(m, n, device=DEVICE)
+        y64 = torch.nn.functional.linear(x.double(), eager.weight.double(), eager.bias.double())
+        for case, step in ((f"forward {m}x{k}->{n}", lambda layer: layer(x)),
+                           (f"train step {m}x{k}->{n}", lambda layer: layer(x_grad).backward(grad))):
+            progress(f"{problem}: {case}")
+            layers = {"nn.Linear": eager, "kernels.nn.Linear": ours}
+            times = time_each_ms([lambda layer=layer: step(layer) for layer in layers.values()], samples=options.samples,
+                                 calls_per_sample=50, flush_l2=False)
+            with torch.no_grad():
+                outputs = [layer(x) for layer in layers.values()]
+            add_rows(rows, problem, case, "fp32", list(layers), times, [None, None], outputs,
+                     lambda v: 2 * m * n * k / 1e9, "TFLOP/s", "-", None, y64, outputs[0])
+
+
 # ---- CPU, every dtype, small sizes ------------------------------------------------------------------------------
 
 CPU_DTYPES = (("fp32", torch.float32), ("fp64", torch.float64), ("fp16", torch.float16), ("bf16", torch.bfloat16))
@@ -849,7 +949,8 @@ def plot(rows, path, device, torch_version=torch.__version__):
 
 
 GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
-               "gemm_shapes": bench_gemm_shapes, "models": bench_models}
+               "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
+               "linear_layers": bench_linear_layers}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
 VARIANTS = ["eager", "torch.compile", "compile max-autotune", "triton tf32x3", "ModelNew"]
@@ -872,7 +973,8 @@ def main():
     parser.add_argument("--markdown", metavar="PATH", help="also write the tables and legend into PATH (Markdown; "
                         "docs/bench.md is this file of the latest GPU run)")
     args = parser.parse_args()
-    problems = args.problem or [p for p in (BENCHES if HAS_CUDA else CPU_BENCHES) if p != "models" or _has_model_zoo()]
+    problems = args.problem or [p for p in (BENCHES if HAS_CUDA else CPU_BENCHES)
+                                if p not in ("models", "model_gemms") or _has_model_zoo()]
     if not HAS_CUDA and any(p in GPU_BENCHES for p in problems):
         parser.error(f"no GPU visible: --problem takes {', '.join(CPU_BENCHES)} here")
     if args.size and len(problems) != 1:
