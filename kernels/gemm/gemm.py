@@ -151,17 +151,27 @@ def _split_may_pay(m, n, k):
 def plain_linear_suffices(x, weight):
     """Whether F.linear(x, weight, bias) is what the op would compute for a plain linear layer (multiplier 1, slope 1):
     no product of the call, nor of its backward where autograd records it, can take a split path (CPU tensors, other
-    dtypes, TF32 allowed, autocast, shapes gemm.cpp sends to cuBLAS). Then a call skips the op and costs the host no
-    more than nn.Linear's. Only plain CUDA tensors are judged; anything else goes to the op."""
+    dtypes, TF32 allowed, shapes gemm.cpp sends to cuBLAS). Then a call skips the op and costs the host no more than
+    nn.Linear's. Only plain tensors are judged; anything else goes to the op. Ordered for the host's time: most
+    small layers are settled by the three output sizes alone."""
+    n, k = weight.shape
+    return plain_product_suffices(x, n, k, weight.requires_grad)
+
+
+def plain_product_suffices(x, n, k, weight_requires_grad):
+    """plain_linear_suffices for a weight of n x k (out x in) elements, given or not as its transpose."""
     if type(x) is not torch.Tensor or _forced_path != "auto":
         return type(x) is torch.Tensor and _forced_path == "cublas"
-    if not x.is_cuda or x.dtype != torch.float32 or _tf32_allowed() or torch.is_autocast_enabled("cuda"):
-        return True
-    n, k = weight.shape
     m = x.numel() // k if k else 0
+    least = _SPLIT_THRESHOLDS[1]  # no product of fewer outputs splits
+    if m * n < least and (m * k < least and n * k < least or not (
+            torch.is_grad_enabled() and (x.requires_grad or weight_requires_grad))):
+        return True
+    if not x.is_cuda or x.dtype != torch.float32 or _tf32_allowed():
+        return True
     if _split_may_pay(m, n, k):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or weight_requires_grad):
         return not (_split_may_pay(m, k, n) or _split_may_pay(n, k, m))  # grad_x's product, grad_W's
     return True
 
@@ -203,12 +213,18 @@ class FusedLinear(nn.Linear):
         self.clear_weight_split()
 
     def forward(self, x, multiplier=1.0, negative_slope=1.0):
-        weight = self.weight
+        # The parameters straight from their dict (a small layer's call is all host time); through the attributes
+        # where something else provides them (torch.nn.utils.parametrize's properties).
+        parameters = self._parameters
+        weight = parameters.get("weight")
+        if weight is None:
+            weight = self.weight
+        bias = parameters["bias"] if "bias" in parameters else self.bias
         if multiplier == 1.0 and negative_slope == 1.0 and plain_linear_suffices(x, weight):
-            return F.linear(x, weight, self.bias)
+            return F.linear(x, weight, bias)
         # Under tracing (torch.compile, export) nothing is kept: the traced graph splits the weight on each call.
-        weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x)
-        return gemm_multiply_leaky_relu(x, weight, self.bias, multiplier, negative_slope, weight_split)
+        weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x, weight)
+        return gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, weight_split)
 
     def clear_weight_split(self):
         """Drops the kept split of the weight (the next calls split it again)."""
@@ -220,8 +236,7 @@ class FusedLinear(nn.Linear):
         self._weight_split = None
         self._weight_split_refused_rows = ()
 
-    def _weight_split_for(self, x):
-        weight = self.weight
+    def _weight_split_for(self, x, weight):
         if x.numel() * weight.shape[0] < KEPT_SPLIT_MIN_PRODUCTS:  # none is made: the call stays host-bound and lean
             return None
         if not (self.cache_weight_split and _split_may_be_kept(x, weight)):
