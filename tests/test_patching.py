@@ -392,3 +392,48 @@ def test_kept_splits_stay_within_the_budget():
         assert kept_split_bytes() == 0
     finally:
         set_kept_split_budget(None)
+
+
+# ---- modes -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", ["small", "split"])
+def test_patched_model_under_torch_compile(shape, device):
+    """torch.compile(fullgraph=True) of a patched model: the same results as the patched model in eager, gradients
+    too, at a shape no split takes and at one the split path takes (on the GPU)."""
+    if shape == "split" and device == "cpu":
+        pytest.skip("the split path is CUDA only")
+    torch.manual_seed(0)
+    width, rows = (32, 8) if shape == "small" else (1024, 2048)
+    model = kernels.patch(nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)).to(device))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y_compiled = model(x), compiled(x2)
+    torch.testing.assert_close(y_compiled, y, atol=TOL, rtol=TOL)
+    y.sum().backward()
+    y_compiled.sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad, atol=gradient_atol(x.grad), rtol=TOL)
+
+
+@requires_cuda
+def test_patched_model_in_a_cuda_graph():
+    """A captured training-free forward replays the same results as eager calls, at a split shape."""
+    torch.manual_seed(0)
+    model = kernels.patch(nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024)).cuda())
+    x = torch.randn(2048, 1024, device="cuda")
+    with torch.no_grad():
+        expected = model(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, model(x), atol=0, rtol=0)
+    assert not torch.equal(out, expected)
