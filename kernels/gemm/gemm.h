@@ -50,7 +50,7 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
                                  void* hi, void* lo, std::int32_t* exponent, float* column_sums, void* workspace,
                                  cudaStream_t stream);
 
-// The bytes of workspace launch_split_columns needs for a rows x cols matrix (about 1/16 of its float32 bytes).
+// The bytes of workspace launch_split_columns needs for a rows x cols matrix (about 1/32 of its float32 bytes).
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols);
 
 // The split of w for the sm_80 GEMM (launch_split_gemm_sm80_multiply_leaky_relu): for each row j of w (rows x cols,

@@ -70,8 +70,8 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
     return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(workspace, 0, layout.counters_bytes, stream);
   if (err != cudaSuccess) return err;
-  // B items at least a whole column tile of slabs behind A's (column_item: a B block waits only on earlier tickets).
-  const std::int64_t lag_items = layout.slabs + kColumnLagItems < items ? layout.slabs + kColumnLagItems : items;
+  // B items at least a whole column tile of slabs behind A's (column_item: a B block waits only on earlier blocks).
+  const std::int64_t lag = layout.slabs + kColumnLagItems, lag_items = lag < items ? lag : items;
   const bool aligned =
       cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
   const auto kernel = aligned ? split_columns_kernel<true> : split_columns_kernel<false>;
@@ -130,16 +130,13 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
     return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
   }
   // src is w's transpose: cols x rows, rows row_stride apart.
-  const std::int64_t column_blocks = (rows + kTileColumns - 1) / kTileColumns;
+  const std::int64_t column_blocks = (rows + kChunkColumnTile - 1) / kChunkColumnTile;
   if (column_blocks > 0x7fffffff || chunks > 65535) return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(flags, 0, rows * sizeof(std::int32_t), stream);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(column_blocks), static_cast<unsigned>(chunks));
-  const bool aligned =
-      rows % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
-  const auto kernel = aligned ? split_chunks_transposed_kernel<true> : split_chunks_transposed_kernel<false>;
-  kernel<<<grid, kTileThreads, 0, stream>>>(src, cols, rows, row_stride, static_cast<__half*>(hi),
-                                            static_cast<__half*>(lo), chunk_exponent, flags);
+  split_chunks_transposed_kernel<<<grid, kChunkColumnThreads, 0, stream>>>(
+      src, cols, rows, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
   return cudaGetLastError();
 }
 

@@ -1,6 +1,6 @@
-// w's split made before a GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: one kernel for w,
-// one for w given as its transpose. They take their block size, fold, group reduction and split_pack, and the
-// second its column tiles, from the row splits (gemm_split_rows.cuh). Portable (any architecture).
+// w's split made before a GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: kernels for w, one
+// for w given as its transpose. They take their block size, fold, group reduction and split_pack from the row splits
+// (gemm_split_rows.cuh). Portable (any architecture).
 #pragma once
 
 #include "gemm.h"
@@ -84,61 +84,58 @@ split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64
 }
 
 // The same split of w given as its transpose (src: k x n, row-major): row j of the split is column j of src. One
-// block per chunk and column tile (gemm_split_rows.cuh: kTileRows == kSplitChunk rows, kTileColumns columns): the
-// tile's loads all in flight together; each column's maximum over the chunk is combined across the warps in shared
-// memory; then the tile is split with those scales and written as rows. kAligned: n % 4 == 0, row_stride % 4 == 0
-// and src 16-byte aligned. flags must be zero before the launch: a block that meets a non-finite value sets its
-// column's flag (atomicOr).
-static_assert(kTileRows == kSplitChunk, "a column tile is one chunk of the split");
+// block per chunk and kChunkColumnTile columns: each warp reads 8 of the chunk's rows of src (128 bytes each) into
+// a shared tile; the columns' maxima are combined across the warps; then each warp writes 4 columns' hi and lo as
+// rows (128 bytes of each per column). flags must be zero before the launch: a block that meets a non-finite value
+// sets its column's flag (atomicOr).
+constexpr int kChunkColumnThreads = 256;
+constexpr int kChunkColumnTile = 32;
 
-template <bool kAligned>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kChunkColumnThreads)
 split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, std::int64_t n, std::int64_t row_stride,
                                __half* __restrict__ hi, __half* __restrict__ lo,
                                std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
-  __shared__ TileStage stage;
-  __shared__ float4 warp_max[kTileWarps][32];
-  __shared__ unsigned warp_bad[kTileWarps][32];  // bit e: column 4 lane + e
+  constexpr int kWarps = kChunkColumnThreads / 32;
+  __shared__ float tile[kSplitChunk][kChunkColumnTile + 1];
+  __shared__ float warp_max[kWarps][kChunkColumnTile];
+  __shared__ bool warp_bad[kWarps][kChunkColumnTile];
+  __shared__ PowerOfTwo scales[kChunkColumnTile];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kTileColumns;
-  const std::int64_t chunk = blockIdx.y;
-  const Tile values = load_tile<kAligned, true>(src, k, n, row_stride, chunk * kSplitChunk, first_column);
-  float max_abs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  unsigned bad = 0;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    bool non_finite = false;
-#pragma unroll
-    for (int i = 0; i < kTilePairsPerWarp; ++i) {
-      fold(element(values.v[i][0], e), max_abs[e], non_finite);
-      fold(element(values.v[i][1], e), max_abs[e], non_finite);
-    }
-    bad |= non_finite ? 1u << e : 0u;
+  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kChunkColumnTile;
+  const std::int64_t chunk = blockIdx.y, column = first_column + lane;
+  float max_abs = 0.0f;
+  bool non_finite = false;
+  for (int r = warp; r < kSplitChunk; r += kWarps) {
+    const std::int64_t kk = chunk * kSplitChunk + r;
+    const float v = kk < k && column < n ? src[kk * row_stride + column] : 0.0f;
+    fold(v, max_abs, non_finite);
+    tile[r][lane] = is_finite(v) ? v : 0.0f;
   }
-  warp_max[warp][lane] = make_float4(max_abs[0], max_abs[1], max_abs[2], max_abs[3]);
-  warp_bad[warp][lane] = bad;
+  warp_max[warp][lane] = max_abs;
+  warp_bad[warp][lane] = non_finite;
   __syncthreads();
+  if (warp == 0) {
 #pragma unroll
-  for (int w = 0; w < kTileWarps; ++w) {
-    const float4 m = warp_max[w][lane];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) max_abs[e] = fmaxf(max_abs[e], element(m, e));
-    bad |= warp_bad[w][lane];
-  }
-  PowerOfTwo scale[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int exponent = scale_exponent(max_abs[e]);
-    scale[e] = power_of_two(exponent);
-    const std::int64_t column = first_column + 4 * lane + e;
-    if (warp == 0 && column < n) {
-      chunk_exponent[chunk * n + column] = exponent;
-      if (bad & (1u << e)) atomicOr(flags + column, kNonFiniteRow);
+    for (int w = 1; w < kWarps; ++w) {
+      max_abs = fmaxf(max_abs, warp_max[w][lane]);
+      non_finite |= warp_bad[w][lane];
+    }
+    const int e = scale_exponent(max_abs);
+    scales[lane] = power_of_two(e);
+    if (column < n) {
+      chunk_exponent[chunk * n + column] = e;
+      if (non_finite) atomicOr(flags + column, kNonFiniteRow);
     }
   }
-  stage_split(values, scale, stage);
   __syncthreads();
-  store_tile<false>(stage, hi, lo, split_row_length(k), first_column, n, chunk * kSplitChunk);
+  const std::int64_t length = split_row_length(k);
+  for (int i = warp; i < kChunkColumnTile; i += kWarps) {
+    if (first_column + i >= n) break;
+    const SplitPair pair = split_pair(tile[2 * lane][i], tile[2 * lane + 1][i], scales[i]);
+    const std::int64_t at = (first_column + i) * length + chunk * kSplitChunk + 2 * lane;
+    *reinterpret_cast<__half2*>(hi + at) = pair.hi;
+    *reinterpret_cast<__half2*>(lo + at) = pair.lo;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The split passes with one power of two per row of the result (gemm.h: launch_split_rows, launch_split_columns),
 // and what the chunk splits (gemm_split_chunks.cuh) share with them: the block size, fold (a thread's running
-// maximum), the group reduction, split_pack (a pack's split and its stores) and the column tiles.
+// maximum), the group reduction and split_pack (a pack's split and its stores).
 //
 // launch_split_rows, the split pass of the fp32-accurate tensor-core GEMM over x: each row of a float32 matrix
 // becomes a power-of-two row exponent and a pair of fp16 rows hi, lo with hi + lo = v * 2^e to about 22 bits, in the
@@ -158,12 +158,12 @@ split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t
                lo + row * length);
 }
 
-// Column tiles, for splits whose rows of the result are columns of a row-major matrix (launch_split_columns here,
-// the split of w given transposed in gemm_split_chunks.cuh): kTileRows rows by kTileColumns columns, read by
-// kTileThreads threads. Warp w holds the row pairs (2p, 2p + 1), p = w + kTileWarps * i, each lane 4 consecutive
-// columns of both rows: 512 contiguous bytes per row and warp, all of a thread's loads in flight together. A row
-// pair's split is one fp16 pair per column, the layout of the transposed result: the pairs are staged in shared
-// memory, then each warp writes whole columns as rows of the result (128 bytes of hi and of lo per column).
+// Column tiles of launch_split_columns, whose rows of the result are columns of a row-major matrix: kTileRows rows
+// by kTileColumns columns, read by kTileThreads threads. Warp w holds the row pairs (2p, 2p + 1), p = w + kTileWarps
+// * i, each lane 4 consecutive columns of both rows: 512 contiguous bytes per row and warp, all of a thread's loads in
+// flight together. A row pair's split is one fp16 pair per column, the layout of the transposed result: the pairs
+// are staged in shared memory, then each warp writes whole columns as rows of the result (128 bytes of hi and of lo
+// per column).
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
 constexpr int kTileColumns = 4 * 32;
@@ -242,8 +242,8 @@ __device__ __forceinline__ void stage_split(const Tile& tile, const PowerOfTwo (
 }
 
 // Writes the staged tile: column j (< cols - first_column) as kTileRows halves of row first_column + j of hi and lo
-// (rows `length` halves apart), from half `position` on. kLastUse: the stores leave L2 first.
-template <bool kLastUse>
+// (rows `length` halves apart), from half `position` on. The stores leave L2 first (evict-first): the tile's input,
+// which another block reads again, stays.
 __device__ __forceinline__ void store_tile(const TileStage& stage, __half* __restrict__ hi, __half* __restrict__ lo,
                                            std::int64_t length, std::int64_t first_column, std::int64_t cols,
                                            std::int64_t position) {
@@ -252,85 +252,81 @@ __device__ __forceinline__ void store_tile(const TileStage& stage, __half* __res
   for (int j = warp; j < kTileColumns; j += kTileWarps) {
     if (first_column + j >= cols) break;
     const std::int64_t at = (first_column + j) * length + position;
-    std::uint32_t* hi_words = reinterpret_cast<std::uint32_t*>(hi + at);
-    std::uint32_t* lo_words = reinterpret_cast<std::uint32_t*>(lo + at);
-    const std::uint32_t hi_word = stage.hi[j][staged_word(j, lane)], lo_word = stage.lo[j][staged_word(j, lane)];
-    if constexpr (kLastUse) {
-      __stcs(reinterpret_cast<unsigned*>(hi_words + lane), hi_word);
-      __stcs(reinterpret_cast<unsigned*>(lo_words + lane), lo_word);
-    } else {
-      hi_words[lane] = hi_word;
-      lo_words[lane] = lo_word;
-    }
+    __stcs(reinterpret_cast<unsigned*>(hi + at) + lane, stage.hi[j][staged_word(j, lane)]);
+    __stcs(reinterpret_cast<unsigned*>(lo + at) + lane, stage.lo[j][staged_word(j, lane)]);
   }
 }
 
 // The split of src's columns (launch_split_columns; src: rows x cols, row-major): row c of the result is column c
 // of src, in natural order. The matrix is cut into column tiles (kTileColumns wide) and slabs (kTileRows rows): an
 // item is one tile of one slab, and each item is done twice, by two blocks:
-// - A (statistics): reads its item, and writes each column's largest finite |v|, non-finite flag and compensated sum
-//   over the slab to the workspace; the last A block of a column tile to finish (counted in arrivals) combines the
-//   tile's slabs in slab order (a fixed order: the same sums on every run), writes the exponents and sums, and marks
-//   the tile ready.
-// - B (split): re-reads its item (from L2: A read it shortly before) and, once its tile is ready, splits it with the
-//   columns' scales.
-// Blocks take their items in the order of a ticket (an atomic counter), not of blockIdx: A items in order, B items
-// kColumnLagItems behind (at least a whole tile of slabs behind), so that a B block waits only for A items taken
-// before its own, which run to the end without waiting: no deadlock, however many blocks are resident. The lag keeps
-// the bytes between an item's two reads well inside L2.
+// - A (statistics): reads its item, folds each column's largest finite |v| and non-finite flag into the workspace
+//   (atomicMax, atomicOr: the same result in any order), writes each column's compensated sum over the slab, and
+//   counts itself in its tile's arrivals.
+// - B (split): re-reads its item (from L2: A read it shortly before) and, once every A block of its tile has arrived,
+//   splits it with the columns' scales. The tile's first B block then adds the slabs' sums in slab order (a fixed
+//   order: the same sums on every run) and writes the exponents and sums.
+// Blocks start in blockIdx order (as single-pass scans assume): A items in order, B items behind them by at least a
+// whole tile of slabs and kColumnLagItems more, so that a B block waits only for A blocks started before it, which
+// run to the end without waiting. The lag keeps the bytes between an item's two reads inside L2.
 constexpr int kColumnLagItems = 256;
 
-// The workspace: counters (the ticket, then one arrival count per column tile, zeroed by the launcher), each item's
-// column partials, each column's exponent. Sizes in column tiles and slabs; offsets in bytes, 16-byte aligned.
+// The workspace: counters, zeroed by the launcher (one arrival count per column tile; each column's largest finite
+// |v|, as float bits, and non-finite flag), then each item's column sums (total, error). Sizes in column tiles and
+// slabs; offsets in bytes, 16-byte aligned.
 struct ColumnSplitLayout {
-  std::int64_t tiles, slabs, counters_bytes, partials_offset, exponents_offset, bytes;
+  std::int64_t tiles, slabs, max_offset, bad_offset, counters_bytes, sums_offset, bytes;
 };
 
 KERNELS_GEMM_HOST_DEVICE inline ColumnSplitLayout column_split_layout(std::int64_t rows, std::int64_t cols) {
+  const auto align = [](std::int64_t bytes, std::int64_t to) { return (bytes + to - 1) / to * to; };
   ColumnSplitLayout layout{};
   layout.tiles = (cols + kTileColumns - 1) / kTileColumns;
   layout.slabs = (rows + kTileRows - 1) / kTileRows;
-  layout.counters_bytes = ((1 + layout.tiles) * 4 + 255) / 256 * 256;
-  layout.partials_offset = layout.counters_bytes;
-  layout.exponents_offset = layout.partials_offset + layout.tiles * layout.slabs * kTileColumns * 16;
-  layout.bytes = layout.exponents_offset + layout.tiles * kTileColumns * 4;
+  layout.max_offset = align(layout.tiles * 4, 16);
+  layout.bad_offset = layout.max_offset + layout.tiles * kTileColumns * 4;
+  layout.counters_bytes = align(layout.bad_offset + layout.tiles * kTileColumns * 4, 256);
+  layout.sums_offset = layout.counters_bytes;
+  layout.bytes = layout.sums_offset + layout.tiles * layout.slabs * kTileColumns * 8;
   return layout;
 }
 
-// A running compensated sum, total + error: Kahan's per thread (error = -compensation), Neumaier's two-sum when
-// adding partial sums, so that each add of a partial costs no more than one rounding of the total.
-struct ColumnPartial {
-  float max_abs, total, error;
-  bool non_finite;
+// A compensated sum, total + error: Kahan's per thread (error = -compensation), Neumaier's two-sum when adding
+// partial sums, so that each add of a partial costs no more than one rounding of the total.
+struct CompensatedSum {
+  float total, error;
 };
 
-__device__ __forceinline__ void combine(ColumnPartial& into, const ColumnPartial& part) {
-  into.max_abs = fmaxf(into.max_abs, part.max_abs);
-  into.non_finite |= part.non_finite;
-  const float next = into.total + part.total;
-  into.error += fabsf(into.total) >= fabsf(part.total) ? (into.total - next) + part.total
-                                                       : (part.total - next) + into.total;
-  into.error += part.error;
+__device__ __forceinline__ void add(CompensatedSum& into, float2 part) {
+  const float next = into.total + part.x;
+  into.error += fabsf(into.total) >= fabsf(part.x) ? (into.total - next) + part.x : (part.x - next) + into.total;
+  into.error += part.y;
   into.total = next;
 }
 
-__device__ __forceinline__ float4 pack(const ColumnPartial& p) {
-  return make_float4(p.max_abs, p.total, p.error, p.non_finite ? 1.0f : 0.0f);
-}
-
-__device__ __forceinline__ ColumnPartial unpack(float4 v) { return {v.x, v.y, v.z, v.w != 0.0f}; }
-
-// The ticket's item: phase A or B, and the item's index (tile-major: tile * slabs + slab).
+// Block `block`'s item: phase A or B, and the item's index (tile-major: tile * slabs + slab). The first `lag` blocks
+// take A items, then A and B items alternate, then the last `lag` blocks take B items.
 struct ColumnItem {
   bool split;
   std::int64_t index;
 };
 
-__device__ __forceinline__ ColumnItem column_item(std::int64_t ticket, std::int64_t items, std::int64_t lag) {
-  if (ticket < lag) return {false, ticket};
-  const std::int64_t m = ticket - lag;
+__device__ __forceinline__ ColumnItem column_item(std::int64_t block, std::int64_t items, std::int64_t lag) {
+  if (block < lag) return {false, block};
+  const std::int64_t m = block - lag;
   if (m < 2 * (items - lag)) return m % 2 == 0 ? ColumnItem{false, lag + m / 2} : ColumnItem{true, m / 2};
   return {true, m - items + lag};
+}
+
+// Release and acquire at GPU scope: the arrival of an A block after its writes, the wait of a B block before reads.
+__device__ __forceinline__ void arrive(unsigned* counter) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+__device__ __forceinline__ unsigned arrived(const unsigned* counter) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
 }
 
 template <bool kAligned>
@@ -338,43 +334,55 @@ __global__ void __launch_bounds__(kTileThreads)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                      __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
                      float* __restrict__ column_sums, unsigned char* __restrict__ workspace, std::int64_t lag) {
-  static_assert(kTileThreads == 2 * kTileColumns, "the last A block combines each column's slabs in two halves");
+  static_assert(kTileThreads == 2 * kTileColumns, "the sums are added in two halves of the slabs");
   union Shared {
     TileStage stage;
-    float4 partials[kTileWarps][kTileColumns];
+    float4 partials[kTileWarps][kTileColumns];  // a thread's max, sum (total, error) and flag per column
   };
   __shared__ Shared shared;
-  __shared__ std::int64_t item_ticket;
-  __shared__ bool last;
+  __shared__ float2 half_sums[kTileColumns];
   const ColumnSplitLayout layout = column_split_layout(rows, cols);
-  unsigned* const ticket = reinterpret_cast<unsigned*>(workspace);
-  unsigned* const arrivals = ticket + 1;
-  float4* const partials = reinterpret_cast<float4*>(workspace + layout.partials_offset);
-  std::int32_t* const column_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.exponents_offset);
+  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace);
+  unsigned* const max_bits = reinterpret_cast<unsigned*>(workspace + layout.max_offset);
+  unsigned* const bad = reinterpret_cast<unsigned*>(workspace + layout.bad_offset);
+  float2* const sums = reinterpret_cast<float2*>(workspace + layout.sums_offset);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (threadIdx.x == 0) item_ticket = atomicAdd(ticket, 1u);
-  __syncthreads();
-  const ColumnItem item = column_item(item_ticket, layout.tiles * layout.slabs, lag);
+  const ColumnItem item = column_item(blockIdx.x, layout.tiles * layout.slabs, lag);
   const std::int64_t tile = item.index / layout.slabs, slab = item.index % layout.slabs;
   const std::int64_t first_column = tile * kTileColumns, first_row = slab * kTileRows;
-  const unsigned ready = static_cast<unsigned>(layout.slabs) + 1;  // every A block arrived, then the combine
 
   if (item.split) {
     const Tile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
-    if (threadIdx.x == 0) {
-      while (*reinterpret_cast<volatile unsigned*>(arrivals + tile) != ready) __nanosleep(64);
-      __threadfence();
-    }
-    __syncthreads();
+    if (threadIdx.x == 0)
+      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
+    __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A blocks' writes
     PowerOfTwo scale[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const std::int64_t column = first_column + 4 * lane + e;
-      scale[e] = power_of_two(column < cols ? __ldcg(column_exponent + column) : 0);
-    }
+    for (int e = 0; e < 4; ++e)
+      scale[e] = power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + 4 * lane + e))));
     stage_split(values, scale, shared.stage);
     __syncthreads();
-    store_tile<true>(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
+    store_tile(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
+    if (slab != 0) return;
+
+    // The tile's first B block: each column's slab sums added in slab order, in two halves, then the halves in order.
+    const int column_in_tile = threadIdx.x % kTileColumns, half = threadIdx.x / kTileColumns;
+    const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
+    const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
+    const float2* from = sums + tile * layout.slabs * kTileColumns + column_in_tile;
+    CompensatedSum sum{0.0f, 0.0f};
+#pragma unroll 8
+    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kTileColumns));
+    if (half == 1) half_sums[column_in_tile] = make_float2(sum.total, sum.error);
+    __syncthreads();
+    const std::int64_t column = first_column + column_in_tile;
+    if (half == 0 && column < cols) {
+      add(sum, half_sums[column_in_tile]);
+      const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
+      exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
+      // An inf or NaN total is IEEE's, as the plain sums'.
+      if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;
+    }
     return;
   }
 
@@ -398,45 +406,29 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
       }
     }
     const bool finite = is_finite(sum);
-    shared.partials[warp][4 * lane + e] =
-        pack({max_abs, finite ? sum : plain_sum, finite ? -compensation : 0.0f, non_finite});
+    shared.partials[warp][4 * lane + e] = make_float4(max_abs, finite ? sum : plain_sum,
+                                                      finite ? -compensation : 0.0f, non_finite ? 1.0f : 0.0f);
   }
   __syncthreads();
   if (threadIdx.x < kTileColumns) {
-    ColumnPartial part = unpack(shared.partials[0][threadIdx.x]);
+    const float4 first = shared.partials[0][threadIdx.x];
+    float max_abs = first.x;
+    CompensatedSum sum{first.y, first.z};
+    bool non_finite = first.w != 0.0f;
 #pragma unroll
-    for (int w = 1; w < kTileWarps; ++w) combine(part, unpack(shared.partials[w][threadIdx.x]));
-    partials[item.index * kTileColumns + threadIdx.x] = pack(part);
-    __threadfence();
+    for (int w = 1; w < kTileWarps; ++w) {
+      const float4 part = shared.partials[w][threadIdx.x];
+      max_abs = fmaxf(max_abs, part.x);
+      add(sum, make_float2(part.y, part.z));
+      non_finite |= part.w != 0.0f;
+    }
+    const std::int64_t at = first_column + threadIdx.x;
+    if (max_abs > 0.0f) atomicMax(max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as their bits
+    if (non_finite) atomicOr(bad + at, 1u);
+    sums[item.index * kTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(arrivals + tile, 1u) == ready - 2;
-  __syncthreads();
-  if (!last) return;
-
-  // The tile's last A block: each column's slabs combined in slab order, in two halves, then the halves in order.
-  __threadfence();
-  const int column_in_tile = threadIdx.x % kTileColumns, half = threadIdx.x / kTileColumns;
-  const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
-  const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
-  const float4* from = partials + tile * layout.slabs * kTileColumns + column_in_tile;
-  ColumnPartial part{0.0f, 0.0f, 0.0f, false};
-#pragma unroll 8
-  for (std::int64_t s = begin; s < end; ++s) combine(part, unpack(__ldcg(from + s * kTileColumns)));
-  if (half == 1) shared.partials[0][column_in_tile] = pack(part);
-  __syncthreads();
-  const std::int64_t column = first_column + column_in_tile;
-  if (half == 0 && column < cols) {
-    combine(part, unpack(shared.partials[0][column_in_tile]));
-    const int e = scale_exponent(part.max_abs);
-    column_exponent[column] = e;
-    exponent[column] = part.non_finite ? kNonFiniteRow : e;
-    // An inf or NaN total is IEEE's, as the plain sums'.
-    if (column_sums) column_sums[column] = is_finite(part.total) ? part.total + part.error : part.total;
-    __threadfence();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(arrivals + tile, 1u);
+  __syncthreads();  // the block's writes above, then (thread 0's release) its arrival
+  if (threadIdx.x == 0) arrive(arrivals + tile);
 }
 
 }  // namespace
