@@ -122,9 +122,9 @@ split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t rows,
   float max_abs = 0.0f;
   bool non_finite = false;
 #pragma unroll
-  for (int p = 0; p < kPacks; ++p) {
+  for (int p = 0; p < kPacks; ++p) {  // read once: no need to keep in L2
     const int i = member + p * kGroup;
-    v[p] = inside && i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // read once: no need to keep in L2
+    v[p] = inside && i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) fold(v[p], max_abs, non_finite);
