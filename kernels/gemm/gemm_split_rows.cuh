@@ -291,8 +291,8 @@ KERNELS_GEMM_HOST_DEVICE inline ColumnSplitLayout column_split_layout(std::int64
   return layout;
 }
 
-// A compensated sum, total + error: Kahan's per thread (error = -compensation), Neumaier's two-sum when adding
-// partial sums, so that each add of a partial costs no more than one rounding of the total.
+// A compensated sum, total + error: Knuth's two-sum per thread, Neumaier's when adding partial sums, so that each
+// add of a partial costs no more than one rounding of the total.
 struct CompensatedSum {
   float total, error;
 };
@@ -386,12 +386,13 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
     return;
   }
 
-  // A: each thread's Kahan sums over its 8 rows of its 4 columns, in row order; the plain sums beside them give
-  // IEEE's inf or NaN where a value is not finite or a sum overflows (compensation would turn an inf into NaN).
+  // A: each thread's compensated sums over its 8 rows of its 4 columns, in row order, each add's rounding error kept
+  // exactly (Knuth's two-sum: Kahan's drops some where a value outweighs the running sum, as it often does over 8
+  // rows); the plain sums beside them give IEEE's inf or NaN where a value is not finite or a sum overflows.
   const Tile values = load_tile<kAligned, false>(src, rows, cols, row_stride, first_row, first_column);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    float max_abs = 0.0f, sum = 0.0f, compensation = 0.0f, plain_sum = 0.0f;
+    float max_abs = 0.0f, sum = 0.0f, error = 0.0f, plain_sum = 0.0f;
     bool non_finite = false;
 #pragma unroll
     for (int i = 0; i < kTilePairsPerWarp; ++i) {
@@ -399,15 +400,15 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
       for (int h = 0; h < 2; ++h) {
         const float v = element(values.v[i][h], e);
         fold(v, max_abs, non_finite);
-        const float term = v - compensation, next = sum + term;
-        compensation = (next - sum) - term;
+        const float next = sum + v, v_part = next - sum;
+        error += (sum - (next - v_part)) + (v - v_part);
         sum = next;
         plain_sum += v;
       }
     }
     const bool finite = is_finite(sum);
-    shared.partials[warp][4 * lane + e] = make_float4(max_abs, finite ? sum : plain_sum,
-                                                      finite ? -compensation : 0.0f, non_finite ? 1.0f : 0.0f);
+    shared.partials[warp][4 * lane + e] = make_float4(max_abs, finite ? sum : plain_sum, finite ? error : 0.0f,
+                                                      non_finite ? 1.0f : 0.0f);
   }
   __syncthreads();
   if (threadIdx.x < kTileColumns) {
