@@ -380,7 +380,7 @@ bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transpose
 // beforehand by gemm_weight_split), by neither; y and the mask (where positive is not null) are dense. Temporary
 // memory: x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes
 // per row of x and of w (exponents, flags); where w is split by a pass, also w's split, 4 bytes per element of w and
-// 4 per row and chunk of 64.
+// 4 per row and chunk of 64; where x comes transposed, the column split's workspace (about 1/32 of x's bytes).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
@@ -405,9 +405,13 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   at::Tensor w_flags = w_split != nullptr ? w_split->flags : at::empty({n}, int32);
   // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
+  // The column split's workspace: its counters (zeroed by the launcher) and per-slab column sums.
+  const at::Tensor column_workspace =
+      at::empty({x_transposed ? split_columns_workspace_bytes(k, m) : 0}, x.options().dtype(at::kByte));
   check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0),
                                                    x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
-                                                   x_exponent.mutable_data_ptr<int32_t>(), x_column_sums, stream)
+                                                   x_exponent.mutable_data_ptr<int32_t>(), x_column_sums,
+                                                   column_workspace.mutable_data_ptr(), stream)
                             : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order,
                                                 x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
                                                 x_exponent.mutable_data_ptr<int32_t>(), stream),

@@ -42,11 +42,16 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
 
 // The split of src's columns, as launch_split_rows splits rows, in natural order: for each column c of src (rows x
 // cols, element (r, c) at src[r * row_stride + c]), row c of hi and lo (cols x split_row_length(rows)) and
-// exponent[c]; column_sums[c] (if not null) gets the column's float32 sum. For the products of the backward, whose
-// reduction runs down the columns of grad_pre.
+// exponent[c]; column_sums[c] (if not null) gets the column's float32 sum (compensated, in a fixed order: the same
+// bits on every run). For the products of the backward, whose reduction runs down the columns of grad_pre.
+// workspace: split_columns_workspace_bytes(rows, cols) bytes of device memory, 16-byte aligned, any contents, not used
+// by another launch on another stream meanwhile. hi and lo 4-byte aligned (cudaErrorInvalidValue else).
 cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                                 void* hi, void* lo, std::int32_t* exponent, float* column_sums,
+                                 void* hi, void* lo, std::int32_t* exponent, float* column_sums, void* workspace,
                                  cudaStream_t stream);
+
+// The bytes of workspace launch_split_columns needs for a rows x cols matrix (about 1/32 of its float32 bytes).
+std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols);
 
 // The split of w for the sm_80 GEMM (launch_split_gemm_sm80_multiply_leaky_relu): for each row j of w (rows x cols,
 // element (j, c) at src[j * row_stride + c]; or, where transposed, w given as its transpose: cols x rows, element

@@ -54,15 +54,49 @@ cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias
   return cudaGetLastError();
 }
 
+std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols) {
+  if (rows <= 0 || cols <= 0) return 0;
+  return column_split_layout(rows, cols).bytes;
+}
+
 cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                                 void* hi, void* lo, std::int32_t* exponent, float* column_sums,
+                                 void* hi, void* lo, std::int32_t* exponent, float* column_sums, void* workspace,
                                  cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  const std::int64_t blocks = (cols + kColumnTile - 1) / kColumnTile;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  split_columns_kernel<<<static_cast<unsigned>(blocks), kColumnThreads, 0, stream>>>(
-      src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums);
+  const ColumnSplitLayout layout = column_split_layout(rows, cols);
+  const std::int64_t items = layout.tiles * layout.slabs;
+  if (2 * items > 0x7fffffff || reinterpret_cast<std::uintptr_t>(workspace) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
+    return cudaErrorInvalidValue;
+  cudaError_t err = cudaMemsetAsync(workspace, 0, layout.counters_bytes, stream);
+  if (err != cudaSuccess) return err;
+  // B items at least a whole column tile of slabs behind A's (column_item: a B block waits only on earlier blocks).
+  const std::int64_t lag = layout.slabs + kColumnLagItems, lag_items = lag < items ? lag : items;
+  const bool aligned =
+      cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
+  const auto kernel = aligned ? split_columns_kernel<true> : split_columns_kernel<false>;
+  kernel<<<static_cast<unsigned>(2 * items), kTileThreads, 0, stream>>>(
+      src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums,
+      static_cast<unsigned char*>(workspace), lag_items);
   return cudaGetLastError();
+}
+
+// The longest split row held in registers (split_rows_in_registers_kernel, split_chunks_in_registers_kernel).
+constexpr std::int64_t kMaxRowInRegisters = kSplitThreads * 4 * 16;
+
+// Calls split(group, packs) (integral constants) with the shape of the in-register kernels for rows of split length
+// `length` <= kMaxRowInRegisters: `group` threads per row holding `packs` packs of 4 each, so that each thread has
+// a few 16-byte loads in flight and a block several rows where rows are short.
+template <class Split>
+cudaError_t in_registers(std::int64_t length, Split split) {
+  using std::integral_constant;
+  if (length <= 32 * 4 * 2) return split(integral_constant<int, 32>{}, integral_constant<int, 2>{});
+  if (length <= 32 * 4 * 4) return split(integral_constant<int, 32>{}, integral_constant<int, 4>{});
+  if (length <= 32 * 4 * 8) return split(integral_constant<int, 32>{}, integral_constant<int, 8>{});
+  if (length <= 64 * 4 * 8) return split(integral_constant<int, 64>{}, integral_constant<int, 8>{});
+  if (length <= 128 * 4 * 8) return split(integral_constant<int, 128>{}, integral_constant<int, 8>{});
+  if (length <= 256 * 4 * 8) return split(integral_constant<int, 256>{}, integral_constant<int, 8>{});
+  return split(integral_constant<int, 256>{}, integral_constant<int, 16>{});
 }
 
 cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
@@ -76,13 +110,27 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
   if (!transposed) {
     if (rows > 0x7fffffff || cols % 4 != 0 || row_stride % 4 != 0 || reinterpret_cast<std::uintptr_t>(src) % 16 != 0)
       return cudaErrorInvalidValue;
-    const auto kernel = natural_order ? split_chunks_kernel<true> : split_chunks_kernel<false>;
-    kernel<<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
-        src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
-    return cudaGetLastError();
+    const auto in_order = [&](auto natural) {
+      constexpr bool kNatural = decltype(natural)::value;
+      const std::int64_t length = split_row_length(cols);
+      if (length > kMaxRowInRegisters) {
+        split_chunks_kernel<kNatural><<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
+            src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
+        return cudaGetLastError();
+      }
+      return in_registers(length, [&](auto group, auto packs) {
+        constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
+        constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
+        const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+        split_chunks_in_registers_kernel<kGroup, kPacks, kNatural><<<blocks, kSplitThreads, 0, stream>>>(
+            src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
+        return cudaGetLastError();
+      });
+    };
+    return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
   }
   // src is w's transpose: cols x rows, rows row_stride apart.
-  const std::int64_t column_blocks = (rows + kColumnTile - 1) / kColumnTile;
+  const std::int64_t column_blocks = (rows + kChunkColumnTile - 1) / kChunkColumnTile;
   if (column_blocks > 0x7fffffff || chunks > 65535) return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(flags, 0, rows * sizeof(std::int32_t), stream);
   if (err != cudaSuccess) return err;
@@ -98,24 +146,29 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
   if (rows > 0x7fffffff || reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 ||
       reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
     return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(rows));
-  const auto split = [&](auto kernel) {
-    kernel<<<grid, kSplitThreads, 0, stream>>>(src, cols, row_stride, static_cast<__half*>(hi),
-                                               static_cast<__half*>(lo), exponent);
-    return cudaGetLastError();
-  };
   const bool aligned =
       cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
   const auto in_order = [&](auto natural) {
     constexpr bool kNatural = decltype(natural)::value;
-    if (!aligned) return split(split_rows_unaligned_kernel<kNatural>);
-    constexpr std::int64_t kPackFloats = 4 * kSplitThreads;
+    if (!aligned) {
+      split_rows_unaligned_kernel<kNatural><<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
+          src, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
+      return cudaGetLastError();
+    }
     const std::int64_t length = split_row_length(cols);
-    if (length <= 2 * kPackFloats) return split(split_rows_in_registers_kernel<2, kNatural>);
-    if (length <= 4 * kPackFloats) return split(split_rows_in_registers_kernel<4, kNatural>);
-    if (length <= 8 * kPackFloats) return split(split_rows_in_registers_kernel<8, kNatural>);
-    if (length <= 16 * kPackFloats) return split(split_rows_in_registers_kernel<16, kNatural>);
-    return split(split_rows_kernel<kNatural>);
+    if (length > kMaxRowInRegisters) {
+      split_rows_kernel<kNatural><<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
+          src, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
+      return cudaGetLastError();
+    }
+    return in_registers(length, [&](auto group, auto packs) {
+      constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
+      constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
+      const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+      split_rows_in_registers_kernel<kGroup, kPacks, kNatural><<<blocks, kSplitThreads, 0, stream>>>(
+          src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
+      return cudaGetLastError();
+    });
   };
   return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
 }

@@ -1,6 +1,6 @@
-// w's split made before a GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: one kernel for w,
-// one for w given as its transpose. Both take their block size, fold and split_pack, and the second its column
-// tile, from the row splits (gemm_split_rows.cuh). Portable (any architecture).
+// w's split made before a GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: kernels for w, one
+// for w given as its transpose. They take their block size, fold, group reduction and split_pack from the row splits
+// (gemm_split_rows.cuh). Portable (any architecture).
 #pragma once
 
 #include "gemm.h"
@@ -13,10 +13,50 @@ namespace kernels::gemm {
 namespace {
 
 // The split of w (gemm.h, launch_split_chunks): a power of two per row and chunk of kSplitChunk along k, hi and lo in
-// k's natural order (kNatural: the sm_80 GEMM's) or split_position's (the Hopper GEMM's). One block per row: each
-// thread takes a pack of 4, so a chunk's 16 packs are 16 consecutive lanes, whose largest |v| takes four shuffles.
+// k's natural order (kNatural: the sm_80 GEMM's) or split_position's (the Hopper GEMM's). A thread takes a pack of 4,
+// so a chunk's 16 packs are 16 consecutive lanes, whose largest |v| takes four shuffles.
 constexpr int kChunkPacks = kSplitChunk / 4;
 
+// Rows of up to kGroup * kPacks * 4 floats (split length included), kGroup threads per row, as
+// split_rows_in_registers_kernel: all of a thread's loads in flight together, one DRAM read.
+template <int kGroup, int kPacks, bool kNatural>
+__global__ void __launch_bounds__(kSplitThreads)
+split_chunks_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
+                                 std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
+                                 std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
+  static_assert(kGroup % kChunkPacks == 0, "a chunk's packs are consecutive lanes of one warp");
+  const int member = threadIdx.x % kGroup;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
+  const bool inside = row < rows;  // the block's last rows may lie past the end; they still join its barriers
+  const float4* in = reinterpret_cast<const float4*>(src + (inside ? row : 0) * row_stride);
+  const int packs = static_cast<int>(cols / 4);
+  const std::int64_t length = split_row_length(cols);
+  const int split_packs = static_cast<int>(length / 4);
+  float4 v[kPacks];
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    const int i = member + p * kGroup;
+    v[p] = inside && i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  bool non_finite = false;
+#pragma unroll
+  for (int p = 0; p < kPacks; ++p) {
+    const int i = member + p * kGroup;
+    float max_abs = 0.0f;
+    fold(v[p], max_abs, non_finite);
+    for (int offset = kChunkPacks / 2; offset > 0; offset /= 2)
+      max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+    const int e = scale_exponent(max_abs);
+    if (inside && i < split_packs) {
+      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * rows + row] = e;
+      split_pack<kNatural>(v[p], power_of_two(e), i, hi + row * length, lo + row * length);
+    }
+  }
+  group_max<kGroup>(0.0f, non_finite);
+  if (inside && member == 0) flags[row] = non_finite ? kNonFiniteRow : 0;
+}
+
+// Any row length, one block per row, a pack per thread at a time.
 template <bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
 split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
@@ -44,23 +84,24 @@ split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64
 }
 
 // The same split of w given as its transpose (src: k x n, row-major): row j of the split is column j of src. One
-// block per chunk and kColumnTile columns: each warp reads 8 of the chunk's rows of src (128 bytes each) into a
-// shared tile; the columns' maxima are combined across the warps; then each warp writes 4 columns' hi and lo as
+// block per chunk and kChunkColumnTile columns: each warp reads 8 of the chunk's rows of src (128 bytes each) into
+// a shared tile; the columns' maxima are combined across the warps; then each warp writes 4 columns' hi and lo as
 // rows (128 bytes of each per column). flags must be zero before the launch: a block that meets a non-finite value
 // sets its column's flag (atomicOr).
 constexpr int kChunkColumnThreads = 256;
+constexpr int kChunkColumnTile = 32;
 
 __global__ void __launch_bounds__(kChunkColumnThreads)
 split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, std::int64_t n, std::int64_t row_stride,
                                __half* __restrict__ hi, __half* __restrict__ lo,
                                std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
   constexpr int kWarps = kChunkColumnThreads / 32;
-  __shared__ float tile[kSplitChunk][kColumnTile + 1];
-  __shared__ float warp_max[kWarps][kColumnTile];
-  __shared__ bool warp_bad[kWarps][kColumnTile];
-  __shared__ PowerOfTwo scales[kColumnTile];
+  __shared__ float tile[kSplitChunk][kChunkColumnTile + 1];
+  __shared__ float warp_max[kWarps][kChunkColumnTile];
+  __shared__ bool warp_bad[kWarps][kChunkColumnTile];
+  __shared__ PowerOfTwo scales[kChunkColumnTile];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
+  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kChunkColumnTile;
   const std::int64_t chunk = blockIdx.y, column = first_column + lane;
   float max_abs = 0.0f;
   bool non_finite = false;
@@ -88,7 +129,7 @@ split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, st
   }
   __syncthreads();
   const std::int64_t length = split_row_length(k);
-  for (int i = warp; i < kColumnTile; i += kWarps) {
+  for (int i = warp; i < kChunkColumnTile; i += kWarps) {
     if (first_column + i >= n) break;
     const SplitPair pair = split_pair(tile[2 * lane][i], tile[2 * lane + 1][i], scales[i]);
     const std::int64_t at = (first_column + i) * length + chunk * kSplitChunk + 2 * lane;

@@ -1,21 +1,24 @@
 // The split passes with one power of two per row of the result (gemm.h: launch_split_rows, launch_split_columns),
 // and what the chunk splits (gemm_split_chunks.cuh) share with them: the block size, fold (a thread's running
-// maximum), split_pack (a pack's split and its stores) and the column tile.
+// maximum), the group reduction and split_pack (a pack's split and its stores).
 //
 // launch_split_rows, the split pass of the fp32-accurate tensor-core GEMM over x: each row of a float32 matrix
 // becomes a power-of-two row exponent and a pair of fp16 rows hi, lo with hi + lo = v * 2^e to about 22 bits, in the
 // order along K and the padded length the GEMM reads (split_numerics.cuh: split_position, split_row_length).
-// Memory-bound: each element is read from DRAM once and its two halves written once (4 + 4 bytes). One block per
-// row. Rows of up to 16384 floats are held in registers between finding the row's largest finite |v| and writing
-// hi and lo; longer rows take two passes, the second re-reading the row from L1/L2. Rows are read as 16-byte packs
-// (the launcher requires 16-byte aligned rows of a multiple of 4 floats); each pack's halves are written as two
-// fp16 pairs to their places in the GEMM's order. Portable (any architecture).
+// Memory-bound: each element is read from DRAM once and its two halves written once (4 + 4 bytes). A group of whole
+// warps per row, sized so that each thread holds a few 16-byte packs: rows of up to 16384 floats are held in
+// registers between finding the row's largest finite |v| and writing hi and lo; longer rows take two passes, the
+// second re-reading the row from L1/L2. Rows are read as 16-byte packs (the launcher requires 16-byte aligned rows of
+// a multiple of 4 floats); each pack's halves are written as two fp16 pairs to their places in the GEMM's order.
+// Portable (any architecture).
 #pragma once
 
 #include "gemm.h"
 #include "split_numerics.cuh"
 
 #include <cuda_fp16.h>
+
+#include <cstring>
 
 namespace kernels::gemm {
 namespace {
@@ -35,6 +38,8 @@ __device__ __forceinline__ void fold(float4 v, float& max_abs, bool& non_finite)
   fold(v.w, max_abs, non_finite);
 }
 
+__device__ __forceinline__ float clean(float v) { return is_finite(v) ? v : 0.0f; }
+
 // Splits pack i of a row (k = 4i .. 4i + 3) and stores its halves at their places in the GEMM's order. A
 // non-finite v becomes 0 + 0: its row is flagged, and the outputs it reaches are computed by
 // nonfinite_outputs_kernel (the tensor cores would mix an infinity with the random signs of the other operand's lo
@@ -43,7 +48,6 @@ __device__ __forceinline__ void fold(float4 v, float& max_abs, bool& non_finite)
 template <bool kNatural>
 __device__ __forceinline__ void split_pack(float4 v, PowerOfTwo scale, std::int64_t i, __half* hi_row,
                                            __half* lo_row) {
-  const auto clean = [](float e) { return is_finite(e) ? e : 0.0f; };
   const SplitPair first = split_pair(clean(v.x), clean(v.y), scale);
   const SplitPair second = split_pair(clean(v.z), clean(v.w), scale);
   const std::int64_t chunk_start = i / (kSplitChunk / 4) * kSplitChunk;
@@ -72,15 +76,45 @@ __device__ __forceinline__ PowerOfTwo row_scale(float max_abs, bool non_finite, 
   return power_of_two(e);
 }
 
-// Rows of up to kPacks * 4 * kSplitThreads floats (split length included): each thread loads its packs of 4 into
-// registers at once (all of the row's loads in flight together), and the split is made from the registers: one
-// DRAM read. Packs past the row's end (up to its split length) are written as zeros.
-template <int kPacks, bool kNatural>
+// The maximum and non-finite flag over a group of kGroup consecutive threads (whole warps; kSplitThreads / kGroup
+// groups per block). Every thread of the block must call it, once per kernel.
+template <int kGroup>
+__device__ __forceinline__ float group_max(float max_abs, bool& non_finite) {
+  static_assert(kGroup % 32 == 0 && kSplitThreads % kGroup == 0, "whole warps per group, whole groups per block");
+  for (int offset = 16; offset > 0; offset /= 2)
+    max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+  non_finite = __any_sync(0xffffffffu, non_finite);
+  if constexpr (kGroup > 32) {
+    constexpr int kGroupWarps = kGroup / 32;
+    __shared__ float warp_max[kSplitThreads / 32];
+    __shared__ bool warp_bad[kSplitThreads / 32];
+    if (threadIdx.x % 32 == 0) {
+      warp_max[threadIdx.x / 32] = max_abs;
+      warp_bad[threadIdx.x / 32] = non_finite;
+    }
+    __syncthreads();
+    const int first = threadIdx.x / kGroup * kGroupWarps;
+#pragma unroll
+    for (int w = 0; w < kGroupWarps; ++w) {
+      max_abs = fmaxf(max_abs, warp_max[first + w]);
+      non_finite |= warp_bad[first + w];
+    }
+  }
+  return max_abs;
+}
+
+// Rows of up to kGroup * kPacks * 4 floats (split length included), kGroup threads per row: each thread loads its
+// packs of 4 into registers at once (all of the row's loads in flight together), and the split is made from the
+// registers: one DRAM read. Packs past the row's end (up to its split length) are written as zeros.
+template <int kGroup, int kPacks, bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
-split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride,
-                               __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
-  const std::int64_t row = blockIdx.x;
-  const float4* in = reinterpret_cast<const float4*>(src + row * row_stride);
+split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
+                               std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
+                               std::int32_t* __restrict__ exponent) {
+  const int member = threadIdx.x % kGroup;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
+  const bool inside = row < rows;  // the block's last rows may lie past the end; they still join its barriers
+  const float4* in = reinterpret_cast<const float4*>(src + (inside ? row : 0) * row_stride);
   const int packs = static_cast<int>(cols / 4);
   const std::int64_t length = split_row_length(cols);
   const int split_packs = static_cast<int>(length / 4);
@@ -88,16 +122,20 @@ split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t cols,
   float max_abs = 0.0f;
   bool non_finite = false;
 #pragma unroll
-  for (int p = 0; p < kPacks; ++p) {
-    const int i = threadIdx.x + p * kSplitThreads;
-    v[p] = i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // read once: no need to keep in L2
+  for (int p = 0; p < kPacks; ++p) {  // read once: no need to keep in L2
+    const int i = member + p * kGroup;
+    v[p] = inside && i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) fold(v[p], max_abs, non_finite);
-  const PowerOfTwo scale = row_scale(max_abs, non_finite, exponent + row);
+  max_abs = group_max<kGroup>(max_abs, non_finite);
+  if (!inside) return;
+  const int e = scale_exponent(max_abs);
+  if (member == 0) exponent[row] = non_finite ? kNonFiniteRow : e;
+  const PowerOfTwo scale = power_of_two(e);
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) {
-    const int i = threadIdx.x + p * kSplitThreads;
+    const int i = member + p * kGroup;
     if (i >= split_packs) break;
     split_pack<kNatural>(v[p], scale, i, hi + row * length, lo + row * length);
   }
@@ -139,109 +177,278 @@ split_rows_unaligned_kernel(const float* __restrict__ src, std::int64_t cols, st
                          hi + row * length, lo + row * length);
 }
 
-// The split of src's columns (src: rows x cols, row-major): row c of the result is column c of src, in natural
-// order. One block per kColumnTile columns: pass 1 reads the block's columns (each warp kColumnRowsInFlight rows
-// at a time, 128 bytes each) for each column's largest finite |v|, non-finite flag and sum; pass 2 re-reads them
-// (from L2) through a shared tile, transposed, and writes each column's hi and lo as rows. split_row_length(rows) is
-// a multiple of 64. Each warp's loads of kColumnRowsInFlight rows are in flight before any is used: the pass is
-// bound by the bytes in flight (two blocks per SM where an SM takes 2048 threads: sm_80, sm_90), not by arithmetic.
-constexpr int kColumnTile = 32;
-constexpr int kColumnThreads = 1024;  // a warp per row: pass 1 is a strided walk down the columns
-constexpr int kColumnRowsInFlight = 4;  // 32 registers, no spills (8 spill)
+// Column tiles of launch_split_columns, whose rows of the result are columns of a row-major matrix: kTileRows rows
+// by kTileColumns columns, read by kTileThreads threads. Warp w holds the row pairs (2p, 2p + 1), p = w + kTileWarps
+// * i, each lane 4 consecutive columns of both rows: 512 contiguous bytes per row and warp, all of a thread's loads in
+// flight together. A row pair's split is one fp16 pair per column, the layout of the transposed result: the pairs
+// are staged in shared memory, then each warp writes whole columns as rows of the result (128 bytes of hi and of lo
+// per column).
+constexpr int kTileThreads = 256;
+constexpr int kTileWarps = kTileThreads / 32;
+constexpr int kTileColumns = 4 * 32;
+constexpr int kTileRows = kSplitChunk;
+constexpr int kTilePairs = kTileRows / 2;  // fp16 pairs per column of a tile: one per lane
+constexpr int kTilePairsPerWarp = kTilePairs / kTileWarps;
+static_assert(kTilePairs == 32 && kTilePairs % kTileWarps == 0, "a tile column's pairs are one word per lane");
 
-__global__ void __launch_bounds__(kColumnThreads, 2)
-split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
-                     float* __restrict__ column_sums) {
-  constexpr int kWarps = kColumnThreads / 32;
-  __shared__ float warp_max[kWarps][kColumnTile], warp_sum[kWarps][kColumnTile];
-  __shared__ float warp_compensation[kWarps][kColumnTile];
-  __shared__ bool warp_bad[kWarps][kColumnTile];
-  __shared__ PowerOfTwo scales[kColumnTile];
-  __shared__ float tile[kColumnRowsInFlight * kColumnTile][kColumnTile + 1];
+struct Tile {
+  float4 v[kTilePairsPerWarp][2];  // [i][h]: row 2 (warp + kTileWarps i) + h, columns 4 lane .. 4 lane + 3
+};
+
+// fp16 pairs of a tile, as 32-bit words: column j's pair p at word p ^ (j / 4): conflict-free stores (a warp's
+// lanes hold columns 4 lane + e) and loads (a warp reads one column).
+struct TileStage {
+  std::uint32_t hi[kTileColumns][kTilePairs], lo[kTileColumns][kTilePairs];
+};
+
+__device__ __forceinline__ int staged_word(int column, int pair) { return pair ^ (column / 4 % kTilePairs); }
+
+__device__ __forceinline__ std::uint32_t bits(__half2 pair) {
+  std::uint32_t word;
+  std::memcpy(&word, &pair, sizeof word);
+  return word;
+}
+
+__device__ __forceinline__ float element(float4 v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
+
+// Loads the tile at (first_row, first_column) of src (rows x cols, rows row_stride apart); zeros outside.
+// kAligned: cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (16-byte loads); else 4-byte loads.
+// kLastUse: the loads leave L2 first (the data is not read again).
+template <bool kAligned, bool kLastUse>
+__device__ __forceinline__ Tile load_tile(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
+                                          std::int64_t row_stride, std::int64_t first_row,
+                                          std::int64_t first_column) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + lane;
-  const bool inside = column < cols;
-  // Compensated (Kahan) sums, whose error does not grow with the number of rows; the plain sum beside them gives
-  // IEEE's inf or NaN where a value is not finite or the sum overflows (compensation would turn an inf into NaN).
-  float max_abs = 0.0f, sum = 0.0f, compensation = 0.0f, plain_sum = 0.0f;
-  bool non_finite = false;
-  // Rows warp, warp + kWarps, ... in that order (the sums' order), loaded kColumnRowsInFlight at a time.
-  const std::int64_t warp_step = kWarps * row_stride;
-  const float* at = src + warp * row_stride + column;
-  for (std::int64_t r0 = warp; r0 < rows && inside; r0 += kWarps * kColumnRowsInFlight) {
-    float values[kColumnRowsInFlight];
+  const std::int64_t column = first_column + 4 * lane;
+  const auto load = [](const float* at) { return kLastUse ? __ldcs(at) : __ldg(at); };
+  Tile tile;
 #pragma unroll
-    for (int u = 0; u < kColumnRowsInFlight; ++u) values[u] = r0 + u * kWarps < rows ? at[u * warp_step] : 0.0f;
-    at += kColumnRowsInFlight * warp_step;
+  for (int i = 0; i < kTilePairsPerWarp; ++i) {
 #pragma unroll
-    for (int u = 0; u < kColumnRowsInFlight; ++u) {
-      if (r0 + u * kWarps >= rows) break;
-      const float v = values[u];
-      max_abs = fmaxf(max_abs, is_finite(v) ? fabsf(v) : 0.0f);
-      non_finite |= !is_finite(v);
-      const float term = v - compensation, next = sum + term;
-      compensation = (next - sum) - term;
-      sum = next;
-      plain_sum += v;
-    }
-  }
-  warp_max[warp][lane] = max_abs;
-  warp_sum[warp][lane] = is_finite(sum) ? sum : plain_sum;
-  warp_compensation[warp][lane] = is_finite(sum) ? compensation : 0.0f;
-  warp_bad[warp][lane] = non_finite;
-  __syncthreads();
-  if (warp == 0) {
-    // The warps' partial sums (each sum - compensation) added with Neumaier's two-sum, so that adding the 32 parts
-    // costs no more than one rounding of the total: plain adds here would double the error of 1024 rows' sums.
-    float total = warp_sum[0][lane], error = -warp_compensation[0][lane];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      max_abs = fmaxf(max_abs, warp_max[w][lane]);
-      const float part = warp_sum[w][lane], next = total + part;
-      error += fabsf(total) >= fabsf(part) ? (total - next) + part : (part - next) + total;
-      error -= warp_compensation[w][lane];
-      total = next;
-      non_finite |= warp_bad[w][lane];
-    }
-    sum = is_finite(total) ? total + error : total;  // an inf or NaN total is IEEE's, as the plain sum's
-    const int e = scale_exponent(max_abs);
-    scales[lane] = power_of_two(e);
-    if (inside) {
-      exponent[column] = non_finite ? kNonFiniteRow : e;
-      if (column_sums) column_sums[column] = sum;
-    }
-  }
-  __syncthreads();
-  const std::int64_t length = split_row_length(rows);
-  const std::int64_t first_column = static_cast<std::int64_t>(blockIdx.x) * kColumnTile;
-  // Pass 2, kTileRows rows at a time: each warp loads kColumnRowsInFlight rows of the tile; then warp i writes
-  // column first_column + i's rows, 64 at a time, as fp16 pairs: 128 bytes of hi and of lo per warp and step.
-  constexpr int kTileRows = kColumnRowsInFlight * kWarps;
-  static_assert(kWarps == kColumnTile && kTileRows % 64 == 0, "a warp per column of the tile; whole steps of 64 rows");
-  for (std::int64_t r0 = 0; r0 < length; r0 += kTileRows) {
-    const float* from = src + (r0 + warp) * row_stride + column;
-#pragma unroll
-    for (int u = 0; u < kColumnRowsInFlight; ++u) {
-      const int i = warp + u * kWarps;
-      tile[i][lane] = r0 + i < rows && inside ? from[u * warp_step] : 0.0f;
-    }
-    __syncthreads();
-    const std::int64_t column_i = first_column + warp;
-    if (column_i < cols) {
-#pragma unroll
-      for (int step = 0; step < kTileRows / 64; ++step) {
-        if (r0 + 64 * step >= length) break;
-        const auto clean = [](float v) { return is_finite(v) ? v : 0.0f; };
-        const int row = 64 * step + 2 * lane;
-        const SplitPair pair = split_pair(clean(tile[row][warp]), clean(tile[row + 1][warp]), scales[warp]);
-        const std::int64_t at = column_i * length + r0 + row;
-        *reinterpret_cast<__half2*>(hi + at) = pair.hi;
-        *reinterpret_cast<__half2*>(lo + at) = pair.lo;
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t row = first_row + 2 * (warp + kTileWarps * i) + h;
+      const float* at = src + (row < rows ? row : 0) * row_stride + column;
+      float4& v = tile.v[i][h];
+      if constexpr (kAligned) {
+        const float4* at4 = reinterpret_cast<const float4*>(at);
+        v = row < rows && column < cols ? (kLastUse ? __ldcs(at4) : __ldg(at4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      } else {
+        v.x = row < rows && column < cols ? load(at) : 0.0f;
+        v.y = row < rows && column + 1 < cols ? load(at + 1) : 0.0f;
+        v.z = row < rows && column + 2 < cols ? load(at + 2) : 0.0f;
+        v.w = row < rows && column + 3 < cols ? load(at + 3) : 0.0f;
       }
     }
-    __syncthreads();
   }
+  return tile;
+}
+
+// Splits the thread's part of a tile with its 4 columns' scales into the stage (non-finite values as 0). The caller
+// synchronizes the block before store_tile reads the stage.
+__device__ __forceinline__ void stage_split(const Tile& tile, const PowerOfTwo (&scale)[4], TileStage& stage) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int i = 0; i < kTilePairsPerWarp; ++i) {
+    const int pair = warp + kTileWarps * i;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int column = 4 * lane + e;
+      const SplitPair split = split_pair(clean(element(tile.v[i][0], e)), clean(element(tile.v[i][1], e)), scale[e]);
+      stage.hi[column][staged_word(column, pair)] = bits(split.hi);
+      stage.lo[column][staged_word(column, pair)] = bits(split.lo);
+    }
+  }
+}
+
+// Writes the staged tile: column j (< cols - first_column) as kTileRows halves of row first_column + j of hi and lo
+// (rows `length` halves apart), from half `position` on. The stores leave L2 first (evict-first): the tile's input,
+// which another block reads again, stays.
+__device__ __forceinline__ void store_tile(const TileStage& stage, __half* __restrict__ hi, __half* __restrict__ lo,
+                                           std::int64_t length, std::int64_t first_column, std::int64_t cols,
+                                           std::int64_t position) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll 4
+  for (int j = warp; j < kTileColumns; j += kTileWarps) {
+    if (first_column + j >= cols) break;
+    const std::int64_t at = (first_column + j) * length + position;
+    __stcs(reinterpret_cast<unsigned*>(hi + at) + lane, stage.hi[j][staged_word(j, lane)]);
+    __stcs(reinterpret_cast<unsigned*>(lo + at) + lane, stage.lo[j][staged_word(j, lane)]);
+  }
+}
+
+// The split of src's columns (launch_split_columns; src: rows x cols, row-major): row c of the result is column c
+// of src, in natural order. The matrix is cut into column tiles (kTileColumns wide) and slabs (kTileRows rows): an
+// item is one tile of one slab, and each item is done twice, by two blocks:
+// - A (statistics): reads its item, folds each column's largest finite |v| and non-finite flag into the workspace
+//   (atomicMax, atomicOr: the same result in any order), writes each column's compensated sum over the slab, and
+//   counts itself in its tile's arrivals.
+// - B (split): re-reads its item (from L2: A read it shortly before) and, once every A block of its tile has arrived,
+//   splits it with the columns' scales. The tile's first B block then adds the slabs' sums in slab order (a fixed
+//   order: the same sums on every run) and writes the exponents and sums.
+// Blocks start in blockIdx order (as single-pass scans assume): A items in order, B items behind them by at least a
+// whole tile of slabs and kColumnLagItems more, so that a B block waits only for A blocks started before it, which
+// run to the end without waiting. The lag keeps the bytes between an item's two reads inside L2.
+constexpr int kColumnLagItems = 256;
+
+// The workspace: counters, zeroed by the launcher (one arrival count per column tile; each column's largest finite
+// |v|, as float bits, and non-finite flag), then each item's column sums (total, error). Sizes in column tiles and
+// slabs; offsets in bytes, 16-byte aligned.
+struct ColumnSplitLayout {
+  std::int64_t tiles, slabs, max_offset, bad_offset, counters_bytes, sums_offset, bytes;
+};
+
+KERNELS_GEMM_HOST_DEVICE inline ColumnSplitLayout column_split_layout(std::int64_t rows, std::int64_t cols) {
+  const auto align = [](std::int64_t bytes, std::int64_t to) { return (bytes + to - 1) / to * to; };
+  ColumnSplitLayout layout{};
+  layout.tiles = (cols + kTileColumns - 1) / kTileColumns;
+  layout.slabs = (rows + kTileRows - 1) / kTileRows;
+  layout.max_offset = align(layout.tiles * 4, 16);
+  layout.bad_offset = layout.max_offset + layout.tiles * kTileColumns * 4;
+  layout.counters_bytes = align(layout.bad_offset + layout.tiles * kTileColumns * 4, 256);
+  layout.sums_offset = layout.counters_bytes;
+  layout.bytes = layout.sums_offset + layout.tiles * layout.slabs * kTileColumns * 8;
+  return layout;
+}
+
+// A compensated sum, total + error: Knuth's two-sum per thread, Neumaier's when adding partial sums, so that each
+// add of a partial costs no more than one rounding of the total.
+struct CompensatedSum {
+  float total, error;
+};
+
+__device__ __forceinline__ void add(CompensatedSum& into, float2 part) {
+  const float next = into.total + part.x;
+  into.error += fabsf(into.total) >= fabsf(part.x) ? (into.total - next) + part.x : (part.x - next) + into.total;
+  into.error += part.y;
+  into.total = next;
+}
+
+// Block `block`'s item: phase A or B, and the item's index (tile-major: tile * slabs + slab). The first `lag` blocks
+// take A items, then A and B items alternate, then the last `lag` blocks take B items.
+struct ColumnItem {
+  bool split;
+  std::int64_t index;
+};
+
+__device__ __forceinline__ ColumnItem column_item(std::int64_t block, std::int64_t items, std::int64_t lag) {
+  if (block < lag) return {false, block};
+  const std::int64_t m = block - lag;
+  if (m < 2 * (items - lag)) return m % 2 == 0 ? ColumnItem{false, lag + m / 2} : ColumnItem{true, m / 2};
+  return {true, m - items + lag};
+}
+
+// Release and acquire at GPU scope: the arrival of an A block after its writes, the wait of a B block before reads.
+__device__ __forceinline__ void arrive(unsigned* counter) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+__device__ __forceinline__ unsigned arrived(const unsigned* counter) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+
+template <bool kAligned>
+__global__ void __launch_bounds__(kTileThreads)
+split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
+                     float* __restrict__ column_sums, unsigned char* __restrict__ workspace, std::int64_t lag) {
+  static_assert(kTileThreads == 2 * kTileColumns, "the sums are added in two halves of the slabs");
+  union Shared {
+    TileStage stage;
+    float4 partials[kTileWarps][kTileColumns];  // a thread's max, sum (total, error) and flag per column
+  };
+  __shared__ Shared shared;
+  __shared__ float2 half_sums[kTileColumns];
+  const ColumnSplitLayout layout = column_split_layout(rows, cols);
+  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace);
+  unsigned* const max_bits = reinterpret_cast<unsigned*>(workspace + layout.max_offset);
+  unsigned* const bad = reinterpret_cast<unsigned*>(workspace + layout.bad_offset);
+  float2* const sums = reinterpret_cast<float2*>(workspace + layout.sums_offset);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const ColumnItem item = column_item(blockIdx.x, layout.tiles * layout.slabs, lag);
+  const std::int64_t tile = item.index / layout.slabs, slab = item.index % layout.slabs;
+  const std::int64_t first_column = tile * kTileColumns, first_row = slab * kTileRows;
+
+  if (item.split) {
+    const Tile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
+    if (threadIdx.x == 0)
+      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
+    __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A blocks' writes
+    PowerOfTwo scale[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      scale[e] = power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + 4 * lane + e))));
+    stage_split(values, scale, shared.stage);
+    __syncthreads();
+    store_tile(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
+    if (slab != 0) return;
+
+    // The tile's first B block: each column's slab sums added in slab order, in two halves, then the halves in order.
+    const int column_in_tile = threadIdx.x % kTileColumns, half = threadIdx.x / kTileColumns;
+    const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
+    const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
+    const float2* from = sums + tile * layout.slabs * kTileColumns + column_in_tile;
+    CompensatedSum sum{0.0f, 0.0f};
+#pragma unroll 8
+    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kTileColumns));
+    if (half == 1) half_sums[column_in_tile] = make_float2(sum.total, sum.error);
+    __syncthreads();
+    const std::int64_t column = first_column + column_in_tile;
+    if (half == 0 && column < cols) {
+      add(sum, half_sums[column_in_tile]);
+      const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
+      exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
+      // An inf or NaN total is IEEE's, as the plain sums'.
+      if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;
+    }
+    return;
+  }
+
+  // A: each thread's compensated sums over its 8 rows of its 4 columns, in row order, each add's rounding error kept
+  // exactly (Knuth's two-sum: Kahan's drops some where a value outweighs the running sum, as it often does over 8
+  // rows); the plain sums beside them give IEEE's inf or NaN where a value is not finite or a sum overflows.
+  const Tile values = load_tile<kAligned, false>(src, rows, cols, row_stride, first_row, first_column);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float max_abs = 0.0f, sum = 0.0f, error = 0.0f, plain_sum = 0.0f;
+    bool non_finite = false;
+#pragma unroll
+    for (int i = 0; i < kTilePairsPerWarp; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v = element(values.v[i][h], e);
+        fold(v, max_abs, non_finite);
+        const float next = sum + v, v_part = next - sum;
+        error += (sum - (next - v_part)) + (v - v_part);
+        sum = next;
+        plain_sum += v;
+      }
+    }
+    const bool finite = is_finite(sum);
+    shared.partials[warp][4 * lane + e] = make_float4(max_abs, finite ? sum : plain_sum, finite ? error : 0.0f,
+                                                      non_finite ? 1.0f : 0.0f);
+  }
+  __syncthreads();
+  if (threadIdx.x < kTileColumns) {
+    const float4 first = shared.partials[0][threadIdx.x];
+    float max_abs = first.x;
+    CompensatedSum sum{first.y, first.z};
+    bool non_finite = first.w != 0.0f;
+#pragma unroll
+    for (int w = 1; w < kTileWarps; ++w) {
+      const float4 part = shared.partials[w][threadIdx.x];
+      max_abs = fmaxf(max_abs, part.x);
+      add(sum, make_float2(part.y, part.z));
+      non_finite |= part.w != 0.0f;
+    }
+    const std::int64_t at = first_column + threadIdx.x;
+    if (max_abs > 0.0f) atomicMax(max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as their bits
+    if (non_finite) atomicOr(bad + at, 1u);
+    sums[item.index * kTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
+  }
+  __syncthreads();  // the block's writes above, then (thread 0's release) its arrival
+  if (threadIdx.x == 0) arrive(arrivals + tile);
 }
 
 }  // namespace
