@@ -47,8 +47,6 @@ __device__ __forceinline__ void set_row_scale(ChunkScales& scales, int half, int
   }
 }
 
-__device__ __forceinline__ std::uint32_t bits(__half2 pair) { return *reinterpret_cast<std::uint32_t*>(&pair); }
-
 // max(a, |b|), NaN if either is NaN.
 __device__ __forceinline__ float max_abs_nan(float a, float b) {
   float r;

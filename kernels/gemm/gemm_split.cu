@@ -75,7 +75,7 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
   const bool aligned =
       cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
   const auto kernel = aligned ? split_columns_kernel<true> : split_columns_kernel<false>;
-  kernel<<<static_cast<unsigned>(2 * items), kTileThreads, 0, stream>>>(
+  kernel<<<static_cast<unsigned>(2 * items), kColumnTileThreads, 0, stream>>>(
       src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums,
       static_cast<unsigned char*>(workspace), lag_items);
   return cudaGetLastError();

@@ -177,37 +177,31 @@ split_rows_unaligned_kernel(const float* __restrict__ src, std::int64_t cols, st
                          hi + row * length, lo + row * length);
 }
 
-// Column tiles of launch_split_columns, whose rows of the result are columns of a row-major matrix: kTileRows rows
-// by kTileColumns columns, read by kTileThreads threads. Warp w holds the row pairs (2p, 2p + 1), p = w + kTileWarps
+// Column tiles of launch_split_columns, whose rows of the result are columns of a row-major matrix: kColumnTileRows rows
+// by kColumnTileColumns columns, read by kColumnTileThreads threads. Warp w holds the row pairs (2p, 2p + 1), p = w + kColumnTileWarps
 // * i, each lane 4 consecutive columns of both rows: 512 contiguous bytes per row and warp, all of a thread's loads in
 // flight together. A row pair's split is one fp16 pair per column, the layout of the transposed result: the pairs
 // are staged in shared memory, then each warp writes whole columns as rows of the result (128 bytes of hi and of lo
 // per column).
-constexpr int kTileThreads = 256;
-constexpr int kTileWarps = kTileThreads / 32;
-constexpr int kTileColumns = 4 * 32;
-constexpr int kTileRows = kSplitChunk;
-constexpr int kTilePairs = kTileRows / 2;  // fp16 pairs per column of a tile: one per lane
-constexpr int kTilePairsPerWarp = kTilePairs / kTileWarps;
-static_assert(kTilePairs == 32 && kTilePairs % kTileWarps == 0, "a tile column's pairs are one word per lane");
+constexpr int kColumnTileThreads = 256;
+constexpr int kColumnTileWarps = kColumnTileThreads / 32;
+constexpr int kColumnTileColumns = 4 * 32;
+constexpr int kColumnTileRows = kSplitChunk;
+constexpr int kColumnTilePairs = kColumnTileRows / 2;  // fp16 pairs per column of a tile: one per lane
+constexpr int kColumnTilePairsPerWarp = kColumnTilePairs / kColumnTileWarps;
+static_assert(kColumnTilePairs == 32 && kColumnTilePairs % kColumnTileWarps == 0, "a tile column's pairs are one word per lane");
 
-struct Tile {
-  float4 v[kTilePairsPerWarp][2];  // [i][h]: row 2 (warp + kTileWarps i) + h, columns 4 lane .. 4 lane + 3
+struct ColumnTile {
+  float4 v[kColumnTilePairsPerWarp][2];  // [i][h]: row 2 (warp + kColumnTileWarps i) + h, columns 4 lane .. 4 lane + 3
 };
 
 // fp16 pairs of a tile, as 32-bit words: column j's pair p at word p ^ (j / 4): conflict-free stores (a warp's
 // lanes hold columns 4 lane + e) and loads (a warp reads one column).
-struct TileStage {
-  std::uint32_t hi[kTileColumns][kTilePairs], lo[kTileColumns][kTilePairs];
+struct ColumnTileStage {
+  std::uint32_t hi[kColumnTileColumns][kColumnTilePairs], lo[kColumnTileColumns][kColumnTilePairs];
 };
 
-__device__ __forceinline__ int staged_word(int column, int pair) { return pair ^ (column / 4 % kTilePairs); }
-
-__device__ __forceinline__ std::uint32_t bits(__half2 pair) {
-  std::uint32_t word;
-  std::memcpy(&word, &pair, sizeof word);
-  return word;
-}
+__device__ __forceinline__ int staged_word(int column, int pair) { return pair ^ (column / 4 % kColumnTilePairs); }
 
 __device__ __forceinline__ float element(float4 v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
 
@@ -215,18 +209,18 @@ __device__ __forceinline__ float element(float4 v, int e) { return e == 0 ? v.x 
 // kAligned: cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (16-byte loads); else 4-byte loads.
 // kLastUse: the loads leave L2 first (the data is not read again).
 template <bool kAligned, bool kLastUse>
-__device__ __forceinline__ Tile load_tile(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
+__device__ __forceinline__ ColumnTile load_tile(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
                                           std::int64_t row_stride, std::int64_t first_row,
                                           std::int64_t first_column) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t column = first_column + 4 * lane;
   const auto load = [](const float* at) { return kLastUse ? __ldcs(at) : __ldg(at); };
-  Tile tile;
+  ColumnTile tile;
 #pragma unroll
-  for (int i = 0; i < kTilePairsPerWarp; ++i) {
+  for (int i = 0; i < kColumnTilePairsPerWarp; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const std::int64_t row = first_row + 2 * (warp + kTileWarps * i) + h;
+      const std::int64_t row = first_row + 2 * (warp + kColumnTileWarps * i) + h;
       const float* at = src + (row < rows ? row : 0) * row_stride + column;
       float4& v = tile.v[i][h];
       if constexpr (kAligned) {
@@ -245,11 +239,11 @@ __device__ __forceinline__ Tile load_tile(const float* __restrict__ src, std::in
 
 // Splits the thread's part of a tile with its 4 columns' scales into the stage (non-finite values as 0). The caller
 // synchronizes the block before store_tile reads the stage.
-__device__ __forceinline__ void stage_split(const Tile& tile, const PowerOfTwo (&scale)[4], TileStage& stage) {
+__device__ __forceinline__ void stage_split(const ColumnTile& tile, const PowerOfTwo (&scale)[4], ColumnTileStage& stage) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-  for (int i = 0; i < kTilePairsPerWarp; ++i) {
-    const int pair = warp + kTileWarps * i;
+  for (int i = 0; i < kColumnTilePairsPerWarp; ++i) {
+    const int pair = warp + kColumnTileWarps * i;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int column = 4 * lane + e;
@@ -260,15 +254,15 @@ __device__ __forceinline__ void stage_split(const Tile& tile, const PowerOfTwo (
   }
 }
 
-// Writes the staged tile: column j (< cols - first_column) as kTileRows halves of row first_column + j of hi and lo
+// Writes the staged tile: column j (< cols - first_column) as kColumnTileRows halves of row first_column + j of hi and lo
 // (rows `length` halves apart), from half `position` on. The stores leave L2 first (evict-first): the tile's input,
 // which another block reads again, stays.
-__device__ __forceinline__ void store_tile(const TileStage& stage, __half* __restrict__ hi, __half* __restrict__ lo,
+__device__ __forceinline__ void store_tile(const ColumnTileStage& stage, __half* __restrict__ hi, __half* __restrict__ lo,
                                            std::int64_t length, std::int64_t first_column, std::int64_t cols,
                                            std::int64_t position) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll 4
-  for (int j = warp; j < kTileColumns; j += kTileWarps) {
+  for (int j = warp; j < kColumnTileColumns; j += kColumnTileWarps) {
     if (first_column + j >= cols) break;
     const std::int64_t at = (first_column + j) * length + position;
     __stcs(reinterpret_cast<unsigned*>(hi + at) + lane, stage.hi[j][staged_word(j, lane)]);
@@ -277,7 +271,7 @@ __device__ __forceinline__ void store_tile(const TileStage& stage, __half* __res
 }
 
 // The split of src's columns (launch_split_columns; src: rows x cols, row-major): row c of the result is column c
-// of src, in natural order. The matrix is cut into column tiles (kTileColumns wide) and slabs (kTileRows rows): an
+// of src, in natural order. The matrix is cut into column tiles (kColumnTileColumns wide) and slabs (kColumnTileRows rows): an
 // item is one tile of one slab, and each item is done twice, by two blocks:
 // - A (statistics): reads its item, folds each column's largest finite |v| and non-finite flag into the workspace
 //   (atomicMax, atomicOr: the same result in any order), writes each column's compensated sum over the slab, and
@@ -300,13 +294,13 @@ struct ColumnSplitLayout {
 KERNELS_GEMM_HOST_DEVICE inline ColumnSplitLayout column_split_layout(std::int64_t rows, std::int64_t cols) {
   const auto align = [](std::int64_t bytes, std::int64_t to) { return (bytes + to - 1) / to * to; };
   ColumnSplitLayout layout{};
-  layout.tiles = (cols + kTileColumns - 1) / kTileColumns;
-  layout.slabs = (rows + kTileRows - 1) / kTileRows;
+  layout.tiles = (cols + kColumnTileColumns - 1) / kColumnTileColumns;
+  layout.slabs = (rows + kColumnTileRows - 1) / kColumnTileRows;
   layout.max_offset = align(layout.tiles * 4, 16);
-  layout.bad_offset = layout.max_offset + layout.tiles * kTileColumns * 4;
-  layout.counters_bytes = align(layout.bad_offset + layout.tiles * kTileColumns * 4, 256);
+  layout.bad_offset = layout.max_offset + layout.tiles * kColumnTileColumns * 4;
+  layout.counters_bytes = align(layout.bad_offset + layout.tiles * kColumnTileColumns * 4, 256);
   layout.sums_offset = layout.counters_bytes;
-  layout.bytes = layout.sums_offset + layout.tiles * layout.slabs * kTileColumns * 8;
+  layout.bytes = layout.sums_offset + layout.tiles * layout.slabs * kColumnTileColumns * 8;
   return layout;
 }
 
@@ -349,17 +343,17 @@ __device__ __forceinline__ unsigned arrived(const unsigned* counter) {
 }
 
 template <bool kAligned>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kColumnTileThreads)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                      __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
                      float* __restrict__ column_sums, unsigned char* __restrict__ workspace, std::int64_t lag) {
-  static_assert(kTileThreads == 2 * kTileColumns, "the sums are added in two halves of the slabs");
+  static_assert(kColumnTileThreads == 2 * kColumnTileColumns, "the sums are added in two halves of the slabs");
   union Shared {
-    TileStage stage;
-    float4 partials[kTileWarps][kTileColumns];  // a thread's max, sum (total, error) and flag per column
+    ColumnTileStage stage;
+    float4 partials[kColumnTileWarps][kColumnTileColumns];  // a thread's max, sum (total, error) and flag per column
   };
   __shared__ Shared shared;
-  __shared__ float2 half_sums[kTileColumns];
+  __shared__ float2 half_sums[kColumnTileColumns];
   const ColumnSplitLayout layout = column_split_layout(rows, cols);
   unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace);
   unsigned* const max_bits = reinterpret_cast<unsigned*>(workspace + layout.max_offset);
@@ -368,10 +362,10 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const ColumnItem item = column_item(blockIdx.x, layout.tiles * layout.slabs, lag);
   const std::int64_t tile = item.index / layout.slabs, slab = item.index % layout.slabs;
-  const std::int64_t first_column = tile * kTileColumns, first_row = slab * kTileRows;
+  const std::int64_t first_column = tile * kColumnTileColumns, first_row = slab * kColumnTileRows;
 
   if (item.split) {
-    const Tile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
+    const ColumnTile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
     if (threadIdx.x == 0)
       while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
     __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A blocks' writes
@@ -385,13 +379,13 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
     if (slab != 0) return;
 
     // The tile's first B block: each column's slab sums added in slab order, in two halves, then the halves in order.
-    const int column_in_tile = threadIdx.x % kTileColumns, half = threadIdx.x / kTileColumns;
+    const int column_in_tile = threadIdx.x % kColumnTileColumns, half = threadIdx.x / kColumnTileColumns;
     const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
     const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
-    const float2* from = sums + tile * layout.slabs * kTileColumns + column_in_tile;
+    const float2* from = sums + tile * layout.slabs * kColumnTileColumns + column_in_tile;
     CompensatedSum sum{0.0f, 0.0f};
 #pragma unroll 8
-    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kTileColumns));
+    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kColumnTileColumns));
     if (half == 1) half_sums[column_in_tile] = make_float2(sum.total, sum.error);
     __syncthreads();
     const std::int64_t column = first_column + column_in_tile;
@@ -408,13 +402,13 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   // A: each thread's compensated sums over its 8 rows of its 4 columns, in row order, each add's rounding error kept
   // exactly (Knuth's two-sum: Kahan's drops some where a value outweighs the running sum, as it often does over 8
   // rows); the plain sums beside them give IEEE's inf or NaN where a value is not finite or a sum overflows.
-  const Tile values = load_tile<kAligned, false>(src, rows, cols, row_stride, first_row, first_column);
+  const ColumnTile values = load_tile<kAligned, false>(src, rows, cols, row_stride, first_row, first_column);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     float max_abs = 0.0f, sum = 0.0f, error = 0.0f, plain_sum = 0.0f;
     bool non_finite = false;
 #pragma unroll
-    for (int i = 0; i < kTilePairsPerWarp; ++i) {
+    for (int i = 0; i < kColumnTilePairsPerWarp; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float v = element(values.v[i][h], e);
@@ -430,13 +424,13 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
                                                       non_finite ? 1.0f : 0.0f);
   }
   __syncthreads();
-  if (threadIdx.x < kTileColumns) {
+  if (threadIdx.x < kColumnTileColumns) {
     const float4 first = shared.partials[0][threadIdx.x];
     float max_abs = first.x;
     CompensatedSum sum{first.y, first.z};
     bool non_finite = first.w != 0.0f;
 #pragma unroll
-    for (int w = 1; w < kTileWarps; ++w) {
+    for (int w = 1; w < kColumnTileWarps; ++w) {
       const float4 part = shared.partials[w][threadIdx.x];
       max_abs = fmaxf(max_abs, part.x);
       add(sum, make_float2(part.y, part.z));
@@ -445,7 +439,7 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
     const std::int64_t at = first_column + threadIdx.x;
     if (max_abs > 0.0f) atomicMax(max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as their bits
     if (non_finite) atomicOr(bad + at, 1u);
-    sums[item.index * kTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
+    sums[item.index * kColumnTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
   }
   __syncthreads();  // the block's writes above, then (thread 0's release) its arrival
   if (threadIdx.x == 0) arrive(arrivals + tile);

@@ -74,6 +74,13 @@ __device__ __forceinline__ SplitPair split_pair(float v0, float v1, PowerOfTwo s
   return split_pair((v0 * scale.a) * scale.b, (v1 * scale.a) * scale.b);
 }
 
+// An fp16 pair's 32 bits, as stores of packed pairs take them.
+__device__ __forceinline__ std::uint32_t bits(__half2 pair) {
+  std::uint32_t word;
+  std::memcpy(&word, &pair, sizeof word);
+  return word;
+}
+
 // The promotion of one chunk's products: total += accumulator * 2^-e, with the chunk's inverse power of two
 // (power_of_two(-e)); exact but for the one rounding of the add. kSingle: inverse.b is 1 (e <= 126), one multiply.
 template <bool kSingle = false>
