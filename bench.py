@@ -914,6 +914,41 @@ def write_markdown(rows, path, device, torch_version=torch.__version__, command=
     progress(f"tables written to {path}")
 
 
+def plot_models(rows, path, device, torch_version=torch.__version__):
+    """The models table as a chart: the training step's and the no_grad forward's speedup over eager fp32 (TF32 and
+    patched), and the logits' error against float64 (eager, TF32, patched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [r for r in rows if r["problem"].startswith("models")]
+    names = list(dict.fromkeys(r["case"] for r in models))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.9 * len(names) + 1.6), sharey=True)
+    colors = {"eager": "#999999", "TF32": "#dd8452", "patched": "#4c72b0"}
+    for i, (variant, key) in enumerate((("TF32", "speedup"), ("patched", "speedup"), ("TF32", "forward_speedup"),
+                                        ("patched", "forward_speedup"))):
+        values = [next(r[key] for r in models if r["case"] == n and r["variant"] == variant) for n in names]
+        left.barh([y + 0.2 * i - 0.3 for y in range(len(names))], values, height=0.2, color=colors[variant],
+                  alpha=1.0 if key == "speedup" else 0.55, label=f"{variant}, {'training step' if key == 'speedup' else 'no_grad forward'}")
+    left.axvline(1.0, color="black", lw=0.8)
+    left.set_yticks(range(len(names)), names, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("speedup over eager fp32")
+    left.legend(fontsize=7, loc="lower right")
+    for i, variant in enumerate(MODEL_VARIANTS):
+        values = [next(r["error"] for r in models if r["case"] == n and r["variant"] == variant) for n in names]
+        right.barh([y + 0.25 * i - 0.25 for y in range(len(names))], values, height=0.25, color=colors[variant],
+                   label=variant)
+    right.set_xscale("log")
+    right.set_xlabel("logits error vs float64 (lower is better)")
+    right.legend(fontsize=7)
+    fig.suptitle(f"kernels.patch(model), fp32 with AdamW: {device}, torch {torch_version}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    progress(f"chart written to {path}")
+
+
 def plot(rows, path, device, torch_version=torch.__version__):
     """Speedup over eager (left) and error against float64 (right) per row; the ceiling marked on the left. From a
     saved run: plot(run["rows"], path, run["device"], run["torch"]) with run the --json file's contents."""
@@ -924,6 +959,9 @@ def plot(rows, path, device, torch_version=torch.__version__):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if any(r["problem"].startswith("models") for r in rows):
+        plot_models(rows, path.replace(".png", "") + "_models.png", device, torch_version)
+        rows = [r for r in rows if not r["problem"].startswith("models")]
     shown = [r for r in rows if r["variant"] != "eager" or r["error"] is not None]
     labels = [f"{r['case']} | {r['variant']}" for r in shown]
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.32 * len(shown) + 1.6), sharey=True,

@@ -437,3 +437,25 @@ def test_patched_model_in_a_cuda_graph():
         graph.replay()
         torch.testing.assert_close(out, model(x), atol=0, rtol=0)
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("shape", ["small", "split"])
+def test_fp32_gemm_mode_under_torch_compile(shape, device):
+    """A compiled function called inside fp32_gemm(): the same results as the mode in eager."""
+    if shape == "split" and device == "cpu":
+        pytest.skip("the split path is CUDA only")
+    rows, width = (8, 32) if shape == "small" else (2048, 1024)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, width, device=device, generator=g)
+    w = torch.randn(width, width, device=device, generator=g) / width ** 0.5
+
+    def f(x, w):
+        return torch.relu(x @ w.t()) @ w
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f)
+    with kernels.fp32_gemm():
+        expected = f(x, w)
+        torch.testing.assert_close(compiled(x, w), expected, atol=TOL, rtol=TOL)
+    y64 = f(x.double(), w.double())
+    assert relative_error(expected, y64) <= relative_error(f(x, w), y64) * 1.0001
