@@ -692,13 +692,16 @@ HOST_BOUND_LINEARS = ((394, 512, 512), (64, 1024, 1024))
 
 def bench_linear_layers(rows, options):
     """nn.Linear against kernels.nn.Linear at host-bound sizes, called back to back (no L2 flush): the forward, and a
-    training step's forward and backward."""
+    training step's forward and backward. A second nn.Linear with the same weights shows the spread between equal
+    layers."""
     import kernels
 
     problem = "host-bound linear layers (fp32)"
     for m, k, n in HOST_BOUND_LINEARS:
         torch.manual_seed(0)
         eager = torch.nn.Linear(k, n).to(DEVICE)
+        twin = torch.nn.Linear(k, n).to(DEVICE)  # the same layer again: the spread between two equal layers
+        twin.load_state_dict(eager.state_dict())
         ours = kernels.nn.Linear(k, n).to(DEVICE)
         ours.load_state_dict(eager.state_dict())
         x = torch.randn(m, k, device=DEVICE)
@@ -708,12 +711,12 @@ def bench_linear_layers(rows, options):
         for case, step in ((f"forward {m}x{k}->{n}", lambda layer: layer(x)),
                            (f"train step {m}x{k}->{n}", lambda layer: layer(x_grad).backward(grad))):
             progress(f"{problem}: {case}")
-            layers = {"nn.Linear": eager, "kernels.nn.Linear": ours}
+            layers = {"nn.Linear": eager, "nn.Linear, a second copy": twin, "kernels.nn.Linear": ours}
             times = time_each_ms([lambda layer=layer: step(layer) for layer in layers.values()], samples=options.samples,
                                  calls_per_sample=50, flush_l2=False)
             with torch.no_grad():
                 outputs = [layer(x) for layer in layers.values()]
-            add_rows(rows, problem, case, "fp32", list(layers), times, [None, None], outputs,
+            add_rows(rows, problem, case, "fp32", list(layers), times, [None] * len(layers), outputs,
                      lambda v: 2 * m * n * k / 1e9, "TFLOP/s", "-", None, y64, outputs[0])
 
 
