@@ -120,7 +120,8 @@ def is_patched(module):
 # ---- the scoped mode ------------------------------------------------------------------------------------------------
 
 def _plain(*tensors):
-    return all(type(t) is torch.Tensor for t in tensors)
+    """Plain tensors and Parameters (a subclass such as DTensor goes to eager, which knows it)."""
+    return all(type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors)
 
 
 def _linear_route(x, weight, bias=None):
