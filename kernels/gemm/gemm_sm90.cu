@@ -9,14 +9,17 @@
 // Roles:
 // - gemm_sm90_layout.cuh: tile shapes, the shared-memory layout of the stages, named barriers, register budgets,
 //   and which rows of a tile a consumer thread holds.
-// - gemm_sm90_tile_scheduler.cuh: persistent CTAs and the order in which they take tiles.
+// - gemm_sm90_tile_scheduler.cuh: persistent CTAs and the order in which they take tiles (or, where K is split,
+//   units of a tile and a slice of K).
 // - gemm_sm90_mainloop.cuh: warp specialisation: the producer's TMA loads, the consumers' wgmma products and
 //   their promotion, chunk by chunk through the stages.
 // - gemm_sm90_w_split.cuh: a consumer's split of w in registers per chunk, and the promotion's scaling.
 // - gemm_sm90_epilogue.cuh: unscaling, bias, multiplier and LeakyReLU; TMA stores through shared memory, or plain
 //   stores; w's non-finite row flags.
+// - gemm_split_k_sum.cuh: where K is split (plain products of few tiles, launch_split_gemm_split_k), the sum of the
+//   slices' partials into y.
 // - This file: the kernel, which sets up shared memory and the barriers and runs the roles, and its host side:
-//   TMA descriptors, the support check, the launch.
+//   TMA descriptors, the support check, split-K's choice of slices, the launch.
 // The method's numerics are split_numerics.cuh's, the PTX wrappers sm90_primitives.cuh's.
 //
 // Requires sm_90a; built for any other target, the kernel is an empty stub, split_gemm_supported() is false and
