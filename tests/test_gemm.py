@@ -600,6 +600,8 @@ EPILOGUE_CASES = {  # name: (m, k, n)
     # tiles within a few chunks.
     "one_chunk": (2048, 64, 2560),
     "two_chunks": (2048, 128, 2560),
+    # grad_W of 1000 x 520 (40 tiles) over 4096 rows: K split (split_gemm_k_slices), the partials by either epilogue.
+    "split_k": (4096, 520, 1000),
 }
 
 EPILOGUE_CASES_SCRIPT = r"""
@@ -914,6 +916,117 @@ def test_split_backward_is_taken_and_graph_of_the_backward_still_works(path):
         grad_x, = torch.autograd.grad(y, x, torch.randn_like(y), create_graph=True)
         grad_x.square().sum().backward()  # through the composite backward
     assert new.gemm.weight.grad is not None and torch.isfinite(new.gemm.weight.grad).all()
+
+
+# ---- split-K: plain products of small outputs over long reductions (grad_W's) ----------------------------------------
+
+requires_hopper_split = pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+
+
+def weight_gradient(grad_pre, x, n):
+    """grad_W = grad_pre^T x (n x k) through the backward op on the forced split_fp16 path (the identity epilogue:
+    grad_pre is grad_y)."""
+    weight, empty = torch.empty(n, x.shape[1], device="cuda"), torch.empty(0, device="cuda")
+    with forced_gemm_path("split_fp16"):
+        return torch.ops.kernels.gemm_multiply_leaky_relu_backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True,
+                                                                   False)[1]
+
+
+class forced_k_slices:
+    """with forced_k_slices(s): every plain split_fp16 product in the block splits K into at most s slices."""
+
+    def __init__(self, slices):
+        self.slices, self.previous = slices, None
+
+    def __enter__(self):
+        self.previous = torch.ops.kernels._gemm_force_k_slices(self.slices)
+
+    def __exit__(self, *exc_info):
+        torch.ops.kernels._gemm_force_k_slices(self.previous)
+        return False
+
+
+SPLIT_K_SHAPES = {  # name: (out_features n, in_features k, batch rows m): grad_W is n x k, its reduction m
+    "1024x1024_m4096": (1024, 1024, 4096),
+    "1024x1024_m8192": (1024, 1024, 8192),
+    "768x3072_m12608": (768, 3072, 12608),
+    "3072x768_m12608": (3072, 768, 12608),  # grad_pre^T has 3072 rows: x's split made ahead (the presplit kernel)
+    "768x768_m12608": (768, 768, 12608),
+}
+
+
+@requires_hopper_split
+@pytest.mark.parametrize("kind", ["randn", "rand", "non_finite"])
+@pytest.mark.parametrize("shape", SPLIT_K_SHAPES)
+def test_split_k_weight_gradient_as_accurate_as_eager_and_the_same_bits_every_run(shape, kind):
+    """grad_W of layers whose weight has too few 128 x 128 tiles for the GPU, over batches of 4096-12608 rows: the
+    split path splits K (the batch) over several CTAs and adds their partials in a fixed order. NaN and Inf where
+    eager's are (non-finite values in rows of both operands, in the first and the last slices), the same bits on a
+    second run, and against float64 as accurate as the product over all of K (within 10%) and as eager's on randn
+    inputs; on rand inputs (all positive), whose sums eager rounds to under the split's floor, within
+    max(eager's, the floor), as the unsplit product is."""
+    n, k, m = SPLIT_K_SHAPES[shape]
+    assert torch.ops.kernels._gemm_k_slices(n, k, m) > 1  # split_gemm_k_slices splits K at these shapes
+    g = torch.Generator(device="cuda").manual_seed(5)
+    draw = torch.rand if kind == "rand" else torch.randn
+    grad_pre, x = draw(m, n, device="cuda", generator=g), draw(m, k, device="cuda", generator=g)
+    if kind == "non_finite":
+        x[9, 17], x[9, 33] = float("inf"), float("-inf")  # a row of x (a token) in the first slice...
+        x[m - 2, 40] = float("nan")  # ...and one in the last
+        grad_pre[m // 2, 3] = float("inf")
+        grad_pre[m - 1, n - 1] = float("nan")
+    poison_allocator((n, k), torch.float32, "cuda")
+    ours, again = weight_gradient(grad_pre, x, n), weight_gradient(grad_pre, x, n)
+    with forced_k_slices(1):
+        whole = weight_gradient(grad_pre, x, n)
+    eager = grad_pre.t().mm(x)
+    assert torch.equal(ours.isnan(), eager.isnan()) and torch.equal(ours.isinf(), eager.isinf())
+    assert torch.equal(ours.view(torch.int32), again.view(torch.int32))
+    reference = grad_pre.double().t() @ x.double()
+    errors = [relative_error(t, reference) for t in (ours, whole, eager)]
+    ours_error, whole_error, eager_error = errors
+    assert eager_error < float("inf") and ours_error <= 1.1 * whole_error, errors
+    assert ours_error <= (eager_error if kind != "rand" else max(eager_error, SPLIT_FP16_ERROR_FLOOR)), errors
+
+
+@requires_hopper_split
+@pytest.mark.parametrize("slices", [2, 3, 7])
+def test_split_k_forced_on_tails_and_on_each_kernel(slices):
+    """Slices of K forced on plain products with tails (rows and columns past the tiles' ends, a last chunk in part,
+    slices of unequal length, 7 slices of 16 chunks taken as 6 of 3): grad_W with w in registers (given transposed)
+    and from x's split made ahead (the presplit kernel), and a plain forward with w in registers, each with a
+    non-finite value in w's last slice of K (its row flagged by that slice alone). Each within max(eager's error, the
+    split's floor) of float64, NaN and Inf where eager's are, and close to the product over all of K."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    cases = {  # name: (product's operands, the product)
+        "grad_w": (200, 136, 1000),  # (n, k, m) of grad_W, 16 chunks of the batch
+        "grad_w_split_ahead": (2056, 520, 1000),
+    }
+    for name, (n, k, m) in cases.items():
+        grad_pre, x = torch.randn(m, n, device="cuda", generator=g), torch.randn(m, k, device="cuda", generator=g)
+        x[m - 3, 5] = float("inf")
+        with forced_k_slices(1):
+            whole = weight_gradient(grad_pre, x, n)
+        with forced_k_slices(slices):
+            ours = weight_gradient(grad_pre, x, n)
+        check_split_k(ours, whole, grad_pre.t().mm(x), grad_pre.double().t() @ x.double(), name)
+    x, weight = torch.randn(300, 2056, device="cuda", generator=g), torch.randn(520, 2056, device="cuda", generator=g)
+    weight[7, 2000] = float("inf")
+    with torch.no_grad(), forced_gemm_path("split_fp16"):
+        with forced_k_slices(1):
+            whole = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
+        with forced_k_slices(slices):
+            ours = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
+    check_split_k(ours, whole, F.linear(x, weight), F.linear(x.double(), weight.double()), "forward")
+
+
+def check_split_k(ours, whole, eager, reference, name):
+    assert torch.equal(ours.isnan(), eager.isnan()) and torch.equal(ours.isinf(), eager.isinf()), name
+    finite = torch.isfinite(whole)
+    scale = whole[finite].abs().max()
+    assert torch.equal(finite, torch.isfinite(ours)) and allclose(ours[finite] / scale, whole[finite] / scale), name
+    ours_error, eager_error = relative_error(ours, reference), relative_error(eager, reference)
+    assert ours_error <= max(eager_error, SPLIT_FP16_ERROR_FLOOR), (name, ours_error, eager_error)
 
 
 def train_losses(model, x, target, steps, lr):

@@ -17,6 +17,8 @@ goes, kernel by kernel.
     python tools/gemm_sweep.py --parts                # forward over batch sizes, backward products, train step
     python tools/gemm_sweep.py --waves                # the three GEMMs of a training step at widths whose tile
                                                       # counts fill the multiprocessors by whole rounds, or not
+    python tools/gemm_sweep.py --split-k              # grad_W's product (small output, long reduction) per slices
+                                                      # of K against eager: times, errors, the automatic slices
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
@@ -485,6 +487,57 @@ def shape_sweep(outputs=SWEEP_OUTPUTS):
                 del x, weight, y, y_cublas, y64
 
 
+# grad_W's products (out_features x in_features, reduction: the batch's rows): BERT/GPT-2 and ViT-B layers at 12608
+# and 4096-8192 rows, and the outputs around split_pays_off's smallest.
+SPLIT_K_SHAPES = ((1024, 1024, 8192), (1024, 1024, 4096), (768, 3072, 12608), (3072, 768, 12608), (768, 768, 12608),
+                  (768, 768, 8192), (768, 768, 4096), (512, 1024, 12608), (512, 512, 12608))
+SPLIT_K_SLICES = (1, 2, 3, 4, 5, 6, 8)
+
+
+def split_k(shapes=SPLIT_K_SHAPES, slices=SPLIT_K_SLICES):
+    """grad_W = grad_pre^T x through the backward op on the split path, K (the batch) split into S slices (forced),
+    and S as split_gemm_k_slices chooses it ("auto"), against eager's grad_pre.t().mm(x): times (ms, L2 flushed,
+    medians), errors against float64 of ours (auto) and eager's, randn and rand inputs, and whether two runs agree
+    bit for bit."""
+    from kernels.gemm.gemm import forced_gemm_path
+    from kernels.precision import relative_error
+    from kernels.timing import time_each_ms
+
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    force = torch.ops.kernels._gemm_force_k_slices
+    header = " ".join(f"{'S=' + str(s):>7}" for s in slices)
+    print(f"{'n':>5} {'k':>5} {'m':>6} {'auto':>4} {'eager':>7} {header} {'S=auto':>7} {'speedup':>7} {'S=1 x':>6} "
+          f"{'inputs':>6} {'ours':>9} {'eager':>9} {'bits':>4}")
+    for n, k, m in shapes:
+        torch.manual_seed(0)
+        weight, empty = torch.empty(n, k, device="cuda"), torch.empty(0, device="cuda")
+        auto = torch.ops.kernels._gemm_k_slices(n, k, m)
+        row = None
+        for kind in ("randn", "rand"):
+            draw = torch.randn if kind == "randn" else torch.rand
+            grad_pre, x = draw(m, n, device="cuda"), draw(m, k, device="cuda")
+
+            def ours(s):
+                with forced_gemm_path(SPLIT_PATH):
+                    previous = force(s)
+                    grad_w = backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True, False)[1]
+                    force(previous)
+                return grad_w
+
+            if row is None:
+                fns = [lambda: grad_pre.t().mm(x)] + [lambda s=s: ours(s) for s in (*slices, 0)]
+                row = time_each_ms(fns)
+            grad_w, again = ours(0), ours(0)
+            bits = torch.equal(grad_w.view(torch.int32), again.view(torch.int32))
+            reference = grad_pre.double().t() @ x.double()
+            error, eager_error = relative_error(grad_w, reference), relative_error(grad_pre.t().mm(x), reference)
+            times = " ".join(f"{t:7.4f}" for t in row[1:-1])
+            print(f"{n:>5} {k:>5} {m:>6} {auto:>4} {row[0]:7.4f} {times} {row[-1]:7.4f} {row[0] / row[-1]:7.3f} "
+                  f"{row[0] / row[1]:6.3f} {kind:>6} {error:9.3e} {eager_error:9.3e} {'same' if bits else 'DIFF':>4}",
+                  flush=True)
+            del grad_pre, x, grad_w, again, reference
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -506,6 +559,8 @@ def main():
                       help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
     mode.add_argument("--loop-kernels", action="store_true",
                       help="ModelNew's training-loop step alone: its largest kernels and its time, two lines")
+    mode.add_argument("--split-k", action="store_true",
+                      help="grad_W's product at small outputs and long reductions: per slices of K, against eager")
     mode.add_argument("--waves", action="store_true",
                       help="the training step's three GEMMs at widths that fill the multiprocessors by whole rounds")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -547,6 +602,8 @@ def choose(args):
         parts()
     elif args.waves:
         waves()
+    elif args.split_k:
+        split_k()
     elif args.shapes:
         outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
                    if args.outputs else SWEEP_OUTPUTS)

@@ -8,7 +8,8 @@
 //   kSplitWAheadRows rows of x on (where out_features % 4 == 0), or where the caller kept W's split
 //   (gemm_weight_split), the kernel reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow
 //   forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the kernel's registers, y^T
-//   computed and y written from it (split_product_transposed).
+//   computed and y written from it (split_product_transposed). Plain products (the backward's) whose output has too
+//   few tiles to fill the GPU split K over several CTAs and add the partials after (split_gemm_k_slices).
 // - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
 //   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
 // - cublas_bf16x9 (Blackwell, sm_100 and sm_103, float32 at "highest"): cuBLAS's own FP32 emulation on bf16 tensor
@@ -17,8 +18,8 @@
 //   matmul precision setting: IEEE by default, TF32 when allowed, and rounds exactly as eager does), then the
 //   LeakyReLU family's kernels::multiply_leaky_relu_ in place over its result (the multiply, the activation and
 //   the branch mask in one pass), reached through the dispatcher.
-// Tests force any path with kernels::_gemm_force_path; kernels::_gemm_multiply_leaky_relu_path tells which
-// path a call would take.
+// Tests force any path with kernels::_gemm_force_path, and split_fp16's slices of K with kernels::_gemm_force_k_slices;
+// kernels::_gemm_multiply_leaky_relu_path tells which path a call would take, kernels::_gemm_k_slices how many slices.
 //
 // Under torch.autocast the op's Autocast kernels (end of this file) cast its inputs as eager's autocast casts
 // nn.Linear's, so the product runs in the autocast dtype (cuBLAS's tensor cores) and so does the epilogue.
@@ -117,6 +118,16 @@ std::string force_path(const std::string& name) {
   TORCH_CHECK(ok, "kernels._gemm_force_path: unknown path '", name, "'; expected auto, cublas, split_fp16, "
               "split_fp16_sm80 or cublas_bf16x9");
   return path_name(static_cast<Path>(forced_path.exchange(static_cast<int>(path))));
+}
+
+// The slices of K every later plain product on split_fp16 takes (0: split_gemm_k_slices's choice; n >= 1: at most n,
+// fewer where K has fewer chunks); returns the previous setting. For tests and tools/gemm_sweep.py.
+std::atomic<int64_t> forced_k_slices{0};
+
+int64_t force_k_slices(int64_t slices) {
+  TORCH_CHECK(slices >= 0 && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
+              "choice) or 1 to 1024, got ", slices);
+  return forced_k_slices.exchange(slices);
 }
 
 #ifdef KERNELS_WITH_CUDA
@@ -372,6 +383,13 @@ bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transpose
                                           (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
 }
 
+// The slices of K a plain product (m x n, reduction k) on split_fp16 takes on `device`: the forced count where one
+// is set (force_k_slices), else split_gemm_k_slices's choice.
+int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
+  const int64_t forced = forced_k_slices.load();
+  return forced > 0 ? static_cast<int>(forced) : split_gemm_k_slices(device, m, n, k);
+}
+
 // The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path` (split_fp16 or split_fp16_sm80),
 // both float32 on one GPU, each given as itself or as its transpose (x_transposed: x as (k x m), which needs
 // w_transposed; w_transposed: w as (k x n)): x is split by one pass (its rows, or the columns of its transpose;
@@ -380,7 +398,9 @@ bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transpose
 // beforehand by gemm_weight_split), by neither; y and the mask (where positive is not null) are dense. Temporary
 // memory: x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes
 // per row of x and of w (exponents, flags); where w is split by a pass, also w's split, 4 bytes per element of w and
-// 4 per row and chunk of 64; where x comes transposed, the column split's workspace (about 1/32 of x's bytes).
+// 4 per row and chunk of 64; where x comes transposed, the column split's workspace (about 1/32 of x's bytes); where
+// a plain product splits K (product_k_slices > 1, on split_fp16), the slices' partials, 4 bytes per output and slice
+// (rows rounded up to 128).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
@@ -419,7 +439,25 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
-  if (w_split != nullptr) {
+  // A plain product (the backward's: no bias, multiplier and slope 1, no mask) on split_fp16 splits K where its output
+  // has too few tiles for the multiprocessors (grad_W's, whose reduction is the batch).
+  const bool plain = !b.defined() && multiplier_f == 1.0f && slope_f == 1.0f && positive == nullptr;
+  const int k_slices = path == Path::kSplitFp16 && plain ? product_k_slices(x.device().index(), m, n, k) : 1;
+  if (k_slices > 1) {
+    at::Tensor k_workspace = at::empty({split_gemm_k_workspace_bytes(m, n, k_slices) / 4}, x.options());
+    float* const workspace = k_workspace.mutable_data_ptr<float>();
+    check_launch(w_split != nullptr
+                     ? launch_split_gemm_presplit_split_k(
+                           x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                           w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
+                           w_split->exponent.const_data_ptr<int32_t>(), y.mutable_data_ptr<float>(), m, n, k, k_slices,
+                           workspace, stream)
+                     : launch_split_gemm_split_k(x_hi.const_data_ptr(), x_lo.const_data_ptr(),
+                                                 x_exponent.const_data_ptr<int32_t>(), w2.const_data_ptr<float>(),
+                                                 w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
+                                                 y.mutable_data_ptr<float>(), m, n, k, k_slices, workspace, stream),
+                 "split GEMM (K split)");
+  } else if (w_split != nullptr) {
     SplitGemmFromSplits* const launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
                                                                  : launch_split_gemm_sm80_multiply_leaky_relu;
     check_launch(launch(x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
@@ -506,6 +544,24 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
   return y;
 }
 #endif
+
+// The slices of K a plain product (m x n, reduction k) on split_fp16 takes on the current GPU (product_k_slices); 1
+// without CUDA. For tests and tools.
+int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
+#ifdef KERNELS_WITH_CUDA
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  return product_k_slices(device, m, n, k);
+#else
+  (void)m;
+  (void)n;
+  (void)k;
+  return 1;
+#endif
+}
 
 // ---- w's split made beforehand ---------------------------------------------------------------------------------
 // gemm_weight_split(x, weight) returns, where the forward of x with weight takes a split path with w's split in a pass
@@ -765,6 +821,11 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("_gemm_path_refusal(Tensor x, Tensor weight, str path) -> str");
   m.def("_gemm_force_path(str path) -> str");
   m.impl("_gemm_force_path", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_path));
+  m.def("_gemm_force_k_slices(int slices) -> int");
+  m.impl("_gemm_force_k_slices",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_k_slices));
+  m.def("_gemm_k_slices(int m, int n, int k) -> int");
+  m.impl("_gemm_k_slices", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::gemm_k_slices));
   m.def("_gemm_fp32_path_for_capability(int capability) -> str");
   m.def("_gemm_split_thresholds() -> int[]");
   m.impl("_gemm_split_thresholds",

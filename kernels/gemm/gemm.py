@@ -12,6 +12,9 @@ Ops (schemas in gemm.cpp):
   _gemm_path_refusal(x, weight, path) -> str            why fast path `path` cannot take these inputs; "" if it can
   _gemm_force_path(path) -> str                         "auto", "cublas" or a fast path; returns the previous one
   _gemm_fp32_path_for_capability(capability) -> str     the automatic choice's float32 path per architecture
+  _gemm_force_k_slices(slices) -> int                   split_fp16's slices of K for plain products (0: automatic);
+                                                        returns the previous setting
+  _gemm_k_slices(m, n, k) -> int                        the slices of K a plain (m x k) x (k x n) product takes there
 """
 
 import collections

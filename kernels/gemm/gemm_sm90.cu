@@ -9,14 +9,17 @@
 // Roles:
 // - gemm_sm90_layout.cuh: tile shapes, the shared-memory layout of the stages, named barriers, register budgets,
 //   and which rows of a tile a consumer thread holds.
-// - gemm_sm90_tile_scheduler.cuh: persistent CTAs and the order in which they take tiles.
+// - gemm_sm90_tile_scheduler.cuh: persistent CTAs and the order in which they take tiles (or, where K is split,
+//   units of a tile and a slice of K).
 // - gemm_sm90_mainloop.cuh: warp specialisation: the producer's TMA loads, the consumers' wgmma products and
 //   their promotion, chunk by chunk through the stages.
 // - gemm_sm90_w_split.cuh: a consumer's split of w in registers per chunk, and the promotion's scaling.
 // - gemm_sm90_epilogue.cuh: unscaling, bias, multiplier and LeakyReLU; TMA stores through shared memory, or plain
 //   stores; w's non-finite row flags.
+// - gemm_split_k_sum.cuh: where K is split (plain products of few tiles, launch_split_gemm_split_k), the sum of the
+//   slices' partials into y.
 // - This file: the kernel, which sets up shared memory and the barriers and runs the roles, and its host side:
-//   TMA descriptors, the support check, the launch.
+//   TMA descriptors, the support check, split-K's choice of slices, the launch.
 // The method's numerics are split_numerics.cuh's, the PTX wrappers sm90_primitives.cuh's.
 //
 // Requires sm_90a; built for any other target, the kernel is an empty stub, split_gemm_supported() is false and
@@ -27,6 +30,7 @@
 #include "gemm_sm90_mainloop.cuh"
 #include "gemm_sm90_tile_scheduler.cuh"
 #include "gemm_sm90_w_split.cuh"
+#include "gemm_split_k_sum.cuh"
 #include "sm90_primitives.cuh"
 #include "split_numerics.cuh"
 
@@ -39,9 +43,11 @@
 namespace kernels::gemm {
 namespace {
 
-// Warpgroup 0 loads every chunk of the CTA's tiles into the stages (load_tiles); warpgroups 1 and 2 each multiply
-// their 64 rows of w of a tile (multiply_tile, or multiply_tile_presplit where w's split is given: then w_map is
-// w_hi's, and w_lo_map and w_exponent_map are read) and store those outputs (store_tile), tile after tile.
+// Warpgroup 0 loads every chunk of the CTA's units into the stages (load_tiles); warpgroups 1 and 2 each multiply
+// their 64 rows of w of a unit's tile (multiply_tile, or multiply_tile_presplit where w's split is given: then w_map
+// is w_hi's, and w_lo_map and w_exponent_map are read) and store those outputs (store_tile), unit after unit. A unit
+// is a tile over all of K (slices = 1), or over one of `slices` slices of slice_chunks chunks, whose plain outputs go
+// to y, then the partials' workspace, at slice * slice_rows rows (launch_split_gemm_split_k).
 template <bool kTransposed, bool kPresplit>
 __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
@@ -49,7 +55,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
                   const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
                   bool y_by_tma, const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
-                  int n, int k, float multiplier, float negative_slope) {
+                  int n, int k, float multiplier, float negative_slope, int slices, int slice_chunks,
+                  int slice_rows) {
 #if KERNELS_SM90A_DEVICE
   using namespace sm90;
   extern __shared__ unsigned char shared_raw[];
@@ -60,8 +67,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(exponents + kStages * kBlockW);
   std::uint64_t* empty = full + kStages;
 
-  const TileScheduler scheduler(m, n);
   const int chunks = static_cast<int>(split_row_length(k) / kBlockK);
+  const TileScheduler scheduler(m, n, chunks, slices, slice_chunks);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -77,22 +84,23 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     registers_decrease<kProducerRegisters>();
     if (threadIdx.x == 0)
       load_tiles<kTransposed, kPresplit>(WMaps{&w_map, &w_lo_map, &w_exponent_map}, x_hi_map, x_lo_map, shared,
-                                         exponents, full, empty, scheduler, chunks);
+                                         exponents, full, empty, scheduler);
     return;
   }
 
   registers_increase<kConsumerRegisters>();
   const ConsumerThread thread(warpgroup, /*paired_rows=*/kTransposed);
   const std::uint32_t shared_base = smem_address(shared);
-  const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, x_exponent, w_flags, bias, y,
-                                             positive, m, n, multiplier, negative_slope};
+  const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, x_exponent, w_flags, /*w_flags_set_only=*/slices > 1,
+                                             bias, y, positive, m, n, slice_rows, multiplier, negative_slope};
   float accumulator[64], total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) accumulator[i] = 0.0f;
-  int iteration = 0;  // the CTA's chunks so far, across tiles: their stage and its phase
-  for (int tile = scheduler.first(); tile < scheduler.tiles; tile = scheduler.next(tile)) {
+  int iteration = 0;  // the CTA's chunks so far, across units: their stage and its phase
+  for (int unit = scheduler.first(); unit < scheduler.units; unit = scheduler.next(unit)) {
+    const int tile = scheduler.tile(unit), slice = scheduler.slice(unit), chunks = scheduler.unit_chunks(unit);
     const int tile_x = scheduler.x_tile(tile), tile_w = scheduler.w_tile(tile);
-    const bool last_tile = scheduler.is_last(tile);
+    const bool last_tile = scheduler.is_last(unit);
     bool non_finite[2] = {false, false};  // where w's split is given, its pass flagged w's rows
     if constexpr (kPresplit)
       multiply_tile_presplit(thread, shared_base, exponents, full, empty, chunks, last_tile, iteration, accumulator,
@@ -103,7 +111,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     // store_tile's scratch for a part's x exponents, declared in the kernel: where the array is declared sets the
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
     int row_exponents[kOutBoxRows / 8];
-    store_tile(epilogue_arguments, thread, shared_base, tile_x, tile_w, total, non_finite, row_exponents);
+    store_tile(epilogue_arguments, thread, shared_base, tile_x, tile_w, slice, total, non_finite, row_exponents);
   }
   finish_stores(epilogue_arguments);
 #endif
@@ -148,18 +156,48 @@ bool make_exponent_map(CUtensorMap* map, const std::int32_t* exponent, std::int6
                               CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// What both launchers share: x's maps, y's, the kernel's choice and its launch. maps[0..2]: the w operand's (w, or
-// w_hi, w_lo and the exponents), made by the caller.
+// Where K is split (launch_split_gemm_split_k): the slices, each of slice_chunks chunks (the last may hold fewer), the
+// partials' workspace (slices x slice_rows rows of n floats) and its rows per slice.
+struct KSlices {
+  int slices = 1;
+  int slice_chunks = 0;  // all of K's chunks where slices is 1
+  std::int64_t slice_rows = 0;
+  float* workspace = nullptr;
+};
+
+// m rounded up to whole tiles of x: a slice's rows in the workspace, so that a tile's TMA stores past m stay in its
+// own slice.
+std::int64_t split_k_slice_rows(std::int64_t m) { return (m + kBlockX - 1) / kBlockX * kBlockX; }
+
+// K's chunks taken as at most `slices` slices of whole chunks, every slice holding at least one.
+KSlices split_k_slices(std::int64_t m, std::int64_t k, int slices, float* workspace) {
+  const std::int64_t chunks = split_row_length(k) / kSplitChunk;
+  KSlices split;
+  split.slice_chunks = static_cast<int>((chunks + slices - 1) / slices);
+  split.slices = static_cast<int>((chunks + split.slice_chunks - 1) / split.slice_chunks);
+  split.slice_rows = split_k_slice_rows(m);
+  split.workspace = split.slices > 1 ? workspace : nullptr;
+  return split;
+}
+
+// What the launchers share: x's maps, y's (or the workspace's, where K is split), the kernel's choice and its launch,
+// and, where K is split, the sum of the slices into y. maps[0..2]: the w operand's (w, or w_hi, w_lo and the
+// exponents), made by the caller.
 cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool presplit, const void* x_hi,
                           const void* x_lo, const std::int32_t* x_exponent, std::int32_t* w_flags, const float* bias,
                           float* y, std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
-                          float multiplier, float negative_slope, int device, cudaStream_t stream) {
+                          float multiplier, float negative_slope, int device, cudaStream_t stream,
+                          const KSlices& k_slices = KSlices{}) {
   if (reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
     return cudaErrorInvalidValue;
   const std::int64_t x_row = split_row_length(k);
   if (!make_tile_map(&maps[3], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
       !make_tile_map(&maps[4], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
     return cudaErrorInvalidValue;
+  const bool split = k_slices.slices > 1;
+  // The kernel's outputs: y, or the slices' partials, slice after slice.
+  float* const out = split ? k_slices.workspace : y;
+  const std::int64_t out_rows = split ? k_slices.slices * k_slices.slice_rows : m;
   // y through TMA stores where its rows are 16-byte aligned (TMA's rule for strides and addresses); plain stores
   // else, or where KERNELS_GEMM_PLAIN_STORES is set (not "" or "0"): compute-sanitizer's initcheck does not see TMA
   // stores' writes (every later read of y is reported as uninitialized), so `tools/device_check.py sanitize` runs it
@@ -168,21 +206,39 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
     const char* value = std::getenv("KERNELS_GEMM_PLAIN_STORES");
     return value != nullptr && value[0] != '\0' && value[0] != '0';
   }();
-  const bool y_by_tma = !plain_stores && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
-                        make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, y, m, n, n * 4, kOutBoxRows);
+  const bool y_by_tma = !plain_stores && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(out) % 16 == 0 &&
+                        make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, out_rows, n, n * 4,
+                                      kOutBoxRows);
   const auto kernel = presplit       ? split_gemm_kernel<false, true>
                       : w_transposed ? split_gemm_kernel<true, false>
                                      : split_gemm_kernel<false, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (err != cudaSuccess) return err;
-  const std::int64_t tiles = tile_count(m, n);
+  const std::int64_t units = tile_count(m, n) * k_slices.slices;
   int processors = 0;
   err = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  const std::int64_t ctas = tiles < processors ? tiles : processors;  // persistent: one CTA per multiprocessor
+  // Each slice flags the rows of w it sees: the flags start at 0 and are only set.
+  if (split && w_flags != nullptr) {
+    err = cudaMemsetAsync(w_flags, 0, n * sizeof(std::int32_t), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const std::int64_t ctas = units < processors ? units : processors;  // persistent: one CTA per multiprocessor
+  const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
   kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
-      maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags, bias, y, positive,
-      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope);
+      maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags, bias, out, positive,
+      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope, k_slices.slices,
+      slice_chunks, static_cast<int>(k_slices.slice_rows));
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !split) return err;
+  const std::int64_t count = m * n, slice_stride = k_slices.slice_rows * n;
+  const bool vectors = count % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(out) % 16 == 0;  // slice_stride: whole tiles of rows
+  const std::int64_t needed = ((vectors ? count / 4 : count) + kSplitKSumThreads - 1) / kSplitKSumThreads;
+  const std::int64_t most = static_cast<std::int64_t>(processors) * kSplitKSumBlocksPerProcessor;
+  const unsigned blocks = static_cast<unsigned>(needed < most ? needed : most);
+  const auto sum = vectors ? split_k_sum_kernel<true> : split_k_sum_kernel<false>;
+  sum<<<blocks, kSplitKSumThreads, 0, stream>>>(out, slice_stride, k_slices.slices, y, count);
   return cudaGetLastError();
 }
 
@@ -219,12 +275,13 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
   return pools_hold_budgets && tensor_map_encoder() != nullptr;
 }
 
-cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
-                                                  const float* w, std::int64_t w_stride, bool w_transposed,
-                                                  std::int32_t* w_flags, const float* bias, float* y,
-                                                  std::uint8_t* positive, std::int64_t m, std::int64_t n,
-                                                  std::int64_t k, float multiplier, float negative_slope,
-                                                  cudaStream_t stream) {
+namespace {
+
+// launch_split_gemm_multiply_leaky_relu, K split where k_slices says so.
+cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const float* w,
+                          std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags, const float* bias, float* y,
+                          std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
+                          float negative_slope, cudaStream_t stream, const KSlices& k_slices) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -237,21 +294,15 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                          : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
   if (!w_map) return cudaErrorInvalidValue;
   return launch_kernel(maps, w_transposed, /*presplit=*/false, x_hi, x_lo, x_exponent, w_flags, bias, y, positive, m,
-                       n, k, multiplier, negative_slope, device, stream);
+                       n, k, multiplier, negative_slope, device, stream, k_slices);
 }
 
-bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
-  // n % 4: 16-byte rows of w's exponents for TMA; w's split has rows of whole chunks, whatever k is.
-  return n % 4 == 0 && split_gemm_supported(device, m, n, split_row_length(k));
-}
-
-cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,
-                                                           const std::int32_t* x_exponent, const void* w_hi,
-                                                           const void* w_lo, const std::int32_t* w_exponent,
-                                                           const float* bias, float* y, std::uint8_t* positive,
-                                                           std::int64_t m, std::int64_t n, std::int64_t k,
-                                                           float multiplier, float negative_slope,
-                                                           cudaStream_t stream) {
+// launch_split_gemm_presplit_multiply_leaky_relu, K split where k_slices says so.
+cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const void* w_hi,
+                                const void* w_lo, const std::int32_t* w_exponent, const float* bias, float* y,
+                                std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
+                                float multiplier, float negative_slope, cudaStream_t stream,
+                                const KSlices& k_slices) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -266,7 +317,103 @@ cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, con
       !make_exponent_map(&maps[2], w_exponent, row / kSplitChunk, n))
     return cudaErrorInvalidValue;
   return launch_kernel(maps, /*w_transposed=*/false, /*presplit=*/true, x_hi, x_lo, x_exponent, /*w_flags=*/nullptr,
-                       bias, y, positive, m, n, k, multiplier, negative_slope, device, stream);
+                       bias, y, positive, m, n, k, multiplier, negative_slope, device, stream, k_slices);
+}
+
+// The slices of a split-K launch, checked: k_slices >= 1, a workspace 16-byte aligned where K is split, and the
+// workspace's rows within TMA's int coordinates.
+bool split_k_arguments(std::int64_t m, std::int64_t k, int k_slices, float* workspace, KSlices& split) {
+  if (k_slices < 1 || m <= 0 || k <= 0) return false;
+  split = split_k_slices(m, k, k_slices, workspace);
+  if (split.slices == 1) return true;
+  return workspace != nullptr && reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0 &&
+         split.slices * split.slice_rows < (std::int64_t{1} << 31);
+}
+
+// split_gemm_k_slices's model of a product's time, in chunk-times of one CTA (a CTA's products of one chunk): the
+// units' rounds over the multiprocessors times a unit's chunks and its fixed cost (its epilogue, and its pipeline's
+// start), and, where K is split, the sum's pass over the partials and y.
+constexpr int kSplitKMinSliceChunks = 16;    // below this a unit's fixed cost is a large part of its time
+constexpr int kSplitKMaxSlices = 16;         // bounds the workspace: at most 16 times the output's bytes
+constexpr int kSplitKUnitCostChunks = 4;     // a unit's epilogue and pipeline start, in chunk-times
+constexpr int kSplitKSumTilesPerChunk = 32;  // tiles of 128 x 128 floats the sum reads or writes in a chunk-time
+
+std::int64_t split_k_cost(std::int64_t tiles, std::int64_t chunks, std::int64_t slices, int processors) {
+  const std::int64_t slice_chunks = (chunks + slices - 1) / slices;
+  const std::int64_t rounds = (tiles * slices + processors - 1) / processors;
+  const std::int64_t sum = slices > 1 ? ((slices + 1) * tiles + kSplitKSumTilesPerChunk - 1) / kSplitKSumTilesPerChunk
+                                      : 0;
+  return rounds * (slice_chunks + kSplitKUnitCostChunks) + sum;
+}
+
+}  // namespace
+
+cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
+                                                  const float* w, std::int64_t w_stride, bool w_transposed,
+                                                  std::int32_t* w_flags, const float* bias, float* y,
+                                                  std::uint8_t* positive, std::int64_t m, std::int64_t n,
+                                                  std::int64_t k, float multiplier, float negative_slope,
+                                                  cudaStream_t stream) {
+  return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
+                       multiplier, negative_slope, stream, KSlices{});
+}
+
+bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
+  // n % 4: 16-byte rows of w's exponents for TMA; w's split has rows of whole chunks, whatever k is.
+  return n % 4 == 0 && split_gemm_supported(device, m, n, split_row_length(k));
+}
+
+cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,
+                                                           const std::int32_t* x_exponent, const void* w_hi,
+                                                           const void* w_lo, const std::int32_t* w_exponent,
+                                                           const float* bias, float* y, std::uint8_t* positive,
+                                                           std::int64_t m, std::int64_t n, std::int64_t k,
+                                                           float multiplier, float negative_slope,
+                                                           cudaStream_t stream) {
+  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
+                             negative_slope, stream, KSlices{});
+}
+
+int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
+  int processors = 0;
+  if (m <= 0 || n <= 0 || k <= 0 ||
+      cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || processors <= 0)
+    return 1;
+  const std::int64_t tiles = tile_count(m, n), chunks = split_row_length(k) / kSplitChunk;
+  std::int64_t best = 1, best_cost = split_k_cost(tiles, chunks, 1, processors);
+  for (std::int64_t slices = 2; slices <= kSplitKMaxSlices; ++slices) {
+    const std::int64_t slice_chunks = (chunks + slices - 1) / slices;
+    if (slice_chunks < kSplitKMinSliceChunks) break;
+    if ((chunks + slice_chunks - 1) / slice_chunks != slices) continue;  // fewer slices of the same length
+    const std::int64_t cost = split_k_cost(tiles, chunks, slices, processors);
+    if (cost < best_cost) best = slices, best_cost = cost;
+  }
+  return static_cast<int>(best);
+}
+
+std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_slices) {
+  if (k_slices <= 1 || m <= 0 || n <= 0) return 0;
+  return k_slices * split_k_slice_rows(m) * n * static_cast<std::int64_t>(sizeof(float));
+}
+
+cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
+                                      const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
+                                      float* y, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices,
+                                      float* workspace, cudaStream_t stream) {
+  KSlices split;
+  if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
+  return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, /*bias=*/nullptr, y,
+                       /*positive=*/nullptr, m, n, k, 1.0f, 1.0f, stream, split);
+}
+
+cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
+                                               const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
+                                               float* y, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices,
+                                               float* workspace, cudaStream_t stream) {
+  KSlices split;
+  if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
+  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, /*bias=*/nullptr, y,
+                             /*positive=*/nullptr, m, n, k, 1.0f, 1.0f, stream, split);
 }
 
 }  // namespace kernels::gemm

@@ -1,6 +1,7 @@
 // The Hopper GEMM's epilogue (gemm_sm90.cu): a consumer's outputs of a tile, y[x row, w row] =
 // leaky_relu((total 2^-e + bias) * multiplier), e the x row's exponent (split_numerics.cuh: unscale, epilogue), and
-// `positive` beside them; and w's non-finite row flags.
+// `positive` beside them; and w's non-finite row flags. Where K is split (gemm.h, launch_split_gemm_split_k), y is
+// the partials' workspace, slice s's plain outputs in its rows s * slice_rows .. s * slice_rows + m - 1.
 //
 // The consumers write their totals into shared memory, make the outputs there, and TMA stores them (y's rows 16-byte
 // aligned; plain stores else), so that a consumer goes on to the next tile's products without waiting on global
@@ -26,18 +27,21 @@ struct EpilogueArguments {
   bool y_by_tma;  // TMA stores through the staging buffers; plain stores else
   const std::int32_t* x_exponent;
   std::int32_t* w_flags;  // null where w's split is given: its pass wrote the flags
+  bool w_flags_set_only;  // K split: each slice sees part of w's rows, so flags are set (on zeros), never cleared
   const float* bias;
   float* y;
   std::uint8_t* positive;
   int m, n;
+  int slice_rows;  // y's rows per slice of K (a multiple of kBlockX), where K is split
   float multiplier, negative_slope;
 };
 
 // Writes the tile's outputs from this consumer thread's totals (ConsumerThread's layout) and, from the CTAs of x's
-// first tile, its rows' flags. shared_base is the CTA's shared memory (its shared-window address); row_exponents
-// holds the x exponents of the rows a thread makes outputs of in one part, on the TMA path.
+// first tile, its rows' flags; `slice`: the unit's slice of K (0 where K is not split). shared_base is the CTA's
+// shared memory (its shared-window address); row_exponents holds the x exponents of the rows a thread makes outputs
+// of in one part, on the TMA path.
 __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, const ConsumerThread& thread,
-                                           std::uint32_t shared_base, int tile_x, int tile_w,
+                                           std::uint32_t shared_base, int tile_x, int tile_w, int slice,
                                            const float (&total)[64], const bool (&non_finite)[2],
                                            int (&row_exponents)[kOutBoxRows / 8]) {
   using namespace sm90;
@@ -59,7 +63,8 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
     bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
     const int column = tile_w * kBlockW + tile_row + half * row_step;
-    if (flags_writer && t == 0 && column < n) arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
+    if (flags_writer && t == 0 && column < n && (bad || !arguments.w_flags_set_only))
+      arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
     column_bias[half] = bias && column < n ? bias[column] : 0.0f;
   }
   // The output of total[j * 4 + half * 2 + c]; row: its x row's factors. The plain stores' path (the TMA path makes
@@ -166,7 +171,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
         for (int b = 0; b < 2; ++b)
           tma_store_2d(y_map, staging + b * kOutBoxBytes, tile_w * kBlockW + consumer * 64 + b * kBoxK,
-                       tile_x * kBlockX + part * kOutBoxRows);
+                       slice * arguments.slice_rows + tile_x * kBlockX + part * kOutBoxRows);
         tma_store_commit();
       }
     }
@@ -182,7 +187,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
           const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
           if (row >= m) continue;
           const Activated out = output(j, half, c, row_unscale(x_exponent[row]));
-          const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
+          const std::int64_t at = (static_cast<std::int64_t>(slice) * arguments.slice_rows + row) * n + column;
           y[at] = out.value;
           if (positive) positive[at] = out.positive;
         }

@@ -37,21 +37,22 @@ struct WMaps {
   const CUtensorMap* exponent;
 };
 
-// The producer's one thread: every chunk of the CTA's tiles, into the stages in turn. `iteration` counts the CTA's
-// chunks, across tiles: its stage is iteration % kStages, refilled once the consumers' warps have released it.
-// `exponents`: the stages' w exponents (kPresplit).
+// The producer's one thread: every chunk of the CTA's units (their tiles' chunks of their slices of K), into the
+// stages in turn. `iteration` counts the CTA's chunks, across units: its stage is iteration % kStages, refilled once
+// the consumers' warps have released it. `exponents`: the stages' w exponents (kPresplit).
 template <bool kTransposed, bool kPresplit>
 __device__ __forceinline__ void load_tiles(const WMaps& w_maps, const CUtensorMap& x_hi_map,
                                            const CUtensorMap& x_lo_map, unsigned char* shared, std::int32_t* exponents,
-                                           std::uint64_t* full, std::uint64_t* empty, const TileScheduler& scheduler,
-                                           int chunks) {
+                                           std::uint64_t* full, std::uint64_t* empty, const TileScheduler& scheduler) {
   using namespace sm90;
   static_assert(!(kTransposed && kPresplit), "a given split of w is w's own, not its transpose's");
   const CUtensorMap& w_map = *w_maps.w;
   int iteration = 0;
-  for (int tile = scheduler.first(); tile < scheduler.tiles; tile = scheduler.next(tile)) {
+  for (int unit = scheduler.first(); unit < scheduler.units; unit = scheduler.next(unit)) {
+    const int tile = scheduler.tile(unit);
     const int tile_x = scheduler.x_tile(tile), tile_w = scheduler.w_tile(tile);
-    for (int chunk = 0; chunk < chunks; ++chunk, ++iteration) {
+    const int first_chunk = scheduler.first_chunk(unit), end_chunk = first_chunk + scheduler.unit_chunks(unit);
+    for (int chunk = first_chunk; chunk < end_chunk; ++chunk, ++iteration) {
       const int stage = iteration % kStages, round = iteration / kStages;
       if (round > 0) barrier_wait(&empty[stage], (round - 1) & 1);
       unsigned char* stage_tiles = shared + stage * kStageBytes;
@@ -118,9 +119,10 @@ __device__ __forceinline__ void finish_chunk(int lane, std::uint64_t* empty, int
   else promote_chunk<false>(accumulator, scales, total);
 }
 
-// A consumer's products of one tile: total (its 64 rows of w x the tile's 128 rows of x, as ConsumerThread lays
-// them out) over all chunks; non_finite[half] is set where the thread's row half of w holds a non-finite value.
-// `iteration` counts the CTA's chunks, across tiles, as the producer's does.
+// A consumer's products of one unit: total (its 64 rows of w x the tile's 128 rows of x, as ConsumerThread lays
+// them out) over the unit's `chunks` chunks (all of K's, or its slice's); non_finite[half] is set where the thread's
+// row half of w holds a non-finite value there. `iteration` counts the CTA's chunks, across units, as the producer's
+// does; last_tile: this is the CTA's last unit.
 template <bool kTransposed>
 __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std::uint32_t shared_base,
                                               std::uint64_t* full, std::uint64_t* empty, int chunks, bool last_tile,
