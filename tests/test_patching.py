@@ -242,21 +242,15 @@ def test_fp32_gemm_mode_takes_the_split_path(call):
         torch.testing.assert_close(ours_g, eager_g, atol=gradient_atol(eager_g), rtol=TOL)
 
 
-@requires_cuda
-def test_fp32_gemm_mode_covers_multihead_attention_projections():
-    """nn.MultiheadAttention's projections (F.linear with its Parameters) take the library's op in the mode."""
+def test_fp32_gemm_mode_runs_multihead_attention_as_eager(device):
+    """F.multi_head_attention_forward dispatches torch functions itself, so the mode sees that outer call only: its
+    projections run as eager's, bit for bit (docs/patching.md states the limit)."""
     torch.manual_seed(0)
-    attention = nn.MultiheadAttention(1024, 8, batch_first=True).cuda()
-    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    attention = nn.MultiheadAttention(64, 4, batch_first=True).to(device)
+    x = torch.randn(2, 16, 64, device=device)
     expected = attention(x, x, x, need_weights=False)[0]
     with kernels.fp32_gemm():
-        names = ops_called(lambda: attention(x, x, x, need_weights=False))
-        y = attention(x, x, x, need_weights=False)[0]
-    if gemm_path(x.detach().flatten(0, 1), attention.in_proj_weight.detach()) != "cublas":
-        assert any("kernels.gemm_multiply_leaky_relu" in n for n in names), names
-    torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)
-    y.sum().backward()
-    assert attention.in_proj_weight.grad is not None and x.grad is not None
+        assert torch.equal(attention(x, x, x, need_weights=False)[0], expected)
 
 
 def test_fp32_gemm_mode_leaves_batched_products_to_eager(device):
