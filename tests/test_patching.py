@@ -470,3 +470,30 @@ def test_fp32_gemm_mode_under_torch_compile(shape, device):
         torch.testing.assert_close(compiled(x, w), expected, atol=TOL, rtol=TOL)
     y64 = f(x.double(), w.double())
     assert relative_error(expected, y64) <= relative_error(f(x, w), y64) * 1.0001
+
+
+@requires_cuda
+def test_out_of_memory_while_making_a_kept_split_goes_on_without():
+    """Where the GPU's memory runs out while making a weight's split to keep, the call goes on without one, with
+    eager's result, and the GPU's kept splits are dropped: no out-of-memory error that eager would not raise."""
+    torch.manual_seed(0)
+    kept, layer = FusedLinear(4096, 4096).cuda(), FusedLinear(4096, 4096).cuda()
+    x = torch.randn(1024, 4096, device="cuda")
+    if gemm_path(x, layer.weight) != "split_fp16":
+        pytest.skip("the kept split of this test's shape is split_fp16's")
+    with torch.no_grad():
+        kept(x), kept(x)
+        assert kept._weight_split is not None
+        layer(x)  # seen once: its split is made on the next call
+        expected = F.linear(x, layer.weight, layer.bias)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        # Room for the call's own temporaries (x's split and y, 32 MB), not for the weight's split besides (64 MB).
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (40 << 20)) / total)
+        try:
+            y = layer(x)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    assert layer._weight_split is None and kept._weight_split is None and kept_split_bytes() == 0
+    torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)

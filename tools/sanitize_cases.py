@@ -71,6 +71,22 @@ def gemm_cases():
         eager = torch.autograd.grad(F.linear(x, weight, bias) * -2.0, (x, weight, bias), grad)
         for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
             check(f"gemm backward {path} grad {name}", got, expected)
+        # Plain products (the identity epilogue), forward and backward: grad_W over a long reduction (split into
+        # slices of K), a reduction of odd length (grad_y's rows not 16-byte aligned), a transposed weight view.
+        for m, k, n, transposed in ((2048, 256, 256, False), (136, 96, 1001, False), (136, 128, 200, True)):
+            x = torch.randn(m, k, device="cuda", requires_grad=True)
+            stored = (torch.randn(k, n, device="cuda") if transposed else torch.randn(n, k, device="cuda")) / k ** 0.5
+            stored.requires_grad_(True)
+            weight = stored.t() if transposed else stored
+            grad = torch.randn(m, n, device="cuda")
+            with forced_gemm_path(path):
+                y = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
+                ours = (y, *torch.autograd.grad(y, (x, stored), grad))
+            y_eager = F.linear(x, weight)
+            eager = (y_eager, *torch.autograd.grad(y_eager, (x, stored), grad))
+            for name, got, expected in zip(("y", "grad x", "grad weight"), ours, eager):
+                check(f"gemm plain {path} {m}x{k}->{n}{' transposed' if transposed else ''} {name}", got, expected,
+                      tol=1e-3)
 
 
 if __name__ == "__main__":
