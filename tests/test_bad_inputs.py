@@ -159,3 +159,17 @@ def test_model_on_meta_weights_raises_as_the_reference_does(weight_device):
             model = model_class(8, 6, 2.0, 0.1)
         with pytest.raises(RuntimeError, match=r"device"):
             model(x)
+
+
+@pytest.mark.parametrize("problem", ["gemm_multiply_leaky_relu", "leaky_relu"])
+def test_model_new_called_with_a_list_raises_a_type_error(problem):
+    """A model called with a Python list instead of a tensor raises a TypeError, as the reference model does."""
+    import reference
+    from model_new import MODEL_NEW
+
+    init = [8, 6, 2.0, 0.1] if problem == "gemm_multiply_leaky_relu" else [0.1]
+    reference_class = {"gemm_multiply_leaky_relu": reference.GemmMultiplyLeakyReLUModel,
+                       "leaky_relu": reference.LeakyReLUModel}[problem]
+    for model in (reference_class(*init), MODEL_NEW[problem](*init)):
+        with pytest.raises(TypeError):
+            model([[1.0] * 8])
