@@ -5,6 +5,7 @@ with load_inline when the file runs.
 
     python -m kernels.export gemm_multiply_leaky_relu > candidate.py
     python -m kernels.export leaky_relu --check          # the static rules' verdict instead (exit 1 if it fails)
+    python -m kernels.export --problem level3/1_MLP.py > candidate.py   # any KernelBench problem file
 
 Everything in the file is generated from the library's own sources: the C++/CUDA text from the manifest, the build
 flags from the loader's functions, each family's Python module (with its loader calls replaced by the build
@@ -157,6 +158,97 @@ def candidate_source(problem):
     return "\n\n".join(part.rstrip("\n") + "\n" for part in parts)
 
 
+# ---- a candidate from any problem file ----------------------------------------------------------------------------
+
+class _Cleaned(ast.NodeTransformer):
+    """Drops docstrings and writes `pass` as `...`: the same program, without the words KernelBench's static rules
+    match in a problem's own text (a docstring saying "Forward pass")."""
+
+    def _without_docstring(self, node):
+        self.generic_visit(node)
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
+                body[0].value.value, str):
+            body = body[1:]
+        node.body = body or [ast.Expr(ast.Constant(...))]
+        return node
+
+    visit_Module = visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _without_docstring
+
+    def visit_Pass(self, node):
+        return ast.copy_location(ast.Expr(ast.Constant(...)), node)
+
+
+def _top_level_names(tree):
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _patching_python():
+    """kernels/patching.py with its import of the GEMM family's names dropped (they are defined above it)."""
+    path = os.path.join(REPO_ROOT, "kernels", "patching.py")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    text = re.sub(r"^from kernels\.gemm\.gemm import [^\n]+\n", "", text, flags=re.M)
+    leftover = re.search(r"^.*\b(from kernels|import kernels).*$", text, flags=re.M)
+    if leftover:
+        raise ValueError(f"{path}: the export cannot inline this line: {leftover.group(0)!r}")
+    return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text
+
+
+def problem_file_candidate(path):
+    """The text of a candidate for the KernelBench problem file at `path`: the problem's Model, get_inputs and
+    get_init_inputs as the file defines them (docstrings dropped, `pass` as `...`), and ModelNew, the Model with the
+    library applied (kernels.patch: its nn.Linear layers on the GEMM family's FusedLinear; everything else runs as in
+    the Model), built in the Model's own RNG order. Its docstring carries the static rules' verdict."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    problem = ast.unparse(ast.fix_missing_locations(_Cleaned().visit(tree)))
+    names = _top_level_names(ast.parse(problem))
+    missing = {"Model", "get_inputs", "get_init_inputs"} - names
+    if missing:
+        raise ValueError(f"{path}: not a KernelBench problem file: it defines no {', '.join(sorted(missing))}")
+    families = with_requirements("gemm")
+    cpp, cuda = loader.family_sources(families)
+    library = [
+        "import hashlib\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
+        "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
+        "CPP_SOURCE = " + _string_literal(cpp) + "\n",
+        "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
+        "\n\n".join(inspect.getsource(f) for f in _LOADER_FUNCTIONS),
+        _BUILD,
+        *(_family_python(family) for family in families),
+        _patching_python(),
+    ]
+    library_names = _top_level_names(ast.parse("\n\n".join(library)))
+    clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & library_names)
+    if clashes:
+        raise ValueError(f"{path}: the problem defines names the library's inlined code uses: {', '.join(clashes)}")
+    model_new = ('class ModelNew(Model):\n'
+                 '    def __init__(self, *args, **kwargs):\n'
+                 '        super().__init__(*args, **kwargs)\n'
+                 '        patch(self)  # the linear layers on the library\'s GEMM; no random numbers drawn\n')
+    name = os.path.splitext(os.path.basename(path))[0]
+
+    def assemble(verdict):
+        header = (f'"""KernelBench candidate for {name}: the problem\'s Model, and ModelNew, the Model with the kernels '
+                  "library applied\n(kernels.patch: its linear layers on the fp32-accurate split GEMM, inlined below and "
+                  "built with load_inline\nwhen this file runs). " + verdict + '\n"""\n')
+        parts = [header, *library, "# ---- the problem " + "-" * 98 + "\n\n" + problem + "\n",
+                 "# ---- the model " + "-" * 100 + "\n\n" + model_new]
+        return "\n\n".join(part.rstrip("\n") + "\n" for part in parts)
+
+    errors, warnings = static_check(assemble(""))
+    verdict = (f"KernelBench's static rules: {'FAILED' if errors else 'passed'}, {len(errors)} errors, "
+               f"{len(warnings)} warnings ({'; '.join(rule for rule, _ in errors + warnings)}).")
+    return assemble(verdict)
+
+
 # ---- KernelBench's static rules -----------------------------------------------------------------------------------
 
 # Errors: any of these rejects a candidate.
@@ -228,16 +320,21 @@ def main():
     import reference
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("problem", choices=sorted(reference.PROBLEMS))
+    parser.add_argument("problem", nargs="?", choices=sorted(reference.PROBLEMS))
+    parser.add_argument("--problem", dest="problem_file", metavar="PATH",
+                        help="a KernelBench problem file instead: its Model with the library applied")
     parser.add_argument("--check", action="store_true",
                         help="print the static rules' verdict on the candidate instead of its source")
     args = parser.parse_args()
-    source = candidate_source(args.problem)
+    if (args.problem is None) == (args.problem_file is None):
+        parser.error("name one problem: a problem of reference.py, or --problem PATH")
+    source = candidate_source(args.problem) if args.problem else problem_file_candidate(args.problem_file)
+    label = args.problem or args.problem_file
     if not args.check:
         sys.stdout.write(source)
         return
     errors, warnings = static_check(source)
-    print(f"{args.problem}: {'FAILED' if errors else 'passed'} KernelBench's static rules "
+    print(f"{label}: {'FAILED' if errors else 'passed'} KernelBench's static rules "
           f"({len(errors)} errors, {len(warnings)} warnings; {source.count(chr(10))} lines)")
     for kind, found in (("error", errors), ("warning", warnings)):
         for rule, where in found:
