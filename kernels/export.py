@@ -133,10 +133,28 @@ def _problem_functions(problem):
     return header + "\n\n" + "\n\n".join(lines)
 
 
+def _library_parts(families):
+    """The parts of a candidate that build and load the op library: imports, the C++ and CUDA sources of `families`,
+    the loader's build, and the families' Python modules."""
+    cpp, cuda = loader.family_sources(families)
+    return [
+        "import hashlib\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
+        "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
+        "CPP_SOURCE = " + _string_literal(cpp) + "\n",
+        "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
+        "\n\n".join(inspect.getsource(f) for f in _LOADER_FUNCTIONS),
+        _BUILD,
+        *(_family_python(family) for family in families),
+    ]
+
+
+def _joined(parts):
+    return "\n\n".join(part.rstrip("\n") + "\n" for part in parts)
+
+
 def candidate_source(problem):
     """The text of the candidate file for `problem` (a key of reference.PROBLEMS)."""
     families = with_requirements(PROBLEM_FAMILY[problem])
-    cpp, cuda = loader.family_sources(families)
     model_class, class_name = _model_new_class(problem)
     parts = [
         f'"""KernelBench candidate for {problem}: ModelNew (this library\'s {class_name}), get_inputs and '
@@ -145,17 +163,11 @@ def candidate_source(problem):
         "with\nload_inline when this file runs. Precision contract: float32 results at least as accurate as eager "
         "PyTorch's\n(error against a float64 reference no larger than eager's; bench.py prints both).\n"
         '"""\n',
-        "import hashlib\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
-        "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
-        "CPP_SOURCE = " + _string_literal(cpp) + "\n",
-        "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
-        "\n\n".join(inspect.getsource(f) for f in _LOADER_FUNCTIONS),
-        _BUILD,
-        *(_family_python(family) for family in families),
+        *_library_parts(families),
         "# ---- the model " + "-" * 100 + "\n\n" + model_class + "\n",
         "# ---- the problem " + "-" * 98 + "\n\n" + _problem_functions(problem),
     ]
-    return "\n\n".join(part.rstrip("\n") + "\n" for part in parts)
+    return _joined(parts)
 
 
 # ---- a candidate from any problem file ----------------------------------------------------------------------------
@@ -213,18 +225,7 @@ def problem_file_candidate(path):
     missing = {"Model", "get_inputs", "get_init_inputs"} - names
     if missing:
         raise ValueError(f"{path}: not a KernelBench problem file: it defines no {', '.join(sorted(missing))}")
-    families = with_requirements("gemm")
-    cpp, cuda = loader.family_sources(families)
-    library = [
-        "import hashlib\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
-        "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
-        "CPP_SOURCE = " + _string_literal(cpp) + "\n",
-        "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
-        "\n\n".join(inspect.getsource(f) for f in _LOADER_FUNCTIONS),
-        _BUILD,
-        *(_family_python(family) for family in families),
-        _patching_python(),
-    ]
+    library = [*_library_parts(with_requirements("gemm")), _patching_python()]
     library_names = _top_level_names(ast.parse("\n\n".join(library)))
     clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & library_names)
     if clashes:
@@ -241,7 +242,7 @@ def problem_file_candidate(path):
                   "built with load_inline\nwhen this file runs). " + verdict + '\n"""\n')
         parts = [header, *library, "# ---- the problem " + "-" * 98 + "\n\n" + problem + "\n",
                  "# ---- the model " + "-" * 100 + "\n\n" + model_new]
-        return "\n\n".join(part.rstrip("\n") + "\n" for part in parts)
+        return _joined(parts)
 
     errors, warnings = static_check(assemble(""))
     verdict = (f"KernelBench's static rules: {'FAILED' if errors else 'passed'}, {len(errors)} errors, "
