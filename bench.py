@@ -4,6 +4,7 @@ Triton tf32x3 GEMM) and ModelNew, with the measured error beside every time.
     python bench.py                                  # every problem, full KernelBench sizes on the GPU
     python bench.py --problem leaky_relu --json results.json --plot chart.png
     python bench.py --problem gemm_multiply_leaky_relu --dtype fp32 --size 4096x4096x4096 --quick
+    python bench.py --problem-file KernelBench/level3 --quick       # any problem files, the Model patched
 
 Each row: the median time (CUDA events, L2 flushed before each timed call, the samples of every variant of a row
 taken in turn, each round in a fresh order) and the same call timed KernelBench's way (sync, L2 flush, events, mean
@@ -720,6 +721,137 @@ def bench_linear_layers(rows, options):
                      lambda v: 2 * m * n * k / 1e9, "TFLOP/s", "-", None, y64, outputs[0])
 
 
+# ---- level 3: whole models, the harness's way ----------------------------------------------------------------------
+
+KERNELBENCH_SEED = 42
+KERNELBENCH_TRIALS = 5
+
+
+def _tensors(output):
+    """The tensors of a model's output (a tensor, or a tuple or list of them)."""
+    return [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
+
+
+def _outputs_allclose(output, expected, tol=1e-4):
+    got, want = _tensors(output), _tensors(expected)
+    return len(got) == len(want) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, atol=tol, rtol=tol)
+        for a, b in zip(got, want))
+
+
+def _flat(output):
+    return torch.cat([t.detach().reshape(-1).double() for t in _tensors(output)])
+
+
+def _on_device(inputs, dtype=None):
+    return [t.to(DEVICE, dtype if dtype and t.is_floating_point() else t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in inputs]
+
+
+def add_kernelbench_rows(rows, problem, case, build_model, build_new, get_inputs, get_init_inputs, options,
+                         with_compile):
+    """Model and ModelNew as KernelBench's harness judges them: both built on the CPU after the same seed and moved
+    to the GPU; correct when every one of KERNELBENCH_TRIALS seeded draws of get_inputs() matches at 1e-4; timed
+    under no_grad (medians, and the KB column: the harness's mean). Error against the Model built again after the
+    same seed, in float64, on the timed inputs."""
+    progress(f"{problem}: {case}")
+    init = get_init_inputs()
+    with torch.no_grad():
+        torch.manual_seed(KERNELBENCH_SEED)
+        model = build_model(init).to(DEVICE)
+        torch.manual_seed(KERNELBENCH_SEED)
+        new = build_new(init).to(DEVICE)
+        correct = 0
+        for trial in range(KERNELBENCH_TRIALS):
+            torch.manual_seed(KERNELBENCH_SEED + trial)
+            inputs = _on_device(get_inputs())
+            correct += _outputs_allclose(new(*inputs), model(*inputs))
+        variants = {"eager": model}
+        if with_compile and options.wants("torch.compile"):
+            progress(f"{problem}: {case}: compiling with torch.compile")
+            variants["torch.compile"] = compiled(model)
+        if options.wants("ModelNew"):
+            variants["ModelNew"] = new
+        torch.manual_seed(KERNELBENCH_SEED)
+        inputs = _on_device(get_inputs())
+        times, kb = run_case([lambda m=m: m(*inputs) for m in variants.values()], options)
+        outputs = [_flat(m(*inputs)) for m in variants.values()]
+    names = list(variants)
+    del variants, model, new
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    y64 = None
+    try:  # a model may hold what float64 cannot run (an op without a float64 kernel): no error figure then
+        with torch.no_grad():
+            torch.manual_seed(KERNELBENCH_SEED)
+            y64 = _flat(build_model(init).to(DEVICE).double()(*_on_device(inputs, torch.float64)))
+    except (RuntimeError, TypeError) as e:
+        progress(f"{problem}: {case}: no float64 reference ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        outputs = [None] * len(outputs)
+    torch.cuda.empty_cache()
+    start = len(rows)
+    add_rows(rows, problem, case, "fp32", names, times, kb, outputs, lambda v: 0.0, "", "-", None, y64, None)
+    for row in rows[start:]:
+        row["rate"] = None
+        if row["variant"] == "ModelNew":
+            row["verdict"] = f"{correct}/{KERNELBENCH_TRIALS}"
+    progress(f"{problem}: {case}: " + ", ".join(f"{r['variant']} {r['ms']:.3f} ms {r['speedup']:.3f}x" for r in rows[start:])
+             + f", correct {correct}/{KERNELBENCH_TRIALS}")
+
+
+def bench_level3_problem(name):
+    """bench.py's rows for reference.py's level-3 problem `name`: eager, torch.compile and ModelNew."""
+    def bench(rows, options):
+        spec = reference.PROBLEMS[name]
+        add_kernelbench_rows(rows, f"{name} ({spec.kernelbench}, fp32)", "forward, KernelBench inputs",
+                             lambda init: spec.model(*init), lambda init: MODEL_NEW[name](*init), spec.get_inputs,
+                             spec.get_init_inputs, options, with_compile=True)
+    return bench
+
+
+def _problem_files(paths):
+    """The .py files named, a folder's in KernelBench's order (by their number)."""
+    import os
+    import re
+
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")]
+            files += sorted(found, key=lambda f: (int(re.match(r"\d*", os.path.basename(f)).group(0) or 0), f))
+        else:
+            files.append(path)
+    return files
+
+
+def bench_problem_files(rows, options, paths):
+    """Each KernelBench problem file as the export makes its candidate (python -m kernels.export --problem): the
+    file's Model against ModelNew, the Model after kernels.patch; eager and ModelNew (torch.compile only where asked
+    for with --variant)."""
+    import os
+
+    import kernels
+
+    for path in _problem_files(paths):
+        namespace = {"__name__": "problem"}
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), namespace)
+        model_class = namespace["Model"]
+        try:  # one problem that cannot run leaves the others' rows
+            add_kernelbench_rows(rows, "problem files (the Model patched: kernels.export --problem)",
+                             os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),
+                                 lambda init: kernels.patch(model_class(*init)), namespace["get_inputs"],
+                                 namespace["get_init_inputs"], options,
+                                 with_compile=options.variants is not None and "torch.compile" in options.variants)
+        except Exception as e:  # noqa: BLE001
+            progress(f"{path}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append(dict(problem="problem files (the Model patched: kernels.export --problem)",
+                             case=os.path.splitext(os.path.basename(path))[0], variant="ModelNew", precision="fp32",
+                             ms=float("nan"), kernelbench_ms=None, speedup=float("nan"), vs_compile=None, rate=None,
+                             unit="", ceiling="-", pct_of_ceiling=None, error=None, verdict=type(e).__name__))
+            torch.cuda.empty_cache()
+
+
 # ---- CPU, every dtype, small sizes ------------------------------------------------------------------------------
 
 CPU_DTYPES = (("fp32", torch.float32), ("fp64", torch.float64), ("fp16", torch.float16), ("bf16", torch.bfloat16))
@@ -807,7 +939,7 @@ COLUMNS = [  # header, cell
     ("KB ms", lambda r: fmt(r["kernelbench_ms"], ".4f")),
     ("vs eager", lambda r: f"{r['speedup']:.3f}x"),
     ("vs compile", lambda r: fmt(r["vs_compile"], ".3f") + ("x" if r["vs_compile"] else "")),
-    ("rate", lambda r: f"{r['rate']:.1f} {r['unit']}"),
+    ("rate", lambda r: "-" if r["rate"] is None else f"{r['rate']:.1f} {r['unit']}"),
     ("% of ceiling", lambda r: f"{r['pct_of_ceiling']:.1f}% {r['ceiling']}" if r["pct_of_ceiling"] else "-"),
     ("error", lambda r: fmt(r["error"], ".2e")),
     ("fp32 tol", lambda r: fmt(r["verdict"], "")),
@@ -991,7 +1123,8 @@ def plot(rows, path, device, torch_version=torch.__version__):
 
 GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
-               "linear_layers": bench_linear_layers}
+               "linear_layers": bench_linear_layers,
+               **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
 VARIANTS = ["eager", "torch.compile", "compile max-autotune", "triton tf32x3", "ModelNew"]
@@ -1006,6 +1139,9 @@ def main():
     parser.add_argument("--dtype", choices=["fp32", "tf32", "fp64", "fp16", "bf16", "autocast"], action="append",
                         help="precision to run (repeatable; default: all); autocast: the float32 GEMM under "
                         "torch.autocast, bf16 and fp16")
+    parser.add_argument("--problem-file", metavar="PATH", action="append",
+                        help="a KernelBench problem file, or a folder of them (repeatable): its Model against the Model "
+                        "patched, as `python -m kernels.export --problem PATH` makes its candidate")
     parser.add_argument("--size", help="another shape for the chosen problem: RxC for leaky_relu, MxKxN for the GEMM")
     parser.add_argument("--quick", action="store_true", help="fewer samples, no max-autotune")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
@@ -1014,8 +1150,10 @@ def main():
     parser.add_argument("--markdown", metavar="PATH", help="also write the tables and legend into PATH (Markdown; "
                         "docs/bench.md is this file of the latest GPU run)")
     args = parser.parse_args()
-    problems = args.problem or [p for p in (BENCHES if HAS_CUDA else CPU_BENCHES)
-                                if p not in ("models", "model_gemms") or _has_model_zoo()]
+    problems = args.problem or ([] if args.problem_file else [
+        p for p in (BENCHES if HAS_CUDA else CPU_BENCHES) if p not in ("models", "model_gemms") or _has_model_zoo()])
+    if args.problem_file and not HAS_CUDA:
+        parser.error("no GPU visible: --problem-file times problems on the GPU, as KernelBench's harness does")
     if not HAS_CUDA and any(p in GPU_BENCHES for p in problems):
         parser.error(f"no GPU visible: --problem takes {', '.join(CPU_BENCHES)} here")
     if args.size and len(problems) != 1:
@@ -1032,6 +1170,8 @@ def main():
     rows = []
     for name in problems:
         BENCHES[name](rows, options)
+    if args.problem_file:
+        bench_problem_files(rows, options, args.problem_file)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -4,8 +4,11 @@ Same constructors, same parameters and state_dict keys, same results; MODEL_NEW 
 its class.
 """
 
+import math
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from kernels.functional import leaky_relu
 from kernels.gemm.gemm import FusedLinear
@@ -45,7 +48,38 @@ class GemmMultiplyLeakyReLUModelNew(nn.Module):
         return self.gemm(x, multiplier=self.multiplier, negative_slope=self.negative_slope)
 
 
+class MLPModelNew(nn.Module):
+    """reference.MLPModel with each hidden layer's Linear and ReLU in one GEMM call (the epilogue with slope 0) and
+    the last Linear plain. `network` holds the reference's layers (FusedLinear is an nn.Linear), so weights,
+    state_dict keys and hooks match; a negative pre-activation gives -0.0 where ReLU gives 0.0 (equal values)."""
+
+    def __init__(self, input_size, layer_sizes, output_size):
+        super().__init__()
+        layers = []
+        current_input_size = input_size
+        for layer_size in layer_sizes:
+            layers.append(FusedLinear(current_input_size, layer_size))
+            layers.append(nn.ReLU())
+            current_input_size = layer_size
+        layers.append(FusedLinear(current_input_size, output_size))
+        self.network = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = list(self.network)
+        i = 0
+        while i < len(layers):
+            if type(layers[i]) is FusedLinear and i + 1 < len(layers) and type(layers[i + 1]) is nn.ReLU:
+                x = layers[i](x, multiplier=1.0, negative_slope=0.0)
+                i += 2
+            else:
+                x = layers[i](x)
+                i += 1
+        return x
+
+
 MODEL_NEW = {
     "leaky_relu": LeakyReLUModelNew,
     "gemm_multiply_leaky_relu": GemmMultiplyLeakyReLUModelNew,
+    "mlp": MLPModelNew,
+    "shallow_wide_mlp": MLPModelNew,
 }

@@ -35,8 +35,9 @@ from kernels.manifest import with_requirements
 
 REPO_ROOT = os.path.dirname(loader.SOURCE_ROOT)
 
-# The family each problem's ModelNew calls (with the families it requires).
-PROBLEM_FAMILY = {"leaky_relu": "leaky_relu", "gemm_multiply_leaky_relu": "gemm"}
+# The families each problem's ModelNew calls (with the families they require).
+PROBLEM_FAMILIES = {"leaky_relu": ("leaky_relu",), "gemm_multiply_leaky_relu": ("gemm",), "mlp": ("gemm",),
+                    "shallow_wide_mlp": ("gemm",)}
 
 # The functions of the loader the candidate runs to pick its build flags, copied from the loader's own source.
 _LOADER_FUNCTIONS = (loader._env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags)
@@ -103,8 +104,10 @@ def _family_python(family):
     return f"# ---- {family.python_module} " + "-" * max(0, 100 - len(family.python_module)) + "\n\n" + text
 
 
-def _model_new_class(problem):
-    """The source of the problem's ModelNew class in model_new.py (read, not imported: importing builds), renamed."""
+def _model_new_source(problem):
+    """The source of the problem's ModelNew class in model_new.py (read, not imported: importing builds), renamed
+    ModelNew, after model_new.py's imports other than the library's and the classes and functions of model_new.py it
+    uses (to any depth), in file order."""
     path = os.path.join(REPO_ROOT, "model_new.py")
     with open(path, encoding="utf-8") as f:
         source = f.read()
@@ -112,9 +115,23 @@ def _model_new_class(problem):
     mapping = next(node.value for node in tree.body if isinstance(node, ast.Assign)
                    and any(isinstance(t, ast.Name) and t.id == "MODEL_NEW" for t in node.targets))
     class_name = next(v.id for k, v in zip(mapping.keys, mapping.values) if k.value == problem)
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    text = ast.get_source_segment(source, node)
-    return re.sub(rf"^class {class_name}\(", "class ModelNew(", text), class_name
+    definitions = {n.name: n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    needed, pending = set(), [class_name]
+    while pending:
+        name = pending.pop()
+        if name not in needed:
+            needed.add(name)
+            pending.extend(n.id for n in ast.walk(definitions[name]) if isinstance(n, ast.Name) and n.id in definitions)
+    imports = [ast.get_source_segment(source, n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+               and not (isinstance(n, ast.ImportFrom) and (n.module or "").startswith("kernels"))
+               and not any(alias.name.startswith("kernels") for alias in getattr(n, "names", []))]
+    texts = [ast.get_source_segment(source, node) for name, node in definitions.items() if name in needed]
+    text = "\n".join(imports) + "\n\n\n" + "\n\n\n".join(texts)
+    return re.sub(rf"^class {class_name}\(", "class ModelNew(", text, flags=re.M), class_name
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _problem_functions(problem):
@@ -126,7 +143,7 @@ def _problem_functions(problem):
     for public_name, function in (("get_inputs", spec.get_inputs), ("get_init_inputs", spec.get_init_inputs)):
         for name in function.__code__.co_names:
             value = getattr(reference, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if _is_number(value) or isinstance(value, list) and value and all(_is_number(v) for v in value):
                 constants[name] = value
         lines.append(re.sub(r"^def \w+\(", f"def {public_name}(", inspect.getsource(function)))
     header = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
@@ -154,8 +171,8 @@ def _joined(parts):
 
 def candidate_source(problem):
     """The text of the candidate file for `problem` (a key of reference.PROBLEMS)."""
-    families = with_requirements(PROBLEM_FAMILY[problem])
-    model_class, class_name = _model_new_class(problem)
+    families = with_requirements(*PROBLEM_FAMILIES[problem])
+    model_class, class_name = _model_new_source(problem)
     parts = [
         f'"""KernelBench candidate for {problem}: ModelNew (this library\'s {class_name}), get_inputs and '
         "get_init_inputs.\n\n"

@@ -56,10 +56,10 @@ FAMILIES = (
 )
 
 
-def with_requirements(name):
-    """The families that family `name` needs, itself last, in the manifest's order."""
+def with_requirements(*names):
+    """The families that the families `names` need, themselves included, in the manifest's order."""
     by_name = {family.name: family for family in FAMILIES}
-    needed, pending = set(), [name]
+    needed, pending = set(), list(names)
     while pending:
         family = by_name[pending.pop()]
         if family.name not in needed:

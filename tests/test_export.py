@@ -13,12 +13,18 @@ from conftest import HAS_CUDA, requires_cuda
 from kernels.export import candidate_source, static_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBLEMS = ["leaky_relu", "gemm_multiply_leaky_relu"]
+PROBLEMS = ["leaky_relu", "gemm_multiply_leaky_relu", "mlp", "shallow_wide_mlp"]
+
+
+class _Candidates(dict):
+    def __missing__(self, problem):  # each problem's candidate made once, when a test first asks for it
+        self[problem] = candidate_source(problem)
+        return self[problem]
 
 
 @pytest.fixture(scope="module")
 def candidates():
-    return {problem: candidate_source(problem) for problem in PROBLEMS}
+    return _Candidates()
 
 
 @pytest.mark.parametrize("problem", PROBLEMS)
@@ -61,23 +67,22 @@ def test_static_rules_want_a_cuda_kernel_and_load_inline():
 # then, KernelBench's way, build Model and ModelNew after the same seed and compare on inputs of the given shapes.
 RUNNER = r"""
 import json, sys, torch
-source, repo, problem, device, seeds, shapes = sys.argv[1:7]
+source, repo, problem, device, seeds, init, shapes = sys.argv[1:8]
 namespace = {"__name__": "candidate"}
 exec(compile(open(source).read(), "<candidate>", "exec"), namespace)
 sys.path.insert(0, repo)
 import reference
 spec = reference.PROBLEMS[problem]
-init = namespace["get_init_inputs"]()
-assert init == spec.get_init_inputs(), (init, spec.get_init_inputs())
-shapes = json.loads(shapes)
-if shapes and problem == "gemm_multiply_leaky_relu":
-    init = [shapes[0][1], *init[1:]]  # in_features follows the test's smaller input
+assert namespace["get_init_inputs"]() == spec.get_init_inputs(), (namespace["get_init_inputs"](), spec.get_init_inputs())
+init, shapes = json.loads(init) or namespace["get_init_inputs"](), json.loads(shapes)
 results = []
 for seed in range(int(seeds)):
-    torch.manual_seed(seed)
-    model = spec.model(*init).to(device)
-    torch.manual_seed(seed)
-    model_new = namespace["ModelNew"](*init).to(device)
+    # Built on the device (the same seed draws the same weights for both; full-size weights are GBs on a host).
+    with torch.device(device):
+        torch.manual_seed(seed)
+        model = spec.model(*init)
+        torch.manual_seed(seed)
+        model_new = namespace["ModelNew"](*init)
     torch.manual_seed(1000 + seed)
     inputs = [torch.rand(*shape, device=device) for shape in shapes] if shapes else [
         t.to(device) for t in namespace["get_inputs"]()]
@@ -85,41 +90,49 @@ for seed in range(int(seeds)):
         expected, got = model(*inputs), model_new(*inputs)
     results.append(bool(got.shape == expected.shape and got.dtype == expected.dtype
                         and torch.allclose(got, expected, atol=1e-4, rtol=1e-4)))
+    del model, model_new
 print(json.dumps(results))
 """
 
 
-def run_candidate(source, problem, device, seeds, shapes, tmp_path):
+def run_candidate(source, problem, device, seeds, init, shapes, tmp_path):
     path = tmp_path / f"candidate_{problem}.py"
     path.write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-c", RUNNER, str(path), REPO, problem, device, str(seeds),
-                             json.dumps(shapes)], cwd=tmp_path, env=env, capture_output=True, text=True)
+                             json.dumps(init), json.dumps(shapes)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stderr[-5000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-SMALL_SHAPES = {"leaky_relu": [[64, 1000]], "gemm_multiply_leaky_relu": [[32, 256]]}
+# Each problem at a small size: its init inputs and input shapes.
+SMALL = {
+    "leaky_relu": ([], [[64, 1000]]),
+    "gemm_multiply_leaky_relu": ([256, 8192, 2.0, 0.1], [[32, 256]]),
+    "mlp": ([256, [512, 384], 128], [[16, 256]]),
+    "shallow_wide_mlp": ([128, [640], 256], [[8, 128]]),
+    "mini_gpt_block": ([64, 4, 0.0, 0.0, 32], [[2, 16, 64]]),
+}
 
 
 @pytest.mark.parametrize("problem", PROBLEMS)
 def test_candidate_runs_from_a_string_in_a_fresh_process(candidates, problem, tmp_path):
     device = "cuda" if HAS_CUDA else "cpu"
-    assert all(run_candidate(candidates[problem], problem, device, 3, SMALL_SHAPES[problem], tmp_path))
+    assert all(run_candidate(candidates[problem], problem, device, 3, *SMALL[problem], tmp_path))
 
 
 # Execs the candidate twice in one process, as a harness judging several samples does: the second exec must load the
 # built library and skip the registrations already made, and its ModelNew give the first's results.
 TWICE_RUNNER = r"""
 import sys, torch
-source, device, in_shape = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
+import json
+source, device, init, in_shape = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 outputs = []
 for attempt in range(2):
     namespace = {"__name__": "candidate"}
     exec(compile(open(source).read(), "<candidate>", "exec"), namespace)
-    init = namespace["get_init_inputs"]()
-    if len(init) > 1:
-        init = [in_shape[-1], *init[1:]]
+    init = init or namespace["get_init_inputs"]()
     torch.manual_seed(0)
     model = namespace["ModelNew"](*init).to(device)
     torch.manual_seed(1)
@@ -136,8 +149,9 @@ def test_candidate_execd_twice_in_one_process(candidates, problem, tmp_path):
     path = tmp_path / f"candidate_{problem}.py"
     path.write_text(candidates[problem])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    shape = ",".join(map(str, SMALL_SHAPES[problem][0]))
-    result = subprocess.run([sys.executable, "-c", TWICE_RUNNER, str(path), "cuda" if HAS_CUDA else "cpu", shape],
+    init, shapes = SMALL[problem]
+    result = subprocess.run([sys.executable, "-c", TWICE_RUNNER, str(path), "cuda" if HAS_CUDA else "cpu",
+                             json.dumps(init), json.dumps(shapes[0])],
                             cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0 and "TWICE OK" in result.stdout, result.stderr[-5000:]
 
@@ -163,7 +177,7 @@ def test_check_prints_a_verdict_not_the_source(problem):
 @pytest.mark.parametrize("problem", PROBLEMS)
 def test_candidate_at_the_problem_size_on_five_seeds(candidates, problem, tmp_path):
     """KernelBench's own check: get_inputs() at full size, moved to the GPU, allclose 1e-4 on every seed."""
-    assert all(run_candidate(candidates[problem], problem, "cuda", 5, [], tmp_path))
+    assert all(run_candidate(candidates[problem], problem, "cuda", 5, [], [], tmp_path))
 
 
 # ---- candidates from problem files (python -m kernels.export --problem PATH) -------------------------------------

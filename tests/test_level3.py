@@ -1,0 +1,115 @@
+"""KernelBench's level-3 problems of reference.py (mlp, shallow_wide_mlp, mini_gpt_block): each ModelNew against its
+reference model built after the same seed, on CPU and CUDA: the same weights and state_dict, outputs within the
+fp32 tolerance with an error against float64 no larger than eager's, on rand and randn inputs, and the same
+gradients. The problem-size runs are in test_export.py (the candidates, five seeds) and bench.py."""
+
+import pytest
+import torch
+
+import reference
+from conftest import requires_cuda
+from kernels.precision import ERROR_RATIO_LIMIT, allclose, gradient_atol, relative_error
+from model_new import MODEL_NEW
+
+# Small sizes for every device, and sizes at which the GPU's GEMMs take the split path (K >= 512, >= 2^20 outputs).
+SMALL = {
+    "mlp": ([256, [512, 384], 128], (16, 256)),
+    "shallow_wide_mlp": ([128, [640], 256], (8, 128)),
+    # mini_gpt_block: with its fused kernels
+}
+SPLIT_SIZES = {
+    "mlp": ([1024, [2048, 2048], 1024], (512, 1024)),
+}
+
+
+def make_pair(problem, init, device, seed=0):
+    torch.manual_seed(seed)
+    model = reference.PROBLEMS[problem].model(*init)
+    torch.manual_seed(seed)
+    model_new = MODEL_NEW[problem](*init)
+    return model.to(device), model_new.to(device)
+
+
+def float64_model(problem, init, device, seed=0):
+    """The reference built anew after the same seed, in float64 (a copy would keep mini_gpt_block's lambda bound to
+    the original's modules)."""
+    torch.manual_seed(seed)
+    return reference.PROBLEMS[problem].model(*init).to(device).double()
+
+
+def draw(kind, shape, device):
+    return (torch.rand if kind == "rand" else torch.randn)(*shape, device=device)
+
+
+@pytest.mark.parametrize("problem", sorted(SMALL))
+def test_same_seed_gives_same_weights_and_state_dicts_load_both_ways(problem):
+    init, _ = SMALL[problem]
+    model, model_new = make_pair(problem, init, "cpu")
+    assert list(model.state_dict()) == list(model_new.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model_new.state_dict().values()))
+    torch.manual_seed(7)
+    other = MODEL_NEW[problem](*init)
+    other.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(model_new.state_dict(), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values()))
+
+
+def check_forward(problem, init, shape, device, kind):
+    model, model_new = make_pair(problem, init, device)
+    torch.manual_seed(1)
+    x = draw(kind, shape, device)
+    with torch.no_grad():
+        y, y_ref = model_new(x), model(x)
+        y64 = float64_model(problem, init, device)(x.double())
+    assert allclose(y, y_ref), (y - y_ref).abs().max()
+    ours, eager = relative_error(y, y64), relative_error(y_ref, y64)
+    assert ours <= ERROR_RATIO_LIMIT[torch.float32] * eager, (ours, eager)
+
+
+@pytest.mark.parametrize("kind", ["rand", "randn"])
+@pytest.mark.parametrize("problem", sorted(SMALL))
+def test_forward_matches_the_reference(problem, kind, device):
+    check_forward(problem, *SMALL[problem], device, kind)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["rand", "randn"])
+@pytest.mark.parametrize("problem", sorted(SPLIT_SIZES))
+def test_forward_matches_the_reference_on_the_split_path(problem, kind):
+    check_forward(problem, *SPLIT_SIZES[problem], "cuda", kind)
+
+
+def check_gradients(problem, init, shape, device):
+    model, model_new = make_pair(problem, init, device)
+    torch.manual_seed(2)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    y_ref = model(x)
+    weights = torch.randn_like(y_ref)
+    grads_ref = torch.autograd.grad((y_ref * weights).sum(), [x, *model.parameters()])
+    grads = torch.autograd.grad((model_new(x) * weights).sum(), [x, *model_new.parameters()])
+    names = ["x", *(name for name, _ in model.named_parameters())]
+    for name, grad, grad_ref in zip(names, grads, grads_ref):
+        torch.testing.assert_close(grad, grad_ref, atol=gradient_atol(grad_ref), rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("problem", sorted(SMALL))
+def test_gradients_match_the_reference(problem, device):
+    check_gradients(problem, *SMALL[problem], device)
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", sorted(SPLIT_SIZES))
+def test_gradients_match_the_reference_on_the_split_path(problem):
+    check_gradients(problem, *SPLIT_SIZES[problem], "cuda")
+
+
+def test_mlp_negative_pre_activations_give_zero(device):
+    """The hidden layers' ReLU runs as the GEMM's epilogue with slope 0: negative values become zero (-0.0)."""
+    model, model_new = make_pair("mlp", [32, [48], 16], device)
+    with torch.no_grad():
+        model_new.network[0].bias.fill_(-1e3)  # every pre-activation of the hidden layer negative
+        model.network[0].bias.fill_(-1e3)
+        x = torch.randn(4, 32, device=device)
+        y, y_ref = model_new(x), model(x)
+    torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
+    torch.testing.assert_close(y, model_new.network[2].bias.expand(4, 16), atol=0, rtol=0)
