@@ -51,6 +51,13 @@ def _build_library():
                                      torch.__version__, str(torch.version.cuda), sys.version]).encode())
     name = f"kernels_candidate_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    # A second library defining the op namespace would abort the process: refuse with a clear error instead.
+    loaded = sys.modules.setdefault("kernels_candidate_libraries", types.ModuleType("kernels_candidate_libraries"))
+    if name not in loaded.__dict__.setdefault("names", set()) and any(
+            op.startswith("kernels::") for op in torch._C._dispatch_get_all_op_names()):
+        raise RuntimeError("kernels candidate: this process already holds an op library `torch.ops.kernels` (the "
+                           "kernels package, or another version of this library); run the candidate in a process "
+                           "that has not loaded one")
     if not os.path.exists(os.path.join(root, name, name + ".so")):  # a first build takes 20-30 s: say so
         print(f"kernels candidate: compiling the op library for {'CUDA' if with_cuda else 'the CPU'} into "
               f"{os.path.join(root, name)} (once per source version)", file=sys.stderr, flush=True)
@@ -65,6 +72,7 @@ def _build_library():
         is_python_module=False,
         no_implicit_headers=True,
     )
+    loaded.names.add(name)
 
 
 _build_library()

@@ -156,6 +156,29 @@ def test_candidate_execd_twice_in_one_process(candidates, problem, tmp_path):
     assert result.returncode == 0 and "TWICE OK" in result.stdout, result.stderr[-5000:]
 
 
+# A process that has loaded the kernels package holds `torch.ops.kernels` already: a second library defining the
+# namespace would abort the process, so the candidate raises a clear error first.
+AFTER_PACKAGE_RUNNER = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import kernels.functional
+namespace = {"__name__": "candidate"}
+try:
+    exec(compile(open(sys.argv[1]).read(), "<candidate>", "exec"), namespace)
+except RuntimeError as e:
+    print("REFUSED:", e)
+"""
+
+
+def test_candidate_in_a_process_holding_the_package_raises_a_clear_error(candidates, tmp_path):
+    path = tmp_path / "candidate_leaky_relu.py"
+    path.write_text(candidates["leaky_relu"])
+    result = subprocess.run([sys.executable, "-c", AFTER_PACKAGE_RUNNER, str(path), REPO], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED: kernels candidate: this process already holds an op library" in result.stdout
+
+
 def test_candidate_inlines_only_the_families_its_problem_uses(candidates):
     gemm_schema, leaky_relu_schema = "gemm_multiply_leaky_relu(Tensor x", "leaky_relu(Tensor x"
     assert gemm_schema not in candidates["leaky_relu"] and "namespace kernels::gemm" not in candidates["leaky_relu"]

@@ -19,6 +19,7 @@ goes, kernel by kernel.
                                                       # counts fill the multiprocessors by whole rounds, or not
     python tools/gemm_sweep.py --split-k              # grad_W's product (small output, long reduction) per slices
                                                       # of K against eager: times, errors, the automatic slices
+    python tools/gemm_sweep.py --coherence            # the part of the error every row shares (rand inputs)
     python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
 
 The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
@@ -538,6 +539,42 @@ def split_k(shapes=SPLIT_K_SHAPES, slices=SPLIT_K_SLICES):
             del grad_pre, x, grad_w, again, reference
 
 
+COHERENCE_SHAPES = ((16384, 768, 2304), (4096, 1024, 1024), (8192, 4096, 4096), (16384, 256, 4096))
+
+
+def coherence(shapes=COHERENCE_SHAPES):
+    """The part of the error that every row shares: a linear layer (nn.Linear's weights) on rand inputs (all
+    positive, so every row holds the same large component along the mean direction), rand - 0.5 and randn, ours
+    (automatic path) against eager: the normwise error, the error of the mean over rows, and the coherence
+    ||mean of the error over rows|| sqrt(rows) / ||error|| (about 1/sqrt(rows) where rows' errors are independent,
+    1 where all rows share one error). A shared error adds up where a later layer sums over rows (attention's
+    att @ v), an independent one partly cancels."""
+    import torch.nn.functional as F
+    from kernels.functional import linear
+    from kernels.precision import relative_error
+
+    print(f"{'shape':>20} {'inputs':>8} {'ours':>9} {'eager':>9} {'mean ours':>9} {'mean eager':>10} "
+          f"{'coherence ours':>14} {'eager':>6}")
+    for m, k, n in shapes:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(k, n).cuda()
+        weight, bias = layer.weight.detach(), layer.bias.detach()
+        for kind in ("rand", "rand-0.5", "randn"):
+            x = torch.randn(m, k, device="cuda") if kind == "randn" else torch.rand(m, k, device="cuda") - (
+                0.5 if kind == "rand-0.5" else 0.0)
+            with torch.no_grad():
+                y64 = F.linear(x.double(), weight.double(), bias.double())
+                figures = []
+                for y in (linear(x, weight, bias), F.linear(x, weight, bias)):
+                    error = y.double() - y64
+                    figures.append((relative_error(y, y64), float(error.mean(0).norm() / y64.mean(0).norm()),
+                                    float(error.mean(0).norm() * m ** 0.5 / error.norm())))
+            (ours, mean_ours, coherent_ours), (eager, mean_eager, coherent_eager) = figures
+            print(f"{str((m, k, n)):>20} {kind:>8} {ours:9.3e} {eager:9.3e} {mean_ours:9.3e} {mean_eager:10.3e} "
+                  f"{coherent_ours:14.2f} {coherent_eager:6.2f}", flush=True)
+            del x, y64
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -561,6 +598,8 @@ def main():
                       help="ModelNew's training-loop step alone: its largest kernels and its time, two lines")
     mode.add_argument("--split-k", action="store_true",
                       help="grad_W's product at small outputs and long reductions: per slices of K, against eager")
+    mode.add_argument("--coherence", action="store_true",
+                      help="the part of a linear layer's error every row shares, on rand, rand - 0.5 and randn inputs")
     mode.add_argument("--waves", action="store_true",
                       help="the training step's three GEMMs at widths that fill the multiprocessors by whole rounds")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -582,6 +621,8 @@ def main():
 def choose(args):
     if args.k_sweep:
         k_sweep()
+    elif args.coherence:
+        coherence()
     elif args.small_k:
         small_k()
     elif args.models_profile is not None:
