@@ -4,8 +4,8 @@
 // Warp specialisation: warpgroup 0 is the producer (one thread issues the TMA loads, waiting on each stage's
 // "empty" mbarrier) and keeps few registers; warpgroups 1 and 2 are consumers, each owning 64 rows of w. Per chunk
 // a consumer splits its rows of w in registers (gemm_sm90_w_split.cuh; two sets of A registers, the next chunk's
-// split into one while the products read the other) and issues 12 wgmma m64n128k16 (small terms
-// first: lo_w hi_x, hi_w lo_x, hi_w hi_x per 16 of K) into a fresh accumulator. Once they complete it releases the
+// split into one while the products read the other) and issues 12 wgmma m64n128k16 (the chunk's eight small terms
+// before its four hi_w hi_x: issue_chunk_products) into a fresh accumulator. Once they complete it releases the
 // stage and adds the accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the
 // tensor cores' own accumulation over a long K loses precision; the per-chunk scale needs no pass over w before
 // the GEMM). The two consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
@@ -92,20 +92,22 @@ __device__ __forceinline__ void pass_turn(int consumer, bool more_chunks, bool l
   if (consumer == 0 || more_chunks || !last_tile) sm90::named_barrier_arrive(kTurnBarrier + 1 - consumer, 2 * 128);
 }
 
-// Issues a chunk's 12 products into a fresh accumulator, small terms first per 16 of K: lo_w hi_x, hi_w lo_x,
-// hi_w hi_x. product(step, w_lo, x, offset, accumulate) issues one wgmma of w's lo (w_lo) or hi half at K step
-// `step` with the x half whose descriptor is x, both descriptors advanced by `offset`.
+// Issues a chunk's 12 products into a fresh accumulator: lo_w hi_x over the chunk's four 16s of K, then hi_w lo_x,
+// then hi_w hi_x. The tensor cores' fp32 accumulation truncates (toward zero, so its errors add up alike in every
+// row that shares a large component); the small terms first, while the accumulator is small, leave four such adds at
+// the accumulator's full size instead of ten. product(step, w_lo, x, offset, accumulate) issues one wgmma of w's lo
+// (w_lo) or hi half at K step `step` with the x half whose descriptor is x, both advanced by `offset`.
 template <typename Product>
 __device__ __forceinline__ void issue_chunk_products(std::uint64_t x_hi, std::uint64_t x_lo, const Product& product) {
   using namespace sm90;
   wgmma_fence();
+  // offset: 16 fp16 = 32 bytes along the swizzled row, in 16-byte units, per step
 #pragma unroll
-  for (int step = 0; step < 4; ++step) {
-    const std::uint64_t offset = step * 2;  // 16 fp16 = 32 bytes along the swizzled row, in 16-byte units
-    product(step, /*w_lo=*/true, x_hi, offset, step != 0);
-    product(step, /*w_lo=*/false, x_lo, offset, true);
-    product(step, /*w_lo=*/false, x_hi, offset, true);
-  }
+  for (int step = 0; step < 4; ++step) product(step, /*w_lo=*/true, x_hi, step * 2, step != 0);
+#pragma unroll
+  for (int step = 0; step < 4; ++step) product(step, /*w_lo=*/false, x_lo, step * 2, true);
+#pragma unroll
+  for (int step = 0; step < 4; ++step) product(step, /*w_lo=*/false, x_hi, step * 2, true);
   wgmma_commit();
 }
 
