@@ -27,8 +27,9 @@ ERRORS = {
     "leaky_relu: inplace, differentiated, negative slope": (
         lambda: leaky_relu(torch.randn(4, requires_grad=True) * 1.0, -0.1, inplace=True), ValueError,
         r"cannot be differentiated with a negative slope \(-0\.1\)"),
-    "gelu_tanh: integer tensor": (lambda: gelu_tanh(ints(4)), RuntimeError,
-                                  r"kernels.gelu_tanh: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+    "gelu_tanh: integer tensor": (
+        lambda: gelu_tanh(ints(4)), RuntimeError,
+        r"kernels.gelu_tanh: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
     "gelu_tanh: not a tensor": (lambda: gelu_tanh([1.0, -1.0]), TypeError, r"x must be a torch.Tensor, got list"),
     "gelu_tanh_backward: grad_output and x of different dtypes": (
         lambda: torch.ops.kernels.gelu_tanh_backward(torch.randn(4), torch.randn(4, dtype=torch.float64)),
@@ -116,8 +117,8 @@ def test_meta_tensors_give_pytorchs_shape_and_device():
 
 
 # Every op with more than one tensor argument, called with one of them on another device. (leaky_relu, leaky_relu_,
-# multiply_leaky_relu_ and gelu_tanh take one tensor.) Where a tensor is on meta the dispatcher runs the op's Meta kernel
-# whatever the others' device, so only a check there stops a CPU or CUDA result of uninitialized memory.
+# multiply_leaky_relu_ and gelu_tanh take one tensor.) Where a tensor is on meta the dispatcher runs the op's Meta
+# kernel whatever the others' device, so only a check there stops a CPU or CUDA result of uninitialized memory.
 MIXED_DEVICE_OPS = {
     "gemm_multiply_leaky_relu": (
         ("x", "weight", "bias"),

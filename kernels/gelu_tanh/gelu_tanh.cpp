@@ -53,7 +53,8 @@ void cpu_backward(const T* grad_output, const T* x, T* grad_input, int64_t n) {
   using Op = typename CpuOpMath<T>::type;
   at::parallel_for(0, n, kCpuGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      grad_input[i] = static_cast<T>(gelu_tanh_backward_element<Op>(static_cast<Op>(grad_output[i]), static_cast<Op>(x[i])));
+      grad_input[i] =
+          static_cast<T>(gelu_tanh_backward_element<Op>(static_cast<Op>(grad_output[i]), static_cast<Op>(x[i])));
   });
 }
 

@@ -1,7 +1,8 @@
 // GELU with the tanh approximation, forward and backward, one memory-bound pass each (the formula in
 // gelu_tanh_math.h). Each element is read once and written once, so the kernels aim at the device-to-device copy rate.
-// - Vectorized path: every pointer 16-byte aligned. Each thread moves one 16-byte pack per operand (as the LeakyReLU
-//   kernels, whose measurements chose it); the n % kWidth elements past the last pack are done by block 0.
+// - Vectorized path: every pointer 16-byte aligned. Each thread moves two 16-byte packs per operand, both loaded
+//   before either is computed, so that the loads stay in flight through the arithmetic (kernels/gelu_tanh/NOTES.md);
+//   the n % kWidth elements past the last pack are done by block 0.
 // - Scalar path: any other alignment (a view such as x[1:]), kUnroll = 4 elements per thread, all loads issued
 //   before the first store so that they are in flight together.
 // Indices are 64-bit: tensors of 2^31 or more elements are fine. One block per tile, striding if the grid is capped.
@@ -36,8 +37,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_opmath<__nv_bfloat16>(
 template <typename T, int kWidth> struct alignas(sizeof(T) * kWidth) Pack { T v[kWidth]; };
 
 template <typename T> constexpr int vector_width() { return 16 / sizeof(T); }
-// Packs per thread: one 16-byte pack; scalar accesses are 4 to 8 times smaller, so the unaligned path keeps 4.
-template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 1; }
+// Packs per thread: two 16-byte packs; scalar accesses are 4 to 8 times smaller, so the unaligned path keeps 4.
+template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 2; }
+// float16 and bfloat16 results take the approximate division (gelu_tanh_math.h, divide()).
+template <typename T> __host__ __device__ constexpr bool fast_divide() { return sizeof(T) == 2; }
 
 // Calls visit(index) with the kUnroll pack indices of each tile of this block (out-of-range ones are -1), then block
 // 0 calls visit_tail(i) for the n % kWidth elements past the last pack.
@@ -67,7 +70,7 @@ gelu_tanh_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t n) {
   using Op = typename OpMath<T>::type;
   using P = Pack<T, kWidth>;
   constexpr int kUnroll = unroll<kWidth>();
-  const auto apply = [](T in) { return from_opmath<T>(gelu_tanh_element<Op>(to_opmath(in))); };
+  const auto apply = [](T in) { return from_opmath<T>(gelu_tanh_element<Op, fast_divide<T>()>(to_opmath(in))); };
   for_each_pack<kWidth>(
       n,
       [&](const std::int64_t (&index)[kUnroll]) {
@@ -94,7 +97,9 @@ gelu_tanh_backward_kernel(const T* __restrict__ grad_output, const T* __restrict
   using Op = typename OpMath<T>::type;
   using P = Pack<T, kWidth>;
   constexpr int kUnroll = unroll<kWidth>();
-  const auto apply = [](T g, T in) { return from_opmath<T>(gelu_tanh_backward_element<Op>(to_opmath(g), to_opmath(in))); };
+  const auto apply = [](T g, T in) {
+    return from_opmath<T>(gelu_tanh_backward_element<Op, fast_divide<T>()>(to_opmath(g), to_opmath(in)));
+  };
   for_each_pack<kWidth>(
       n,
       [&](const std::int64_t (&index)[kUnroll]) {
