@@ -53,6 +53,13 @@ FAMILIES = (
         requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops
         autograd_sources=("gemm/gemm_autograd.cpp",),
     ),
+    Family(
+        name="gelu_tanh",
+        cpp_sources=("gelu_tanh/gelu_tanh.cpp",),  # its CPU loop too: a plain loop over gelu_tanh_math.h's formula
+        cuda_sources=("gelu_tanh/gelu_tanh.cu",),
+        python_module="kernels.gelu_tanh.gelu_tanh",
+        autograd_sources=("gelu_tanh/gelu_tanh_autograd.cpp",),
+    ),
 )
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA
-from kernels.functional import gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
 
 
 def ints(*shape):
@@ -27,6 +27,13 @@ ERRORS = {
     "leaky_relu: inplace, differentiated, negative slope": (
         lambda: leaky_relu(torch.randn(4, requires_grad=True) * 1.0, -0.1, inplace=True), ValueError,
         r"cannot be differentiated with a negative slope \(-0\.1\)"),
+    "gelu_tanh: integer tensor": (
+        lambda: gelu_tanh(ints(4)), RuntimeError,
+        r"kernels.gelu_tanh: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+    "gelu_tanh: not a tensor": (lambda: gelu_tanh([1.0, -1.0]), TypeError, r"x must be a torch.Tensor, got list"),
+    "gelu_tanh_backward: grad_output and x of different dtypes": (
+        lambda: torch.ops.kernels.gelu_tanh_backward(torch.randn(4), torch.randn(4, dtype=torch.float64)),
+        RuntimeError, r"expected x and grad_output to have the same dtype, got x Double and grad_output Float"),
     "gemm: integer tensors": (lambda: gemm_multiply_leaky_relu(ints(2, 4), ints(3, 4)), RuntimeError,
                               r"x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
     "gemm: x and weight of different dtypes": (
@@ -109,9 +116,9 @@ def test_meta_tensors_give_pytorchs_shape_and_device():
     assert y.device == expected.device and y.shape == expected.shape and y.dtype == expected.dtype
 
 
-# Every op with more than one tensor argument, called with one of them on another device. (leaky_relu, leaky_relu_
-# and multiply_leaky_relu_ take one tensor.) Where a tensor is on meta the dispatcher runs the op's Meta kernel
-# whatever the others' device, so only a check there stops a CPU or CUDA result of uninitialized memory.
+# Every op with more than one tensor argument, called with one of them on another device. (leaky_relu, leaky_relu_,
+# multiply_leaky_relu_ and gelu_tanh take one tensor.) Where a tensor is on meta the dispatcher runs the op's Meta
+# kernel whatever the others' device, so only a check there stops a CPU or CUDA result of uninitialized memory.
 MIXED_DEVICE_OPS = {
     "gemm_multiply_leaky_relu": (
         ("x", "weight", "bias"),
@@ -123,6 +130,9 @@ MIXED_DEVICE_OPS = {
         lambda d: torch.ops.kernels.gemm_multiply_leaky_relu_backward(
             torch.randn(2, 3, device=d[0]), torch.randn(2, 4, device=d[1]), torch.randn(3, 4, device=d[2]),
             torch.randn(2, 3, device=d[3]), 2.0, 0.1, True, True, True)),
+    "gelu_tanh_backward": (
+        ("grad_output", "x"),
+        lambda d: torch.ops.kernels.gelu_tanh_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]))),
     "leaky_relu_backward": (
         ("grad_output", "saved"),
         lambda d: torch.ops.kernels.leaky_relu_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]),

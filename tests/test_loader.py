@@ -237,8 +237,18 @@ def test_cpu_loops_as_a_library_of_their_own_are_bound_to_the_op_library(tmp_pat
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-@pytest.mark.parametrize("cpus, with_cuda, apart", [(2, False, False), (4, False, False), (5, False, True),
-                                                    (6, True, False), (7, True, True), (16, True, True)])
+def build_units(with_cuda):
+    """The compiler units of the manifest's families: a C++ unit each, a CUDA unit each where built with CUDA, and the
+    autograd's and the CPU loops' units where a family has them."""
+    return sum(1 + bool(with_cuda and family.cuda_sources) + bool(family.autograd_sources)
+               + bool(family.cpu_loop_sources) for family in FAMILIES)
+
+
+# Apart from a CPU per unit on: one CPU short of it, and exactly that many (the manifest's count), with and without CUDA.
+@pytest.mark.parametrize("cpus, with_cuda, apart", [(2, False, False), (build_units(False) - 1, False, False),
+                                                    (build_units(False), False, True),
+                                                    (build_units(True) - 1, True, False),
+                                                    (build_units(True), True, True), (64, True, True)])
 def test_autograd_and_cpu_loops_are_libraries_of_their_own_where_every_unit_has_a_cpu(monkeypatch, cpus, with_cuda,
                                                                                      apart):
     monkeypatch.setattr(loader, "_cpu_count", lambda: cpus)

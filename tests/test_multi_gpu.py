@@ -101,6 +101,44 @@ class LeakyReLUCase:
                 assert_bitwise_equal(got[name], expected[name])
 
 
+class GeluTanhCase:
+    """The GELU (tanh) family: the function forward and backward, and the backward op called directly, against the
+    formula in float64 (odd length: the tail path; an offset view: the scalar path; Inf and NaN)."""
+
+    family = "gelu_tanh"
+    ops = {"gelu_tanh", "gelu_tanh_backward"}
+
+    def __str__(self):
+        return "gelu_tanh"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        x = torch.randn(4099, device=device, generator=generator) * 3
+        x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+        return {"x": x, "grad": torch.randn(4099, device=device, generator=generator)}
+
+    def ours(self, x, grad):
+        from kernels.functional import gelu_tanh
+
+        leaf = x.clone().requires_grad_(True)
+        y = gelu_tanh(leaf)
+        y.backward(grad)
+        return {"y": y.detach(), "grad": leaf.grad, "offset": gelu_tanh(x[1:]),
+                "backward": torch.ops.kernels.gelu_tanh_backward(grad, x)}
+
+    def eager(self, x, grad):
+        x64 = x.double().requires_grad_(True)
+        y = 0.5 * x64 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * torch.pow(x64, 3.0))))
+        (g,) = torch.autograd.grad(y, x64, grad.double())
+        return {"y": y.detach().float(), "grad": g.float(), "offset": y.detach()[1:].float(), "backward": g.float()}
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, equal_nan=True, msg=name)
+
+
 class GemmCase:
     """The GEMM family: ModelNew forward and backward on one path ("auto": the automatic choice), against eager fp32:
     outputs and gradients as check() says."""
@@ -181,7 +219,7 @@ GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
               for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
-CASES = [LeakyReLUCase()] + GEMM_CASES
+CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES
 
 
 def ops_that_compute():

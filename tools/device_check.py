@@ -1,5 +1,5 @@
 """The checks that need the GPU machine, one subcommand each: build, tests, sanitize, bench, multi-gpu, sm80, profile,
-all.
+gelu-tanh, all.
 
     python tools/device_check.py all            # build, tests, sanitize, bench: the whole single-GPU run
     python tools/device_check.py build          # cold build and warm imports timed, SASS summaries, smoke test
@@ -10,6 +10,7 @@ all.
     python tools/device_check.py multi-gpu      # on a machine with 2 GPUs
     python tools/device_check.py sm80           # the sm_80 kernel on a Hopper GPU
     python tools/device_check.py profile [PATH ...]   # tensor-core rates; Nsight Compute of the split GEMMs
+    python tools/device_check.py gelu-tanh      # the GELU (tanh) kernels' bandwidth against a copy, and their error
 
 What each subcommand runs:
   build      nvidia-smi's line for the GPU, torch's and CUDA's versions, the CPU count. A cold build of the op library
@@ -56,6 +57,14 @@ What each subcommand runs:
              registers, as a training forward runs), or, named PATH:grad_x or PATH:grad_w, one product of
              the backward (the backward op asked for that gradient alone; grad_w with grad_b); <name> is the
              argument with ':' as '_'.
+  gelu-tanh  the GELU (tanh approximation) family at the MLP activation's size of KernelBench level 3's
+             44_MiniGPTBlock (65536 x 3072), float32 and bfloat16: the forward and the backward timed beside a
+             device-to-device copy of the same tensor (kernels/timing.py, L2 flushed, samples interleaved), each as
+             GB/s and as a share of the copy's rate (bytes read and written: 2 tensors forward, 3 backward); eager's
+             formula (minGPT's NewGELU, op for op), F.gelu(approximate="tanh") and aten's gelu_backward timed beside
+             them; then the error against the float64 formula of ours, eager's formula and F.gelu, forward and
+             backward, per dtype, on randn * 3 and on -20..20 (2^24 elements each). Into gelu_tanh.json and
+             gelu_tanh.log.
   all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
              where the build or the smoke test failed.
 
@@ -672,6 +681,80 @@ def profile(args):
     return failed
 
 
+GELU_TANH_MEASUREMENT = r"""
+import json, math, sys
+import torch
+import torch.nn.functional as F
+from kernels.functional import gelu_tanh
+from kernels.precision import relative_error
+from kernels.timing import time_each_ms
+
+def new_gelu(x):  # minGPT's NewGELU, op for op
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+def float64_gradient(x, grad):
+    x64 = x.double().requires_grad_(True)
+    return torch.autograd.grad(new_gelu(x64), x64, grad.double())[0]
+
+def eager_gradient(x, grad):
+    leaf = x.clone().requires_grad_(True)
+    return torch.autograd.grad(new_gelu(leaf), leaf, grad)[0]
+
+results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [65536, 3072], "times": {},
+           "errors": {}}
+print(f"{results['device']}, torch {results['torch']}")
+for dtype in (torch.float32, torch.bfloat16):
+    name = str(dtype).removeprefix("torch.")
+    x = torch.randn(65536, 3072, device="cuda", dtype=dtype) * 3
+    grad = torch.randn_like(x)
+    copy_out = torch.empty_like(x)
+    size = x.numel() * x.element_size()
+    calls = {"copy": (lambda: copy_out.copy_(x), 2), "ours forward": (lambda: gelu_tanh(x), 2),
+             "ours backward": (lambda: torch.ops.kernels.gelu_tanh_backward(grad, x), 3),
+             "eager formula forward": (lambda: new_gelu(x), 2),
+             "F.gelu tanh forward": (lambda: F.gelu(x, approximate="tanh"), 2),
+             "aten gelu_backward tanh": (lambda: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"), 3)}
+    times = time_each_ms([fn for fn, _ in calls.values()], samples=30)
+    copy_rate = 2 * size / times[0]
+    print(f"{name}, 65536 x 3072 ({x.numel()} elements):")
+    for (label, (_, tensors)), ms in zip(calls.items(), times):
+        rate = tensors * size / ms
+        results["times"][f"{name} {label}"] = {"ms": ms, "GB/s": rate / 1e6, "of copy": rate / copy_rate}
+        print(f"  {label:26s} {ms:8.4f} ms  {rate / 1e6:7.0f} GB/s  {rate / copy_rate:6.1%} of the copy's rate")
+    del x, grad, copy_out
+    torch.cuda.empty_cache()
+
+inputs = {"randn*3": lambda: torch.randn(1 << 24, device="cuda") * 3,
+          "-20..20": lambda: torch.linspace(-20, 20, 1 << 24, device="cuda")}
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    name = str(dtype).removeprefix("torch.")
+    for label, make in inputs.items():
+        x = make().to(dtype)
+        grad = torch.randn(x.shape, device="cuda").to(dtype)
+        y64, g64 = new_gelu(x.double()), float64_gradient(x, grad)
+        row = {"ours forward": relative_error(gelu_tanh(x), y64),
+               "eager forward": relative_error(new_gelu(x), y64),
+               "F.gelu forward": relative_error(F.gelu(x, approximate="tanh"), y64),
+               "ours backward": relative_error(torch.ops.kernels.gelu_tanh_backward(grad, x), g64),
+               "eager backward": relative_error(eager_gradient(x, grad), g64),
+               "aten gelu_backward": relative_error(torch.ops.aten.gelu_backward(grad, x, approximate="tanh"), g64)}
+        results["errors"][f"{name} {label}"] = row
+        print(f"error against float64, {name} {label}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()))
+with open(sys.argv[1], "w") as f:
+    json.dump(results, f, indent=1)
+"""
+
+
+def gelu_tanh(args):
+    """The GELU (tanh) kernels' time against a copy at the MLP activation's size, and their error against float64."""
+    if not passed("build", run(IMPORT_LIBRARY)):
+        return ["build"]
+    say("== gelu-tanh: 65536 x 3072, against a device-to-device copy")
+    ran = run([PYTHON, "-c", GELU_TANH_MEASUREMENT, os.path.join(args.out, "gelu_tanh.json")],
+              log=os.path.join(args.out, "gelu_tanh.log"), limit_s=600)
+    return [] if passed("gelu-tanh", ran, 600) else ["gelu-tanh"]
+
+
 def run_all(args):
     """build, tests, sanitize, bench on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -749,6 +832,7 @@ def parse_arguments(argv):
     sub.add_argument("--skip-rates", action="store_true", default=switch("SKIP_RATES"),
                      help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES=1)")
     name_extra_in_usage(sub, "PATH[:forward_anew|:grad_x|:grad_w]")
+    add("gelu-tanh", gelu_tanh, "the GELU (tanh) kernels' bandwidth against a copy at 65536 x 3072, and their error")
     sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
     sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
                      help="(default: $SKIP_TESTS=1)")

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from kernels.functional import gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
 from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
@@ -39,6 +39,11 @@ def elementwise_cases():
             mask = torch.ops.kernels.multiply_leaky_relu_(y, -1.5, 0.2, True)
             check(f"multiply_leaky_relu_ {dtype} {name}", y, F.leaky_relu(x * -1.5, 0.2), tol=1e-2)
             assert torch.equal(mask, (x.float() * -1.5) > 0)
+            # GELU (tanh): against F.gelu in float64, rounded to the dtype.
+            x64 = x.double()
+            check(f"gelu_tanh {dtype} {name}", gelu_tanh(x), F.gelu(x64, approximate="tanh").to(dtype), tol=1e-2)
+            check(f"gelu_tanh_backward {dtype} {name}", torch.ops.kernels.gelu_tanh_backward(grad, x),
+                  torch.ops.aten.gelu_backward(grad.double(), x64, approximate="tanh").to(dtype), tol=1e-2)
 
 
 def gemm_cases():
