@@ -53,6 +53,13 @@ FAMILIES = (
         requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops
         autograd_sources=("gemm/gemm_autograd.cpp",),
     ),
+    Family(
+        name="causal_softmax",
+        cpp_sources=("causal_softmax/causal_softmax.cpp",),
+        cuda_sources=("causal_softmax/causal_softmax.cu",),
+        python_module="kernels.causal_softmax.causal_softmax",
+        autograd_sources=("causal_softmax/causal_softmax_autograd.cpp",),
+    ),
 )
 
 
