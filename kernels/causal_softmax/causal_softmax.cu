@@ -51,6 +51,13 @@ struct Add {
   __device__ __forceinline__ double operator()(double a, double b) const { return a + b; }
 };
 
+// a / b as IEEE division rounds it, from reciprocal = 1 / b (rounded; computed once per row): one Markstein
+// correction of a * reciprocal. Exact but for quotients under about 2^-100 (the remainder underflows: one ulp there).
+__device__ __forceinline__ float divide(float a, float b, float reciprocal) {
+  const float q = __fmul_rn(a, reciprocal);
+  return __fmaf_rn(__fmaf_rn(-q, b, a), reciprocal, q);
+}
+
 // v reduced over a team of kTeam threads (a warp, or the whole block), every thread getting the result. The block's
 // partials are combined in one fixed order, so every thread gets the same bits. `shared`: kTeam / 32 slots.
 template <int kTeam, typename R, typename Op>
@@ -69,12 +76,14 @@ __device__ __forceinline__ R team_reduce(R v, Op op, R* shared) {
 }
 
 // One row per team of kTeam threads, the row in registers (kChunks packs of kVec per thread). Forward: a = scores,
-// out = output. Backward: a = grad_output, b = output, out = grad_scores.
+// out = output. Backward: a = grad_output, b = output, out = grad_scores. A chunk (one pack per thread) with no
+// unmasked column is neither read nor computed (a test uniform across the team); the rest of the work is branch-free.
 template <typename T, int kVec, int kChunks, int kTeam, bool kBackward>
 __global__ void __launch_bounds__(kTeam > kMinBlockThreads ? kTeam : kMinBlockThreads, 1)
 rows_in_registers_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, Rows p) {
   constexpr int kThreads = kTeam > kMinBlockThreads ? kTeam : kMinBlockThreads;
   constexpr int kTeams = kThreads / kTeam;
+  constexpr int kChunkColumns = kTeam * kVec;
   using P = Pack<T, kVec>;
   __shared__ float shared_max[kTeam / 32];
   __shared__ double shared_sum[kTeam / 32];
@@ -82,73 +91,84 @@ rows_in_registers_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kTeams + threadIdx.x / kTeam;
   // Every thread of a block takes the same number of turns (kTeams == 1 where the team is the block).
   for (std::int64_t row = first; row < p.rows; row += static_cast<std::int64_t>(gridDim.x) * kTeams) {
-    const std::int64_t visible = visible_columns(row, p);
-    const std::int64_t offset = row * p.columns;
-    float u[kChunks][kVec];  // forward: t = scores * scale, then exp(t - max); backward: output
+    const int visible = static_cast<int>(visible_columns(row, p));  // <= kChunks * kChunkColumns
+    const P* pa = reinterpret_cast<const P*>(a + row * p.columns) + lane;
+    const P* pb = reinterpret_cast<const P*>(b + row * p.columns) + lane;
+    P* po = reinterpret_cast<P*>(out + row * p.columns) + lane;
+    float u[kChunks][kVec];  // forward: t = scores * scale (masked: -inf), then exp(t - max); backward: output
     float g[kBackward ? kChunks : 1][kVec];  // backward: grad_output
+    const auto shown = [&](int c, int k) { return (c * kTeam + lane) * kVec + k < visible; };
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const int column = (c * kTeam + lane) * kVec;
-      P pa, pb;
-      if (column < visible) {
-        pa = reinterpret_cast<const P*>(a + offset)[c * kTeam + lane];
-        if (kBackward) pb = reinterpret_cast<const P*>(b + offset)[c * kTeam + lane];
+      if (c * kChunkColumns >= visible) continue;
+      P ya, yb;
+      if (shown(c, 0)) {
+        ya = pa[c * kTeam];
+        if (kBackward) yb = pb[c * kTeam];
       }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const bool shown = column + k < visible;
         if (kBackward) {
-          u[c][k] = shown ? to_float(pb.v[k]) : 0.0f;
-          g[c][k] = shown ? to_float(pa.v[k]) : 0.0f;
+          g[c][k] = shown(c, k) ? to_float(ya.v[k]) : 0.0f;
+          u[c][k] = shown(c, k) ? to_float(yb.v[k]) : 0.0f;
         } else {
-          u[c][k] = shown ? __fmul_rn(to_float(pa.v[k]), p.scale) : -INFINITY;
+          u[c][k] = shown(c, k) ? __fmul_rn(to_float(ya.v[k]), p.scale) : -INFINITY;
         }
       }
     }
-    float masked_value;
     if constexpr (kBackward) {
       double dot = 0.0;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * kChunkColumns >= visible) continue;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) dot += static_cast<double>(g[c][k]) * static_cast<double>(u[c][k]);
+        for (int k = 0; k < kVec; ++k) dot += static_cast<double>(g[c][k] * u[c][k]);
+      }
       const float dot_f = static_cast<float>(team_reduce<kTeam>(dot, Add(), shared_sum));
+      const float masked_value = 0.0f * p.scale;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
+      for (int c = 0; c < kChunks; ++c) {
+        if ((c * kTeam + lane) * kVec >= p.columns) continue;
+        P result;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) u[c][k] = (u[c][k] * (g[c][k] - dot_f)) * p.scale;
-      masked_value = 0.0f * p.scale;
+        for (int k = 0; k < kVec; ++k) {
+          const float grad = shown(c, k) ? (u[c][k] * (g[c][k] - dot_f)) * p.scale : masked_value;
+          result.v[k] = from_float<T>(grad);
+        }
+        po[c * kTeam] = result;
+      }
     } else {
       float max = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * kChunkColumns >= visible) continue;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) max = fmaxf(max, u[c][k]);
+      }
       max = team_reduce<kTeam>(max, Max(), shared_max);
+      // Masked entries give exp(-inf - max): 0 where the row is finite, as eager's masked_fill + softmax.
       double sum = 0.0;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * kChunkColumns >= visible) continue;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          u[c][k] = expf(u[c][k] - max);
+          sum += u[c][k];
+        }
+      }
+      const float sum_f = static_cast<float>(team_reduce<kTeam>(sum, Add(), shared_sum));
+      const float reciprocal = 1.0f / sum_f;
+      const float masked_value = divide(expf(-INFINITY - max), sum_f, reciprocal);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if ((c * kTeam + lane) * kVec >= p.columns) continue;
+        P result;
 #pragma unroll
         for (int k = 0; k < kVec; ++k)
-          if ((c * kTeam + lane) * kVec + k < visible) {
-            u[c][k] = expf(u[c][k] - max);
-            sum += u[c][k];
-          }
-      const float sum_f = static_cast<float>(team_reduce<kTeam>(sum, Add(), shared_sum));
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) u[c][k] = u[c][k] / sum_f;
-      masked_value = expf(-INFINITY - max) / sum_f;
-    }
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int column = (c * kTeam + lane) * kVec;
-      if (column >= p.columns) continue;
-      P po;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) po.v[k] = from_float<T>(column + k < visible ? u[c][k] : masked_value);
-      reinterpret_cast<P*>(out + offset)[c * kTeam + lane] = po;
+          result.v[k] = from_float<T>(c * kChunkColumns < visible ? divide(u[c][k], sum_f, reciprocal) : masked_value);
+        po[c * kTeam] = result;
+      }
     }
   }
 }
@@ -173,7 +193,7 @@ long_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
         const P ga = pa[column / kVec], yb = pb[column / kVec];
 #pragma unroll
         for (int k = 0; k < kVec; ++k)
-          if (column + k < visible) dot += static_cast<double>(to_float(ga.v[k])) * static_cast<double>(to_float(yb.v[k]));
+          if (column + k < visible) dot += static_cast<double>(to_float(ga.v[k]) * to_float(yb.v[k]));
       }
       const float dot_f = static_cast<float>(team_reduce<kBlockTeam>(dot, Add(), shared_sum));
       const float masked_value = 0.0f * p.scale;
@@ -207,14 +227,15 @@ long_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
           if (column + k < visible) sum += expf(__fmul_rn(to_float(s.v[k]), p.scale) - max);
       }
       const float sum_f = static_cast<float>(team_reduce<kBlockTeam>(sum, Add(), shared_sum));
-      const float masked_value = expf(-INFINITY - max) / sum_f;
+      const float reciprocal = 1.0f / sum_f;
+      const float masked_value = divide(expf(-INFINITY - max), sum_f, reciprocal);
       for (std::int64_t column = start; column < p.columns; column += kStride) {
         P s, result;
         if (column < visible) s = pa[column / kVec];
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float t = __fmul_rn(to_float(s.v[k]), p.scale);
-          result.v[k] = from_float<T>(column + k < visible ? expf(t - max) / sum_f : masked_value);
+          result.v[k] = from_float<T>(column + k < visible ? divide(expf(t - max), sum_f, reciprocal) : masked_value);
         }
         po[column / kVec] = result;
       }
