@@ -58,6 +58,13 @@ __device__ __forceinline__ float divide(float a, float b, float reciprocal) {
   return __fmaf_rn(__fmaf_rn(-q, b, a), reciprocal, q);
 }
 
+// a * b exactly, for a and b converted from T: in float where T has 16 bits (their significands' product fits), else
+// in double.
+template <typename T> __device__ __forceinline__ double exact_product(float a, float b) {
+  if constexpr (sizeof(T) == 2) return static_cast<double>(a * b);
+  return static_cast<double>(a) * static_cast<double>(b);
+}
+
 // v reduced over a team of kTeam threads (a warp, or the whole block), every thread getting the result. The block's
 // partials are combined in one fixed order, so every thread gets the same bits. `shared`: kTeam / 32 slots.
 template <int kTeam, typename R, typename Op>
@@ -122,7 +129,7 @@ rows_in_registers_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __
       for (int c = 0; c < kChunks; ++c) {
         if (c * kChunkColumns >= visible) continue;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) dot += static_cast<double>(g[c][k] * u[c][k]);
+        for (int k = 0; k < kVec; ++k) dot += exact_product<T>(g[c][k], u[c][k]);
       }
       const float dot_f = static_cast<float>(team_reduce<kTeam>(dot, Add(), shared_sum));
       const float masked_value = 0.0f * p.scale;
@@ -193,7 +200,7 @@ long_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
         const P ga = pa[column / kVec], yb = pb[column / kVec];
 #pragma unroll
         for (int k = 0; k < kVec; ++k)
-          if (column + k < visible) dot += static_cast<double>(to_float(ga.v[k]) * to_float(yb.v[k]));
+          if (column + k < visible) dot += exact_product<T>(to_float(ga.v[k]), to_float(yb.v[k]));
       }
       const float dot_f = static_cast<float>(team_reduce<kBlockTeam>(dot, Add(), shared_sum));
       const float masked_value = 0.0f * p.scale;

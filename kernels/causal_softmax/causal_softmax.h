@@ -23,7 +23,7 @@ cudaError_t launch_causal_softmax(ElementType type, const void* scores, void* ou
                                   std::int64_t query_rows, std::int64_t columns, float scale, cudaStream_t stream);
 
 // grad_scores = scale * output * (grad_output - sum(grad_output * output)) over each row's unmasked columns, the
-// products rounded to float and summed in double; masked entries 0 * scale (grad_output there is not read).
+// exact products summed in double; masked entries 0 * scale (grad_output there is not read).
 cudaError_t launch_causal_softmax_backward(ElementType type, const void* grad_output, const void* output,
                                            void* grad_scores, std::int64_t rows, std::int64_t query_rows,
                                            std::int64_t columns, float scale, cudaStream_t stream);
