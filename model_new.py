@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.functional import leaky_relu
+from kernels.functional import causal_softmax, leaky_relu
 from kernels.gemm.gemm import FusedLinear
+from kernels.nn import GELUTanh
 
 
 class LeakyReLUModelNew(nn.Module):
@@ -77,9 +78,80 @@ class MLPModelNew(nn.Module):
         return x
 
 
+class CausalSelfAttentionNew(nn.Module):
+    """reference.CausalSelfAttention with its projections on FusedLinear and the scale, causal mask and softmax in
+    one sweep over memory (causal_softmax). The `bias` buffer is kept (same state_dict); while it holds the causal
+    mask the reference builds, the mask is applied as causal, and after any change to it made through PyTorch (its
+    version moves) it is checked again, falling back to the reference's masked_fill where it no longer is causal."""
+
+    def __init__(self, n_embd, n_head, attn_pdrop, resid_pdrop, max_seqlen):
+        super().__init__()
+        assert n_embd % n_head == 0
+        self.c_attn = FusedLinear(n_embd, 3 * n_embd)
+        self.c_proj = FusedLinear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(attn_pdrop)
+        self.resid_dropout = nn.Dropout(resid_pdrop)
+        self.register_buffer("bias", torch.tril(torch.ones(max_seqlen, max_seqlen)).view(1, 1, max_seqlen, max_seqlen))
+        self.n_head = n_head
+        self.n_embd = n_embd
+        self._causal_mask_seen = None  # (buffer, its version) last found to be the causal mask
+
+    def _mask_is_causal(self):
+        seen = (self.bias, self.bias._version)
+        if self._causal_mask_seen is None or self._causal_mask_seen[0] is not seen[0] or \
+                self._causal_mask_seen[1] != seen[1]:
+            size = self.bias.shape[-1]
+            causal = self.bias.shape == (1, 1, size, size) and bool(
+                torch.equal(self.bias[0, 0] != 0, torch.ones(size, size, dtype=torch.bool,
+                                                              device=self.bias.device).tril()))
+            self._causal_mask_seen = seen if causal else None
+            return causal
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        scale = 1.0 / math.sqrt(k.size(-1))
+        if self._mask_is_causal():
+            att = causal_softmax(q @ k.transpose(-2, -1), scale)
+        else:
+            att = (q @ k.transpose(-2, -1)) * scale
+            att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        att = self.attn_dropout(att)
+        y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MiniGPTBlockModelNew(nn.Module):
+    """reference.MiniGPTBlockModel: the same modules under the same names, built in the same order; its Linear
+    layers on FusedLinear, attention as CausalSelfAttentionNew, NewGELU in one sweep over memory (gelu_tanh)."""
+
+    def __init__(self, n_embd, n_head, attn_pdrop, resid_pdrop, max_seqlen):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttentionNew(n_embd, n_head, attn_pdrop, resid_pdrop, max_seqlen)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.ModuleDict(dict(
+            c_fc=FusedLinear(n_embd, 4 * n_embd),
+            c_proj=FusedLinear(4 * n_embd, n_embd),
+            act=GELUTanh(),
+            dropout=nn.Dropout(resid_pdrop),
+        ))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        m = self.mlp
+        return x + m.dropout(m.c_proj(m.act(m.c_fc(self.ln_2(x)))))
+
+
 MODEL_NEW = {
     "leaky_relu": LeakyReLUModelNew,
     "gemm_multiply_leaky_relu": GemmMultiplyLeakyReLUModelNew,
     "mlp": MLPModelNew,
     "shallow_wide_mlp": MLPModelNew,
+    "mini_gpt_block": MiniGPTBlockModelNew,
 }

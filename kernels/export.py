@@ -37,7 +37,7 @@ REPO_ROOT = os.path.dirname(loader.SOURCE_ROOT)
 
 # The families each problem's ModelNew calls (with the families they require).
 PROBLEM_FAMILIES = {"leaky_relu": ("leaky_relu",), "gemm_multiply_leaky_relu": ("gemm",), "mlp": ("gemm",),
-                    "shallow_wide_mlp": ("gemm",)}
+                    "shallow_wide_mlp": ("gemm",), "mini_gpt_block": ("gemm", "gelu_tanh", "causal_softmax")}
 
 # The functions of the loader the candidate runs to pick its build flags, copied from the loader's own source.
 _LOADER_FUNCTIONS = (loader._env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags)

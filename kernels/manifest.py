@@ -60,6 +60,13 @@ FAMILIES = (
         python_module="kernels.gelu_tanh.gelu_tanh",
         autograd_sources=("gelu_tanh/gelu_tanh_autograd.cpp",),
     ),
+    Family(
+        name="causal_softmax",
+        cpp_sources=("causal_softmax/causal_softmax.cpp",),
+        cuda_sources=("causal_softmax/causal_softmax.cu",),
+        python_module="kernels.causal_softmax.causal_softmax",
+        autograd_sources=("causal_softmax/causal_softmax_autograd.cpp",),
+    ),
 )
 
 

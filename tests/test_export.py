@@ -13,7 +13,7 @@ from conftest import HAS_CUDA, requires_cuda
 from kernels.export import candidate_source, static_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBLEMS = ["leaky_relu", "gemm_multiply_leaky_relu", "mlp", "shallow_wide_mlp"]
+PROBLEMS = ["leaky_relu", "gemm_multiply_leaky_relu", "mlp", "shallow_wide_mlp", "mini_gpt_block"]
 
 
 class _Candidates(dict):

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_bitwise_equal, run_on_two_processes
 from kernels import loader
+from kernels.causal_softmax.causal_softmax import causal_softmax
 from kernels.gemm.gemm import KEPT_SPLIT_MIN_PRODUCTS, SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from kernels.manifest import FAMILIES
 from kernels.precision import (ALLCLOSE_TOLERANCE, CUBLAS_BF16X9_ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR,
@@ -214,12 +215,62 @@ class GemmCase:
         assert ours <= limit, f"error against float64 {ours:.3g}, eager's {eager:.3g}"
 
 
+class CausalSoftmaxCase:
+    """The causal softmax family: the function forward and backward (its C++ node calls the backward op), against
+    eager's scale, causal masked_fill and softmax, allclose(1e-5). Rows of both kernel paths (a warp's, a block's),
+    NaN at a masked entry (never read)."""
+
+    family = "causal_softmax"
+    ops = {"causal_softmax", "causal_softmax_backward"}
+    scale = 0.125
+
+    def __str__(self):
+        return "causal_softmax"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        draws = {}
+        for name, shape in (("short", (2, 3, 40, 40)), ("long", (1, 9, 2000))):
+            scores = torch.randn(*shape, device=device, generator=generator)
+            scores[..., 0, -1] = float("nan")
+            draws[name] = scores
+            draws[f"{name} grad"] = torch.randn(*shape, device=device, generator=generator)
+        return draws
+
+    @staticmethod
+    def run(fn, inputs, scale):
+        outputs = {}
+        for name in ("short", "long"):
+            leaf = inputs[name].clone().requires_grad_(True)
+            y = fn(leaf, scale)
+            y.backward(inputs[f"{name} grad"])
+            outputs[name], outputs[f"{name} grad"] = y.detach(), leaf.grad
+        return outputs
+
+    def ours(self, **inputs):
+        return self.run(causal_softmax, inputs, self.scale)
+
+    def eager(self, **inputs):
+        def steps(scores, scale):
+            rows, columns = scores.shape[-2:]
+            masked = torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(columns - rows + 1)
+            return torch.softmax((scores * scale).masked_fill(masked, float("-inf")), dim=-1)
+
+        return self.run(steps, inputs, self.scale)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
               for path in PATHS_ON_SECOND
               for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
-CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES
+CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [CausalSoftmaxCase()]
 
 
 def ops_that_compute():

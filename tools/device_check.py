@@ -1,5 +1,5 @@
 """The checks that need the GPU machine, one subcommand each: build, tests, sanitize, bench, multi-gpu, sm80, profile,
-gelu-tanh, all.
+gelu-tanh, causal-softmax, all.
 
     python tools/device_check.py all            # build, tests, sanitize, bench: the whole single-GPU run
     python tools/device_check.py build          # cold build and warm imports timed, SASS summaries, smoke test
@@ -11,6 +11,7 @@ gelu-tanh, all.
     python tools/device_check.py sm80           # the sm_80 kernel on a Hopper GPU
     python tools/device_check.py profile [PATH ...]   # tensor-core rates; Nsight Compute of the split GEMMs
     python tools/device_check.py gelu-tanh      # the GELU (tanh) kernels' bandwidth against a copy, and their error
+    python tools/device_check.py causal-softmax [--shape 128,8,512,512] [--dtypes float32,bfloat16]
 
 What each subcommand runs:
   build      nvidia-smi's line for the GPU, torch's and CUDA's versions, the CPU count. A cold build of the op library
@@ -65,6 +66,11 @@ What each subcommand runs:
              them; then the error against the float64 formula of ours, eager's formula and F.gelu, forward and
              backward, per dtype, on randn * 3 and on -20..20 (2^24 elements each). Into gelu_tanh.json and
              gelu_tanh.log.
+  causal-softmax the causal softmax family at 44_MiniGPTBlock's scores (128, 8, 512, 512) or --shape: for each of --dtypes,
+             forward and backward (the op, and through autograd) timed beside a device-to-device copy of the bytes
+             each must move (the unmasked entries read, every entry written) and eager's steps (scale, the causal
+             masked_fill with minGPT's mask buffer, softmax; autograd's backward of them), the error of each against
+             float64 (forward, and autograd's gradient); into causal_softmax.log and causal_softmax.json.
   all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
              where the build or the smoke test failed.
 
@@ -745,6 +751,88 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+# The causal softmax measurement, in a process of its own: argv[1] the shape, argv[2] the dtypes, argv[3] the JSON path.
+CAUSAL_SOFTMAX_MEASUREMENT = r"""
+import json, math, sys
+import torch
+from kernels.functional import causal_softmax
+from kernels.precision import relative_error
+from kernels.timing import time_each_ms
+
+shape = tuple(int(n) for n in sys.argv[1].split(","))
+dtypes = [getattr(torch, name) for name in sys.argv[2].split(",")]
+rows, columns = shape[-2:]
+scale = 1.0 / math.sqrt(96)  # 44_MiniGPTBlock: n_embd 768, 8 heads
+bias = torch.tril(torch.ones(columns, columns, device="cuda")).view(1, 1, columns, columns)[..., -rows:, :]
+numel = math.prod(shape)
+visible = numel // (rows * columns) * sum(min(columns, max(0, i + columns - rows + 1)) for i in range(rows))
+print(torch.cuda.get_device_name(), "torch", torch.__version__, "shape", shape, "scale", scale)
+results = []
+
+def eager(scores):  # minGPT's steps, its mask buffer compared with 0 at each call
+    att = scores * scale
+    att = att.masked_fill(bias[:, :, :rows, :columns] == 0, float("-inf"))
+    return torch.softmax(att, dim=-1)
+
+for dtype in dtypes:
+    size = torch.tensor([], dtype=dtype).element_size()
+    scores = torch.randn(shape, device="cuda").mul_(3).to(dtype)
+    grad = torch.randn(shape, device="cuda").to(dtype)
+    y = causal_softmax(scores, scale)
+    leaf = scores.clone().requires_grad_(True)
+    y_graphed = causal_softmax(leaf, scale)
+    eager_leaf = scores.clone().requires_grad_(True)
+    y_eager = eager(eager_leaf)
+    forward_bytes, backward_bytes = (visible + numel) * size, (2 * visible + numel) * size
+    copy_forward = torch.empty(forward_bytes // 2 // size, dtype=dtype, device="cuda")
+    copy_backward = torch.empty(backward_bytes // 2 // size, dtype=dtype, device="cuda")
+    copy_forward_out, copy_backward_out = torch.empty_like(copy_forward), torch.empty_like(copy_backward)
+    fns = {
+        "forward": lambda: causal_softmax(scores, scale),
+        "forward copy": lambda: copy_forward_out.copy_(copy_forward),
+        "forward eager": lambda: eager(scores),
+        "backward op": lambda: torch.ops.kernels.causal_softmax_backward(grad, y, scale),
+        "backward autograd": lambda: torch.autograd.grad(y_graphed, leaf, grad, retain_graph=True),
+        "backward copy": lambda: copy_backward_out.copy_(copy_backward),
+        "backward eager autograd": lambda: torch.autograd.grad(y_eager, eager_leaf, grad, retain_graph=True),
+    }
+    times = dict(zip(fns, time_each_ms(list(fns.values()), samples=20)))
+    del copy_forward, copy_backward, copy_forward_out, copy_backward_out
+    # Errors against float64 on the first 16 matrices of the batch (the whole tensor in float64 would not fit twice).
+    part = scores.reshape(-1, rows, columns)[:16]
+    part_grad = grad.reshape(-1, rows, columns)[:16]
+    s64 = part.double().requires_grad_(True)
+    y64 = eager(s64.view(-1, 1, rows, columns)).view(-1, rows, columns)
+    (g64,) = torch.autograd.grad(y64, s64, part_grad.double())
+    errors = {}
+    for name, fn in (("ours", causal_softmax), ("eager", lambda s, _: eager(s.view(-1, 1, rows, columns)).view(s.shape))):
+        s_leaf = part.clone().requires_grad_(True)
+        out = fn(s_leaf, scale)
+        (g,) = torch.autograd.grad(out, s_leaf, part_grad)
+        errors[name] = (relative_error(out.detach(), y64.detach()), relative_error(g, g64))
+    gb = lambda b, ms: b / ms / 1e9  # TB/s
+    row = {"dtype": str(dtype), "shape": shape, "times_ms": times, "forward_bytes": forward_bytes,
+           "backward_bytes": backward_bytes, "errors": errors, "device": torch.cuda.get_device_name()}
+    results.append(row)
+    print(f"== {dtype}: forward moves {forward_bytes / 1e9:.3f} GB (unmasked read, all written), backward "
+          f"{backward_bytes / 1e9:.3f} GB")
+    for direction, nbytes in (("forward", forward_bytes), ("backward", backward_bytes)):
+        copy_ms = times[f"{direction} copy"]
+        for name, ms in times.items():
+            if name.startswith(direction):
+                print(f"  {name:26} {ms:8.4f} ms  {gb(nbytes, ms):6.3f} TB/s of its bytes  "
+                      f"{copy_ms / ms * 100:6.1f}% of the copy's rate")
+    print(f"  eager's forward / ours: {times['forward eager'] / times['forward']:.2f}x; eager's autograd backward / "
+          f"ours: {times['backward eager autograd'] / times['backward autograd']:.2f}x")
+    print(f"  error against float64 (first 16 matrices), forward: ours {errors['ours'][0]:.4g}, eager "
+          f"{errors['eager'][0]:.4g}; gradient: ours {errors['ours'][1]:.4g}, eager {errors['eager'][1]:.4g}")
+    del scores, grad, y, leaf, y_graphed, eager_leaf, y_eager
+    torch.cuda.empty_cache()
+with open(sys.argv[3], "w") as f:
+    json.dump(results, f, indent=1)
+"""
+
+
 def gelu_tanh(args):
     """The GELU (tanh) kernels' time against a copy at the MLP activation's size, and their error against float64."""
     if not passed("build", run(IMPORT_LIBRARY)):
@@ -753,6 +841,13 @@ def gelu_tanh(args):
     ran = run([PYTHON, "-c", GELU_TANH_MEASUREMENT, os.path.join(args.out, "gelu_tanh.json")],
               log=os.path.join(args.out, "gelu_tanh.log"), limit_s=600)
     return [] if passed("gelu-tanh", ran, 600) else ["gelu-tanh"]
+
+
+def causal_softmax(args):
+    """The causal softmax family's forward and backward against the copy rate and eager's steps."""
+    ran = run([PYTHON, "-c", CAUSAL_SOFTMAX_MEASUREMENT, args.shape, args.dtypes,
+               os.path.join(args.out, "causal_softmax.json")], log=os.path.join(args.out, "causal_softmax.log"))
+    return [] if passed("causal-softmax", ran) else ["causal-softmax"]
 
 
 def run_all(args):
@@ -833,6 +928,9 @@ def parse_arguments(argv):
                      help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES=1)")
     name_extra_in_usage(sub, "PATH[:forward_anew|:grad_x|:grad_w]")
     add("gelu-tanh", gelu_tanh, "the GELU (tanh) kernels' bandwidth against a copy at 65536 x 3072, and their error")
+    sub = add("causal-softmax", causal_softmax, "the causal softmax family against the copy rate and eager's steps")
+    sub.add_argument("--shape", default="128,8,512,512", help="the scores' shape, comma-separated (128,8,512,512)")
+    sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
     sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
                      help="(default: $SKIP_TESTS=1)")

@@ -9,6 +9,7 @@ the smoke test, under a time limit, before the test suite.
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from kernels.functional import gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import causal_softmax, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
 from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
@@ -94,9 +95,30 @@ def gemm_cases():
                       tol=1e-3)
 
 
+def causal_softmax_cases():
+    # Every configuration: a warp per row (packs, single elements), a block per row, streamed long rows; more keys
+    # than queries, more queries than keys (all-masked rows: NaN), a view at an offset (single elements).
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in [(3, 1, 1), (2, 37, 37), (2, 16, 64), (2, 40, 17), (1, 5, 1500), (1, 5, 1501), (1, 3, 9000),
+                      (1, 3, 9001)]:
+            base = torch.randn(math.prod(shape) + 1, device="cuda", dtype=dtype)
+            for name, scores in {"aligned": base[:-1].view(shape), "offset": base[1:].view(shape)}.items():
+                rows, columns = shape[-2:]
+                masked = torch.ones(rows, columns, dtype=torch.bool, device="cuda").triu(columns - rows + 1)
+                eager = torch.softmax((scores.float() * 0.3).masked_fill(masked, float("-inf")), dim=-1)
+                y = causal_softmax(scores, 0.3)
+                check(f"causal_softmax {dtype} {shape} {name}", y, eager, tol=1e-2)
+                grad = torch.randn_like(scores)
+                g32, y32 = grad.float().masked_fill(masked, 0), y.float().masked_fill(masked, 0)
+                expected = 0.3 * y32 * (g32 - (g32 * y32).sum(-1, keepdim=True))
+                check(f"causal_softmax_backward {dtype} {shape} {name}",
+                      torch.ops.kernels.causal_softmax_backward(grad, y, 0.3), expected, tol=1e-2)
+
+
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     elementwise_cases()
     gemm_cases()
+    causal_softmax_cases()
     torch.cuda.synchronize()
     print(f"sanitize_cases: every kernel ran and matched eager (GEMM paths: {', '.join(gemm_paths('cuda'))})")

@@ -26,7 +26,7 @@ def _gelu_tanh_backward_fake(grad_output, x):
 
 
 def gelu_tanh(x):
-    """minGPT's NewGELU, 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), in one pass (backward too),
+    """minGPT's NewGELU, 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), in one sweep over memory (backward too),
     computed in float (double for float64) and rounded once."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"kernels.gelu_tanh: x must be a torch.Tensor, got {type(x).__name__}")
