@@ -477,7 +477,9 @@ def test_out_of_memory_while_making_a_kept_split_goes_on_without():
     """Where the GPU's memory runs out while making a weight's split to keep, the call goes on without one, with
     eager's result, and the GPU's kept splits are dropped: no out-of-memory error that eager would not raise."""
     torch.manual_seed(0)
-    kept, layer = FusedLinear(4096, 4096).cuda(), FusedLinear(4096, 4096).cuda()
+    # kept's split (16 MB) is smaller than layer's (64 MB): were it dropped to make room, its memory and the headroom
+    # below would still not hold layer's, so the allocation fails whatever this process held before.
+    kept, layer = FusedLinear(4096, 1024).cuda(), FusedLinear(4096, 4096).cuda()
     x = torch.randn(1024, 4096, device="cuda")
     if gemm_path(x, layer.weight) != "split_fp16":
         pytest.skip("the kept split of this test's shape is split_fp16's")
