@@ -984,6 +984,11 @@ def legend(rows):
                      f"against a float64 copy; loss drift: the largest difference of the losses over {DRIFT_STEPS} "
                      f"AdamW steps (lr 1e-4) from the same weights and batches, against the float64 run's and "
                      f"against eager fp32's.")
+    if any(r["variant"] == "ModelNew" and "/" in str(r["verdict"] or "") for r in rows):
+        lines.append(f"KernelBench rows (level 3, problem files): both models built on the CPU after seed "
+                     f"{KERNELBENCH_SEED} and moved to the GPU, timed under no_grad on get_inputs()'s draw; fp32 tol: "
+                     f"the trials of {KERNELBENCH_TRIALS} seeded draws of get_inputs() on which ModelNew matched the "
+                     f"Model at atol = rtol = 1e-4 (the harness's check).")
     if any(r["error"] is not None for r in rows):
         lines.append("error: ||y - y64|| / ||y64|| against float64 on the same inputs; fp32 tol: allclose to eager "
                      "float32 at atol = rtol = 1e-4.")
