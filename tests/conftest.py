@@ -51,19 +51,12 @@ def device(request):
     return request.param
 
 
-# The heavy tests, by node id: builds and compiler runs, fresh processes, torch.compile, shapes at the problems' scale,
-# long training loops, tensors of 2^31 elements, peak-memory probes. `pytest -m "not slow"` leaves them out for an
-# edit loop; the README's command runs everything.
-SLOW_TESTS = re.compile(r"test_loader\.py|test_cuda_compile\.py|test_multi_gpu\.py|test_export\.py|two_cpu_processes|"
-                        r"torch_compile|aot_inductor|training|2_to_the_31|more_than_2|problem|peak_memory|cpu_loops|"
-                        r"host_program|epilogue_by_tma")
-
-
-# The tests that hold GPU memory by the tens of gigabytes (2^31 elements, LeakyReLU's candidate on the problem's
-# inputs in a fresh process): under pytest-xdist's workers, which share the GPU, they take a file lock in turn (one per
-# user and machine, so two test runs at once take turns too), so that two of them never meet on one GPU. Every other
-# test stays under a few GB.
-LARGE_GPU_MEMORY_TESTS = re.compile(r"2_to_the_31|problem_size_on_five_seeds\[leaky_relu\]")
+# The tiers are explicit markers on the tests (pyproject.toml registers them): `slow` on the heavy ones (builds and
+# compiler runs, fresh processes, torch.compile, shapes at the problems' scale, long training loops, tensors of 2^31
+# elements, peak-memory probes), which `pytest -m "not slow"` leaves out for an edit loop; `large_gpu_memory` on the
+# tests that hold GPU memory by the tens of gigabytes: under pytest-xdist's workers, which share the GPU, they take a
+# file lock in turn (one per user and machine, so two test runs at once take turns too), so that two of them never
+# meet on one GPU. Every other test stays under a few GB.
 LARGE_GPU_MEMORY_LOCK = os.path.join(tempfile.gettempdir(), f"kernels_tests_gpu_memory_{os.getuid()}.lock")
 
 # The slowest tests, slowest first (seconds measured on the H100 machine with 8 workers; the CPU machine ranks them
@@ -86,11 +79,6 @@ def slowness_rank(item):
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if SLOW_TESTS.search(item.nodeid):
-            item.add_marker(pytest.mark.slow)
-        if LARGE_GPU_MEMORY_TESTS.search(item.nodeid):
-            item.add_marker(pytest.mark.large_gpu_memory)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         # The order in which pytest-xdist hands tests out (`--maxschedchunk 1`: two to each worker to start with, then

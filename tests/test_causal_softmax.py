@@ -301,6 +301,7 @@ def test_opcheck(device):
                               (torch.randn_like(y).requires_grad_(requires_grad), y, SCALE))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph(device):
     """The attention steps around the op, compiled whole: eager's results forward and backward."""
     torch._dynamo.reset()

@@ -12,6 +12,8 @@ from conftest import NVCC, requires_nvcc
 from kernels import loader
 from kernels.manifest import FAMILIES
 
+pytestmark = pytest.mark.slow  # nvcc over every unit
+
 ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 
 

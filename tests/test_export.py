@@ -12,6 +12,8 @@ import pytest
 from conftest import HAS_CUDA, requires_cuda
 from kernels.export import candidate_source, static_check
 
+pytestmark = pytest.mark.slow  # candidates built and run in fresh processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEMS = ["leaky_relu", "gemm_multiply_leaky_relu", "mlp", "shallow_wide_mlp", "mini_gpt_block"]
 
@@ -196,8 +198,14 @@ def test_check_prints_a_verdict_not_the_source(problem):
     assert len(result.stdout.splitlines()) < 10 and "__global__" not in result.stdout
 
 
+# KernelBench's inputs for leaky_relu (6.4 GB each) and shallow_wide_mlp's two models (8.6 GB of weights each, and the
+# kept splits): tens of GB of GPU memory.
+LARGE_PROBLEMS = {"leaky_relu", "shallow_wide_mlp"}
+
+
 @requires_cuda
-@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("problem", [pytest.param(p, marks=pytest.mark.large_gpu_memory) if p in LARGE_PROBLEMS else p
+                                     for p in PROBLEMS])
 def test_candidate_at_the_problem_size_on_five_seeds(candidates, problem, tmp_path):
     """KernelBench's own check: get_inputs() at full size, moved to the GPU, allclose 1e-4 on every seed."""
     assert all(run_candidate(candidates[problem], problem, "cuda", 5, [], [], tmp_path))

@@ -263,6 +263,7 @@ def test_opcheck(device):
                               (torch.randn_like(x).requires_grad_(requires_grad), x))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()
     model = torch.compile(torch.nn.Sequential(torch.nn.Linear(64, 129), GELUTanh()).to(device), fullgraph=True)

@@ -222,6 +222,7 @@ def test_backward_op_opcheck_and_bad_inputs(device):
         op(grad_y.double(), x, weight, saved, 2.0, 0.1, True, True, True)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_forward_and_backward(device):
     torch._dynamo.reset()
     reference, new = make_pair(64, 32, 2.0, -0.2, device)
@@ -353,6 +354,11 @@ def special_inputs(kind, m, k, seed=0):
 
 
 # Shapes the automatic choice sends to the split path: there it must be at least as accurate as eager fp32.
+def slow_problem_shape(shapes):
+    """The names of `shapes` as parameters, the problem's own size marked slow."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name == "problem" else name for name in shapes]
+
+
 SPLIT_SHAPES = {  # name: (m, k, n)
     "problem": (1024, 8192, 8192),
     "tails": (1153, 1048, 1031),  # M, N, K not multiples of the tiles; K not a multiple of the promotion interval
@@ -405,7 +411,7 @@ def check_split(x, weight, bias, multiplier=2.0, slope=0.1, path="split_fp16", f
 
 @over_split_paths
 @pytest.mark.parametrize("kind", ["randn", "rand"])
-@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+@pytest.mark.parametrize("shape", slow_problem_shape(SPLIT_SHAPES))
 def test_split_path_more_accurate_than_eager_fp32(shape, kind, path):
     m, k, n = SPLIT_SHAPES[shape]
     _, new = make_pair(k, n, 2.0, 0.1, "cuda")
@@ -509,6 +515,7 @@ int main() {
 
 
 @requires_nvcc
+@pytest.mark.slow
 def test_unscale_is_ldexpf_bit_for_bit_host_program(tmp_path):
     from kernels import loader
 
@@ -632,6 +639,7 @@ torch.save(results, sys.argv[1])
 
 
 @pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.slow
 def test_split_fp16_epilogue_by_tma_and_by_plain_stores_agree_bit_for_bit(tmp_path):
     """The Hopper kernel's TMA epilogue (outputs made in the staging buffer, then TMA stores) and its plain-stores
     epilogue (KERNELS_GEMM_PLAIN_STORES=1, what the sanitizer's initcheck runs) give the same outputs, masks and
@@ -729,7 +737,7 @@ KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
 
 @over_split_paths
 @pytest.mark.parametrize("weights", ["randn", "non_finite_rows", "rows_times_1e-30"])
-@pytest.mark.parametrize("shape", KEPT_SPLIT_SHAPES)
+@pytest.mark.parametrize("shape", slow_problem_shape(KEPT_SPLIT_SHAPES))
 def test_kept_weight_split_gives_the_same_results_bit_for_bit(shape, weights, path):
     m, k, n = KEPT_SPLIT_SHAPES[shape]
     torch.manual_seed(0)
@@ -890,7 +898,7 @@ BACKWARD_SHAPES = {  # name: (m, k, n); each backward product's reduction (n for
 
 @over_split_paths
 @pytest.mark.parametrize("multiplier,slope", [(2.0, 0.1), (-1.5, -0.2)])
-@pytest.mark.parametrize("shape", BACKWARD_SHAPES)
+@pytest.mark.parametrize("shape", slow_problem_shape(BACKWARD_SHAPES))
 def test_split_backward_as_accurate_as_eager(shape, multiplier, slope, path):
     check_split_backward(*BACKWARD_SHAPES[shape], multiplier, slope, path)
 
@@ -1042,6 +1050,7 @@ def train_losses(model, x, target, steps, lr):
 
 
 @over_split_paths
+@pytest.mark.slow
 def test_training_tracks_eager_loss_curve(path):
     """300 SGD steps of a 2-layer MLP of these modules at a size the split path takes (1024 wide, 1024 rows, its
     forward and both backward products on the split path) against the same MLP of the reference modules in float32

@@ -117,10 +117,12 @@ def check_cpu_loops():
                     assert_bitwise_equal(torch.ops.kernels.leaky_relu_backward(grad, mask, slope, multiplier), expected)
 
 
+@pytest.mark.slow
 def test_cpu_loops():
     check_cpu_loops()
 
 
+@pytest.mark.slow
 def test_cpu_loops_generic_build():
     """The CPU loops have a generic build beside the AVX2 one, taken where the CPU lacks AVX2 or ATen's own kernels
     are held to their generic build (ATEN_CPU_CAPABILITY=default, as here); it must give the same results."""
@@ -454,6 +456,7 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.kernels.leaky_relu_backward.default, (torch.randn_like(x), x > 0, -0.2, 2.0))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()
     model = torch.compile(LeakyReLUModelNew(0.05), fullgraph=True)

@@ -17,6 +17,8 @@ from kernels.manifest import FAMILIES, Family
 
 from test_cuda_compile import NVCC, compile_cuda
 
+pytestmark = pytest.mark.slow  # builds of the op library, fresh processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The test family: its .cu reuses the LeakyReLU family's names (kThreads and a kernel called

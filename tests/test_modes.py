@@ -91,6 +91,7 @@ def test_autocast_gradients_follow_eager(device, shape, dtype):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_CUDA else []))
 @pytest.mark.parametrize("dtype", AUTOCAST_DTYPES)
+@pytest.mark.slow
 def test_autocast_training_loop_tracks_eager(device, dtype):
     """Eight SGD steps under autocast, the loss scaled by GradScaler for float16 on CUDA: our loss tracks eager's."""
     reference, new = make_pair(256, 128, device, slope=0.1)
@@ -243,6 +244,7 @@ sys.exit(subprocess.run([sys.executable, "-c", runner, repo, package, str(folder
 """
 
 
+@pytest.mark.slow
 def test_aot_inductor_package_runs_in_a_fresh_process(device, tmp_path):
     reference, new = make_pair(64, 32, device)
     x = torch.randn(8, 64, device=device)

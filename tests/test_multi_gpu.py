@@ -32,6 +32,8 @@ from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 from tools.ddp_check import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink
 
+pytestmark = pytest.mark.slow  # processes on two GPUs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 requires_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")

@@ -408,6 +408,7 @@ def test_kept_splits_stay_within_the_budget():
 # ---- modes -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", ["small", "split"])
+@pytest.mark.slow
 def test_patched_model_under_torch_compile(shape, device):
     """torch.compile(fullgraph=True) of a patched model: the same results as the patched model in eager, gradients
     too, at a shape no split takes and at one the split path takes (on the GPU)."""
@@ -451,6 +452,7 @@ def test_patched_model_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("shape", ["small", "split"])
+@pytest.mark.slow
 def test_fp32_gemm_mode_under_torch_compile(shape, device):
     """A compiled function called inside fp32_gemm(): the same results as the mode in eager."""
     if shape == "split" and device == "cpu":

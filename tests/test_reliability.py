@@ -146,6 +146,7 @@ def mib(n_bytes):
 
 @pytest.mark.parametrize("path", GEMM_PATHS)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.slow
 def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
     """At a size that takes a split path, with the problem's multiplier and slope (positive: the backward saves the
     output itself, as the reference saves its pre-activation). The reference peaks at two outputs (the linear's and
@@ -183,6 +184,7 @@ def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.slow
 def test_leaky_relu_forward_peak_memory_is_no_more_than_the_reference(grad):
     x = torch.randn(4096, 16384, device="cuda").requires_grad_(grad)  # 256 MiB
     new, reference = LeakyReLUModelNew(0.01), LeakyReLUModel(0.01)
@@ -202,6 +204,8 @@ def enough_gpu_memory(gigabytes):
 
 @pytest.mark.skipif(not enough_gpu_memory(40), reason="needs 40 GB of GPU memory")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.slow
+@pytest.mark.large_gpu_memory
 def test_leaky_relu_on_more_than_2_to_the_31_elements(dtype):
     n = (1 << 31) + 4099
     x = torch.empty(n, dtype=dtype, device="cuda").uniform_(-2, 2)
@@ -215,6 +219,8 @@ def test_leaky_relu_on_more_than_2_to_the_31_elements(dtype):
 
 @pytest.mark.skipif(not enough_gpu_memory(40), reason="needs 40 GB of GPU memory")
 @pytest.mark.parametrize("path", GEMM_PATHS)
+@pytest.mark.slow
+@pytest.mark.large_gpu_memory
 def test_gemm_output_of_more_than_2_to_the_31_elements(path):
     m, k, n = 65539, 64, 32776  # m * n = 2^31 + 0.5 M
     assert m * n > 1 << 31

@@ -56,6 +56,7 @@ def run_tp_check(device_env):
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.slow
 def test_tensor_parallel_and_fsdp2_on_two_cpu_processes():
     output = run_tp_check({"TP_CHECK_DEVICE": "cpu"})
     for case in CASES:
