@@ -137,7 +137,7 @@ def run_on_two_processes(script, env=None, timeout=600):
     """`script` (a path from the repository root) on two processes under torchrun, NVLink multicast off (as
     tools/ddp_check.py says why); its output, once both exited with status 0. The launcher runs in a session of its
     own, so that on a timeout it and both ranks are killed together."""
-    from tools.ddp_check import NO_NVLINK_MULTICAST
+    from distributed_helpers import NO_NVLINK_MULTICAST
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]

@@ -30,7 +30,7 @@ from kernels.precision import (ALLCLOSE_TOLERANCE, CUBLAS_BF16X9_ERROR_RATIO_LIM
                                gradient_atol, relative_error)
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
-from tools.ddp_check import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink
+from distributed_helpers import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink
 
 pytestmark = pytest.mark.slow  # processes on two GPUs
 

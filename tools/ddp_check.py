@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # multi-GPU host a program that uses it can leave the GPUs unusable. The settings live in the device runner, which
 # sets them for its multi-GPU run; the tests take them from here. Set before torch.distributed is imported, which
 # reads them.
-from tools.device_check import NO_NVLINK_MULTICAST  # noqa: E402
+from tests.distributed_helpers import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink  # noqa: E402
 
 for _name, _value in NO_NVLINK_MULTICAST.items():
     os.environ.setdefault(_name, _value)
@@ -75,17 +75,6 @@ def last_preactivation(reference, x):
         for layer in first:
             x = layer(x)
         return last.gemm(x) * last.multiplier
-
-
-def grad_output_away_from_the_kink(pre, generator):
-    """A randn grad_output that is zero wherever the reference's pre-activation `pre` is within 1e-4 of its largest
-    magnitude from zero. There LeakyReLU's derivative jumps: a pre-activation a rounding error away on the other side
-    of zero (the split_fp16 path rounds differently from SGEMM, as SGEMM does from float64) changes that element's
-    gradient by (1 - slope) times its grad_output, a difference between two right answers. Everywhere else both
-    models apply the same formulas on the same branch, so their gradients must agree. (The stack's inner layers run
-    on the cuBLAS path, whose pre-activations are eager's bit for bit, so only the last one needs this.)"""
-    grad = torch.randn(pre.shape, device=pre.device, generator=generator)
-    return grad.masked_fill(pre.abs() <= 1e-4 * pre.abs().max(), 0.0)
 
 
 class Comparisons:

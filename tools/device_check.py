@@ -39,7 +39,7 @@ What each subcommand runs:
              pytest_multi_gpu (tests/test_multi_gpu.py), ddp_check and tp_check (tools/ddp_check.py and
              tools/tp_check.py under torchrun on 2 processes), peak_memory (tests/test_reliability.py -k peak_memory);
              then the per-rank summary lines of ddp_check and tp_check. NVLink multicast is off in every process it
-             starts (NO_NVLINK_MULTICAST in this file).
+             starts (NO_NVLINK_MULTICAST, tests/distributed_helpers.py).
   sm80       nvidia-smi's clocks, the library built (where $TORCH_EXTENSIONS_DIR or torch's default folder has it,
              that one); the tensor-core instructions per GEMM kernel from the SASS of the GEMM libraries
              (sm80_sass.txt); tools/gemm_sweep.py --path split_fp16_sm80 (sm80_sweep.log), its first 4 lines again
@@ -102,11 +102,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 IMPORT_LIBRARY = [PYTHON, "-c", "import kernels.functional"]
 
-# NVLink multicast stays off, in the multi-gpu run and in every process started from it (pytest's subprocesses,
-# torchrun's ranks): nothing here needs it, and on a shared multi-GPU host a program that uses it can leave the GPUs
-# unusable. tools/ddp_check.py takes these settings from here, and the tests' torchrun runner (tests/conftest.py)
-# from it.
-NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 SMOKE_TEST_LIMIT_S = 180
 # As `timeout --kill-after=30`: a process still there this long after SIGTERM gets SIGKILL.
@@ -525,6 +520,9 @@ def bench(args):
 def multi_gpu(args):
     """The 2-GPU run: GPUs and links, one build, the multi-GPU tests, the DDP and tensor-parallel checks on their
     own for their per-rank lines, the peak-memory tests; each part bounded in time."""
+    sys.path.insert(0, REPO)
+    from tests.distributed_helpers import NO_NVLINK_MULTICAST
+
     os.environ.update(NO_NVLINK_MULTICAST)  # in every process started from here
     run(["nvidia-smi"])
     run(["nvidia-smi", "topo", "-m"])

@@ -32,7 +32,7 @@ from kernels.gemm.gemm import gemm_path  # noqa: E402
 from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol  # noqa: E402
 from model_new import GemmMultiplyLeakyReLUModelNew  # noqa: E402
 from reference import GemmMultiplyLeakyReLUModel  # noqa: E402
-from tools.ddp_check import grad_output_away_from_the_kink  # noqa: E402
+from tests.distributed_helpers import grad_output_away_from_the_kink  # noqa: E402
 
 TOLERANCE = ALLCLOSE_TOLERANCE[torch.float32]
 
