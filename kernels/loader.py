@@ -147,7 +147,7 @@ def build_flags(with_cuda, cpu_loops=True):
         # -split-compile=0: cicc and ptxas take the unit's kernels in threads, one per CPU (gemm's CUDA unit 12.8 ->
         # 7.4 s alone on the H100's host). Its SASS is the same for every thread count (checked for 1 to 16 CPUs);
         # against an unsplit build only the address arithmetic of two memory-bound passes (split_rows_kernel,
-        # nonfinite_outputs_kernel) is rearranged (kernels/gemm/NOTES.md, eleventh session).
+        # nonfinite_outputs_kernel) is rearranged (kernels/gemm/NOTES.md, Decisions, "nvcc -split-compile=0").
         cuda_cflags = ["-O3", "-split-compile=0", *cuda_arch_flags()]
         if _env_flag("KERNELS_LINEINFO"):
             cuda_cflags.append("-lineinfo")
