@@ -132,7 +132,7 @@ def build_flags(with_cuda, cpu_loops=True):
     registrations) or an autograd library, builds at -O1: it is mostly parsing torch's headers, and -O3's code
     generation of its own code took a third of its time (gemm's op unit 11.9 -> 8.1 s, its headers alone 7.7 s, on a
     2-core machine) for host code that runs once per call (bench.py's per-call rows: kernels/leaky_relu/NOTES.md,
-    v11)."""
+    Decisions, "The torch side and the autograd at -O1")."""
     # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
     # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
     # with it too, the library shares the libgomp that torch has loaded (same soname).
@@ -147,7 +147,7 @@ def build_flags(with_cuda, cpu_loops=True):
         # -split-compile=0: cicc and ptxas take the unit's kernels in threads, one per CPU (gemm's CUDA unit 12.8 ->
         # 7.4 s alone on the H100's host). Its SASS is the same for every thread count (checked for 1 to 16 CPUs);
         # against an unsplit build only the address arithmetic of two memory-bound passes (split_rows_kernel,
-        # nonfinite_outputs_kernel) is rearranged (kernels/gemm/NOTES.md, eleventh session).
+        # nonfinite_outputs_kernel) is rearranged (kernels/gemm/NOTES.md, Decisions, "nvcc -split-compile=0").
         cuda_cflags = ["-O3", "-split-compile=0", *cuda_arch_flags()]
         if _env_flag("KERNELS_LINEINFO"):
             cuda_cflags.append("-lineinfo")
@@ -213,8 +213,9 @@ def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
     CPU for each of the units that then compile at once. A cold build takes as long as its slowest unit. With 16 CPUs
     (the H100's host) the torch headers of a family's ops and autograd are parsed at the same time: cold builds 17.4
     and 18.2 s against 18.7 s joined; leaky_relu's op unit, the slowest, loses its loops' code generation apart
-    (kernels/leaky_relu/NOTES.md, build layout). With 2 CPUs, more units compile slower: 30.7 s against 22.4 s
-    joined (kernels/leaky_relu/NOTES.md, v7)."""
+    (kernels/leaky_relu/NOTES.md, Decisions, "The CPU loops a unit of their own"). With 2 CPUs, more units compile
+    slower: 30.7 s against 22.4 s joined (kernels/leaky_relu/NOTES.md, Decisions, "Autograd and CPU loops apart only
+    where each unit has a CPU")."""
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
     units = sum(1 + bool(family.cuda_sources and with_cuda) + bool(family.autograd_sources)
                 + bool(family.cpu_loop_sources) for family in families)

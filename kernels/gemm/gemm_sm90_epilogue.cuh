@@ -82,7 +82,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     // unscaled, activated and written back as 4 outputs at a time, the mask's 4 bytes in one store. The pass is
     // one loop body (about 80 instructions) run 8 times a part, where making each output where its total lies took
     // a straight-line block of about 1,000 instructions a part, fetched anew by the consumers on every tile
-    // (kernels/gemm/NOTES.md, sixth session: grad_W's GEMM 17 us faster).
+    // (kernels/gemm/NOTES.md, Decisions, "The epilogue: totals staged as they are": grad_W's GEMM 17 us faster).
     const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
     const int thread_index = threadIdx.x % 128;
     const bool store_thread = thread_index == 0;
@@ -110,7 +110,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     const bool mask_words = reinterpret_cast<std::uintptr_t>(positive) % 4 == 0;  // n % 4 == 0: rows stay aligned
     // A plain product (the backward's products: no bias, multiplier and slope 1, no mask): each output made by
     // plain_product_output, epilogue()'s value there bit for bit, in 2 or 3 instructions an output instead of 5
-    // (kernels/gemm/NOTES.md, seventh session: grad_W's GEMM 8 us faster).
+    // (kernels/gemm/NOTES.md, Decisions, "The plain product's epilogue": grad_W's GEMM 8 us faster).
     const bool plain_product = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
 #pragma unroll
     for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
