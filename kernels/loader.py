@@ -105,8 +105,8 @@ def cuda_arch_flags():
 
 
 def build_flags(with_cuda, cpu_loops=True):
-    """(C++ flags, CUDA flags, link flags). A C++ unit with CPU loops builds at -O3; one without (torch-side host code
-    that runs once per call) at -O1, which compiles faster at no cost per call (measured: kernels/leaky_relu/NOTES.md)."""
+    """(C++ flags, CUDA flags, link flags). A C++ unit with CPU loops builds at -O3; one without (torch-side host
+    code that runs once per call) at -O1, which compiles faster at no cost per call (kernels/leaky_relu/NOTES.md)."""
     # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
     # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
     # with it too, the library shares the libgomp that torch has loaded (same soname).
