@@ -6,10 +6,8 @@ Triton tf32x3 GEMM) and ModelNew, with the measured error beside every time.
     python bench.py --problem gemm_multiply_leaky_relu --dtype fp32 --size 4096x4096x4096 --quick
     python bench.py --problem-file KernelBench/level3 --quick       # any problem files, the Model patched
 
-Each row: median time (CUDA events, L2 flushed, variants sampled in turn), KernelBench's mean, speedups, rate and
-share of a ceiling timed in the same run, error against float64 and the fp32 verdict; "per call" rows measure host
-overhead; CPU tables (wall-clock) follow the GPU ones, or stand alone without a GPU. Table to stdout, progress to
-stderr.
+Rows: median time (CUDA events, L2 flushed), KernelBench's mean, speedups, share of a ceiling timed alike, error vs
+float64 and fp32 verdict; "per call" rows: host overhead; CPU tables follow (alone without a GPU). Progress: stderr.
 """
 
 import argparse

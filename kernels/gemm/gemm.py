@@ -250,7 +250,7 @@ class FusedLinear(nn.Linear):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if "cache_weight_split" not in state:  # pickled before the split was kept
+        if "cache_weight_split" not in state:  # a pickle without cache_weight_split (an older FusedLinear)
             self.cache_weight_split = True
             self.clear_weight_split()
 
