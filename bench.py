@@ -6,16 +6,8 @@ Triton tf32x3 GEMM) and ModelNew, with the measured error beside every time.
     python bench.py --problem gemm_multiply_leaky_relu --dtype fp32 --size 4096x4096x4096 --quick
     python bench.py --problem-file KernelBench/level3 --quick       # any problem files, the Model patched
 
-Each row: the median time (CUDA events, L2 flushed before each timed call, the samples of every variant of a row
-taken in turn, each round in a fresh order) and the same call timed KernelBench's way (sync, L2 flush, events, mean
-of 100 calls), so the harness's figure can be predicted; the speedups over eager and torch.compile; the achieved
-rate and its share of a ceiling measured in the same run; the error against a float64 reference and the fp32
-tolerance verdict.
-"per call" rows run back to back, where host overhead decides (with grad: x requires grad, so each call records its
-autograd node). Inputs are randn, so both branches of LeakyReLU are exercised. The CPU tables (leaky_relu forward
-and backward, the GEMM's forward, in fp32, fp64, fp16 and bf16, at small sizes; wall-clock times of samples of
-back-to-back calls, about 1 ms each) come after the GPU ones; without a GPU they are the only ones. Progress goes
-to stderr, the table to stdout.
+Rows: median time (CUDA events, L2 flushed), KernelBench's mean, speedups, share of a ceiling timed alike, error vs
+float64 and fp32 verdict; "per call" rows: host overhead; CPU tables follow (alone without a GPU). Progress: stderr.
 """
 
 import argparse
@@ -100,12 +92,9 @@ def run_case(fns, options, kernelbench=True, cpu=False):
     """Median times of fns (the first ones are ceilings), and their KernelBench-style means; cpu=True for CPU
     tensors (wall-clock time, also on a machine with a GPU)."""
     if cpu:
-        # CPU calls here take 0.05-10 ms and run on every core: one late thread (a shared or virtual host), or what
-        # the call before left in the caches, moves a single call by tens of percent. So a CPU sample is as many
-        # back-to-back calls as make about CPU_SAMPLE_MS for the slowest function (the steady state of a loop of
-        # calls), and medians take CPU_SAMPLES_FACTOR times the samples: on a shared 2-core host, where both variants
-        # of a row run at a copy's rate, the ratio of medians of 150 samples moved by a standard deviation of 3% from
-        # one measurement to the next, of 600 by 1.3%. About 2 s a row.
+        # CPU calls run on every core and a single call is noisy (late threads, caches), so a CPU sample is as many
+        # back-to-back calls as make about CPU_SAMPLE_MS for the slowest function, and medians take CPU_SAMPLES_FACTOR
+        # times the samples, which makes the ratios repeatable on a shared host (kernels/leaky_relu/NOTES.md).
         slowest_ms = max(time_ms(fn, samples=3, warmup=1, cpu=True) for fn in fns)
         calls = max(1, min(50, round(CPU_SAMPLE_MS / slowest_ms)))
         times = time_each_ms(fns, samples=options.samples * CPU_SAMPLES_FACTOR, calls_per_sample=calls, cpu=True)

@@ -31,13 +31,9 @@ class LeakyReLUModelNew(nn.Module):
 
 
 class GemmMultiplyLeakyReLUModelNew(nn.Module):
-    """leaky_relu((x @ W^T + b) * multiplier, negative_slope) in one call of kernels::gemm_multiply_leaky_relu
-    (kernels/gemm/gemm.cpp says which path a call takes and why).
-
-    `self.gemm` is created first and is an nn.Linear (FusedLinear: the reference's nn.Linear, whose call can take
-    the epilogue), so a model built after the same seed has the same weights, state_dicts load both ways, and what
-    users attach to `gemm` (a tensor-parallel plan, FSDP2, hooks) applies, since the forward calls it.
-    """
+    """leaky_relu((x @ W^T + b) * multiplier, negative_slope) in one gemm_multiply_leaky_relu call (paths: gemm.cpp).
+    `self.gemm` is a FusedLinear created first, so seeds give the reference's weights, state_dicts load both ways, and
+    what is attached to `gemm` (tensor-parallel plans, FSDP2, hooks) applies."""
 
     def __init__(self, in_features, out_features, multiplier, negative_slope):
         super().__init__()
@@ -79,10 +75,9 @@ class MLPModelNew(nn.Module):
 
 
 class CausalSelfAttentionNew(nn.Module):
-    """reference.CausalSelfAttention with its projections on FusedLinear and the scale, causal mask and softmax in
-    one sweep over memory (causal_softmax). The `bias` buffer is kept (same state_dict); while it holds the causal
-    mask the reference builds, the mask is applied as causal, and after any change to it made through PyTorch (its
-    version moves) it is checked again, falling back to the reference's masked_fill where it no longer is causal."""
+    """reference.CausalSelfAttention with projections on FusedLinear and scale, causal mask and softmax in one sweep
+    (causal_softmax). The `bias` buffer is kept; it is checked again whenever its version moves, and a mask that is no
+    longer causal falls back to the reference's masked_fill."""
 
     def __init__(self, n_embd, n_head, attn_pdrop, resid_pdrop, max_seqlen):
         super().__init__()

@@ -1,26 +1,13 @@
-"""Writes one self-contained KernelBench candidate per problem: a Python file with a module-level ModelNew,
-get_inputs and get_init_inputs, and the op library's families that the problem uses inlined (its family of
-kernels/manifest.py and those it requires, joined by the loader into one C++ and one CUDA translation unit) and built
-with load_inline when the file runs.
+"""Writes one self-contained KernelBench candidate per problem: a Python file with ModelNew, get_inputs and
+get_init_inputs, and the problem's kernel families (kernels/manifest.py, with those they require) inlined and built
+with load_inline when the file runs. Everything is generated from the library's own sources and reference.py.
 
     python -m kernels.export gemm_multiply_leaky_relu > candidate.py
     python -m kernels.export leaky_relu --check          # the static rules' verdict instead (exit 1 if it fails)
     python -m kernels.export --problem level3/1_MLP.py > candidate.py   # any KernelBench problem file
 
-Everything in the file is generated from the library's own sources: the C++/CUDA text from the manifest, the build
-flags from the loader's functions, each family's Python module (with its loader calls replaced by the build
-above), the ModelNew class from model_new.py (renamed ModelNew) and the inputs from reference.py. A new family needs
-no change here, as long as its Python module uses the loader the way the others do (`loader.load_library()` and
-`loader.register_once(name, function)`).
-
-The file works exec'd from a string (no __file__, no package, no repository on the path), in a process that has
-not imported the `kernels` package (both would register the same ops). Exec'd again in the same process (a harness
-that judges several samples), it loads the library already built and skips the registrations already made (a record
-kept in sys.modules, the one place that outlives an exec), so it gives the same ModelNew. Where no GPU is visible it
-builds the CPU-only library, and where the GPU is not Hopper the GEMM takes its cuBLAS path.
-
-static_check() applies KernelBench's published static rules (kernel_static_checker.py) to a candidate's source:
-the same patterns, applied the same way (after dropping everything from a '#' or '//' to the end of its line).
+The file works exec'd from a string, in a process that has not imported `kernels`, and again in the same process
+(registrations recorded in sys.modules). static_check() applies KernelBench's static rules (kernel_static_checker.py).
 """
 
 import argparse

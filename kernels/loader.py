@@ -1,32 +1,10 @@
-"""The one loader: builds the op library `torch.ops.kernels` with torch.utils.cpp_extension.load_inline, one to
-three libraries per kernel family (kernels/manifest.py), and loads them.
-
-Sources. Each family's C++ files are joined, in the manifest's order, into one translation unit, and its CUDA files
-into another; its CPU loop files are joined before its C++ files and its autograd files after them, or, where the
-machine has the CPUs to compile them at the same time (library_builds), each into the C++ unit of a library of their
-own. A loops library exports its table of plain functions (kernels_<family>_cpu_loops, a C name), and once every
-library is loaded the loader hands it to the family's op library (kernels_<family>_bind_cpu_loops) with ctypes: no
-library depends on another's symbols, so each links alone and loads as its compiler finishes. A project header
-(`#include "x.h"` or `"x.cuh"`, looked up beside the including file, then under kernels/) is inlined at its first
-include in the unit and skipped after that; every inlined file is preceded by `#line 1 "kernels/<path>"` and
-followed by a `#line` back into the includer, so compiler errors name the real file and line. Quoted includes are
-for project headers only; system and toolkit headers use <...>.
-
-Builds. A build is named after a hash of everything that shapes it (the joined sources, so every inlined header
-too; the flags; torch, CUDA and Python versions; the target GPU architectures), so it is made once per content and
-found ready by later processes; builds live under $TORCH_EXTENSIONS_DIR, or torch's default extensions folder.
-Libraries that need building are built at the same time, one thread each (the compilers run as subprocesses).
-Where torch has no CUDA or no GPU is visible, the library is built CPU-only: no CUDA files, no KERNELS_WITH_CUDA.
-
-Robustness: two processes that build the same library at once build it once (torch's lock file in the build
-folder; the second waits, then loads). A lock left by a killed build is removed when its process is gone, and a
-lock held too long is an error that names the file to delete; a library file that cannot be loaded is built again.
-
-Environment switches (each changes the build's name, so it triggers a build of its own):
-  KERNELS_VERBOSE_BUILD=1   print the compiler commands and their output
-  KERNELS_LINEINFO=1        nvcc -lineinfo (source lines for compute-sanitizer and Nsight Compute)
-  KERNELS_PTXAS_REPORT=1    ptxas -v: registers, shared memory, spills of every kernel (implies a verbose build)
-and one that does not: KERNELS_BUILD_LOCK_TIMEOUT (seconds, default 600), how long to wait for another build.
+"""Builds and loads the op library `torch.ops.kernels` with load_inline: per family (kernels/manifest.py) one library,
+or its CPU loops, ops and autograd as separate libraries where there are CPUs to compile them at once (library_builds).
+Each family's C++ and CUDA files are joined into one unit each, project headers ("x.h", beside the includer or under
+kernels/) inlined once with #line directives; system headers take <...>. A build is named by a hash of its sources,
+flags and versions, so it is made once per content; concurrent builders share torch's lock, stale locks are removed.
+Env (each names a build of its own): KERNELS_VERBOSE_BUILD=1 (compiler output), KERNELS_LINEINFO=1 (nvcc -lineinfo),
+KERNELS_PTXAS_REPORT=1 (ptxas -v, verbose). KERNELS_BUILD_LOCK_TIMEOUT: seconds to wait for another build (600).
 """
 
 import concurrent.futures
@@ -127,27 +105,21 @@ def cuda_arch_flags():
 
 
 def build_flags(with_cuda, cpu_loops=True):
-    """(C++ flags, CUDA flags, link flags). `cpu_loops`: whether the C++ unit holds CPU loops (a family's, or a
-    joined build that includes them), which build at -O3; a unit without them, the torch side (checks, dispatch,
-    registrations) or an autograd library, builds at -O1: it is mostly parsing torch's headers, and -O3's code
-    generation of its own code took a third of its time (gemm's op unit 11.9 -> 8.1 s, its headers alone 7.7 s, on a
-    2-core machine) for host code that runs once per call (bench.py's per-call rows: kernels/leaky_relu/NOTES.md,
+    """(C++ flags, CUDA flags, link flags). A C++ unit with CPU loops builds at -O3; one without (torch-side host
+    code that runs once per call) at -O1, which compiles faster at no cost per call (kernels/leaky_relu/NOTES.md,
     Decisions, "The torch side and the autograd at -O1")."""
     # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
     # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
     # with it too, the library shares the libgomp that torch has loaded (same soname).
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    # AT_PER_OPERATOR_HEADERS, as torch's own sources are built: a unit includes the ATen ops it calls
-    # (ATen/ops/<op>.h), and torch headers include theirs, instead of ATen/Functions.h, every op's declaration; the
-    # autograd headers pull that in otherwise (~2 s of parsing per unit on a 2-core machine).
+    # AT_PER_OPERATOR_HEADERS, as torch's own sources are built: units include the ATen ops they call
+    # (ATen/ops/<op>.h) instead of ATen/Functions.h, every op's declaration, which is slow to parse.
     cflags = (["-O3" if cpu_loops else "-O1", "-fno-trapping-math", "-DAT_PER_OPERATOR_HEADERS", *openmp]
               + (["-DKERNELS_WITH_CUDA"] if with_cuda else []))
     cuda_cflags = []
     if with_cuda:
-        # -split-compile=0: cicc and ptxas take the unit's kernels in threads, one per CPU (gemm's CUDA unit 12.8 ->
-        # 7.4 s alone on the H100's host). Its SASS is the same for every thread count (checked for 1 to 16 CPUs);
-        # against an unsplit build only the address arithmetic of two memory-bound passes (split_rows_kernel,
-        # nonfinite_outputs_kernel) is rearranged (kernels/gemm/NOTES.md, Decisions, "nvcc -split-compile=0").
+        # -split-compile=0: cicc and ptxas compile the unit's kernels in threads, one per CPU; the SASS does not
+        # depend on the thread count (kernels/gemm/NOTES.md, Decisions, "nvcc -split-compile=0").
         cuda_cflags = ["-O3", "-split-compile=0", *cuda_arch_flags()]
         if _env_flag("KERNELS_LINEINFO"):
             cuda_cflags.append("-lineinfo")
@@ -185,14 +157,9 @@ def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
 
 
 def family_builds(family, root=SOURCE_ROOT, with_cuda=None, apart=True):
-    """The Builds of one family, in load order. With `apart` (where the family has CPU loop or autograd sources):
-    - its CPU loops, plain functions in a C++ unit without the dispatcher's headers, which export their table;
-    - its ops (C++ and CUDA units), built with KERNELS_CPU_LOOPS_APART where the family has CPU loops, so that they
-      call the loops through the table the loader binds (build_and_load);
-    - its autograd, a C++ unit that reaches the ops through the dispatcher only.
-    Each links on its own and may load before or after the others (a cold build loads each library as its compiler
-    finishes; the dispatcher takes a kernel for an op whose schema comes later). Else one library of all its
-    sources."""
+    """The Builds of one family in load order: with `apart`, its CPU loops (exporting a table), its ops (with
+    KERNELS_CPU_LOOPS_APART, calling the loops through the table build_and_load binds) and its autograd (dispatcher
+    only), each linking and loading on its own; else one library of all its sources."""
     if not (apart and (family.autograd_sources or family.cpu_loop_sources)):
         return [plan_build(family.name, [family], root, with_cuda)]
     builds = []
@@ -209,13 +176,10 @@ def family_builds(family, root=SOURCE_ROOT, with_cuda=None, apart=True):
 
 
 def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
-    """The Builds of `families`, each family's autograd and CPU loops a library of their own where the machine has a
-    CPU for each of the units that then compile at once. A cold build takes as long as its slowest unit. With 16 CPUs
-    (the H100's host) the torch headers of a family's ops and autograd are parsed at the same time: cold builds 17.4
-    and 18.2 s against 18.7 s joined; leaky_relu's op unit, the slowest, loses its loops' code generation apart
-    (kernels/leaky_relu/NOTES.md, Decisions, "The CPU loops a unit of their own"). With 2 CPUs, more units compile
-    slower: 30.7 s against 22.4 s joined (kernels/leaky_relu/NOTES.md, Decisions, "Autograd and CPU loops apart only
-    where each unit has a CPU")."""
+    """The Builds of `families`: each family's autograd and CPU loops a library of their own where there is a CPU for
+    each unit to compile at once (a cold build then takes its slowest unit), else one library per family; with fewer
+    CPUs the split builds slower (kernels/leaky_relu/NOTES.md, Decisions, "Autograd and CPU loops apart only where
+    each unit has a CPU")."""
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
     units = sum(1 + bool(family.cuda_sources and with_cuda) + bool(family.autograd_sources)
                 + bool(family.cpu_loop_sources) for family in families)

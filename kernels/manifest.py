@@ -1,23 +1,12 @@
-"""The op library's sources: one entry per kernel family, in build and load order.
+"""The op library's sources: one entry per kernel family, in build and load order. Data only (no torch import).
 
-A family is one folder, kernels/<name>/, and the same stem in every layer: <name>.cu (kernels, no torch headers),
-<name>.h (their plain host launchers), <name>_cpu_loops.cpp and .h where the family has CPU loops of its own (plain
-functions over raw pointers, with ATen's vector and parallel headers only), <name>.cpp (the torch side: schemas,
-checks, the dispatch to the CPU loops and the CUDA launchers),
-<name>_autograd.cpp (the ops' Autograd kernels and graph nodes), <name>_op.h (the ops' dispatcher handles, where C++
-code of this or another family calls them), <name>.py (fake implementations, the Python functions), NOTES.md, and
-tests/test_<name>.py. Project headers included with #include "x.h" are inlined by the loader (kernels/loader.py), so
-only the files listed here are named; the order of each list is the order in which the files are joined into one
-translation unit.
-
-Where the machine has a CPU for each unit (kernels/loader.py, library_builds), a family builds as up to three
-libraries: its ops (the C++ and CUDA units), its autograd (a C++ unit of its own, which reaches the ops through the
-dispatcher only) and its CPU loops (a C++ unit of plain functions, whose table the loader hands to the op library),
-whose units compile at the same time: parsing the autograd headers costs as much as a unit's own code, the loops'
-code generation about a third of the op unit's time, and a cold build takes as long as its slowest unit. Elsewhere its
-CPU loop files are joined before its C++ files, and its autograd files after them.
-
-This is data only (no torch import), so tools that read the sources need not build anything.
+A family is a folder, kernels/<name>/, with one stem per layer: <name>.cu (kernels, no torch headers), <name>.h (host
+launchers), <name>_cpu_loops.cpp/.h (plain CPU loops over raw pointers), <name>.cpp (schemas, checks, dispatch),
+<name>_autograd.cpp, <name>_op.h (dispatcher handles for C++ callers), <name>.py (fakes, Python functions), NOTES.md,
+tests/test_<name>.py. Each list's order is the join order of its translation unit; project headers are inlined by
+the loader, so only these files are named. Where there are CPUs for it (loader.library_builds) a family builds as up
+to three libraries compiled at once (ops, autograd, CPU loops); else its loops are joined before its C++ files and its
+autograd after them.
 """
 
 from dataclasses import dataclass

@@ -164,10 +164,9 @@ _ROUTES = {
 
 
 class fp32_gemm(TorchFunctionMode):
-    """with kernels.fp32_gemm(): float32 CUDA products issued in the block through F.linear, torch.matmul, @, mm and
-    addmm take the library's GEMM where it is faster and more accurate than cuBLAS (the rule of gemm.cpp's path
-    choice); everything else runs as it would without the mode. Batched products (bmm, matmul of two batched tensors)
-    stay on cuBLAS."""
+    """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm) take the
+    library's GEMM where gemm.cpp's path choice says it pays; everything else, batched products included (bmm, matmul
+    of two batched tensors), runs as without the mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

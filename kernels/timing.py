@@ -20,13 +20,9 @@ def _shuffled(items, rng):
 
 
 def time_each_ms(fns, *, samples=30, warmup=3, calls_per_sample=1, flush_l2=True, cpu=False):
-    """Median milliseconds per call of each function in fns. Samples are taken round-robin (one of each function in
-    turn), so a drift in clocks or host speed hits every function alike, and each round in a fresh order (seeded, so
-    runs repeat), so every function follows every other about equally often: a call finds the caches (and, on the
-    CPU, the threads) as the call before it left them, and a fixed order favours one function over another by it.
-    On the GPU each sample is timed with CUDA events on the current stream; with flush_l2 a buffer twice the L2 size
-    is overwritten before it, outside the timed region. Without a GPU, or with cpu=True (work on CPU tensors), each
-    sample is wall-clock time."""
+    """Median milliseconds per call of each function in fns, sampled round-robin in a seeded fresh order per round
+    (drift and cache state hit every function alike). GPU: CUDA events on the current stream, L2 flushed before each
+    sample if flush_l2; without a GPU or with cpu=True, wall-clock time."""
     global _l2_flush_buffer
     for fn in fns:
         for _ in range(warmup):

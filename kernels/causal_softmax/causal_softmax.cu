@@ -1,13 +1,10 @@
-// Causal softmax kernels, forward and backward (causal_softmax.h has the contract): the attention scores' scale,
-// causal mask and softmax of a hand-written attention block in one pass over memory.
-//
-// Memory-bound: a row reads its unmasked columns only (on average half of a square matrix) and writes all of them,
-// so the kernels aim at the copy rate of those bytes.
-// - Register path, rows up to kBlockTeam * kMaxPerThread = 8192 elements: a team of threads per row (a warp, or a 256-thread block for rows
-//   past a warp's reach) holds the row in registers; each thread moves kChunks packs of kVec elements, a pack per
-//   kTeam * kVec columns, so a warp's access covers 32 contiguous packs. Packs are 16 bytes where every row and
-//   pointer is 16-byte aligned, else single elements.
-// - Long rows: a block per row streams it from memory, three times forward (max, sum, write) and twice backward.
+// Causal softmax kernels, forward and backward (contract: causal_softmax.h): the attention scores' scale, causal mask
+// and softmax of a hand-written attention block in one pass over memory. Memory-bound: a row reads its unmasked columns
+// only and writes all of them, aiming at the copy rate of those bytes.
+// - Register path, rows up to kBlockTeam * kMaxPerThread elements: a team per row (a warp, or a 256-thread block past a
+//   warp's reach) holds the row in registers, kChunks packs of kVec per thread, so a warp's access covers 32 contiguous
+//   packs. Packs are 16 bytes where every row and pointer is 16-byte aligned, else single elements.
+// - Long rows: a block per row streams it, three passes forward (max, sum, write) and two backward.
 // The multiply by scale is __fmul_rn, never fused into the subtraction of the max: eager rounds it on its own.
 #include "causal_softmax.h"
 

@@ -1,17 +1,11 @@
-"""The causal softmax family's Python side: fake (meta) implementations, batching rules and the function
-causal_softmax().
-
+"""The causal softmax family's Python side: fakes and batching rules of its ops, and causal_softmax().
 Ops (schemas in causal_softmax.cpp):
-  causal_softmax(scores, scale) -> output
-      softmax(scores * scale, dim=-1) with the entries above the causal diagonal as -inf: over the last two
-      dimensions (Tq query rows, Tk key columns), column j of row i is masked where j > i + (Tk - Tq), which is
-      j > i for square scores (the last query row sees every key). Masked outputs are 0; where Tk < Tq the first
-      Tq - Tk rows are all masked and, as in eager, NaN.
-  causal_softmax_backward(grad_output, output, scale) -> grad_scores
-      scale * output * (grad_output - sum(grad_output * output, -1)) on the unmasked entries, 0 * scale on the masked
-      ones (grad_output there is not read).
-
-The autograd of both ops is C++ (causal_softmax_autograd.cpp): reverse mode to any order and forward mode.
+  causal_softmax(scores, scale) -> softmax(scores * scale, dim=-1) with column j of query row i masked (-inf) where
+      j > i + (Tk - Tq) over the last two dimensions (Tq rows, Tk columns; j > i when square). Masked outputs are 0;
+      where Tk < Tq the first Tq - Tk rows are all masked and NaN, as in eager.
+  causal_softmax_backward(grad_output, output, scale) -> scale * output * (grad_output - sum(grad_output * output,
+      -1)) on unmasked entries, 0 * scale on masked ones (grad_output there is not read).
+Autograd of both ops is C++ (causal_softmax_autograd.cpp): reverse mode to any order and forward mode.
 """
 
 import torch

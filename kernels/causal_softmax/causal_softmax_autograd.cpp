@@ -1,14 +1,10 @@
-// The autograd of the causal softmax family: the Autograd kernels of kernels::causal_softmax and
-// kernels::causal_softmax_backward (defined in causal_softmax.cpp; this file is joined after it, or built as a
-// library of its own) and the graph nodes they record. It reaches the ops through the dispatcher only.
-//
-// With y = causal_softmax(s, scale) and g = causal_softmax_backward(dy, y, scale) = scale * y * (dy - <dy, y>) on
-// the unmasked entries (<.,.> a row's sum over them; masked entries are constants):
-// - the gradient of s is g itself, and so is y's tangent for a tangent ds of s (softmax's Jacobian is symmetric);
-// - g is linear in dy with the same symmetric map: dy's gradient is causal_softmax_backward(gg, y, scale);
+// The autograd of the causal softmax family: Autograd kernels of causal_softmax and causal_softmax_backward (defined in
+// causal_softmax.cpp) and their graph nodes, reaching the ops through the dispatcher only, so higher orders record
+// again. With y = causal_softmax(s, scale), g = scale * y * (dy - <dy, y>) on unmasked entries (<.,.> a row's sum):
+// - s's gradient is g, and so is y's tangent for ds (softmax's Jacobian is symmetric);
+// - dy's gradient is causal_softmax_backward(gg, y, scale) (g is linear in dy by the same map);
 // - y's gradient is scale * (gg * dy - <dy, y> gg - <gg, y> dy), and g's tangent for a tangent y_t of y is
-//   scale * (y_t * dy - <dy, y> y_t - <dy, y_t> y), both 0 on the masked entries.
-// The nodes call the backward op through the dispatcher, or ATen's ops, so a higher-order backward records again.
+//   scale * (y_t * dy - <dy, y> y_t - <dy, y_t> y), both 0 on masked entries.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>

@@ -48,10 +48,9 @@ inline void check_same(const char* op, const char* name, const at::Tensor& t, co
               " to have the same dtype, got ", name, " ", t.scalar_type(), " and ", ref_name, " ", ref.scalar_type());
 }
 
-// An output for an element-wise op on x: at::empty_like(x)'s tensor (x's dtype, device and strides where x is dense,
-// else contiguous in x's suggested memory format), allocated directly, as TensorIterator allocates eager's outputs:
-// at::empty_like's two trips through the dispatcher were a tenth of a small call's host time. Other devices take
-// at::empty_like itself.
+// An output for an element-wise op on x: at::empty_like(x)'s tensor (x's dtype, device, and strides where x is dense,
+// else contiguous in x's suggested memory format), allocated directly as TensorIterator does, skipping
+// at::empty_like's dispatcher trips, which weigh on a small call's host time. Other devices take at::empty_like.
 inline at::Tensor output_like(const at::Tensor& x) {
   const bool dense = x.is_non_overlapping_and_dense();
 #ifdef KERNELS_WITH_CUDA

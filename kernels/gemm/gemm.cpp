@@ -1,28 +1,13 @@
-// The torch side of the GEMM family of `torch.ops.kernels`: gemm_multiply_leaky_relu's schema, argument checks and
-// implementations. Fake (meta) implementation, autograd and the Python function are in gemm.py.
-//
-// Four paths, chosen per call from the inputs' device, dtype, shape, GPU and the float32 matmul precision setting:
-// - split_fp16 (Hopper, float32 at the default "highest" precision): x is split per call into row-scaled fp16 hi/lo
-//   pairs (gemm_split.cu), and one kernel splits W in its registers and computes the three products on the tensor cores
-//   with fp32 promotion and the fused epilogue (gemm_sm90.cu): more accurate than cuBLAS's IEEE SGEMM, and faster. From
-//   kSplitWAheadRows rows of x on (where out_features % 4 == 0), or where the caller kept W's split
-//   (gemm_weight_split), the kernel reads W's split made by a pass instead: the same results, bit for bit. Tall, narrow
-//   forwards (x larger than W and y together) exchange the roles: W split by the pass, x in the kernel's registers, y^T
-//   computed and y written from it (split_product_transposed). Plain products (the backward's) whose output has too
-//   few tiles to fill the GPU split K over several CTAs and add the partials after (split_gemm_k_slices).
-// - split_fp16_sm80 (A100 and other GPUs from sm_80 on, where the table at fp32_path_for_capability says so): the same
-//   method (split_numerics.cuh) on mma.sync (gemm_sm80.cu), W split per call by its own pass (gemm_split.cu).
-// - cublas_bf16x9 (Blackwell, sm_100 and sm_103, float32 at "highest"): cuBLAS's own FP32 emulation on bf16 tensor
-//   cores (gemm_cublas_bf16x9.cpp), then the epilogue as on the cublas path.
-// - cublas, for every other case: at::linear, the very call nn.Linear makes (so it follows the user's float32
-//   matmul precision setting: IEEE by default, TF32 when allowed, and rounds exactly as eager does), then the
-//   LeakyReLU family's kernels::multiply_leaky_relu_ in place over its result (the multiply, the activation and
-//   the branch mask in one pass), reached through the dispatcher.
-// Tests force any path with kernels::_gemm_force_path, and split_fp16's slices of K with kernels::_gemm_force_k_slices;
-// kernels::_gemm_multiply_leaky_relu_path tells which path a call would take, kernels::_gemm_k_slices how many slices.
-//
-// Under torch.autocast the op's Autocast kernels (end of this file) cast its inputs as eager's autocast casts
-// nn.Linear's, so the product runs in the autocast dtype (cuBLAS's tensor cores) and so does the epilogue.
+// The torch side of the GEMM family: gemm_multiply_leaky_relu's schema, checks and implementations (fakes, Python
+// function: gemm.py; autograd: gemm_autograd.cpp). Four paths, chosen per call from device, dtype, shape, GPU and the
+// float32 matmul precision (tests force one with _gemm_force_path):
+// - split_fp16 (Hopper, float32 at "highest"): x split into row-scaled fp16 hi/lo pairs, three tensor-core products and
+//   the epilogue (gemm_split.cu, gemm_sm90.cu); W split in registers or by a pass (kSplitWAheadRows,
+//   gemm_weight_split); tall, narrow forwards compute y^T; small plain products split K.
+// - split_fp16_sm80 (sm_80 on, per fp32_path_for_capability): the same method on mma.sync (gemm_sm80.cu).
+// - cublas_bf16x9 (sm_100/103): cuBLAS's FP32 emulation on bf16 tensor cores (gemm_cublas_bf16x9.cpp).
+// - cublas otherwise: at::linear as nn.Linear (so precision settings apply), then multiply_leaky_relu_ in place.
+// Under torch.autocast the Autocast kernels (end of file) cast inputs as eager autocast casts nn.Linear's.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -211,25 +196,10 @@ const char* fast_fp32_refusal(Path path, const at::Tensor& x, ProductShape shape
 #endif
 }
 
-// The float32 path the automatic choice uses on each GPU architecture: a split kernel where three fp16 products with
-// fp32 accumulation beat one IEEE fp32 product by a wide margin, that is where the GPU's fp16 tensor-core rate with
-// fp32 accumulation is well over 3x its fp32 rate; cuBLAS's own emulation (nine bf16 products) where the bf16 rate is
-// some 30x the fp32 rate. Dense peak rates from NVIDIA's datasheets, TFLOP/s:
-//   arch    GPUs                        fp16 (fp32 acc.)   fp32   ratio   path
-//   sm_80   A100 SXM / A30                  312 / 165      19.5 / 10.3  16  split_fp16_sm80
-//   sm_86   A10 / A40                       125 / 150      31.2 / 37.4   4  cublas (three products win < 1.33x)
-//   sm_86   RTX 3090                               71            35.6    2  cublas
-//   sm_87   Jetson AGX Orin (A100-class tensor cores)                       split_fp16_sm80 (not measured)
-//   sm_89   L40S / L4                       362 / 121      91.6 / 30.3   4  cublas (three products win < 1.33x)
-//   sm_89   RTX 4090                              165            82.6    2  cublas
-//   sm_90   H100 SXM / H200                       989            67     15  split_fp16 (wgmma); split_fp16_sm80
-//                                                                          for the shapes the wgmma kernel refuses
-//   sm_100  B200 (GB200 alike)               2250 (bf16)        75     30  cublas_bf16x9 (cuBLAS 12.9+; not run
-//   sm_103  B300                                                            here: no Blackwell GPU was lent)
-//   sm_120  RTX 50 (bf16 at half rate          ~210 (bf16)       105      2  cublas
-//           with fp32 accumulation)
-// Measured: split_fp16 on the H100; split_fp16_sm80 forced on the H100 (kernels/gemm/NOTES.md). No A100 and no
-// Blackwell GPU was run; cublas_bf16x9 was run forced on the H100 (docs/precision.md says what cuBLAS does there).
+// The float32 path the automatic choice uses per architecture: a split kernel where the fp16 tensor-core rate (fp32
+// accumulation) is well over three times the fp32 rate (sm_80, sm_87, sm_90; Hopper falls back to the sm_80 kernel for
+// shapes wgmma refuses), cuBLAS's bf16x9 emulation where the bf16 rate dwarfs fp32 (sm_100, sm_103), else cuBLAS, where
+// three products would not win. Datasheet rates and what was run: kernels/gemm/NOTES.md.
 Path fp32_path_for_capability(int64_t capability) {
   switch (capability) {
     case 80:
@@ -261,11 +231,10 @@ Path automatic_fast_fp32_path(const at::Tensor& x, ProductShape shape) {
   return Path::kCublas;
 }
 
-// The automatic choice takes the split path only where it was measured to be both faster and more accurate than
-// cuBLAS SGEMM (tools/gemm_sweep.py --small-k, --k-sweep and --shapes; kernels/gemm/NOTES.md). The split's error has a
-// floor near 2.5e-7 whatever K is, while SGEMM's grows with K, so a short reduction favours SGEMM's accuracy (at
-// K = 64 it is the more accurate); small outputs favour cuBLAS's speed (it splits K across CTAs). Two regions:
-// K >= 512 from 2^20 outputs on, and K >= 256 from 2^22 outputs on; both in any aspect down to 128 rows or columns.
+// The automatic choice splits only where measured both faster and more accurate than cuBLAS SGEMM (tools/gemm_sweep.py;
+// kernels/gemm/NOTES.md): the split's error has a floor whatever K is while SGEMM's grows with K, so short reductions
+// favour SGEMM's accuracy, and small outputs cuBLAS's speed. Hence two regions, both from 128 rows and columns: a long
+// K from a moderate output size, a medium K from a larger one.
 constexpr int64_t kSplitMinSide = 128;  // one tile; narrower outputs were not measured
 constexpr int64_t kSplitMinOutputs = int64_t{1} << 20;
 constexpr int64_t kSplitMinReduction = 512;
@@ -367,10 +336,8 @@ WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, i
 }
 
 // The rows of x from which the Hopper GEMM reads w's split made by a pass (split_w_chunks) instead of splitting w in
-// its registers: the kernel splits each tile of w once per tile of x it meets (m / 128 times), the pass once, for
-// 8 bytes of memory traffic per element of w. Measured on the H100 (kernels/gemm/NOTES.md): at m = 1024 the split in
-// registers costs 0.14 ms of the forward at 8192 x 8192, the pass 0.21 ms; from 2048 rows on the pass is the cheaper.
-// It also decides grad_W's product, whose x is grad_pre^T (out_features rows).
+// registers once per tile of x it meets; past this the pass is cheaper (measured: kernels/gemm/NOTES.md). Also decides
+// grad_W's product, whose x is grad_pre^T (out_features rows).
 constexpr int64_t kSplitWAheadRows = 2048;
 
 // Whether split_fp16_product splits w by a pass of its own before the GEMM: always on split_fp16_sm80 (its kernel
@@ -390,17 +357,11 @@ int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
   return forced > 0 ? static_cast<int>(forced) : split_gemm_k_slices(device, m, n, k);
 }
 
-// The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path` (split_fp16 or split_fp16_sm80),
-// both float32 on one GPU, each given as itself or as its transpose (x_transposed: x as (k x m), which needs
-// w_transposed; w_transposed: w as (k x n)): x is split by one pass (its rows, or the columns of its transpose;
-// x_column_sums, if not null, then gets those columns' sums); w inside the GEMM kernel (split_fp16) or by a pass of
-// its own (split_fp16_sm80, and split_fp16 where splits_w_ahead says so), or, where w_split is given (w's split made
-// beforehand by gemm_weight_split), by neither; y and the mask (where positive is not null) are dense. Temporary
-// memory: x's split, 4 bytes per element of x (its fp16 hi and lo, rows padded to whole chunks of 64), and 4 bytes
-// per row of x and of w (exponents, flags); where w is split by a pass, also w's split, 4 bytes per element of w and
-// 4 per row and chunk of 64; where x comes transposed, the column split's workspace (about 1/32 of x's bytes); where
-// a plain product splits K (product_k_slices > 1, on split_fp16), the slices' partials, 4 bytes per output and slice
-// (rows rounded up to 128).
+// The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path`, float32 on one GPU; x_transposed (x as
+// k x m) needs w_transposed (w as k x n). x is split by a pass (x_column_sums, if not null, gets its columns' sums); w
+// in the kernel, by a pass (sm80, splits_w_ahead) or not at all (w_split given). y and the mask (positive) are dense.
+// Temporary memory: ~4 bytes per element of x and of any w split by a pass, plus K slices' partials (4 per output
+// each).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
@@ -483,19 +444,16 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                "non-finite outputs");
 }
 
-// Whether the forward on `path` computes its product transposed, y^T = w x^T: on split_fp16, where x has more
-// elements than w and the output together (m k > n k + m n: tall, narrow products such as 16384 x 4096 -> 1024).
-// Then the row pass splits w and the Hopper GEMM splits x in its registers, so the pass moves w's bytes instead of
-// x's, at the cost of y^T written and read once more (launch_transposed_epilogue). The numerics are the method's
-// with the operands' roles exchanged: a power of two per row of w and per row and chunk of x.
+// Whether the forward on `path` computes y^T = w x^T: on split_fp16 where x has more elements than w and y together
+// (tall, narrow products), so the row pass moves w's bytes instead of x's, at the cost of y^T written and read once
+// more. The numerics are the method's with the operands' roles exchanged.
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
   return path == Path::kSplitFp16 && m * k > n * k + m * n;
 }
 
-// The forward on a split path, with w's split made beforehand where w_split is not null (never where the product is
-// computed transposed: gemm_weight_split makes none for those shapes). Temporary memory: split_fp16_product's; where
-// the product is computed transposed, w's split (4 bytes per element of w) and y^T (4 bytes per output) instead of
-// x's split, and, where w has kSplitWAheadRows rows or more, x's split by a pass too (4 bytes per element of x).
+// The forward on a split path, with w's split made beforehand where w_split is not null (never for a transposed
+// product: gemm_weight_split makes none there). A transposed product holds w's split and y^T (4 bytes per element
+// each).
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias, double multiplier,
@@ -564,19 +522,13 @@ int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
 }
 
 // ---- w's split made beforehand ---------------------------------------------------------------------------------
-// gemm_weight_split(x, weight) returns, where the forward of x with weight takes a split path with w's split in a pass
-// of its own (not where the product is computed transposed), [hi, lo, exponent, flags, stamp, weight]: w's split for
-// that path (launch_split_chunks; in split_position's order for split_fp16, k's for split_fp16_sm80), and its stamp, a
-// CPU int64 tensor of what it was made from and for, and an alias of the weight, which keeps its storage alive.
-// Elsewhere (cuBLAS, cublas_bf16x9, a CPU tensor, an inference tensor, which has no version counter, products under
-// kKeptSplitMinProducts, a transposed weight view) it returns []; where the GPU's memory runs out while making it, a
-// list of one empty tensor. Passed back to gemm_multiply_leaky_relu as weight_split, the split is used only
-// where the call's weight shares the alias's storage and the whole stamp matches that call: its path, and the weight's
-// data address, version counter (which every in-place change through PyTorch advances), sizes, strides, device and
-// current stream (the one the split was made on, so that the GEMM reads it in order); else the weight is split as
-// without it. A change PyTorch does not count (through .data) is not seen. The results are the same either way, bit for
-// bit. Memory: 4 bytes per weight element and 4 per row and chunk of 64, about the weight's own size, for as long as
-// the caller keeps the list (FusedLinear keeps it while the weight is unchanged).
+// gemm_weight_split(x, weight): where x's forward takes a split path that splits w by a pass, [hi, lo, exponent, flags,
+// stamp, weight]: w's split in that path's order, a CPU int64 stamp of what it was made from and for, and an alias
+// keeping the weight's storage alive; else [] (cuBLAS paths, CPU or inference tensors, transposed products or views,
+// under kKeptSplitMinProducts), or [empty tensor] where memory ran out. Given back as weight_split, it is used only
+// where the storage and whole stamp match (path, data address, version counter, sizes, strides, device, current
+// stream), else w is split as without it; changes PyTorch does not count (.data) are not seen. Bitwise the same results
+// either way. Memory: about the weight's own size, while the caller keeps the list.
 enum StampField : int {
   kStampPath, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride, kStampColumnStride, kStampDevice,
   kStampStream, kStampFields
@@ -605,10 +557,8 @@ bool reads_weight_split(Path path, const ProductShape& shape, const at::Tensor& 
 }
 #endif
 
-// Products below this many multiply-adds get no kept split: their calls take about the host's time, which reading a
-// kept split lengthens (H100, 1024 x 1024 -> 1024: 0.085 ms with it, 0.073 without; at 256 x 8192 -> 8192, 2^34,
-// it pays: 0.166 against 0.199 ms). gemm.py's KEPT_SPLIT_MIN_PRODUCTS is the same number, checked there first so
-// that such calls skip FusedLinear's bookkeeping.
+// Products below this many multiply-adds get no kept split: their calls are host-bound, and reading a kept split
+// lengthens them (measured: kernels/gemm/NOTES.md). gemm.py's KEPT_SPLIT_MIN_PRODUCTS is the same number.
 constexpr int64_t kKeptSplitMinProducts = int64_t{1} << 32;
 
 std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor& weight) {
@@ -709,12 +659,10 @@ at::Tensor cublas_bf16x9_matmul(const at::Tensor&, const at::Tensor&) {
 }
 #endif
 
-// The gradients of gemm_multiply_leaky_relu, each where asked for (else an empty tensor): with grad_pre =
-// leaky_relu'(pre) * multiplier * grad_y (the LeakyReLU family's leaky_relu_backward, from `saved`: the output
-// where the slope is >= 0, else the forward's mask), grad_x = grad_pre w, grad_w = grad_pre^T x, grad_b = grad_pre's
-// column sums. Each of the two products takes its own path, chosen as the forward's is from its shape: on the
-// split_fp16 path, the kernel reads w and x as they are (its w operand given transposed), and grad_pre's columns
-// are split for grad_w in one pass that also sums them into grad_b.
+// The gradients of gemm_multiply_leaky_relu, each where asked for (else empty): with grad_pre = leaky_relu'(pre) *
+// multiplier * grad_y (from `saved`: the output where slope >= 0, else the mask), grad_x = grad_pre w, grad_w =
+// grad_pre^T x, grad_b = grad_pre's column sums. Each product chooses its own path from its shape, as the forward's
+// does.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
     double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
@@ -775,8 +723,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
 }  // namespace kernels::gemm
 
 // ---- autocast -----------------------------------------------------------------------------------------------------
-// Two functions of ATen's autocast, declared here as ATen/autocast_mode.h declares them: that header includes
-// ATen/ATen.h, every op's declaration, which adds 4 s to this unit's build on a 2-core machine.
+// Two functions of ATen's autocast, declared as ATen/autocast_mode.h declares them: that header includes ATen/ATen.h,
+// every op's declaration, which is slow to parse.
 namespace at::autocast {
 at::ScalarType get_autocast_dtype(at::DeviceType device_type);
 at::Tensor cached_cast(at::ScalarType to_type, const at::Tensor& arg, c10::DeviceType device_type);
@@ -785,12 +733,9 @@ at::Tensor cached_cast(at::ScalarType to_type, const at::Tensor& arg, c10::Devic
 namespace kernels::gemm {
 namespace {
 
-// The op under torch.autocast on `kDevice`, by eager's policy for the composite it replaces: nn.Linear's at::linear
-// is a lower-precision op (its float32 and float16/bfloat16 tensors on that device cast to the autocast dtype,
-// leaf tensors that require grad through autocast's cache, float64 left as it is), and the multiply and LeakyReLU
-// run in their input's dtype, the product's. So the output has eager's dtype, the product takes cuBLAS's path in
-// that dtype, and the casts are recorded by autograd, as eager's are. Then the op runs with autocast off, as ATen's
-// autocast kernels run theirs.
+// The op under torch.autocast on `kDevice`, by eager's policy for the composite it replaces: at::linear casts to the
+// autocast dtype (float64 left as is, leaf tensors through autocast's cache; autograd records the casts), the epilogue
+// runs in the product's dtype. Then the op runs with autocast off, as ATen's autocast kernels do.
 template <c10::DeviceType kDevice, c10::DispatchKey kAutocastKey>
 std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autocast(const at::Tensor& x, const at::Tensor& weight,
                                                                      const std::optional<at::Tensor>& bias,

@@ -1,20 +1,11 @@
-"""The GEMM family's Python side: fake (meta) implementations and the function gemm_multiply_leaky_relu(). The op's
-autograd (reverse mode, to any order, and forward mode) is C++: gemm_autograd.cpp.
-
-Ops (schemas in gemm.cpp):
+"""The GEMM family's Python side: fakes and batching rules of its ops, gemm_multiply_leaky_relu(), linear() and
+FusedLinear. The op's autograd (reverse and forward mode, to any order) is C++ (gemm_autograd.cpp); schemas in gemm.cpp:
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask, weight_split=None) -> (y, mask)
-  gemm_weight_split(x, weight) -> list of tensors   the weight's split for x's split path, made beforehand ([] where
-                                                    that path takes none); FusedLinear keeps it while the weight is
-                                                    unchanged
-  gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, multiplier, negative_slope, x_grad, weight_grad,
-                                    bias_grad) -> (grad_x, grad_weight, grad_bias)   (empty where not asked for)
-  _gemm_multiply_leaky_relu_path(x, weight) -> str      the path a call takes ("cublas" or one of FAST_FP32_PATHS)
-  _gemm_path_refusal(x, weight, path) -> str            why fast path `path` cannot take these inputs; "" if it can
-  _gemm_force_path(path) -> str                         "auto", "cublas" or a fast path; returns the previous one
-  _gemm_fp32_path_for_capability(capability) -> str     the automatic choice's float32 path per architecture
-  _gemm_force_k_slices(slices) -> int                   split_fp16's slices of K for plain products (0: automatic);
-                                                        returns the previous setting
-  _gemm_k_slices(m, n, k) -> int                        the slices of K a plain (m x k) x (k x n) product takes there
+  gemm_weight_split(x, weight) -> the weight's split for x's split path, made ahead ([] where that path takes none)
+  gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, ...) -> (grad_x, grad_weight, grad_bias), empty if unasked
+Underscored ops are for tests and tools: the path a call takes (_gemm_multiply_leaky_relu_path), why a fast path
+refuses inputs (_gemm_path_refusal), forcing a path or split_fp16's slices of K (_gemm_force_path,
+_gemm_force_k_slices; each returns the previous setting), _gemm_k_slices, _gemm_fp32_path_for_capability.
 """
 
 import collections
@@ -55,10 +46,9 @@ def _check_same_device(*tensors):
 
 
 def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01, weight_split=None):
-    """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features). DTensor
-    weights (tensor parallelism) are computed shard by shard on this library's kernels (_tensor_parallel).
-    weight_split: what kernels::gemm_weight_split returned for this weight, or None (gemm.cpp says when it is used;
-    the result is the same either way)."""
+    """leaky_relu((x @ weight.T + bias) * multiplier, negative_slope) for x of shape (..., in_features); DTensors go
+    shard by shard (_tensor_parallel). weight_split: kernels::gemm_weight_split's result for this weight, or None
+    (same result either way)."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and
             (bias is None or isinstance(bias, torch.Tensor))):
         raise TypeError("kernels.gemm_multiply_leaky_relu: x, weight and bias must be torch.Tensors (bias may be None), "
@@ -99,18 +89,16 @@ def gemm_path(x, weight):
 
 
 def gemm_paths(device):
-    """Every path gemm_multiply_leaky_relu can take on `device` for float32 under the current settings, whether or
-    not the automatic choice would pick it: "cublas", then the fast float32 paths that can run there (on an H100 all
-    three). For tests, tools and bench."""
+    """Every path gemm_multiply_leaky_relu can take on `device` for float32 under the current settings, chosen
+    automatically or not: "cublas", then the fast float32 paths that can run there. For tests, tools and bench."""
     probe = torch.empty(8, 64, device=device)
     return ["cublas"] + [p for p in FAST_FP32_PATHS if torch.ops.kernels._gemm_path_refusal(probe, probe, p) == ""]
 
 
 class forced_gemm_path:
-    """with forced_gemm_path(path): every gemm_multiply_leaky_relu call in the block takes `path` ("cublas" or one
-    of FAST_FP32_PATHS; "auto" is the default choice). A forced fast path that cannot run raises instead of falling
-    back. (A class rather than a generator function, so the module needs no exception handling, which KernelBench's
-    static check rejects.)"""
+    """with forced_gemm_path(path): gemm_multiply_leaky_relu calls in the block take `path` ("cublas", one of
+    FAST_FP32_PATHS, or "auto"); a forced fast path that cannot run raises. A class, not a generator function: the
+    module must hold no exception handling (KernelBench's static check)."""
 
     def __init__(self, path):
         self.path = path
@@ -152,11 +140,9 @@ def _split_may_pay(m, n, k):
 
 
 def plain_linear_suffices(x, weight):
-    """Whether F.linear(x, weight, bias) is what the op would compute for a plain linear layer (multiplier 1, slope 1):
-    no product of the call, nor of its backward where autograd records it, can take a split path (CPU tensors, other
-    dtypes, TF32 allowed, shapes gemm.cpp sends to cuBLAS). Then a call skips the op and costs the host no more than
-    nn.Linear's. Only plain tensors are judged; anything else goes to the op. Ordered for the host's time: most
-    small layers are settled by the three output sizes alone."""
+    """Whether F.linear suffices for a plain linear layer (multiplier 1, slope 1): no product of the call or of its
+    recorded backward can take a split path, so the call skips the op's host cost. Only plain tensors qualify; the
+    checks are ordered cheapest first (most small layers are settled by the output sizes alone)."""
     n, k = weight.shape
     return plain_product_suffices(x, n, k, weight.requires_grad)
 
@@ -183,31 +169,15 @@ _tf32_allowed = torch._C._get_cublas_allow_tf32  # the setting gemm.cpp reads (a
 
 
 class FusedLinear(nn.Linear):
-    """nn.Linear (same parameters, initialization and state_dict keys) whose call can fuse the epilogue:
-    linear(x) is x @ W^T + b, and linear(x, multiplier=m, negative_slope=s) is leaky_relu((x @ W^T + b) * m, s), both
-    one call of gemm_multiply_leaky_relu (multiplier 1 and slope 1 leave the product as it is, exactly). A plain call
-    that no split path can take is F.linear itself (plain_linear_suffices). A model calls it as a module, so that what
-    is attached to the module applies: a tensor-parallel plan's hooks (parallelize_module with ColwiseParallel or
-    RowwiseParallel on it), FSDP2's fully_shard on it alone, forward hooks of the user's. Public name:
-    kernels.nn.Linear; kernels.patch(model) turns a model's nn.Linear layers into it.
+    """nn.Linear (same parameters, init and state_dict keys; kernels.nn.Linear) with a fusable epilogue: linear(x) is
+    x @ W^T + b, linear(x, multiplier=m, negative_slope=s) is leaky_relu((x @ W^T + b) * m, s), one op call each; a
+    plain call no split path takes is F.linear. Called as a module, so hooks, tensor-parallel plans and FSDP2 apply.
 
-    The weight's split (cache_weight_split, on by default). On a split path the weight is split into fp16 halves on
-    every call; where the same weight is used again unchanged, FusedLinear keeps its split (kernels::gemm_weight_split,
-    which makes one for products of 2^32 multiply-adds or more) from the second such call on and passes it to the op,
-    which then skips that work. The results are the same, bit for bit. The split is kept only where the weight cannot
-    change unseen between calls:
-    - keyed on the weight tensor itself, its data address and its version counter, which every in-place change made
-      through PyTorch advances (an optimizer's step, copy_, load_state_dict); gemm.cpp checks the same stamp again on
-      every use, with the device and the stream;
-    - only in eager calls where autograd does not record the weight (torch.no_grad() or inference mode, a weight with
-      requires_grad False): a call that trains the weight drops the split; under torch.compile, export, CUDA graph
-      capture and torch.func transforms the op splits the weight itself (so a captured graph never reads a split
-      that a later change of the weight would leave stale).
-    A change PyTorch does not count (through `.data`, or by code outside PyTorch writing the weight's memory) is not
-    seen: after one, call clear_weight_split(). Memory: about the weight's own size (4 bytes per weight element) while
-    kept, all kept splits of a GPU together within kept_split_budget(), the least recently used dropped first; where
-    memory for one runs out, the kept splits of that GPU are dropped and the call goes on without. Set
-    cache_weight_split = False to keep none.
+    cache_weight_split (default on): from a weight's second unchanged use, its fp16 split (gemm_weight_split, for
+    products of KEPT_SPLIT_MIN_PRODUCTS or more) is kept and given to the op; results are bitwise the same. Kept only
+    in eager calls that do not record the weight's gradient, keyed on the tensor, its address and version counter
+    (gemm.cpp checks the stamp again). Changes PyTorch does not count (`.data`, foreign writes) are not seen: call
+    clear_weight_split(). Memory: ~4 bytes per weight element, within kept_split_budget() per GPU, LRU dropped first.
     """
 
     def __init__(self, *args, cache_weight_split=True, **kwargs):
@@ -280,7 +250,7 @@ class FusedLinear(nn.Linear):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if "cache_weight_split" not in state:  # pickled before the split was kept
+        if "cache_weight_split" not in state:  # a pickle without cache_weight_split (an older FusedLinear)
             self.cache_weight_split = True
             self.clear_weight_split()
 
@@ -397,25 +367,16 @@ def _split_may_be_kept(x, weight):
 # ---- tensor parallelism (DTensor) ----------------------------------------------------------------------------------
 
 def _dtensor_type():
-    """torch.distributed.tensor.DTensor where that module is loaded (else no DTensor can exist): importing it here
-    would cost every process ~0.8 s."""
+    """torch.distributed.tensor.DTensor where that module is loaded (else no DTensor can exist); importing it here
+    would slow every process's import."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
 
 def _tensor_parallel(x, weight, bias, multiplier, negative_slope):
-    """The op on DTensors over a 1-D mesh, with the local products on this library's kernels, as eager's nn.Linear
-    computes under the same placements:
-    - weight Shard(0) (ColwiseParallel): each rank holds out_features / p rows of W and of b and the whole x; its
-      local op gives its columns of y, epilogue included: y Shard(-1). The gradient of the replicated x is partial.
-    - weight Shard(1) (RowwiseParallel): each rank holds in_features / p columns of W and of x; its local product is a
-      partial sum of x W^T (the op with multiplier 1, slope 1, no bias), all-reduced, then bias and epilogue:
-      y Replicate.
-    - weight Replicate: with x sharded along a batch dimension (data parallel over the mesh), the op on each rank's
-      rows: y sharded as x, the weight's and bias's gradients partial; else the op on the whole tensors on every
-      rank: y Replicate.
-    Other placements, and meshes of more than one dimension, raise. Under torch.compile this is skipped, and DTensor
-    arguments reach the op, which has no sharding rule: tensor parallelism runs eagerly only."""
+    """The op on DTensors over a 1-D mesh, placed as eager's nn.Linear: weight Shard(0) (Colwise) gives y Shard(-1);
+    Shard(1) (Rowwise) all-reduces partial products, then bias and epilogue, y Replicate; Replicate keeps x's batch
+    sharding (or replicates). Other placements and meshes raise; eager only (the op has no sharding rule)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if not isinstance(weight, DTensor) or not isinstance(x, DTensor) or (bias is not None and

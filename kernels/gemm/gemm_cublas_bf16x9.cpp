@@ -1,13 +1,9 @@
-// The cublas_bf16x9 path's products (gemm.cpp chooses it; on Blackwell, sm_100 and sm_103, by default): float32
-// GEMMs on cuBLAS's own FP32 emulation, compute type CUBLAS_COMPUTE_32F_EMULATED_16BFX9 (cuBLAS 12.9 and later).
-// cuBLAS splits each operand into three bf16 terms and sums the nine products on the bf16 tensor cores with fp32
-// accumulation: float32's accuracy at a rate the GPU's fp32 units do not have (B200: 2250 dense bf16 TFLOP/s against
-// about 75 fp32). With cuBLAS's default emulation strategy it emulates only where it expects a gain and runs its
-// IEEE fp32 kernels elsewhere (small or skinny shapes, and GPUs without the emulation).
-//
-// The classic cublasGemmEx on torch's handle (its stream, workspace and math mode, as at::mm's) rather than
-// cuBLASLt: the same numerics, and PyTorch's own measurements of the two on GB200 found cublasGemmEx's choice of
-// kernels the less shape-sensitive.
+// The cublas_bf16x9 path's products (gemm.cpp chooses it; on Blackwell, sm_100 and sm_103, by default): float32 GEMMs
+// on cuBLAS's FP32 emulation, CUBLAS_COMPUTE_32F_EMULATED_16BFX9 (cuBLAS 12.9 and later): each operand split into three
+// bf16 terms, nine products on the bf16 tensor cores with fp32 accumulation, float32's accuracy at a rate the fp32
+// units lack. cuBLAS's default strategy emulates only where it expects a gain (IEEE fp32 kernels elsewhere).
+// The classic cublasGemmEx on torch's handle (stream, workspace, math mode, as at::mm's) rather than cuBLASLt: the same
+// numerics, and PyTorch's own comparison on GB200 found its kernel choice the less shape-sensitive.
 #ifdef KERNELS_WITH_CUDA
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
@@ -73,10 +69,8 @@ at::Tensor cublas_bf16x9_addmm(const at::Tensor& bias, const at::Tensor& a, cons
   // The handle and stream of the tensors' GPU: custom ops get no device guard from the dispatcher, and the current
   // device may be another (cuBLAS would then run on that device's handle with this one's pointers).
   const c10::cuda::CUDAGuard guard(a.device());
-  // No determinism alert under torch.use_deterministic_algorithms: at::mm raises none either (torch 2.11, measured
-  // by tests/test_modes.py), cuBLAS being deterministic on the fixed workspace torch gives each stream's handle,
-  // which this call uses too.
-  // y is a fresh tensor that cuBLAS overwrites: bias.expand(...).contiguous() would be bias itself where m is 1.
+  // No determinism alert under torch.use_deterministic_algorithms, as at::mm raises none (tests/test_modes.py checks):
+  // cuBLAS is deterministic on the fixed workspace torch gives each stream's handle, which this call uses too.
   at::Tensor y = at::empty({m, n}, a.options());
   if (bias.defined()) y.copy_(bias.expand({m, n}));
   const ColumnMajorOperand a_t = column_major_transpose(a), b_t = column_major_transpose(b);

@@ -1,34 +1,12 @@
-// The fp32-accurate GEMM of gemm_multiply_leaky_relu on sm_80 tensor-core instructions (gemm.h,
-// launch_split_gemm_sm80_multiply_leaky_relu), for GPUs from the A100 on whose blocks may take 129 KB of shared
-// memory (not sm_86, sm_89, sm_120): the method of the Hopper kernel (split_numerics.cuh) with mma.sync, ldmatrix
-// and cp.async in place of wgmma and TMA.
-//
-// Roles:
-// - Operands: both come pre-split as fp16 hi/lo pairs in k's natural order, rows padded to whole chunks of 64:
-//   x by launch_split_rows (a power of two per row), w by launch_split_chunks (a power of two per row and chunk).
-//   mma.sync takes both operands from registers, loaded by ldmatrix from shared memory, so splitting w inside the
-//   GEMM (as the Hopper kernel does) would put its CUDA-core work on the critical path of every warp (measured: a
-//   version that split each stage's fp32 tile of w in shared memory took 1.55 ms against 0.94 + 0.2 ms for the pass
-//   and this kernel; kernels/gemm/NOTES.md).
-// - Tiles: 128 rows of x by 128 rows of w per CTA, K one chunk (64) per pipeline stage; 8 warps, each 64 x 32 of
-//   the output. A stage holds the four 128 x 64 fp16 tiles (x_hi, x_lo, w_hi, w_lo, 64 KB), each row 128 bytes with
-//   16-byte unit u at u ^ (row % 8), so that ldmatrix's eight rows fall in distinct banks.
-// - Pipeline: cp.async, kStages stages (3 where a block may take 193.5 KiB of shared memory, as on Hopper; else 2,
-//   129 KiB, as on the A100, whose limit is 163 KiB), synchronized by mbarriers, not by barriers of the whole CTA: each
-//   stage's "full" barrier completes once every thread's copies into it have landed, its "empty" barrier once every
-//   thread has read it. In chunk c's first step each thread issues its loads of chunk c + kStages - 1 into the stage
-//   chunk c - 1 left; a warp waits for a stage where it first reads it and releases it after its last read. So the
-//   warps run apart, and one's loads, waits and promotion overlap the others' products.
-// - Products: per 16 of k, three m16n8k16 fp16 products into a fresh fp32 accumulator, small terms first (hi_x lo_w,
-//   lo_x hi_w, hi_x hi_w), each over the warp's 16 fragments. Every operand's fragments are loaded by ldmatrix one
-//   product ahead of the first product that reads them, into the registers the product before freed; the next
-//   chunk's first ones during this chunk's last step. Each chunk's accumulator is promoted into fp32 totals with the
-//   chunk's inverse power of two per row of w, fragment by fragment, just before the next chunk's first product
-//   overwrites it.
-// - Epilogue: each total unscaled by its row of x's power of two, then bias, multiplier and LeakyReLU
-//   (split_numerics.cuh), stored as float2 pairs where n is even.
-// Tails: rows past m or n load as zeros (cp.async's zero fill) and are not stored; K tails are the splits' zero pad.
-// Non-finite values were split as 0; launch_nonfinite_outputs writes the outputs they reach.
+// The fp32-accurate split GEMM of gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix, cp.async;
+// launch_split_gemm_sm80_multiply_leaky_relu in gemm.h), for GPUs from the A100 on whose blocks take 129 KB of shared
+// memory (not sm_86, sm_89, sm_120); numerics as the Hopper kernel's (split_numerics.cuh).
+// - Operands come pre-split as fp16 hi/lo pairs in k's order, rows padded to chunks of 64 (x: launch_split_rows, w:
+//   launch_split_chunks): mma.sync reads registers, so splitting w here would stall every warp (kernels/gemm/NOTES.md).
+// - Tiles: 128 x 128 per CTA, one chunk of K per stage, 8 warps of 64 x 32; rows swizzled for conflict-free ldmatrix.
+// - Pipeline: kStages of cp.async (3 or 2, by shared memory) on per-stage full/empty mbarriers, no CTA-wide barriers.
+// - Per 16 of k three m16n8k16 products, small terms first; each chunk promoted with w's powers of two, the epilogue
+//   unscales by x's. Rows past m or n load as zeros; non-finite inputs are fixed up by launch_nonfinite_outputs.
 #include "gemm.h"
 #include "split_numerics.cuh"
 
@@ -86,10 +64,9 @@ __device__ __forceinline__ void copy_4_async(std::uint32_t to, const void* from,
 #endif
 }
 
-// mbarriers (sm_80): a stage's "full" barrier completes a phase once every thread's copies into it have landed
-// (each thread arrives through cp.async.mbarrier.arrive.noinc), its "empty" barrier once every thread has read it;
-// both count kThreads arrivals. (Every thread arrives on "empty", not one lane per warp after __syncwarp: the same
-// time, and compute-sanitizer's racecheck sees the ordering; with one lane it reported the stage's reloads as races.)
+// mbarriers (sm_80): a stage's "full" barrier completes once every thread's copies into it have landed
+// (cp.async.mbarrier.arrive.noinc), its "empty" barrier once every thread has read it; both count kThreads arrivals.
+// Every thread arrives on "empty" (not one lane per warp), so compute-sanitizer's racecheck sees the ordering.
 __device__ __forceinline__ void barrier_init(std::uint32_t barrier, int count) {
 #if KERNELS_SM80_DEVICE
   asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");

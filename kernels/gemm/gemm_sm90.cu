@@ -1,29 +1,12 @@
 // The fp32-accurate GEMM of gemm_multiply_leaky_relu on Hopper tensor cores (gemm.h,
-// launch_split_gemm_multiply_leaky_relu): y = leaky_relu((x w^T + b) * multiplier) from the fp16 split of x
-// (gemm_split.cu) and the float32 weight itself, which this kernel splits in registers: three fp16 products per K
-// step, fp32 promotion, the epilogue fused. It computes y^T = w x^T, so that w is wgmma's A operand, which may come
-// from registers. Where w's split is given (launch_split_gemm_presplit_multiply_leaky_relu: made once by
-// launch_split_chunks and kept by its owner while w is unchanged), the kernel reads it instead of splitting w: the
-// same products, without the split's CUDA-core work.
-//
-// Roles:
-// - gemm_sm90_layout.cuh: tile shapes, the shared-memory layout of the stages, named barriers, register budgets,
-//   and which rows of a tile a consumer thread holds.
-// - gemm_sm90_tile_scheduler.cuh: persistent CTAs and the order in which they take tiles (or, where K is split,
-//   units of a tile and a slice of K).
-// - gemm_sm90_mainloop.cuh: warp specialisation: the producer's TMA loads, the consumers' wgmma products and
-//   their promotion, chunk by chunk through the stages.
-// - gemm_sm90_w_split.cuh: a consumer's split of w in registers per chunk, and the promotion's scaling.
-// - gemm_sm90_epilogue.cuh: unscaling, bias, multiplier and LeakyReLU; TMA stores through shared memory, or plain
-//   stores; w's non-finite row flags.
-// - gemm_split_k_sum.cuh: where K is split (plain products of few tiles, launch_split_gemm_split_k), the sum of the
-//   slices' partials into y.
-// - This file: the kernel, which sets up shared memory and the barriers and runs the roles, and its host side:
-//   TMA descriptors, the support check, split-K's choice of slices, the launch.
-// The method's numerics are split_numerics.cuh's, the PTX wrappers sm90_primitives.cuh's.
-//
-// Requires sm_90a; built for any other target, the kernel is an empty stub, split_gemm_supported() is false and
-// the caller takes its cuBLAS path.
+// launch_split_gemm_multiply_leaky_relu): y = leaky_relu((x w^T + b) * multiplier) from x's fp16 split (gemm_split.cu)
+// and the float32 w, split in registers (or read pre-split: launch_split_gemm_presplit_multiply_leaky_relu, bitwise the
+// same); three fp16 products per K step, fp32 promotion, fused epilogue. Computes y^T = w x^T so w, wgmma's A, may come
+// from registers. Roles: gemm_sm90_layout.cuh (tiles, shared memory, barriers, registers), gemm_sm90_tile_scheduler.cuh
+// (persistent CTAs' order of work), gemm_sm90_mainloop.cuh (TMA producer, wgmma consumers), gemm_sm90_w_split.cuh,
+// gemm_sm90_epilogue.cuh, gemm_split_k_sum.cuh (split-K's sum); this file: the kernel and its host side (TMA
+// descriptors, support check, split-K's slices, launch). Numerics: split_numerics.cuh; PTX: sm90_primitives.cuh.
+// Requires sm_90a; for any other target the kernel is a stub, split_gemm_supported() is false and cuBLAS runs.
 #include "gemm.h"
 #include "gemm_sm90_epilogue.cuh"
 #include "gemm_sm90_layout.cuh"

@@ -73,16 +73,11 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     return epilogue(unscale(total[j * 4 + half * 2 + c], row), column_bias[half], multiplier, negative_slope);
   };
   if (arguments.y_by_tma) {
-    // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores, which run on while the
-    // consumer goes on to the next tile: the tensor cores wait for no global store. The buffer holds two boxes
-    // (32 columns each) in the 128-byte swizzle: 16-byte unit u of box row r at u ^ (r % 8). Per part, the
-    // thread writes its totals there as they are (one STS each; the warp's 32 fall in 32 distinct banks where the
-    // thread's rows of w are g and g + 8; where they are side by side, w transposed, two lanes share each bank),
-    // then a pass over the buffer makes the outputs: each thread the same 16-byte unit of 8 of its rows, read,
-    // unscaled, activated and written back as 4 outputs at a time, the mask's 4 bytes in one store. The pass is
-    // one loop body (about 80 instructions) run 8 times a part, where making each output where its total lies took
-    // a straight-line block of about 1,000 instructions a part, fetched anew by the consumers on every tile
-    // (kernels/gemm/NOTES.md, Decisions, "The epilogue: totals staged as they are": grad_W's GEMM 17 us faster).
+    // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores that run on while the consumer
+    // moves to the next tile. The buffer holds two 32-column boxes in the 128-byte swizzle (16-byte unit u of box row r
+    // at u ^ (r % 8)). Per part, threads write their totals there as they are, then one loop pass makes the outputs, 4
+    // at a time, each thread unscaling and activating a 16-byte unit of 8 rows: a small loop body instead of a large
+    // straight-line block (kernels/gemm/NOTES.md, Decisions, "The epilogue: totals staged as they are").
     const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
     const int thread_index = threadIdx.x % 128;
     const bool store_thread = thread_index == 0;
@@ -108,9 +103,9 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
     for (int q = 0; q < 4; ++q) unit_bias[q] = bias && columns_inside ? bias[first_column + q] : 0.0f;
     const bool mask_words = reinterpret_cast<std::uintptr_t>(positive) % 4 == 0;  // n % 4 == 0: rows stay aligned
-    // A plain product (the backward's products: no bias, multiplier and slope 1, no mask): each output made by
-    // plain_product_output, epilogue()'s value there bit for bit, in 2 or 3 instructions an output instead of 5
-    // (kernels/gemm/NOTES.md, Decisions, "The plain product's epilogue": grad_W's GEMM 8 us faster).
+    // A plain product (the backward's: no bias, multiplier and slope 1, no mask): each output by plain_product_output,
+    // epilogue()'s value bit for bit in fewer instructions (kernels/gemm/NOTES.md, Decisions, "The plain product's
+    // epilogue").
     const bool plain_product = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
 #pragma unroll
     for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {

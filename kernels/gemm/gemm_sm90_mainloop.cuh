@@ -1,20 +1,11 @@
-// The Hopper GEMM's main loop (gemm_sm90.cu): the producer's TMA loads and the consumers' tensor-core products,
-// chunk by chunk through the stages (gemm_sm90_layout.cuh).
-//
-// Warp specialisation: warpgroup 0 is the producer (one thread issues the TMA loads, waiting on each stage's
-// "empty" mbarrier) and keeps few registers; warpgroups 1 and 2 are consumers, each owning 64 rows of w. Per chunk
-// a consumer splits its rows of w in registers (gemm_sm90_w_split.cuh; two sets of A registers, the next chunk's
-// split into one while the products read the other) and issues 12 wgmma m64n128k16 (the chunk's eight small terms
-// before its four hi_w hi_x: issue_chunk_products) into a fresh accumulator. Once they complete it releases the
-// stage and adds the accumulator, times the chunk's inverse power of two, into fp32 registers ("promotion": the
-// tensor cores' own accumulation over a long K loses precision; the per-chunk scale needs no pass over w before
-// the GEMM). The two consumers alternate on the tensor cores, so one's splitting overlaps the other's products.
-// Where w's split is given (kPresplit: launch_split_chunks, in x's order along K), the producer loads w_hi, w_lo and
-// the chunk's w exponents instead of the float32 w, and the consumers' per-chunk work is the promotion alone: all
-// three products read both operands from shared memory (multiply_tile_presplit). The same products in the same
-// order as the in-register split's, so the same results, bit for bit.
-// Tails: TMA fills out-of-range w elements with zeros; x's split is zero-padded to whole chunks and TMA fills rows
-// past m with zeros.
+// The Hopper GEMM's main loop (gemm_sm90.cu): warpgroup 0 is the producer (one thread issues TMA loads on each stage's
+// "empty" mbarrier); warpgroups 1 and 2 are consumers, 64 rows of w each. Per chunk a consumer splits its rows of w in
+// registers (gemm_sm90_w_split.cuh, double-buffered), issues 12 wgmma m64n128k16 (small terms first:
+// issue_chunk_products) into a fresh accumulator, then releases the stage and promotes the accumulator, times the
+// chunk's inverse power of two, into fp32 totals (the tensor cores' own accumulation loses precision over a long K).
+// The consumers alternate on the tensor cores so one's split overlaps the other's products. kPresplit: w's split is
+// loaded instead (multiply_tile_presplit), same products in the same order, bitwise the same results. Tails: TMA
+// zero-fills w past n and x past m; x's split is zero-padded to whole chunks.
 #pragma once
 
 #include "gemm_sm90_layout.cuh"

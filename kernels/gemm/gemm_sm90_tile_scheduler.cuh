@@ -1,14 +1,8 @@
-// The Hopper GEMM's order of work (gemm_sm90.cu). Persistent CTAs, one per multiprocessor, take units of work in turn
-// (the CTA takes units blockIdx.x, + gridDim.x, ...). A unit is one output tile's product over one slice of K's
-// chunks: all of K (one slice, every product but split-K's), or, where K is split (gemm.h,
-// launch_split_gemm_split_k), slice s's chunks s * slice_chunks .. (s + 1) * slice_chunks - 1, unit u being slice
-// u / tiles of tile u % tiles. Tiles go in groups of kGroupW tiles of w: within a group, w's tiles fastest, then x's,
-// so that the CTAs running together (a wave, 132 on an H100) read a few tiles of w and about 132 / kGroupW tiles of
-// x, each from L2 once it is there: where x's split is larger than L2 (8192 rows of 8192: 256 MB), a wave reads 16 of
-// x's tiles instead of all of them.
-// The producer and the consumers walk the same units, and the stages and their phases run on across units
-// (gemm_sm90_mainloop.cuh), so the producer loads a unit's first chunks while the consumers write the last one's
-// outputs.
+// The Hopper GEMM's order of work (gemm_sm90.cu). Persistent CTAs, one per multiprocessor, take units blockIdx.x, +
+// gridDim.x, ...; a unit is one output tile over one slice of K's chunks (all of K, or slice u / tiles of tile u %
+// tiles under split-K: launch_split_gemm_split_k). Tiles go in groups of kGroupW tiles of w, w's fastest, so a wave of
+// CTAs reads few tiles of w and x from L2 even where x's split exceeds L2. Producer and consumers walk the same units
+// and the stages run on across them, so the next unit's loads overlap the last one's stores.
 #pragma once
 
 #include "gemm_sm90_layout.cuh"

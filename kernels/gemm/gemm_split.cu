@@ -1,18 +1,11 @@
-// The GEMM family's passes around the split GEMMs (gemm.h): the split of a float32 matrix into fp16 pairs hi, lo
-// scaled by powers of two (split_numerics.cuh) before the tensor-core products, and the fix-up of the outputs that
-// non-finite values reach after them. Portable (any architecture).
-//
-// Roles:
-// - gemm_split_rows.cuh: one power of two per row: x's split by rows (launch_split_rows), in the order along K that
-//   the Hopper GEMM reads or in k's natural order, and the split of a matrix's columns (launch_split_columns) for
-//   the backward's products.
-// - gemm_split_chunks.cuh: one power of two per row and chunk of 64 along k: w's split made before a GEMM (the sm_80
-//   GEMM's; the Hopper GEMM's where it reads a given split) (launch_split_chunks), from w or from its transpose.
-// - gemm_split_nonfinite_outputs.cuh: the outputs whose row of x or of w holds a non-finite value
-//   (launch_nonfinite_outputs).
-// - gemm_split_transposed_epilogue.cuh: y through the epilogue from a product computed transposed
-//   (launch_transposed_epilogue).
-// - This file: the host launchers: argument checks, grids, and the row split's kernel by row length.
+// The GEMM family's passes around the split GEMMs (gemm.h): the split of float32 matrices into fp16 pairs hi, lo scaled
+// by powers of two (split_numerics.cuh), and the fix-up of outputs that non-finite values reach. Portable.
+// - gemm_split_rows.cuh: a power of two per row: x by rows (launch_split_rows), a matrix's columns
+//   (launch_split_columns).
+// - gemm_split_chunks.cuh: a power of two per row and chunk of 64: w's split made ahead (launch_split_chunks).
+// - gemm_split_nonfinite_outputs.cuh (launch_nonfinite_outputs); gemm_split_transposed_epilogue.cuh: y from a
+//   transposed product (launch_transposed_epilogue).
+// - This file: the host launchers (argument checks, grids, the row split's kernel by row length).
 #include "gemm.h"
 #include "gemm_split_chunks.cuh"
 #include "gemm_split_nonfinite_outputs.cuh"

@@ -1,16 +1,10 @@
-// The split passes with one power of two per row of the result (gemm.h: launch_split_rows, launch_split_columns),
-// and what the chunk splits (gemm_split_chunks.cuh) share with them: the block size, fold (a thread's running
-// maximum), the group reduction and split_pack (a pack's split and its stores).
-//
-// launch_split_rows, the split pass of the fp32-accurate tensor-core GEMM over x: each row of a float32 matrix
-// becomes a power-of-two row exponent and a pair of fp16 rows hi, lo with hi + lo = v * 2^e to about 22 bits, in the
-// order along K and the padded length the GEMM reads (split_numerics.cuh: split_position, split_row_length).
-// Memory-bound: each element is read from DRAM once and its two halves written once (4 + 4 bytes). A group of whole
-// warps per row, sized so that each thread holds a few 16-byte packs: rows of up to 16384 floats are held in
-// registers between finding the row's largest finite |v| and writing hi and lo; longer rows take two passes, the
-// second re-reading the row from L1/L2. Rows are read as 16-byte packs (the launcher requires 16-byte aligned rows of
-// a multiple of 4 floats); each pack's halves are written as two fp16 pairs to their places in the GEMM's order.
-// Portable (any architecture).
+// The split passes with one power of two per row of the result (gemm.h: launch_split_rows, launch_split_columns), and
+// what the chunk splits (gemm_split_chunks.cuh) share with them: block size, fold, the group reduction, split_pack.
+// launch_split_rows splits each row of a float32 matrix into a row exponent and fp16 rows hi, lo with hi + lo = v * 2^e
+// to about 22 bits, in the order and padded length the GEMM reads (split_numerics.cuh: split_position,
+// split_row_length). Memory-bound: one DRAM read and one write per element. A group of whole warps per row; rows of up
+// to 16384 floats stay in registers between the maximum and the split, longer ones take a second pass (from L1/L2). The
+// launcher requires 16-byte aligned rows of a multiple of 4 floats. Portable (any architecture).
 #pragma once
 
 #include "gemm.h"
@@ -270,18 +264,12 @@ __device__ __forceinline__ void store_tile(const ColumnTileStage& stage, __half*
   }
 }
 
-// The split of src's columns (launch_split_columns; src: rows x cols, row-major): row c of the result is column c
-// of src, in natural order. The matrix is cut into column tiles (kColumnTileColumns wide) and slabs (kColumnTileRows rows): an
-// item is one tile of one slab, and each item is done twice, by two blocks:
-// - A (statistics): reads its item, folds each column's largest finite |v| and non-finite flag into the workspace
-//   (atomicMax, atomicOr: the same result in any order), writes each column's compensated sum over the slab, and
-//   counts itself in its tile's arrivals.
-// - B (split): re-reads its item (from L2: A read it shortly before) and, once every A block of its tile has arrived,
-//   splits it with the columns' scales. The tile's first B block then adds the slabs' sums in slab order (a fixed
-//   order: the same sums on every run) and writes the exponents and sums.
-// Blocks start in blockIdx order (as single-pass scans assume): A items in order, B items behind them by at least a
-// whole tile of slabs and kColumnLagItems more, so that a B block waits only for A blocks started before it, which
-// run to the end without waiting. The lag keeps the bytes between an item's two reads inside L2.
+// The split of src's columns (launch_split_columns; src rows x cols, row-major): row c of the result is column c, in
+// natural order. Each item (a column tile of one slab) is done twice: A folds its columns' maxima and flags into the
+// workspace (atomics: order-independent), writes their compensated slab sums and counts its tile's arrivals; B re-reads
+// the item from L2 once its tile's A blocks have all arrived and splits it; the tile's first B adds the slab sums in
+// slab order (deterministic). B items lag A items (column_item) so a B block only waits for A blocks started before it,
+// which never wait, and the lag keeps an item's bytes in L2 between its two reads.
 constexpr int kColumnLagItems = 256;
 
 // The workspace: counters, zeroed by the launcher (one arrival count per column tile; each column's largest finite

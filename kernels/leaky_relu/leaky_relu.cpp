@@ -1,16 +1,10 @@
-// The torch side of the LeakyReLU family of `torch.ops.kernels`: schemas, argument checks, and the dispatch to the
-// CPU loops or the CUDA kernels. CUDA work goes through the plain launchers of leaky_relu.cu (leaky_relu.h), on the
-// current stream of the tensor's own device; CPU work through the table of leaky_relu_cpu_loops.cpp
-// (leaky_relu_cpu_loops.h), joined before this file or built as a library of its own and bound to this one by the
-// loader (kernels/loader.py). Fake (meta) implementations are registered in leaky_relu.py; every
-// op's Autograd kernel, and the in-place ops' ADInplaceOrView kernels, are in leaky_relu_autograd.cpp, joined after
-// this file or built as a library of its own (kernels/loader.py, library_builds).
-//
-// Ops: leaky_relu, leaky_relu_ (in place), multiply_leaky_relu_ (in place, with the multiply and the branch mask:
-// the epilogue of the GEMM family's cuBLAS path), leaky_relu_backward.
-//
-// Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
-// Headers are kept to the few ATen pieces used, which keeps the JIT build short.
+// The torch side of the LeakyReLU family: schemas, argument checks and dispatch. CUDA work goes to leaky_relu.cu's
+// launchers (leaky_relu.h) on the current stream of the tensor's device; CPU work through the table of
+// leaky_relu_cpu_loops.cpp (joined before this file, or a library of its own bound by kernels/loader.py). Fakes are in
+// leaky_relu.py; Autograd and ADInplaceOrView kernels in leaky_relu_autograd.cpp.
+// Ops: leaky_relu, leaky_relu_ (in place), multiply_leaky_relu_ (in place, with the multiply and the branch mask: the
+// GEMM family's cuBLAS epilogue), leaky_relu_backward. KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible,
+// else CPU-only. Headers kept to the few ATen pieces used, for a short JIT build.
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Version.h>
 #include <ATen/core/Tensor.h>

@@ -1,19 +1,11 @@
-// Element-wise LeakyReLU kernels, forward and backward, shared by both problems (the GEMM family reaches them
-// through the ops kernels::multiply_leaky_relu_ and kernels::leaky_relu_backward):
-//   leaky_relu                y = leaky_relu(x, slope)
-//   gemm_multiply_leaky_relu  the cuBLAS path's epilogue, y = leaky_relu(y * multiplier, slope), in place, and
-//                             the backward's grad_pre = (positive ? g : g * slope) * multiplier
-//
-// Memory-bound: each element is read once and written once, so the kernels aim at the device-to-device copy rate.
-// - Vectorized path: every pointer 16-byte aligned (the mask kWidth-byte aligned). Each thread moves one 16-byte
-//   pack per operand (kUnroll = 1, the fastest measured: see unroll()); a warp's load touches 512 contiguous bytes.
-//   The n % kWidth elements past the last pack are done by block 0.
-// - Scalar path: any other alignment (a view such as x[1:]), one element per access, kUnroll = 4 accesses per
-//   thread, all loads issued before the first store so that they are in flight together.
-// Indices are 64-bit throughout: tensors of 2^31 or more elements are fine. The grid is one block per tile, and
-// each block strides over tiles if there are more tiles than the grid can hold.
-// Arithmetic is in float (double for double), exactly as ATen's leaky_relu does it, so results are bitwise equal
-// to F.leaky_relu: NaN, Inf, -0.0 and any slope (0, negative, above 1) included.
+// Element-wise LeakyReLU kernels, forward and backward: leaky_relu (y = leaky_relu(x, slope)), and for the GEMM's
+// cuBLAS path (through kernels::multiply_leaky_relu_ and kernels::leaky_relu_backward) y = leaky_relu(y * multiplier,
+// slope) in place and grad_pre = (positive ? g : g * slope) * multiplier. Memory-bound, aiming at the copy rate.
+// - Vectorized path: every pointer 16-byte aligned (the mask kWidth-byte aligned), one 16-byte pack per operand and
+//   thread (unroll()); block 0 does the n % kWidth tail elements.
+// - Scalar path: any other alignment (a view such as x[1:]), kUnroll = 4 elements per thread, loads before stores.
+// 64-bit indices (2^31 elements and more); blocks stride over tiles. Arithmetic in float (double for double) as ATen's,
+// so results are bitwise F.leaky_relu's: NaN, Inf, -0.0 and any slope included.
 #include "leaky_relu.h"
 
 #include <cuda_bf16.h>
@@ -44,10 +36,9 @@ template <typename T, int kWidth> struct alignas(sizeof(T) * kWidth) Pack { T v[
 template <int kWidth> struct alignas(kWidth) MaskPack { std::uint8_t v[kWidth]; };
 
 template <typename T> __host__ __device__ constexpr int vector_width() { return 16 / sizeof(T); }
-// Packs per thread. Measured on an H200 (float32, 6.44 GB; tools/leaky_relu_variants.py): one 16-byte pack per
-// thread in 128-thread blocks reaches 100.4% of a device-to-device copy; 2 packs 99.5%, 4 packs 96.5%, at 128 or
-// 256 threads. The resident warps already keep enough 16-byte loads in flight. Scalar accesses are 4 to 8 times
-// smaller, so the unaligned path keeps 4 per thread in flight.
+// Packs per thread: one 16-byte pack already reaches the copy rate, more only lose (measured with
+// tools/leaky_relu_variants.py: kernels/leaky_relu/NOTES.md); scalar accesses are smaller, so that path keeps 4 in
+// flight.
 template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 1; }
 
 // Calls visit(pack_index) for each pack of this thread, over all tiles of this block; then block 0 calls

@@ -1,19 +1,11 @@
-"""The LeakyReLU family's Python side: fake (meta) implementations and the function leaky_relu().
-
-Ops (schemas in leaky_relu.cpp):
-  leaky_relu(x, negative_slope) -> y
-  leaky_relu_(x, negative_slope) -> ()                       in place
-  multiply_leaky_relu_(x, multiplier, negative_slope, return_mask) -> mask
-                                                             in place: x = leaky_relu(x * multiplier); the GEMM
-                                                             family's epilogue on its cuBLAS path
+"""The LeakyReLU family's Python side: fakes of its ops and the function leaky_relu(). Ops (schemas in leaky_relu.cpp):
+  leaky_relu(x, negative_slope) -> y;  leaky_relu_(x, negative_slope) -> () in place
+  multiply_leaky_relu_(x, multiplier, negative_slope, return_mask) -> mask: x = leaky_relu(x * multiplier) in place,
+      the GEMM family's epilogue on its cuBLAS path
   leaky_relu_backward(grad_output, saved, negative_slope, multiplier) -> grad_input
-  _leaky_relu_cpu_loops_isa() -> str                          the build of the CPU loops CPU calls take: "avx2" or
-                                                             "generic" (ATen held to its generic kernels, or a CPU
-                                                             or compiler without AVX2)
-
-The autograd of every op is C++ (leaky_relu_autograd.cpp): the Autograd kernels run the kernel, then record a graph
-node where a gradient can flow (reverse mode, to any order) and set the tangent (forward mode); the in-place ops
-also bump the written tensor's version and rebase its history, as ATen's in-place ops do.
+  _leaky_relu_cpu_loops_isa() -> "avx2" or "generic": the build of the CPU loops that CPU calls take
+Autograd is C++ (leaky_relu_autograd.cpp): reverse mode to any order and forward mode; the in-place ops bump the
+version and rebase history as ATen's do.
 """
 
 import torch
@@ -45,7 +37,7 @@ def _leaky_relu_backward_fake(grad_output, saved, negative_slope, multiplier):
 def leaky_relu(x, negative_slope=0.01, inplace=False):
     """F.leaky_relu(x, negative_slope, inplace) on the project's kernels; same results, bit for bit."""
     # The common call first, on the fewest and cheapest tests (host time decides a small call): a plain tensor takes
-    # the op through its C++ handle, which is all that OpOverload.__call__ does, one Python frame less (~0.6 us).
+    # the op through its C++ handle, which is all that OpOverload.__call__ does, one Python frame less.
     # The op's C++ Autograd kernel records the graph where one is needed. Dynamo traces the OpOverload only, so under
     # torch.compile the op goes below; tensor subclasses take it too.
     if not inplace and type(x) is torch.Tensor and not _is_compiling():

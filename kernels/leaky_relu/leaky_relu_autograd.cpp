@@ -1,9 +1,7 @@
-// The autograd of the LeakyReLU family: the Autograd kernels of kernels::leaky_relu, kernels::leaky_relu_backward
-// and the in-place kernels::leaky_relu_ and kernels::multiply_leaky_relu_ (all defined in leaky_relu.cpp; this file
-// is joined after it, or built as a library of its own), the in-place ops' ADInplaceOrView kernels (which bump the
-// written tensor's version), and the graph node they record. It reaches the ops through the dispatcher only. Its
-// header, torch/csrc/autograd/function.h (common/autograd_node.h), is the unit's heaviest: with ATen's per-operator
-// headers (the loader's build flags) it adds about 4 s of parsing on a 2-core machine.
+// The autograd of the LeakyReLU family: Autograd kernels of leaky_relu, leaky_relu_backward, leaky_relu_ and
+// multiply_leaky_relu_ (defined in leaky_relu.cpp), the in-place ops' ADInplaceOrView kernels (version bumps) and the
+// graph node they record; reaches the ops through the dispatcher only. Its heaviest header is
+// torch/csrc/autograd/function.h (common/autograd_node.h), why the loader may build this unit apart.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

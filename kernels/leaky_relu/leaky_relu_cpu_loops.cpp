@@ -17,14 +17,11 @@ namespace {
 
 // ---- CPU loops -------------------------------------------------------------------------------------------------
 // Two builds of each loop, picked at run time (loops_isa()):
-//  - generic: plain C++ for any CPU, branch-free and one instantiation per flag combination, so the compiler
-//    vectorizes it with the build's default ISA (SSE2 on x86-64). A branch on the sign of random data mispredicts
-//    half the time: 10x slower.
-//  - avx2 (x86-64 with GCC): ATen's at::vec::Vectorized loops, compiled with AVX2/FMA/F16C for these functions
-//    only, so the library still loads and runs on any CPU. The JIT build has no -mavx2 and no CPU_CAPABILITY
-//    macro, so ATen's vector headers would otherwise give their generic element-by-element Vectorized, and
-//    float16/bfloat16 would convert in software. Same arithmetic as the generic loops and as eager's own
-//    vectorized kernels (in float for float16/bfloat16, one rounding at the end): the same bits.
+// - generic: plain C++ for any CPU, branch-free (a branch on random signs mispredicts), one instantiation per flag
+//   combination, vectorized by the compiler at the build's default ISA.
+// - avx2 (x86-64 with GCC): ATen's Vectorized loops compiled with AVX2/FMA/F16C for these functions only, so the
+//   library still runs on any CPU (the JIT build has no -mavx2 or CPU_CAPABILITY, without which ATen's vectors are
+//   scalar). Same arithmetic as the generic loops and eager's kernels: the same bits.
 // The loops take everything by value: captured references could alias the output, which stops vectorization.
 
 constexpr int64_t kCpuGrain = 1 << 14;
@@ -62,7 +59,7 @@ void leaky_relu_backward_range(const scalar_t* grad_out, const scalar_t* saved, 
   using opmath_t = at::opmath_type<scalar_t>;
   for (int64_t i = begin; i < end; ++i) {
     bool pos;
-    // The mask is read as bytes: read as bool, g++ branches on it (10x slower on a random mask).
+    // The mask is read as bytes: read as bool, g++ branches on it, which mispredicts on a random mask.
     if constexpr (kMask) pos = mask[i] != 0;
     else pos = static_cast<opmath_t>(saved[i]) > opmath_t(0);
     const opmath_t g = static_cast<opmath_t>(grad_out[i]);
