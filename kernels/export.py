@@ -18,6 +18,7 @@ import re
 import sys
 
 from kernels import loader
+from kernels.env import env_flag
 from kernels.manifest import with_requirements
 
 REPO_ROOT = os.path.dirname(loader.SOURCE_ROOT)
@@ -27,7 +28,7 @@ PROBLEM_FAMILIES = {"leaky_relu": ("leaky_relu",), "gemm_multiply_leaky_relu": (
                     "shallow_wide_mlp": ("gemm",), "mini_gpt_block": ("gemm", "gelu_tanh", "causal_softmax")}
 
 # The functions of the loader the candidate runs to pick its build flags, copied from the loader's own source.
-_LOADER_FUNCTIONS = (loader._env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags)
+_LOADER_FUNCTIONS = (env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags)
 
 _BUILD = '''
 def _build_library():

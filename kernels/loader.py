@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from kernels.env import env_flag
 from torch.utils import cpp_extension
 
 from .manifest import FAMILIES
@@ -84,9 +86,6 @@ def family_sources(families, root=SOURCE_ROOT):
 
 # ---- flags ------------------------------------------------------------------------------------------------------
 
-def _env_flag(name):
-    return os.environ.get(name, "") not in ("", "0")
-
 
 def with_cuda_build():
     return torch.version.cuda is not None and torch.cuda.is_available()
@@ -121,9 +120,9 @@ def build_flags(with_cuda, cpu_loops=True):
         # -split-compile=0: cicc and ptxas compile the unit's kernels in threads, one per CPU; the SASS does not
         # depend on the thread count (kernels/gemm/NOTES.md, Decisions, "nvcc -split-compile=0").
         cuda_cflags = ["-O3", "-split-compile=0", *cuda_arch_flags()]
-        if _env_flag("KERNELS_LINEINFO"):
+        if env_flag("KERNELS_LINEINFO"):
             cuda_cflags.append("-lineinfo")
-        if _env_flag("KERNELS_PTXAS_REPORT"):
+        if env_flag("KERNELS_PTXAS_REPORT"):
             cuda_cflags += ["-Xptxas", "-v"]
     return cflags, cuda_cflags, openmp
 
@@ -298,7 +297,7 @@ def _compile(build):
         with_cuda=build.with_cuda,
         is_python_module=False,
         no_implicit_headers=True,
-        verbose=_env_flag("KERNELS_VERBOSE_BUILD") or _env_flag("KERNELS_PTXAS_REPORT"),
+        verbose=env_flag("KERNELS_VERBOSE_BUILD") or env_flag("KERNELS_PTXAS_REPORT"),
     )
 
 

@@ -99,6 +99,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from kernels.env import env_flag  # noqa: E402  (pure Python: builds nothing)
 PYTHON = sys.executable
 IMPORT_LIBRARY = [PYTHON, "-c", "import kernels.functional"]
 
@@ -246,11 +248,6 @@ def passed(name, ran, limit_s=None):
     else:
         say(f"== {name}: FAILED (exit status {ran.status})")
     return False
-
-
-def switch(name):
-    """An environment switch such as SKIP_TESTS: on where it is "1"."""
-    return os.environ.get(name, "") == "1"
 
 
 def print_cpu_count():
@@ -520,7 +517,6 @@ def bench(args):
 def multi_gpu(args):
     """The 2-GPU run: GPUs and links, one build, the multi-GPU tests, the DDP and tensor-parallel checks on their
     own for their per-rank lines, the peak-memory tests; each part bounded in time."""
-    sys.path.insert(0, REPO)
     from tests.distributed_helpers import NO_NVLINK_MULTICAST
 
     os.environ.update(NO_NVLINK_MULTICAST)  # in every process started from here
@@ -915,27 +911,27 @@ def parse_arguments(argv):
     add("multi-gpu", multi_gpu, "the 2-GPU run: multi-GPU tests, DDP and tensor-parallel checks, peak memory")
     sub = add("sm80", sm80, "the sm_80 kernel on a Hopper GPU; other arguments go to the GEMM tests' pytest",
               extra="pytest")
-    sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
-                     help="no GEMM tests (default: $SKIP_TESTS=1)")
+    sub.add_argument("--skip-tests", action="store_true", default=env_flag("SKIP_TESTS"),
+                     help="no GEMM tests (default: $SKIP_TESTS set)")
     sub.add_argument("--test-time-limit", type=int, default=int(os.environ.get("TEST_TIMEOUT") or 400),
                      help="seconds for the GEMM tests (default: $TEST_TIMEOUT, else 400)")
     name_extra_in_usage(sub, "PYTEST_ARGS")
     sub = add("profile", profile, "tensor-core rates; Nsight Compute over one call per split path named",
               extra="paths")
-    sub.add_argument("--skip-rates", action="store_true", default=switch("SKIP_RATES"),
-                     help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES=1)")
+    sub.add_argument("--skip-rates", action="store_true", default=env_flag("SKIP_RATES"),
+                     help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES set)")
     name_extra_in_usage(sub, "PATH[:forward_anew|:grad_x|:grad_w]")
     add("gelu-tanh", gelu_tanh, "the GELU (tanh) kernels' bandwidth against a copy at 65536 x 3072, and their error")
     sub = add("causal-softmax", causal_softmax, "the causal softmax family against the copy rate and eager's steps")
     sub.add_argument("--shape", default="128,8,512,512", help="the scores' shape, comma-separated (128,8,512,512)")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("all", run_all, "build, tests, sanitize and bench in order; stops after a failed build or smoke test")
-    sub.add_argument("--skip-tests", action="store_true", default=switch("SKIP_TESTS"),
-                     help="(default: $SKIP_TESTS=1)")
-    sub.add_argument("--skip-sanitize", action="store_true", default=switch("SKIP_SANITIZE"),
-                     help="(default: $SKIP_SANITIZE=1)")
-    sub.add_argument("--skip-bench", action="store_true", default=switch("SKIP_BENCH"),
-                     help="(default: $SKIP_BENCH=1)")
+    sub.add_argument("--skip-tests", action="store_true", default=env_flag("SKIP_TESTS"),
+                     help="(default: $SKIP_TESTS set)")
+    sub.add_argument("--skip-sanitize", action="store_true", default=env_flag("SKIP_SANITIZE"),
+                     help="(default: $SKIP_SANITIZE set)")
+    sub.add_argument("--skip-bench", action="store_true", default=env_flag("SKIP_BENCH"),
+                     help="(default: $SKIP_BENCH set)")
     sub.add_argument("--time-limit", type=int, default=900, help="seconds for the tests (900)")
     add_bench_options(sub)
 
