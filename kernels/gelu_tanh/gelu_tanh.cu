@@ -12,57 +12,26 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/elementwise.cuh"
+
 #include "gelu_tanh_math.h"
 
 namespace kernels::gelu_tanh {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kMaxBlocks = 0x7fffffff;
+using common::aligned;
+using common::for_each_pack;
+using common::from_opmath;
+using common::OpMath;
+using common::Pack;
+using common::to_opmath;
+using common::vector_width;
+constexpr int kThreads = common::kElementwiseThreads;
 
-template <typename T> struct OpMath { using type = float; };
-template <> struct OpMath<double> { using type = double; };
-
-template <typename T> __device__ __forceinline__ typename OpMath<T>::type to_opmath(T v) { return v; }
-template <> __device__ __forceinline__ float to_opmath<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_opmath<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_opmath(typename OpMath<T>::type v) { return v; }
-template <> __device__ __forceinline__ __half from_opmath<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_opmath<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// kWidth consecutive elements moved by one load or store.
-template <typename T, int kWidth> struct alignas(sizeof(T) * kWidth) Pack { T v[kWidth]; };
-
-template <typename T> constexpr int vector_width() { return 16 / sizeof(T); }
 // Packs per thread: two 16-byte packs; scalar accesses are 4 to 8 times smaller, so the unaligned path keeps 4.
 template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 2; }
 // float16 and bfloat16 results take the approximate division (gelu_tanh_math.h, divide()).
 template <typename T> __host__ __device__ constexpr bool fast_divide() { return sizeof(T) == 2; }
-
-// Calls visit(index) with the kUnroll pack indices of each tile of this block (out-of-range ones are -1), then block
-// 0 calls visit_tail(i) for the n % kWidth elements past the last pack.
-template <int kWidth, typename Visit, typename VisitTail>
-__device__ __forceinline__ void for_each_pack(std::int64_t n, Visit visit, VisitTail visit_tail) {
-  constexpr int kUnroll = unroll<kWidth>();
-  const std::int64_t packs = n / kWidth;
-  const std::int64_t tiles = (packs + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    std::int64_t index[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const std::int64_t i = tile * kThreads * kUnroll + k * kThreads + threadIdx.x;
-      index[k] = i < packs ? i : -1;
-    }
-    visit(index);
-  }
-  if (kWidth > 1 && blockIdx.x == 0) {
-    const std::int64_t i = packs * kWidth + threadIdx.x;
-    if (i < n) visit_tail(i);
-  }
-}
 
 template <typename T, int kWidth>
 __global__ void __launch_bounds__(kThreads)
@@ -71,7 +40,7 @@ gelu_tanh_kernel(const T* __restrict__ x, T* __restrict__ y, std::int64_t n) {
   using P = Pack<T, kWidth>;
   constexpr int kUnroll = unroll<kWidth>();
   const auto apply = [](T in) { return from_opmath<T>(gelu_tanh_element<Op, fast_divide<T>()>(to_opmath(in))); };
-  for_each_pack<kWidth>(
+  for_each_pack<kWidth, unroll<kWidth>()>(
       n,
       [&](const std::int64_t (&index)[kUnroll]) {
         P in[kUnroll];
@@ -100,7 +69,7 @@ gelu_tanh_backward_kernel(const T* __restrict__ grad_output, const T* __restrict
   const auto apply = [](T g, T in) {
     return from_opmath<T>(gelu_tanh_backward_element<Op, fast_divide<T>()>(to_opmath(g), to_opmath(in)));
   };
-  for_each_pack<kWidth>(
+  for_each_pack<kWidth, unroll<kWidth>()>(
       n,
       [&](const std::int64_t (&index)[kUnroll]) {
         P grads[kUnroll], in[kUnroll];
@@ -122,12 +91,9 @@ gelu_tanh_backward_kernel(const T* __restrict__ grad_output, const T* __restrict
       [&](std::int64_t i) { grad_input[i] = apply(grad_output[i], x[i]); });
 }
 
-bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 template <int kWidth> unsigned int grid_for(std::int64_t n) {
-  const std::int64_t per_block = std::int64_t{kThreads} * unroll<kWidth>() * kWidth;
-  const std::int64_t blocks = (n + per_block - 1) / per_block;
-  return static_cast<unsigned int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+  return common::elementwise_grid<kWidth, unroll<kWidth>()>(n);
 }
 
 template <typename T>
@@ -135,7 +101,7 @@ cudaError_t gelu_tanh_typed(const void* x, void* y, std::int64_t n, cudaStream_t
   constexpr int kWidth = vector_width<T>();
   const T* in = static_cast<const T*>(x);
   T* out = static_cast<T*>(y);
-  if (aligned(x) && aligned(y)) {
+  if (aligned(x, 16) && aligned(y, 16)) {
     gelu_tanh_kernel<T, kWidth><<<grid_for<kWidth>(n), kThreads, 0, stream>>>(in, out, n);
   } else {
     gelu_tanh_kernel<T, 1><<<grid_for<1>(n), kThreads, 0, stream>>>(in, out, n);
@@ -150,7 +116,7 @@ cudaError_t gelu_tanh_backward_typed(const void* grad_output, const void* x, voi
   const T* g = static_cast<const T*>(grad_output);
   const T* in = static_cast<const T*>(x);
   T* out = static_cast<T*>(grad_input);
-  if (aligned(grad_output) && aligned(x) && aligned(grad_input)) {
+  if (aligned(grad_output, 16) && aligned(x, 16) && aligned(grad_input, 16)) {
     gelu_tanh_backward_kernel<T, kWidth><<<grid_for<kWidth>(n), kThreads, 0, stream>>>(g, in, out, n);
   } else {
     gelu_tanh_backward_kernel<T, 1><<<grid_for<1>(n), kThreads, 0, stream>>>(g, in, out, n);

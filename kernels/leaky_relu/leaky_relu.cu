@@ -12,57 +12,25 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/elementwise.cuh"
+
 namespace kernels::leaky_relu {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kMaxBlocks = 0x7fffffff;
+using common::aligned;
+using common::for_each_pack;
+using common::from_opmath;
+using common::OpMath;
+using common::Pack;
+using common::to_opmath;
+using common::vector_width;
+constexpr int kThreads = common::kElementwiseThreads;
 
-template <typename T> struct OpMath { using type = float; };
-template <> struct OpMath<double> { using type = double; };
-
-template <typename T> __device__ __forceinline__ typename OpMath<T>::type to_opmath(T v) { return v; }
-template <> __device__ __forceinline__ float to_opmath<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_opmath<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_opmath(typename OpMath<T>::type v) { return v; }
-template <> __device__ __forceinline__ __half from_opmath<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_opmath<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// kWidth consecutive elements moved by one load or store.
-template <typename T, int kWidth> struct alignas(sizeof(T) * kWidth) Pack { T v[kWidth]; };
 template <int kWidth> struct alignas(kWidth) MaskPack { std::uint8_t v[kWidth]; };
 
-template <typename T> __host__ __device__ constexpr int vector_width() { return 16 / sizeof(T); }
-// Packs per thread: one 16-byte pack already reaches the copy rate, more only lose (measured with
-// tools/leaky_relu_variants.py: kernels/leaky_relu/NOTES.md); scalar accesses are smaller, so that path keeps 4 in
-// flight.
+// Packs per thread: one 16-byte pack already reaches the copy rate, more only lose (measured:
+// kernels/leaky_relu/NOTES.md); scalar accesses are smaller, so that path keeps 4 in flight.
 template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 1; }
-
-// Calls visit(pack_index) for each pack of this thread, over all tiles of this block; then block 0 calls
-// visit_tail(element_index) for the n % kWidth elements past the last pack. visit takes the kUnroll indices
-// of one tile at once (out-of-range ones are -1), so that it can issue all loads before any store.
-template <int kWidth, typename Visit, typename VisitTail>
-__device__ __forceinline__ void for_each_pack(std::int64_t n, Visit visit, VisitTail visit_tail) {
-  constexpr int kUnroll = unroll<kWidth>();
-  const std::int64_t packs = n / kWidth;
-  const std::int64_t tiles = (packs + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    std::int64_t index[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const std::int64_t i = tile * kThreads * kUnroll + k * kThreads + threadIdx.x;
-      index[k] = i < packs ? i : -1;
-    }
-    visit(index);
-  }
-  if (kWidth > 1 && blockIdx.x == 0) {
-    const std::int64_t i = packs * kWidth + threadIdx.x;
-    if (i < n) visit_tail(i);
-  }
-}
 
 template <typename T, int kWidth, bool kMultiply, bool kMask>
 __global__ void __launch_bounds__(kThreads)
@@ -78,7 +46,7 @@ multiply_leaky_relu_kernel(const T* __restrict__ x, T* __restrict__ y, std::uint
     positive = v > Op(0);
     out = from_opmath<T>(positive ? v : v * slope);
   };
-  for_each_pack<kWidth>(
+  for_each_pack<kWidth, unroll<kWidth>()>(
       n,
       [&](const std::int64_t (&index)[kUnroll]) {
         P packs[kUnroll];
@@ -118,7 +86,7 @@ leaky_relu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__
     if (kMultiply) v = v * multiplier;
     return from_opmath<T>(v);
   };
-  for_each_pack<kWidth>(
+  for_each_pack<kWidth, unroll<kWidth>()>(
       n,
       [&](const std::int64_t (&index)[kUnroll]) {
         P grads[kUnroll];
@@ -152,14 +120,9 @@ leaky_relu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__
       });
 }
 
-bool aligned(const void* p, std::uintptr_t bytes) {
-  return p == nullptr || reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
-}
 
 template <int kWidth> unsigned int grid_for(std::int64_t n) {
-  const std::int64_t per_block = std::int64_t{kThreads} * unroll<kWidth>() * kWidth;
-  const std::int64_t blocks = (n + per_block - 1) / per_block;
-  return static_cast<unsigned int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+  return common::elementwise_grid<kWidth, unroll<kWidth>()>(n);
 }
 
 template <typename T, int kWidth>
