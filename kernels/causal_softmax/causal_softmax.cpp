@@ -29,6 +29,7 @@ namespace kernels::causal_softmax {
 namespace {
 
 using common::check_float_tensor;
+using common::element_type;
 using common::shape_str;
 
 void check_scores(const char* op, const char* name, const at::Tensor& t) {
@@ -65,13 +66,6 @@ at::Tensor causal_softmax_backward_aten(const at::Tensor& grad_output, const at:
 }
 
 #ifdef KERNELS_WITH_CUDA
-ElementType element_type(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return ElementType::kFloat16;
-    case at::kBFloat16: return ElementType::kBFloat16;
-    default: return ElementType::kFloat32;  // the callers admit no other type
-  }
-}
 
 bool takes_kernel(const at::Tensor& t) { return t.is_cuda() && t.scalar_type() != at::kDouble; }
 #endif

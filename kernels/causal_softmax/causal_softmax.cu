@@ -310,6 +310,7 @@ cudaError_t launch(ElementType type, const void* a, const void* b, void* out, co
     case ElementType::kFloat32: return launch_typed<float, kBackward>(a, b, out, p, stream);
     case ElementType::kFloat16: return launch_typed<__half, kBackward>(a, b, out, p, stream);
     case ElementType::kBFloat16: return launch_typed<__nv_bfloat16, kBackward>(a, b, out, p, stream);
+    case ElementType::kFloat64: break;  // the torch side's ATen path
   }
   return cudaErrorInvalidValue;
 }

@@ -11,10 +11,12 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
+#include "common/element_type.h"
+
 namespace kernels::causal_softmax {
 
-// Element types the kernels are instantiated for (float64 takes the torch side's ATen path).
-enum class ElementType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// The kernels take kFloat32, kFloat16 and kBFloat16 (float64 takes the torch side's ATen path).
+using common::ElementType;
 
 // output = softmax(scores * scale) over each row, masked entries as -inf: t = scores * scale rounded to float once,
 // then max, exp(t - max), the sum, exp(t - max) / sum, as eager's softmax; the sum accumulated in double. Masked

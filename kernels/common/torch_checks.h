@@ -12,7 +12,19 @@
 #include <cstdio>
 #include <string>
 
+#include "element_type.h"
+
 namespace kernels::common {
+
+// The launchers' element type of a dtype the checks admitted (float32, float64, float16, bfloat16).
+inline ElementType element_type(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return ElementType::kFloat64;
+    case at::kHalf: return ElementType::kFloat16;
+    case at::kBFloat16: return ElementType::kBFloat16;
+    default: return ElementType::kFloat32;
+  }
+}
 
 // Messages format numbers, shapes and devices as std::string here: on the GPU machine (library built by another
 // g++ than torch's) streaming an int64_t, a double, an IntArrayRef or a Device into TORCH_CHECK's message crashed

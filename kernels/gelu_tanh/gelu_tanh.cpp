@@ -28,6 +28,7 @@ namespace kernels::gelu_tanh {
 namespace {
 
 using common::check_float_tensor;
+using common::element_type;
 using common::check_same;
 using common::in_layout_of;
 using common::output_like;
@@ -70,14 +71,6 @@ void with_element_type(at::ScalarType type, const Fn& fn) {
 }
 
 #ifdef KERNELS_WITH_CUDA
-ElementType element_type(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return ElementType::kFloat64;
-    case at::kHalf: return ElementType::kFloat16;
-    case at::kBFloat16: return ElementType::kBFloat16;
-    default: return ElementType::kFloat32;  // the checks admit no other type
-  }
-}
 #endif
 
 // ---- runners: the operands share one dense layout -----------------------------------------------------------------

@@ -6,10 +6,11 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
+#include "common/element_type.h"
+
 namespace kernels::gelu_tanh {
 
-// Element types the kernels are instantiated for; the torch side maps at::ScalarType onto it.
-enum class ElementType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+using common::ElementType;
 
 // y[i] = gelu_tanh(x[i]) over n elements that x and y store in the same order, computed in float (double for
 // kFloat64) and rounded once. Any alignment works; 16-byte aligned pointers take the vectorized path.

@@ -30,18 +30,11 @@ namespace kernels::leaky_relu {
 namespace {
 
 using common::check_float_tensor;
+using common::element_type;
 using common::in_layout_of;
 using common::output_like;
 using common::shape_str;
 
-ElementType element_type(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return ElementType::kFloat64;
-    case at::kHalf: return ElementType::kFloat16;
-    case at::kBFloat16: return ElementType::kBFloat16;
-    default: return ElementType::kFloat32;  // the checks admit no other type
-  }
-}
 
 // Whether ATen runs its vectorized CPU kernels (ATEN_CPU_CAPABILITY=default holds it to its generic ones): the CPU
 // loops take their AVX2 build only then, as eager would.

@@ -6,9 +6,11 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
-#include "leaky_relu_element_type.h"
+#include "common/element_type.h"
 
 namespace kernels::leaky_relu {
+
+using common::ElementType;
 
 // y[i] = leaky_relu(x[i] * multiplier, negative_slope) over n elements that x and y store in the same order.
 // The arithmetic is done in float (double for kFloat64); multiplier == 1 skips the multiply, so that path is

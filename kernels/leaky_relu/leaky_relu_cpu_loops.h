@@ -8,9 +8,11 @@
 
 #include <cstdint>
 
-#include "leaky_relu_element_type.h"
+#include "common/element_type.h"
 
 namespace kernels::leaky_relu {
+
+using common::ElementType;
 
 struct CpuLoops {
   // y[i] = leaky_relu(x[i] * multiplier, negative_slope); positive[i] = x[i] * multiplier > 0 where positive is not
