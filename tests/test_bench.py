@@ -1,0 +1,70 @@
+"""bench.py's KernelBench rows (level 3 and --problem-file) on the CPU, at small sizes: the harness's trials, the rows
+and their table and legend. The GPU runs themselves are bench.py's job; this keeps their code running in CI."""
+
+import types
+
+import pytest
+
+import bench
+
+PROBLEM = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    """An MLP whose docstring says "Forward pass"."""
+    def __init__(self, features, hidden):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, features))
+
+    def forward(self, x):
+        return self.net(x)
+
+def get_inputs():
+    return [torch.rand(8, 32)]
+
+def get_init_inputs():
+    return [32, 48]
+'''
+
+BROKEN = PROBLEM.replace("return self.net(x)", "return self.net(x.unsqueeze(0).t())")
+
+
+def options():
+    return bench.Options(types.SimpleNamespace(variant=None, dtype=None, size=None, quick=True))
+
+
+def test_problem_files_give_eager_and_model_new_rows_with_the_trials(tmp_path):
+    (tmp_path / "2_small_mlp.py").write_text(PROBLEM)
+    (tmp_path / "10_broken.py").write_text(BROKEN)  # raises in forward: a row saying so, the others still run
+    rows = []
+    bench.bench_problem_files(rows, options(), [str(tmp_path)])
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], {})[row["variant"]] = row
+    assert list(by_case) == ["2_small_mlp", "10_broken"]  # KernelBench's order: by number
+    small = by_case["2_small_mlp"]
+    assert set(small) == {"eager", "ModelNew"}
+    assert small["ModelNew"]["verdict"] == f"{bench.KERNELBENCH_TRIALS}/{bench.KERNELBENCH_TRIALS}"
+    assert small["ModelNew"]["error"] is not None and small["ModelNew"]["error"] < 1e-6
+    assert small["eager"]["speedup"] == pytest.approx(1.0)
+    assert by_case["10_broken"]["ModelNew"]["verdict"] == "RuntimeError"
+    text = bench.tables_text(rows)
+    assert "2_small_mlp" in text and "5/5" in text
+    assert any(line.startswith("KernelBench rows") for line in bench.legend(rows))
+
+
+def test_level3_problem_rows_include_torch_compile_where_asked(monkeypatch):
+    """The rows of a reference.py problem (at a small size here): eager, torch.compile where --variant asks for it
+    (the default asks for all), and ModelNew."""
+    import reference
+
+    spec = reference.PROBLEMS["mlp"]
+    small = reference.Problem("mlp", spec.kernelbench, spec.model, lambda: [__import__("torch").rand(4, 32)],
+                              lambda: [32, [48], 16])
+    monkeypatch.setitem(reference.PROBLEMS, "mlp", small)
+    rows = []
+    opts = bench.Options(types.SimpleNamespace(variant=["ModelNew"], dtype=None, size=None, quick=True))
+    bench.bench_level3_problem("mlp")(rows, opts)
+    assert [row["variant"] for row in rows] == ["eager", "ModelNew"]
+    assert rows[1]["verdict"] == f"{bench.KERNELBENCH_TRIALS}/{bench.KERNELBENCH_TRIALS}"
