@@ -44,7 +44,7 @@ What each subcommand runs:
              that one); the tensor-core instructions per GEMM kernel from the SASS of the GEMM libraries
              (sm80_sass.txt); tools/gemm_sweep.py --path split_fp16_sm80 (sm80_sweep.log), its first 4 lines again
              at two pipeline stages (KERNELS_GEMM_SM80_STAGES=2, the A100's depth), the first 4 lines of the Hopper
-             kernel's sweep; then pytest -q -x -rs tests/test_gemm.py under a 400 s limit (--test-time-limit), its
+             kernel's sweep; then pytest -q -x -rs tests/test_gemm*.py under a 400 s limit (--test-time-limit), its
              output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest; then the split
              tests (-k split) and tools/sanitize_cases.py again at two stages (the A100's depth).
   profile    tools/tensor_core_rates.py (mma.sync's measured rate, alone and at the sm_80 kernel's ldmatrix ratio,
@@ -443,7 +443,7 @@ def sanitize(args):
         # reads as uninitialized.
         kernel_filter = [] if tool == "initcheck" else ["--kernel-regex", "kns=kernels"]
         # initcheck does not track TMA stores' writes: the split GEMM takes its plain-store epilogue under it (the
-        # outputs' coverage on the TMA path is tested by tests/test_gemm.py on a NaN-poisoned allocator).
+        # outputs' coverage on the TMA path is tested by tests/test_gemm_split.py on a NaN-poisoned allocator).
         plain_stores = "1" if tool == "initcheck" else ""
         log = os.path.join(args.out, f"sanitize_{tool}.log")
         ran = run(["compute-sanitizer", "--tool", tool, *kernel_filter, "--target-processes", "all",
@@ -576,7 +576,8 @@ def sm80(args):
     run([PYTHON, "tools/gemm_sweep.py"], stop_after_lines=4)
     if not args.skip_tests:
         ensure_module("xdist")
-        command = [PYTHON, "-m", "pytest", "-q", "-x", "-rs", "tests/test_gemm.py",
+        gemm_tests = sorted(glob.glob(os.path.join(REPO, "tests", "test_gemm*.py")))  # the GEMM family's files
+        command = [PYTHON, "-m", "pytest", "-q", "-x", "-rs", *gemm_tests,
                    *shlex.split(os.environ.get("PYTEST_ARGS", "")), *args.extra]
         say("== GEMM tests (output in sm80_pytest.log)")
         ran = run(command, log=os.path.join(args.out, "sm80_pytest.log"), show=False, limit_s=args.test_time_limit)

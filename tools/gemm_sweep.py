@@ -149,7 +149,7 @@ def parts():
 def train_step():
     """One fp32 training step at the problem's size (forward and the gradients of x, W and b): ModelNew's profile,
     then eager's and ModelNew's peak memory over what is held and each gradient's error against float64 through that
-    forward's own branch mask (tests/test_gemm.py, float64_gradients)."""
+    forward's own branch mask (tests/test_gemm_backward.py, float64_gradients)."""
     import torch.nn.functional as F
 
     import reference

@@ -4,7 +4,7 @@
 // epilogue; and the order along K in which the Hopper kernel hands its fp16 halves to the tensor cores. Non-finite
 // values are split as 0 and their rows flagged (gemm.h, kNonFiniteRow); launch_nonfinite_outputs (gemm_split.cu)
 // writes the outputs they reach. Device code, portable; the output's unscaling (exact_power_of_two, row_unscale,
-// unscale) is host code too, so that a host program checks it against ldexpf (tests/test_gemm.py).
+// unscale) is host code too, so that a host program checks it against ldexpf (tests/test_gemm_split.py).
 #pragma once
 
 #include <cstdint>
