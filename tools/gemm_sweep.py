@@ -1,29 +1,10 @@
-"""The split fp16 GEMM's error, time and kernels: at the problem's size, per K, per shape, in a training step.
+"""The split fp16 GEMM's error, time and kernels, one measurement per subcommand (on the GPU machine, from the repo
+root); without one, the problem's size (1024x8192 -> 8192, fp32): error against float64 and eager's, time, and where
+one call's time goes, kernel by kernel.
 
-At the problem's size (1024x8192 -> 8192, fp32): error against float64 and eager's, time, and where one call's time
-goes, kernel by kernel.
-
-    python tools/gemm_sweep.py            # on the GPU machine, from the repo root
-    python tools/gemm_sweep.py --k-sweep  # error of the forced split path against eager's, per K
-    python tools/gemm_sweep.py --shapes   # time and error of both paths over output sizes and K
-    python tools/gemm_sweep.py --profile  # only where one call's time goes
-    python tools/gemm_sweep.py --train    # an fp32 training step: where its time goes, its peak memory and each
-                                          # gradient's error against float64, eager's beside ModelNew's
-    python tools/gemm_sweep.py --train-profile bf16   # bench's training step in a dtype: times, then kernels
-    python tools/gemm_sweep.py --loop-profile         # a training loop's step against bench's step: kernels
-    python tools/gemm_sweep.py --loop-kernels         # ModelNew's loop step only: its five largest kernels and
-                                                      # its time, on two lines (for kernel_variants.py's A/B)
-    python tools/gemm_sweep.py --weight-split         # the forward with and without the weight's split kept
-    python tools/gemm_sweep.py --parts                # forward over batch sizes, backward products, train step
-    python tools/gemm_sweep.py --waves                # the three GEMMs of a training step at widths whose tile
-                                                      # counts fill the multiprocessors by whole rounds, or not
-    python tools/gemm_sweep.py --split-k              # grad_W's product (small output, long reduction) per slices
-                                                      # of K against eager: times, errors, the automatic slices
-    python tools/gemm_sweep.py --coherence            # the part of the error every row shares (rand inputs)
-    python tools/gemm_sweep.py --path split_fp16_sm80 # any of the above with every call forced onto one path
-
-The K sweep is what sets the smallest K the automatic choice sends to the split path: the split represents each
-operand to about 2^-22, so for a short reduction, where eager fp32 is nearly exact, the split is less accurate.
+    python tools/gemm_sweep.py                    # the problem's size
+    python tools/gemm_sweep.py k-sweep            # any subcommand below (--help lists them)
+    python tools/gemm_sweep.py --path split_fp16_sm80 k-sweep   # every call forced onto one path
 """
 
 import argparse
@@ -575,37 +556,56 @@ def coherence(shapes=COHERENCE_SHAPES):
             del x, y64
 
 
+def shapes(args):
+    outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
+               if args.outputs else SWEEP_OUTPUTS)
+    shape_sweep(outputs)
+
+
+# subcommand: (what it runs, given the parsed arguments; its help)
+SUBCOMMANDS = {
+    "problem": (lambda args: (problem_size(), profile_one_call()),
+                "the problem's size: error, time, and where one call's time goes (the default)"),
+    "k-sweep": (lambda args: k_sweep(), "error of the forced split path against eager's, per K (the smallest K the "
+                "automatic choice sends to the split path)"),
+    "shapes": (shapes, "time and error of both paths over output sizes and K"),
+    "small-k": (lambda args: small_k(), "time and error of both paths at real models' outputs, K 256-1024, identity "
+                "epilogue"),
+    "models-profile": (lambda args: models_profile(args.models),
+                       "bench.py's models, patched: one training step's kernels"),
+    "profile": (lambda args: profile_one_call(), "only where one call's time goes"),
+    "train": (lambda args: train_step(), "an fp32 training step: its time, peak memory and each gradient's error"),
+    "train-profile": (lambda args: train_step_profile(args.dtype), "bench's training step in a dtype: times, then "
+                      "kernels"),
+    "weight-split": (lambda args: weight_split_times(), "the forward with and without the weight's split kept: "
+                     "times, kernels, bitwise check"),
+    "parts": (lambda args: parts(), "the forward over batch sizes, each backward product alone and the training "
+              "step: times"),
+    "loop-profile": (lambda args: loop_profile(), "a training loop's step against bench's autograd.grad step: "
+                     "kernels, data against clock"),
+    "loop-kernels": (lambda args: loop_kernels(), "ModelNew's training-loop step alone: its largest kernels and "
+                     "its time, two lines (kernel_variants.py's A/B)"),
+    "split-k": (lambda args: split_k(), "grad_W's product at small outputs and long reductions: per slices of K, "
+                "against eager"),
+    "coherence": (lambda args: coherence(), "the part of a linear layer's error every row shares, on rand, "
+                  "rand - 0.5 and randn inputs"),
+    "waves": (lambda args: waves(), "the training step's three GEMMs at widths that fill the multiprocessors by "
+              "whole rounds, or not"),
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--k-sweep", action="store_true", help="error of the forced split path against eager's, per K")
-    mode.add_argument("--shapes", action="store_true", help="time and error of both paths over output sizes and K")
-    mode.add_argument("--models-profile", nargs="*", metavar="MODEL",
-                      help="bench.py's models, patched: one training step's kernels (models named by a word, or all)")
-    mode.add_argument("--small-k", action="store_true",
-                      help="time and error of both paths at real models' outputs, K 256-1024, identity epilogue")
-    mode.add_argument("--profile", action="store_true", help="only where one call's time goes")
-    mode.add_argument("--train", action="store_true", help="an fp32 training step: its time, peak memory, errors")
-    mode.add_argument("--train-profile", choices=["fp32", "bf16", "fp16"], metavar="DTYPE",
-                      help="bench's training step in DTYPE (fp32, bf16, fp16): times, then kernels")
-    mode.add_argument("--weight-split", action="store_true",
-                      help="the forward with and without the weight's split kept: times, kernels, bitwise check")
-    mode.add_argument("--parts", action="store_true",
-                      help="the forward over batch sizes, each backward product alone and the training step: times")
-    mode.add_argument("--loop-profile", action="store_true",
-                      help="a training loop's step against bench's autograd.grad step: kernels, data against clock")
-    mode.add_argument("--loop-kernels", action="store_true",
-                      help="ModelNew's training-loop step alone: its largest kernels and its time, two lines")
-    mode.add_argument("--split-k", action="store_true",
-                      help="grad_W's product at small outputs and long reductions: per slices of K, against eager")
-    mode.add_argument("--coherence", action="store_true",
-                      help="the part of a linear layer's error every row shares, on rand, rand - 0.5 and randn inputs")
-    mode.add_argument("--waves", action="store_true",
-                      help="the training step's three GEMMs at widths that fill the multiprocessors by whole rounds")
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
-    parser.add_argument("--outputs", metavar="MxN[,MxN...]",
-                        help="--shapes over these output sizes instead (e.g. 256x8192,512x8192: small batches)")
+    subcommands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+    subparsers = {name: subcommands.add_parser(name, help=summary) for name, (_, summary) in SUBCOMMANDS.items()}
+    subparsers["shapes"].add_argument("--outputs", metavar="MxN[,MxN...]",
+                                      help="these output sizes instead (e.g. 256x8192,512x8192: small batches)")
+    subparsers["models-profile"].add_argument("models", nargs="*", metavar="MODEL",
+                                              help="models named by a word (default: all)")
+    subparsers["train-profile"].add_argument("dtype", choices=["fp32", "bf16", "fp16"])
     args = parser.parse_args()
+    run = SUBCOMMANDS[args.subcommand or "problem"][0]
     print(torch.cuda.get_device_name(0))
     if args.path:
         from kernels.gemm.gemm import forced_gemm_path
@@ -614,44 +614,8 @@ def main():
         SPLIT_PATH = args.path if args.path.startswith("split") else SPLIT_PATH
         print("every call forced onto the", args.path, "path")
         with forced_gemm_path(args.path):
-            return choose(args)
-    return choose(args)
-
-
-def choose(args):
-    if args.k_sweep:
-        k_sweep()
-    elif args.coherence:
-        coherence()
-    elif args.small_k:
-        small_k()
-    elif args.models_profile is not None:
-        models_profile(args.models_profile)
-    elif args.profile:
-        profile_one_call()
-    elif args.train:
-        train_step()
-    elif args.train_profile:
-        train_step_profile(args.train_profile)
-    elif args.loop_profile:
-        loop_profile()
-    elif args.loop_kernels:
-        loop_kernels()
-    elif args.weight_split:
-        weight_split_times()
-    elif args.parts:
-        parts()
-    elif args.waves:
-        waves()
-    elif args.split_k:
-        split_k()
-    elif args.shapes:
-        outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
-                   if args.outputs else SWEEP_OUTPUTS)
-        shape_sweep(outputs)
-    else:
-        problem_size()
-        profile_one_call()
+            return run(args)
+    return run(args)
 
 
 if __name__ == "__main__":
