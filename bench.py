@@ -15,6 +15,8 @@ import copy
 import json
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -68,20 +70,50 @@ class Options:
         return default
 
 
-def add_rows(rows, problem, case, precision, variants, times, kb_times, outputs, rate_of, unit, ceiling, ceiling_ms,
-             y64, y_eager32):
-    """One row per variant: times, speedups, rate, % of ceiling, error vs float64 and the fp32 verdict."""
-    eager_ms = times[0]
-    compile_ms = dict(zip(variants, times)).get("torch.compile")
-    for variant, ms, kb_ms, y in zip(variants, times, kb_times, outputs):
-        name, rate_ceiling_ms = ceiling(variant) if callable(ceiling) else (ceiling, ceiling_ms)
+@dataclass
+class Case:
+    """One measured case: its variants' names, median times, KernelBench-style times and outputs (None where no
+    output is compared), in the same order, eager first."""
+    problem: str
+    case: str
+    precision: str
+    variants: list
+    times: list
+    kb_times: list
+    outputs: list
+
+
+@dataclass
+class Rate:
+    """A row's rate, rate_of(variant) in `unit` per ms, and its ceiling: a name and its time in ms, or a function of
+    the variant giving both (a split path's ceiling differs from cuBLAS's)."""
+    rate_of: Callable = lambda variant: 0.0
+    unit: str = ""
+    ceiling: object = "-"
+    ceiling_ms: Optional[float] = None
+
+
+@dataclass
+class Reference:
+    """What the outputs are judged against: float64 for the error, eager float32 for the fp32 tolerance."""
+    y64: object = None
+    y_eager32: object = None
+
+
+def add_rows(rows, case, rate=Rate(), reference=Reference()):
+    """One row per variant of `case`: times, speedups, rate, % of ceiling, error vs float64 and the fp32 verdict."""
+    eager_ms = case.times[0]
+    compile_ms = dict(zip(case.variants, case.times)).get("torch.compile")
+    for variant, ms, kb_ms, y in zip(case.variants, case.times, case.kb_times, case.outputs):
+        name, ceiling_ms = rate.ceiling(variant) if callable(rate.ceiling) else (rate.ceiling, rate.ceiling_ms)
         rows.append(dict(
-            problem=problem, case=case, variant=variant, precision=precision, ms=ms, kernelbench_ms=kb_ms,
-            speedup=eager_ms / ms, vs_compile=compile_ms / ms if compile_ms else None,
-            rate=rate_of(variant) / ms, unit=unit, ceiling=name,
-            pct_of_ceiling=100 * rate_ceiling_ms / ms if rate_ceiling_ms else None,
-            error=relative_error(y, y64) if y is not None else None,
-            verdict=None if y is None or y_eager32 is None else ("pass" if allclose(y.float(), y_eager32) else "FAIL")))
+            problem=case.problem, case=case.case, variant=variant, precision=case.precision, ms=ms,
+            kernelbench_ms=kb_ms, speedup=eager_ms / ms, vs_compile=compile_ms / ms if compile_ms else None,
+            rate=rate.rate_of(variant) / ms, unit=rate.unit, ceiling=name,
+            pct_of_ceiling=100 * ceiling_ms / ms if ceiling_ms else None,
+            error=relative_error(y, reference.y64) if y is not None and reference.y64 is not None else None,
+            verdict=None if y is None or reference.y_eager32 is None
+            else ("pass" if allclose(y.float(), reference.y_eager32) else "FAIL")))
 
 
 CPU_SAMPLE_MS = 1.0
@@ -118,8 +150,9 @@ def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_samp
                                            cpu=device == "cpu")
             outputs = [m(x_in).detach() for m in variants.values()]
         with torch.no_grad():
-            add_rows(rows, problem, case, "fp32", list(variants), times, [None] * len(times), outputs,
-                     lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms, eager(x.double()), eager(x))
+            add_rows(rows, Case(problem, case, "fp32", list(variants), times, [None] * len(times), outputs),
+                     Rate(lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms),
+                     Reference(eager(x.double()), eager(x)))
 
 
 # ---- leaky_relu -------------------------------------------------------------------------------------------------
@@ -153,8 +186,8 @@ def bench_leaky_relu(rows, options):
             y64 = eager(x.double())
             y_eager32 = eager(x.float())
             outputs = [model(x) for model in variants.values()]
-            add_rows(rows, problem, case, label, list(variants), times, kb, outputs, lambda v: 2 * x.nbytes / 1e6,
-                     "GB/s", "copy", copy_ms, y64, y_eager32)
+            add_rows(rows, Case(problem, case, label, list(variants), times, kb, outputs),
+                     Rate(lambda v: 2 * x.nbytes / 1e6, "GB/s", "copy", copy_ms), Reference(y64, y_eager32))
             del x, y64, y_eager32, outputs
 
         if options.wants_dtype("fp32"):
@@ -171,8 +204,8 @@ def bench_leaky_relu(rows, options):
             del out
             g64 = torch.ops.aten.leaky_relu_backward(grad.double(), x.double(), slope, False)
             outputs = [fn() for fn in fns.values()]
-            add_rows(rows, problem, case, "fp32", list(fns), times, kb, outputs, lambda v: 3 * x.nbytes / 1e6,
-                     "GB/s", "copy", 1.5 * copy_ms, g64, outputs[0])
+            add_rows(rows, Case(problem, case, "fp32", list(fns), times, kb, outputs),
+                     Rate(lambda v: 3 * x.nbytes / 1e6, "GB/s", "copy", 1.5 * copy_ms), Reference(g64, outputs[0]))
             del x, grad, g64, outputs
 
     if options.wants_dtype("fp32"):
@@ -332,8 +365,8 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                 outputs = [model(x) for model in variants.values()]
 
             ceiling, rate_of = gemm_ceiling_and_rate(label, flops, cublas_ms, cublas16_ms)
-            add_rows(rows, problem, case, label, list(variants), times, kb, outputs, rate_of, "TFLOP/s", ceiling,
-                     None, y64, y_eager32)
+            add_rows(rows, Case(problem, case, label, list(variants), times, kb, outputs),
+                     Rate(rate_of, "TFLOP/s", ceiling), Reference(y64, y_eager32))
 
             # Training step: forward and the grads of x, weight and bias.
             case = f"train step {label} {m}x{k}->{n}"
@@ -351,8 +384,8 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                 return torch.autograd.grad(model(x_train), inputs, grad)
 
             times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
-            add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
-                     lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
+            add_rows(rows, Case(problem, case, label, list(variants), times, kb, [None] * len(times)),
+                     Rate(lambda v: 3 * flops / 1e9, "TFLOP/s", "-"))
             if label == "fp32":
                 add_training_loop_rows(rows, problem, eager, new, x, options)
 
@@ -375,8 +408,8 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                 [lambda: torch.mm(x_low, weight_low_t)] + [lambda model=model: autocast_call(model)
                                                            for model in variants.values()], options)
             outputs = [autocast_call(model) for model in variants.values()]
-        add_rows(rows, problem, case, label, list(variants), times, kb, outputs, lambda v: flops / 1e9, "TFLOP/s",
-                 f"cuBLAS {label[-4:]}", ceiling_ms, y64, y_eager32)
+        add_rows(rows, Case(problem, case, label, list(variants), times, kb, outputs),
+                 Rate(lambda v: flops / 1e9, "TFLOP/s", f"cuBLAS {label[-4:]}", ceiling_ms), Reference(y64, y_eager32))
 
         case = f"train step {label} {m}x{k}->{n}"
         progress(f"{problem}: {case}")
@@ -388,8 +421,8 @@ def bench_gemm_multiply_leaky_relu(rows, options):
             return torch.autograd.grad(y, [x_train, model.gemm.weight, model.gemm.bias], grad32.to(y.dtype))
 
         times, kb = run_case([lambda model=model: train_step(model) for model in variants.values()], options)
-        add_rows(rows, problem, case, label, list(variants), times, kb, [None] * len(times),
-                 lambda v: 3 * flops / 1e9, "TFLOP/s", "-", None, None, None)
+        add_rows(rows, Case(problem, case, label, list(variants), times, kb, [None] * len(times)),
+                 Rate(lambda v: 3 * flops / 1e9, "TFLOP/s", "-"))
 
 
 def training_loop_step(model, x):
@@ -415,8 +448,8 @@ def add_training_loop_rows(rows, problem, eager, new, x, options):
         times, kb = run_case([lambda model=model: training_loop_step(model, x_in) for model in variants.values()],
                              options)
         products = 3 if needs_grad else 2
-        add_rows(rows, problem, case, "fp32", list(variants), times, kb, [None] * len(times),
-                 lambda v, products=products: products * 2 * m * n * k / 1e9, "TFLOP/s", "-", None, None, None)
+        add_rows(rows, Case(problem, case, "fp32", list(variants), times, kb, [None] * len(times)),
+                 Rate(lambda v, products=products: products * 2 * m * n * k / 1e9, "TFLOP/s", "-"))
 
 
 # The split path away from the problem's shape: the shapes issue 22 names, as a user's model would bring them (the
@@ -453,8 +486,8 @@ def bench_gemm_shapes(rows, options):
             y64 = copy.deepcopy(eager).double()(x.double())
 
         ceiling, rate_of = gemm_ceiling_and_rate("fp32", 2 * m * n * k, cublas_ms, cublas16_ms)
-        add_rows(rows, problem, case, "fp32", list(variants), times, kb, outputs, rate_of, "TFLOP/s", ceiling, None,
-                 y64, outputs[0])
+        add_rows(rows, Case(problem, case, "fp32", list(variants), times, kb, outputs),
+                 Rate(rate_of, "TFLOP/s", ceiling), Reference(y64, outputs[0]))
         del eager, new, x, outputs, y64
 
 
@@ -668,9 +701,9 @@ def bench_model_gemms(rows, options):
                     outputs = [eager(), ours()]
                 # allclose's verdict for the forward only: a gradient's sum over thousands of rows carries eager's own
                 # rounding at every element (kernels.precision.gradient_atol); the error column is the contract.
-                add_rows(rows, problem, case, "fp32", ["eager", f"library ({path})"], times, kb, outputs,
-                         lambda v, flops=flops: flops / 1e9, "TFLOP/s", "-", None, y64,
-                         outputs[0] if product == "forward" else None)
+                add_rows(rows, Case(problem, case, "fp32", ["eager", f"library ({path})"], times, kb, outputs),
+                         Rate(lambda v, flops=flops: flops / 1e9, "TFLOP/s", "-"),
+                         Reference(y64, outputs[0] if product == "forward" else None))
                 del y64, outputs
             del x, w, grad
             torch.cuda.empty_cache()
@@ -706,8 +739,8 @@ def bench_linear_layers(rows, options):
                                  calls_per_sample=50, flush_l2=False)
             with torch.no_grad():
                 outputs = [layer(x) for layer in layers.values()]
-            add_rows(rows, problem, case, "fp32", list(layers), times, [None] * len(layers), outputs,
-                     lambda v: 2 * m * n * k / 1e9, "TFLOP/s", "-", None, y64, outputs[0])
+            add_rows(rows, Case(problem, case, "fp32", list(layers), times, [None] * len(layers), outputs),
+                     Rate(lambda v: 2 * m * n * k / 1e9, "TFLOP/s", "-"), Reference(y64, outputs[0]))
 
 
 # ---- level 3: whole models, the harness's way ----------------------------------------------------------------------
@@ -779,7 +812,7 @@ def add_kernelbench_rows(rows, problem, case, build_model, build_new, get_inputs
         outputs = [None] * len(outputs)
     torch.cuda.empty_cache()
     start = len(rows)
-    add_rows(rows, problem, case, "fp32", names, times, kb, outputs, lambda v: 0.0, "", "-", None, y64, None)
+    add_rows(rows, Case(problem, case, "fp32", names, times, kb, outputs), reference=Reference(y64))
     for row in rows[start:]:
         row["rate"] = None
         if row["variant"] == "ModelNew":
@@ -865,8 +898,10 @@ def bench_leaky_relu_cpu(rows, options):
             (copy_ms, *times), (_, *kb) = run_case(
                 [lambda: out.copy_(x)] + [lambda model=model: model(x) for model in variants.values()], options,
                 cpu=True)
-            add_rows(rows, problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()],
-                     lambda v: 2 * x.nbytes / 1e6, "GB/s", "copy", copy_ms, eager(x.double()), eager(x.float()))
+            add_rows(rows,
+                     Case(problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()]),
+                     Rate(lambda v: 2 * x.nbytes / 1e6, "GB/s", "copy", copy_ms),
+                     Reference(eager(x.double()), eager(x.float())))
 
             case = f"backward {label} {rows_count}x{dim}"
             progress(f"{problem}: {case}")
@@ -877,8 +912,8 @@ def bench_leaky_relu_cpu(rows, options):
             (copy_ms, *times), (_, *kb) = run_case([lambda: out.copy_(x)] + list(fns.values()), options, cpu=True)
             g64 = torch.ops.aten.leaky_relu_backward(grad.double(), x.double(), slope, False)
             g32 = torch.ops.aten.leaky_relu_backward(grad.float(), x.float(), slope, False)
-            add_rows(rows, problem, case, label, list(fns), times, kb, [fn() for fn in fns.values()],
-                     lambda v: 3 * x.nbytes / 1e6, "GB/s", "copy", 1.5 * copy_ms, g64, g32)
+            add_rows(rows, Case(problem, case, label, list(fns), times, kb, [fn() for fn in fns.values()]),
+                     Rate(lambda v: 3 * x.nbytes / 1e6, "GB/s", "copy", 1.5 * copy_ms), Reference(g64, g32))
 
     if options.wants_dtype("fp32"):
         # 4x the GPU rows' samples: a CPU call's time moves more from sample to sample (run_case).
@@ -910,8 +945,10 @@ def bench_gemm_multiply_leaky_relu_cpu(rows, options):
             (mm_ms, *times), (_, *kb) = run_case(
                 [lambda: torch.mm(x, weight_t)] + [lambda model=model: model(x) for model in variants.values()],
                 options, cpu=True)
-            add_rows(rows, problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()],
-                     lambda v: 2 * m * n * k / 1e6, "GFLOP/s", f"torch.mm {label}", mm_ms, y64, y_eager32)
+            add_rows(rows,
+                     Case(problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()]),
+                     Rate(lambda v: 2 * m * n * k / 1e6, "GFLOP/s", f"torch.mm {label}", mm_ms),
+                     Reference(y64, y_eager32))
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
