@@ -92,16 +92,14 @@ class CausalSelfAttentionNew(nn.Module):
         self._causal_mask_seen = None  # (buffer, its version) last found to be the causal mask
 
     def _mask_is_causal(self):
-        seen = (self.bias, self.bias._version)
-        if self._causal_mask_seen is None or self._causal_mask_seen[0] is not seen[0] or \
-                self._causal_mask_seen[1] != seen[1]:
-            size = self.bias.shape[-1]
-            causal = self.bias.shape == (1, 1, size, size) and bool(
-                torch.equal(self.bias[0, 0] != 0, torch.ones(size, size, dtype=torch.bool,
-                                                              device=self.bias.device).tril()))
-            self._causal_mask_seen = seen if causal else None
-            return causal
-        return True
+        seen = self._causal_mask_seen
+        if seen is not None and seen[0] is self.bias and seen[1] == self.bias._version:
+            return True
+        size = self.bias.shape[-1]
+        causal = self.bias.shape == (1, 1, size, size) and bool(torch.equal(
+            self.bias[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=self.bias.device).tril()))
+        self._causal_mask_seen = (self.bias, self.bias._version) if causal else None
+        return causal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
