@@ -482,18 +482,19 @@ def test_out_of_memory_while_making_a_kept_split_goes_on_without():
     # kept's split (16 MB) is smaller than layer's (64 MB): were it dropped to make room, its memory and the headroom
     # below would still not hold layer's, so the allocation fails whatever this process held before.
     kept, layer = FusedLinear(4096, 1024).cuda(), FusedLinear(4096, 4096).cuda()
-    x = torch.randn(1024, 4096, device="cuda")
+    x_kept, x = torch.randn(1024, 4096, device="cuda"), torch.randn(512, 4096, device="cuda")
     if gemm_path(x, layer.weight) != "split_fp16":
         pytest.skip("the kept split of this test's shape is split_fp16's")
     with torch.no_grad():
-        kept(x), kept(x)
+        kept(x_kept), kept(x_kept)
         assert kept._weight_split is not None
         layer(x)  # seen once: its split is made on the next call
         expected = F.linear(x, layer.weight, layer.bias)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
-        # Room for the call's own temporaries (x's split and y, 32 MB), not for the weight's split besides (64 MB).
+        # Room for the call's own temporaries (x's split and y, 16 MB, in at most two of the allocator's 20 MB
+        # segments), not for the weight's split besides (64 MB).
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (40 << 20)) / total)
         try:
             y = layer(x)

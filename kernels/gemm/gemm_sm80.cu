@@ -7,6 +7,7 @@
 // - Pipeline: kStages of cp.async (3 or 2, by shared memory) on per-stage full/empty mbarriers, no CTA-wide barriers.
 // - Per 16 of k three m16n8k16 products, small terms first; each chunk promoted with w's powers of two, the epilogue
 //   unscales by x's. Rows past m or n load as zeros; non-finite inputs are fixed up by launch_nonfinite_outputs.
+#include "common/once_per_device.h"
 #include "gemm.h"
 #include "split_numerics.cuh"
 
@@ -409,14 +410,28 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
 // The pipeline depth for `device`: 3 stages where its shared memory per block takes them, else 2; 0 where not even
 // 2 fit. KERNELS_GEMM_SM80_STAGES (2 or 3) asks for a depth, to measure on a Hopper GPU the depth an A100 runs.
 int stages_for(int device) {
-  int shared = 0;
-  if (cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 0;
-  static const int asked = [] {
+  return once_per_device(device, [](int d) {
+    int shared = 0;
+    if (cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) return 0;
     const char* value = std::getenv("KERNELS_GEMM_SM80_STAGES");
-    return value == nullptr ? 0 : std::atoi(value);
-  }();
-  const int fits = shared >= shared_bytes(3) ? 3 : shared >= shared_bytes(2) ? 2 : 0;
-  return asked == 2 || asked == 3 ? (asked <= fits ? asked : 0) : fits;
+    const int asked = value == nullptr ? 0 : std::atoi(value);
+    const int fits = shared >= shared_bytes(3) ? 3 : shared >= shared_bytes(2) ? 2 : 0;
+    return asked == 2 || asked == 3 ? (asked <= fits ? asked : 0) : fits;
+  });
+}
+
+// Whether `device` runs the kernel: compute capability 8.0 or later, the library's code of it for this GPU, and
+// shared memory for 2 stages at least. Asked once per device.
+bool device_runs_split_gemm_sm80(int device) {
+  return once_per_device(device, [](int d) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess || major < 8)
+      return false;
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, split_gemm_sm80_kernel<2>) != cudaSuccess || attributes.binaryVersion < 80)
+      return false;  // the library holds no sm_80+ code of the kernel for this GPU
+    return stages_for(d) != 0;
+  });
 }
 
 }  // namespace
@@ -432,13 +447,7 @@ bool split_gemm_sm80_supported(int device, std::int64_t m, std::int64_t n, std::
     return false;
   const std::int64_t tiles = ((m + kTileRows - 1) / kTileRows) * ((n + kTileRows - 1) / kTileRows);
   if (tiles > 0x7fffffff || split_row_length(k) / kSplitChunk > 65535) return false;  // grid; w's split's grid
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 8)
-    return false;
-  cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, split_gemm_sm80_kernel<2>) != cudaSuccess || attributes.binaryVersion < 80)
-    return false;  // the library holds no sm_80+ code of the kernel for this GPU
-  return stages_for(device) != 0;
+  return device_runs_split_gemm_sm80(device);
 }
 
 cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const void* x_lo,
@@ -457,7 +466,10 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
   if (reinterpret_cast<std::uintptr_t>(y) % 8 != 0) return cudaErrorInvalidValue;
   const int stages = stages_for(device);
   const auto kernel = stages == 3 ? split_gemm_sm80_kernel<3> : split_gemm_sm80_kernel<2>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes(stages));
+  // Set once per device (the current one: cudaGetDevice above) for the depth it runs.
+  err = once_per_device(device, [kernel, stages](int) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes(stages));
+  });
   if (err != cudaSuccess) return err;
   const std::int64_t tiles = ((m + kTileRows - 1) / kTileRows) * ((n + kTileRows - 1) / kTileRows);
   kernel<<<static_cast<unsigned>(tiles), sm80::kThreads, shared_bytes(stages), stream>>>(

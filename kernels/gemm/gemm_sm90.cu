@@ -7,6 +7,7 @@
 // gemm_sm90_epilogue.cuh, gemm_split_k_sum.cuh (split-K's sum); this file: the kernel and its host side (TMA
 // descriptors, support check, split-K's slices, launch). Numerics: split_numerics.cuh; PTX: sm90_primitives.cuh.
 // Requires sm_90a; for any other target the kernel is a stub, split_gemm_supported() is false and cuBLAS runs.
+#include "common/once_per_device.h"
 #include "gemm.h"
 #include "gemm_sm90_epilogue.cuh"
 #include "gemm_sm90_layout.cuh"
@@ -163,6 +164,14 @@ KSlices split_k_slices(std::int64_t m, std::int64_t k, int slices, float* worksp
   return split;
 }
 
+// The device's multiprocessors (0 where it cannot be read), asked once per device.
+int multiprocessor_count(int device) {
+  return once_per_device(device, [](int d) {
+    int processors = 0;
+    return cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, d) == cudaSuccess ? processors : 0;
+  });
+}
+
 // What the launchers share: x's maps, y's (or the workspace's, where K is split), the kernel's choice and its launch,
 // and, where K is split, the sum of the slices into y. maps[0..2]: the w operand's (w, or w_hi, w_lo and the
 // exponents), made by the caller.
@@ -195,12 +204,20 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const auto kernel = presplit       ? split_gemm_kernel<false, true>
                       : w_transposed ? split_gemm_kernel<true, false>
                                      : split_gemm_kernel<false, false>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-  if (err != cudaSuccess) return err;
+  // The launch runs on `device`, the current one (the launchers read it with cudaGetDevice).
+  const cudaError_t shared_set = once_per_device(device, [](int) {
+    cudaError_t err = cudaSuccess;
+    for (const auto variant : {split_gemm_kernel<false, true>, split_gemm_kernel<true, false>,
+                               split_gemm_kernel<false, false>})
+      if (err == cudaSuccess)
+        err = cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    return err;
+  });
+  if (shared_set != cudaSuccess) return shared_set;
   const std::int64_t units = tile_count(m, n) * k_slices.slices;
-  int processors = 0;
-  err = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
+  const int processors = multiprocessor_count(device);
+  if (processors <= 0) return cudaErrorInvalidDevice;
+  cudaError_t err = cudaSuccess;
   // Each slice flags the rows of w it sees: the flags start at 0 and are only set.
   if (split && w_flags != nullptr) {
     err = cudaMemsetAsync(w_flags, 0, n * sizeof(std::int32_t), stream);
@@ -227,12 +244,31 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
 
 // Whether ptxas gave `kernel` registers enough for the roles' budgets (gemm_sm90_layout.cuh,
 // register_pool_holds_budgets): it gives 168, which fill the pool exactly; a compiler that gave fewer would hang the
-// kernel in setmaxnreg, so it is refused instead. Asked once: every sm_90 device runs the same sm_90a code.
+// kernel in setmaxnreg, so it is refused instead.
 template <typename Kernel>
 bool kernel_registers_hold_budgets(Kernel* kernel) {
   cudaFuncAttributes attributes;
   return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess &&
          register_pool_holds_budgets(attributes.numRegs);
+}
+
+// Whether `device` runs the kernel: compute capability 9.0, the library's sm_90a code of it, registers for the
+// roles' budgets and the driver's TMA encoder. Asked once per device.
+bool device_runs_split_gemm(int device) {
+  return once_per_device(device, [](int d) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess || major != 9 ||
+        minor != 0)
+      return false;
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess ||
+        attributes.binaryVersion != 90)
+      return false;  // the library holds no sm_90a code of the kernel
+    return kernel_registers_hold_budgets(split_gemm_kernel<false, false>) &&
+           kernel_registers_hold_budgets(split_gemm_kernel<true, false>) &&
+           kernel_registers_hold_budgets(split_gemm_kernel<false, true>) && tensor_map_encoder() != nullptr;
+  });
 }
 
 }  // namespace
@@ -243,19 +279,7 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
     return false;
   const std::int64_t tiles = tile_count(m, n);
   if (tiles >= (std::int64_t{1} << 31) - 4096) return false;  // tile indices plus a grid stay ints
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess || major != 9 ||
-      minor != 0)
-    return false;
-  cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess ||
-      attributes.binaryVersion != 90)
-    return false;  // the library holds no sm_90a code of the kernel
-  static const bool pools_hold_budgets = kernel_registers_hold_budgets(split_gemm_kernel<false, false>) &&
-                                         kernel_registers_hold_budgets(split_gemm_kernel<true, false>) &&
-                                         kernel_registers_hold_budgets(split_gemm_kernel<false, true>);
-  return pools_hold_budgets && tensor_map_encoder() != nullptr;
+  return device_runs_split_gemm(device);
 }
 
 namespace {
@@ -358,10 +382,8 @@ cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, con
 }
 
 int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
-  int processors = 0;
-  if (m <= 0 || n <= 0 || k <= 0 ||
-      cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || processors <= 0)
-    return 1;
+  const int processors = m > 0 && n > 0 && k > 0 ? multiprocessor_count(device) : 0;
+  if (processors <= 0) return 1;
   const std::int64_t tiles = tile_count(m, n), chunks = split_row_length(k) / kSplitChunk;
   std::int64_t best = 1, best_cost = split_k_cost(tiles, chunks, 1, processors);
   for (std::int64_t slices = 2; slices <= kSplitKMaxSlices; ++slices) {
