@@ -31,7 +31,7 @@ class LeakyReLUModelNew(nn.Module):
 
 
 class GemmMultiplyLeakyReLUModelNew(nn.Module):
-    """leaky_relu((x @ W^T + b) * multiplier, negative_slope) in one gemm_multiply_leaky_relu call (paths: gemm.cpp).
+    """leaky_relu((x @ W^T + b) * multiplier, negative_slope) in one gemm_multiply_leaky_relu op (paths: gemm_path.cpp).
     `self.gemm` is a FusedLinear created first, so seeds give the reference's weights, state_dicts load both ways, and
     what is attached to `gemm` (tensor-parallel plans, FSDP2, hooks) applies."""
 

@@ -36,7 +36,8 @@ FAMILIES = (
     ),
     Family(
         name="gemm",
-        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm.cpp"),
+        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm_path.cpp", "gemm/gemm_products.cpp",
+                     "gemm/gemm_weight_split.cpp", "gemm/gemm.cpp"),
         cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu", "gemm/gemm_sm80.cu"),
         python_module="kernels.gemm.gemm",
         requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops

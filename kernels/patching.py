@@ -165,7 +165,7 @@ _ROUTES = {
 
 class fp32_gemm(TorchFunctionMode):
     """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm) take the
-    library's GEMM where gemm.cpp's path choice says it pays; everything else, batched products included (bmm, matmul
+    library's GEMM where gemm_path.cpp's choice says it pays; everything else, batched products included (bmm, matmul
     of two batched tensors), runs as without the mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -12,7 +12,7 @@ ALLCLOSE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 
 ERROR_RATIO_LIMIT = {torch.float32: 1.0, torch.float64: 1.0, torch.float16: 2.0, torch.bfloat16: 2.0}
 
 # The split_fp16 GEMM holds each fp32 operand as two fp16 numbers (about 22 bits), so its error has a floor that does
-# not shrink with K: where a test forces it outside the automatic range (gemm.cpp), max(eager's error, this floor).
+# not shrink with K: where a test forces it outside the automatic range (gemm_path.cpp), max(eager's error, this floor).
 SPLIT_FP16_ERROR_FLOOR = 2.0 ** -21
 
 # cublas_bf16x9 forced on a GPU without the emulation runs cuBLAS's IEEE kernels, which sum in another order than

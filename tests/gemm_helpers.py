@@ -51,7 +51,7 @@ over_split_paths = pytest.mark.parametrize(
 
 
 def automatic_split_path():
-    """The split path the automatic choice takes on this GPU (gemm.cpp's table), or None."""
+    """The split path the automatic choice takes on this GPU (gemm_path.cpp's table), or None."""
     if not HAS_CUDA:
         return None
     major, minor = torch.cuda.get_device_capability()
@@ -86,6 +86,6 @@ def slow_problem_shape(shapes):
 
 def kept_split_expected(path, m, k, n):
     """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead
-    (gemm.cpp: gemm_weight_split; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on)."""
+    (gemm_weight_split.cpp; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on)."""
     return m * n * k >= KEPT_SPLIT_MIN_PRODUCTS and (
         path == "split_fp16_sm80" or (path == "split_fp16" and n % 4 == 0 and not m * k > n * k + m * n))

@@ -17,7 +17,7 @@ from gemm_helpers import SPLIT_KERNELS, automatic_split_path
 
 
 def test_split_path_table_by_architecture():
-    """The automatic choice's table (gemm.cpp): the sm_80 kernel on the A100 class and Orin, the wgmma kernel on
+    """The automatic choice's table (gemm_path.cpp): the sm_80 kernel on the A100 class and Orin, the wgmma kernel on
     Hopper, cuBLAS's FP32 emulation on datacenter Blackwell, and cuBLAS's SGEMM where fp16 or bf16 products cannot
     beat one fp32 product by much (sm_86, sm_89, sm_120)."""
     capabilities = (70, 75, 80, 86, 87, 89, 90, 100, 103, 120)
@@ -51,7 +51,7 @@ def test_split_path_is_taken_by_default_where_the_table_says():
     assert gemm_path(x.view(2, 512, 1024), weight) == "split_fp16"  # rows counted over the leading dims
     assert gemm_path(x.double(), weight.double()) == "cublas"
     assert gemm_path(x[:, :1013], weight[:, :1013]) == "cublas"  # rows of 1013 floats: no 16-byte TMA strides
-    # Below the measured range (gemm.cpp's split_pays_off) cuBLAS is the more accurate or the faster one...
+    # Below the measured range (gemm_path.cpp's split_pays_off) cuBLAS is the more accurate or the faster one...
     assert gemm_path(x[:, :508], weight[:, :508].contiguous()) == "cublas"  # K under 512 at 2^20 outputs
     short = torch.randn(2048, 256, device="cuda")
     assert gemm_path(short, short) == "split_fp16"  # K of 256 from 2^22 outputs on

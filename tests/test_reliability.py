@@ -171,7 +171,7 @@ def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
         later = torch.cuda.memory_allocated() - held
     assert kept <= (w_split if keeps_split else 0) + PEAK_MEMORY_SLACK, f"the second call kept {mib(kept)}"
     assert later <= kept + PEAK_MEMORY_SLACK, f"a later call added {mib(later - kept)} to the {mib(kept)} kept"
-    # W split by a pass per call: on split_fp16_sm80 always, on split_fp16 from 2048 rows of x (gemm.cpp,
+    # W split by a pass per call: on split_fp16_sm80 always, on split_fp16 from 2048 rows of x (gemm_products.cpp,
     # kSplitWAheadRows), as here.
     per_call_split = w_split if path in SPLIT_PATHS else 0
     assert first_peak <= reference_peak + per_call_split + PEAK_MEMORY_SLACK, (

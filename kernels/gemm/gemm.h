@@ -1,7 +1,7 @@
 // Host launchers of the GEMM family's kernels (gemm_split.cu, gemm_sm90.cu, gemm_sm80.cu): the only interface between
-// them and the torch side (gemm.cpp). Plain C++ and the CUDA runtime only (no torch headers); fp16 arrays are passed as
-// void pointers, so this header needs no CUDA half type. Every launcher returns the launch's cudaError_t and never
-// synchronizes.
+// them and the torch side (gemm_path.cpp, gemm_products.cpp, gemm_weight_split.cpp). Plain C++ and the CUDA runtime
+// only (no torch headers); fp16 arrays are passed as void pointers, so this header needs no CUDA half type. Every
+// launcher returns the launch's cudaError_t and never synchronizes.
 #pragma once
 
 #include <cstdint>
@@ -85,7 +85,7 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
 
 // The signature of the launchers that take both operands' splits (x's from launch_split_rows, w's from
 // launch_split_chunks: w_hi, w_lo and w_exponent its chunk_exponent): one for sm_80 instructions and one for Hopper's,
-// declared below; gemm.cpp picks one of the two where w's split is made before the GEMM.
+// declared below; gemm_products.cpp picks one of the two where w's split is made before the GEMM.
 using SplitGemmFromSplits = cudaError_t(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                         const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                         const float* bias, float* y, std::uint8_t* positive, std::int64_t m,

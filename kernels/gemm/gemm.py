@@ -74,7 +74,7 @@ def linear(x, weight, bias=None):
     return gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
 
 
-# The split paths: fp32 accuracy from three fp16 tensor-core products (docs in gemm.cpp). split_fp16: the Hopper
+# The split paths: fp32 accuracy from three fp16 tensor-core products (chosen in gemm_path.cpp). split_fp16: the Hopper
 # kernel (wgmma, TMA); split_fp16_sm80: the same method on sm_80 instructions (mma.sync), any GPU from the A100 on.
 SPLIT_PATHS = ("split_fp16", "split_fp16_sm80")
 # The paths a float32 product takes instead of cuBLAS's IEEE SGEMM where they can: the split kernels, and
@@ -126,13 +126,13 @@ _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
 
 
-# split_pays_off's thresholds (gemm.cpp): [min_side, min_outputs, min_reduction, min_outputs_short_reduction,
+# split_pays_off's thresholds (gemm_path.cpp): [min_side, min_outputs, min_reduction, min_outputs_short_reduction,
 # min_short_reduction].
 _SPLIT_THRESHOLDS = tuple(torch.ops.kernels._gemm_split_thresholds())
 
 
 def _split_may_pay(m, n, k):
-    """gemm.cpp's split_pays_off for a product (m x k) times (k x n)."""
+    """gemm_path.cpp's split_pays_off for a product (m x k) times (k x n)."""
     min_side, min_outputs, min_k, min_outputs_short_k, min_short_k = _SPLIT_THRESHOLDS
     outputs = m * n
     return m >= min_side and n >= min_side and (
@@ -165,7 +165,7 @@ def plain_product_suffices(x, n, k, weight_requires_grad):
     return True
 
 
-_tf32_allowed = torch._C._get_cublas_allow_tf32  # the setting gemm.cpp reads (allowTF32CuBLAS)
+_tf32_allowed = torch._C._get_cublas_allow_tf32  # the setting gemm_path.cpp reads (allowTF32CuBLAS)
 
 
 class FusedLinear(nn.Linear):
@@ -176,7 +176,7 @@ class FusedLinear(nn.Linear):
     cache_weight_split (default on): from a weight's second unchanged use, its fp16 split (gemm_weight_split, for
     products of KEPT_SPLIT_MIN_PRODUCTS or more) is kept and given to the op; results are bitwise the same. Kept only
     in eager calls that do not record the weight's gradient, keyed on the tensor, its address and version counter
-    (gemm.cpp checks the stamp again). Changes PyTorch does not count (`.data`, foreign writes) are not seen: call
+    (the op checks the stamp again). Changes PyTorch does not count (`.data`, foreign writes) are not seen: call
     clear_weight_split(). Memory: ~4 bytes per weight element, within kept_split_budget() per GPU, LRU dropped first.
     """
 
@@ -349,7 +349,8 @@ def kept_split_bytes(device="cuda"):
 
 
 # The multiply-adds (rows x in_features x out_features) from which kernels::gemm_weight_split makes a split to keep
-# (gemm.cpp, kKeptSplitMinProducts): below, a call's time is mostly the host's, which a kept split would lengthen.
+# (gemm_weight_split.cpp, kKeptSplitMinProducts): below, a call's time is mostly the host's, which a kept split
+# would lengthen.
 KEPT_SPLIT_MIN_PRODUCTS = 1 << 32
 
 

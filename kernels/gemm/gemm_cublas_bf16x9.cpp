@@ -1,7 +1,7 @@
-// The cublas_bf16x9 path's products (gemm.cpp chooses it; on Blackwell, sm_100 and sm_103, by default): float32 GEMMs
-// on cuBLAS's FP32 emulation, CUBLAS_COMPUTE_32F_EMULATED_16BFX9 (cuBLAS 12.9 and later): each operand split into three
-// bf16 terms, nine products on the bf16 tensor cores with fp32 accumulation, float32's accuracy at a rate the fp32
-// units lack. cuBLAS's default strategy emulates only where it expects a gain (IEEE fp32 kernels elsewhere).
+// The cublas_bf16x9 path's products (gemm_path.cpp chooses it; on Blackwell, sm_100 and sm_103, by default): float32
+// GEMMs on cuBLAS's FP32 emulation, CUBLAS_COMPUTE_32F_EMULATED_16BFX9 (cuBLAS 12.9 and later): each operand split into
+// three bf16 terms, nine products on the bf16 tensor cores with fp32 accumulation, float32's accuracy at a rate the
+// fp32 units lack. cuBLAS's default strategy emulates only where it expects a gain (IEEE fp32 kernels elsewhere).
 // The classic cublasGemmEx on torch's handle (stream, workspace, math mode, as at::mm's) rather than cuBLASLt: the same
 // numerics, and PyTorch's own comparison on GB200 found its kernel choice the less shape-sensitive.
 #ifdef KERNELS_WITH_CUDA

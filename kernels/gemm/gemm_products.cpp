@@ -1,0 +1,277 @@
+// Each path's products on the host side: the cuBLAS path's forward (at::linear, then the epilogue in place), and the
+// split paths' passes and GEMM launches (gemm.h): who splits w, K slices, the transposed forward, the non-finite
+// fix-up; stand-ins that raise where the library is built without CUDA.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+
+#include <atomic>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "gemm_internal.h"
+#include "gemm_op.h"
+#include "leaky_relu/leaky_relu_op.h"
+
+#ifdef KERNELS_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "gemm.h"
+#endif
+
+namespace kernels::gemm {
+namespace {
+
+// The cuBLAS path: at::linear, then the epilogue op in place (none for the identity epilogue).
+std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
+                                                                   const at::Tensor& bias, double multiplier,
+                                                                   double negative_slope, bool return_mask) {
+  at::Tensor y = at::linear(x, weight, bias).contiguous();
+  if (is_identity_epilogue(multiplier, negative_slope) && !return_mask)  // a plain linear: nothing more to do
+    return {y, at::empty({0}, x.options().dtype(at::kBool))};
+  at::Tensor mask = leaky_relu::multiply_leaky_relu_op().call(y, multiplier, negative_slope, return_mask);
+  return {y, mask};
+}
+
+// The slices of K every later plain product on split_fp16 takes (0: split_gemm_k_slices's choice; n >= 1: at most n,
+// fewer where K has fewer chunks); returns the previous setting. For tests and tools/gemm_sweep.py.
+std::atomic<int64_t> forced_k_slices{0};
+
+int64_t force_k_slices(int64_t slices) {
+  TORCH_CHECK(slices >= 0 && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
+              "choice) or 1 to 1024, got ", slices);
+  return forced_k_slices.exchange(slices);
+}
+
+#ifdef KERNELS_WITH_CUDA
+// A float32 matrix the split kernels read: rows with unit column stride, 16-byte aligned rows (a copy otherwise).
+at::Tensor split_operand(const at::Tensor& t) {
+  const bool aligned = t.stride(1) == 1 && t.stride(0) % 4 == 0 && t.stride(0) >= t.size(1) &&
+                       reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);  // a fresh allocation: aligned
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "kernels.gemm_multiply_leaky_relu: the ", what, " kernel failed to launch: ",
+              cudaGetErrorString(err));
+}
+
+// w's split per row and chunk of 64 (launch_split_chunks) into new tensors, for `path`'s GEMM reading x's split in
+// the order split_fp16_product gives it: split_position's for split_fp16 with w as it is, else k's. w2 is w (n x k)
+// or, where w_transposed, its transpose (k x n), as split_operand returns it.
+WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
+                           cudaStream_t stream) {
+  const int64_t split_k = split_row_length(k);
+  const auto half = w2.options().dtype(at::kHalf);
+  const auto int32 = w2.options().dtype(at::kInt);
+  WeightSplit split{at::empty({n, split_k}, half), at::empty({n, split_k}, half),
+                    at::empty({split_k / kSplitChunk, n}, int32), at::empty({n}, int32)};
+  check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
+                                   /*natural_order=*/w_transposed || path == Path::kSplitFp16Sm80,
+                                   split.hi.mutable_data_ptr(), split.lo.mutable_data_ptr(),
+                                   split.exponent.mutable_data_ptr<int32_t>(), split.flags.mutable_data_ptr<int32_t>(),
+                                   stream),
+               "split (w)");
+  return split;
+}
+
+// The rows of x from which the Hopper GEMM reads w's split made by a pass (split_w_chunks) instead of splitting w in
+// registers once per tile of x it meets; past this the pass is cheaper (measured: kernels/gemm/NOTES.md). Also decides
+// grad_W's product, whose x is grad_pre^T (out_features rows).
+constexpr int64_t kSplitWAheadRows = 2048;
+
+// Whether split_fp16_product splits w by a pass of its own before the GEMM: always on split_fp16_sm80 (its kernel
+// reads only split operands); on split_fp16 from kSplitWAheadRows rows of x on, where the kernel that reads it can
+// take the shape.
+bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transposed) {
+  // split_fp16 was chosen where split_gemm_supported holds; the kernel that reads w's split needs n % 4 == 0 besides
+  // (split_gemm_presplit_supported), and the split of a transposed w takes at most 65535 chunks (its grid).
+  return path == Path::kSplitFp16Sm80 || (path == Path::kSplitFp16 && m >= kSplitWAheadRows && n % 4 == 0 &&
+                                          (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
+}
+
+// The slices of K a plain product (m x n, reduction k) on split_fp16 takes on `device`: the forced count where one
+// is set (force_k_slices), else split_gemm_k_slices's choice.
+int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
+  const int64_t forced = forced_k_slices.load();
+  return forced > 0 ? static_cast<int>(forced) : split_gemm_k_slices(device, m, n, k);
+}
+
+// The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path`, float32 on one GPU; x_transposed (x as
+// k x m) needs w_transposed (w as k x n). x is split by a pass (x_column_sums, if not null, gets its columns' sums); w
+// in the kernel, by a pass (sm80, splits_w_ahead) or not at all (w_split given). y and the mask (positive) are dense.
+// Temporary memory: ~4 bytes per element of x and of any w split by a pass, plus K slices' partials (4 per output
+// each).
+void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
+                        const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
+                        std::uint8_t* positive, float* x_column_sums, const WeightSplit* w_split) {
+  TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const int64_t m = x.size(x_transposed ? 1 : 0), k = x.size(x_transposed ? 0 : 1), n = w.size(w_transposed ? 1 : 0);
+  // x's split pass reads rows of any alignment; w goes to TMA (split_operand).
+  const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor w2 = split_operand(w);
+  const int64_t split_k = split_row_length(k);
+  const auto half = x.options().dtype(at::kHalf);
+  const auto int32 = x.options().dtype(at::kInt);
+  at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
+  at::Tensor x_exponent = at::empty({m}, int32);
+  WeightSplit w_split_made;
+  if (w_split == nullptr && splits_w_ahead(path, m, n, k, w_transposed)) {
+    w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
+    w_split = &w_split_made;
+  }
+  at::Tensor w_flags = w_split != nullptr ? w_split->flags : at::empty({n}, int32);
+  // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
+  const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
+  // The column split's workspace: its counters (zeroed by the launcher) and per-slab column sums.
+  const at::Tensor column_workspace =
+      at::empty({x_transposed ? split_columns_workspace_bytes(k, m) : 0}, x.options().dtype(at::kByte));
+  check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0),
+                                                   x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
+                                                   x_exponent.mutable_data_ptr<int32_t>(), x_column_sums,
+                                                   column_workspace.mutable_data_ptr(), stream)
+                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order,
+                                                x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
+                                                x_exponent.mutable_data_ptr<int32_t>(), stream),
+               "split (x)");
+  const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
+  const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
+  // A plain product (the backward's: no bias, multiplier and slope 1, no mask) on split_fp16 splits K where its output
+  // has too few tiles for the multiprocessors (grad_W's, whose reduction is the batch).
+  const bool plain = !b.defined() && multiplier_f == 1.0f && slope_f == 1.0f && positive == nullptr;
+  const int k_slices = path == Path::kSplitFp16 && plain ? product_k_slices(x.device().index(), m, n, k) : 1;
+  if (k_slices > 1) {
+    at::Tensor k_workspace = at::empty({split_gemm_k_workspace_bytes(m, n, k_slices) / 4}, x.options());
+    float* const workspace = k_workspace.mutable_data_ptr<float>();
+    check_launch(w_split != nullptr
+                     ? launch_split_gemm_presplit_split_k(
+                           x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                           w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
+                           w_split->exponent.const_data_ptr<int32_t>(), y.mutable_data_ptr<float>(), m, n, k, k_slices,
+                           workspace, stream)
+                     : launch_split_gemm_split_k(x_hi.const_data_ptr(), x_lo.const_data_ptr(),
+                                                 x_exponent.const_data_ptr<int32_t>(), w2.const_data_ptr<float>(),
+                                                 w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
+                                                 y.mutable_data_ptr<float>(), m, n, k, k_slices, workspace, stream),
+                 "split GEMM (K split)");
+  } else if (w_split != nullptr) {
+    SplitGemmFromSplits* const launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
+                                                                 : launch_split_gemm_sm80_multiply_leaky_relu;
+    check_launch(launch(x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                        w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
+                        w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(), positive,
+                        m, n, k, multiplier_f, slope_f, stream),
+                 "split GEMM (w's split given)");
+  } else {
+    check_launch(launch_split_gemm_multiply_leaky_relu(
+                     x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
+                     w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
+                     bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
+                 "split GEMM");
+  }
+  // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
+  const int64_t x_row_stride = x_transposed ? 1 : x2.stride(0), x_element_stride = x_transposed ? x2.stride(0) : 1;
+  const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
+  check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x_row_stride, x_element_stride,
+                                        w2.const_data_ptr<float>(), w_row_stride, w_element_stride,
+                                        x_exponent.const_data_ptr<int32_t>(), w_flags.const_data_ptr<int32_t>(),
+                                        bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f,
+                                        slope_f, stream),
+               "non-finite outputs");
+}
+
+// Whether the forward on `path` computes y^T = w x^T: on split_fp16 where x has more elements than w and y together
+// (tall, narrow products), so the row pass moves w's bytes instead of x's, at the cost of y^T written and read once
+// more. The numerics are the method's with the operands' roles exchanged.
+bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
+  return path == Path::kSplitFp16 && m * k > n * k + m * n;
+}
+
+// The forward on a split path, with w's split made beforehand where w_split is not null (never for a transposed
+// product: gemm_weight_split makes none there). A transposed product holds w's split and y^T (4 bytes per element
+// each).
+std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
+                                                                       const at::Tensor& weight,
+                                                                       const at::Tensor& bias, double multiplier,
+                                                                       double negative_slope, bool return_mask,
+                                                                       const WeightSplit* w_split) {
+  const int64_t m = gemm_rows(x, weight), k = weight.size(1), n = weight.size(0);
+  std::vector<int64_t> out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor mask = at::empty(return_mask ? out_shape : std::vector<int64_t>{0}, x.options().dtype(at::kBool));
+  std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
+  if (is_transposed_weight(weight)) {  // read as the (k x n) matrix it is a view of, without a copy
+    split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight.t(), /*w_transposed=*/true, bias,
+                       multiplier, negative_slope, y, positive);
+    return {y, mask};
+  }
+  if (!split_product_transposed(path, m, n, k)) {
+    split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
+                       multiplier, negative_slope, y, positive, /*x_column_sums=*/nullptr, w_split);
+    return {y, mask};
+  }
+  // y^T = w x^T as the plain product (no bias, multiplier 1, slope 1: the non-finite fix-up writes its raw values),
+  // then the epilogue on the way back to y.
+  at::Tensor product_t = at::empty({n, m}, x.options());
+  split_fp16_product(path, weight, /*x_transposed=*/false, x.reshape({m, k}), /*w_transposed=*/false, at::Tensor(),
+                     1.0, 1.0, product_t, nullptr);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
+  check_launch(launch_transposed_epilogue(product_t.const_data_ptr<float>(),
+                                          b.defined() ? b.const_data_ptr<float>() : nullptr,
+                                          y.mutable_data_ptr<float>(), positive, m, n, static_cast<float>(multiplier),
+                                          static_cast<float>(negative_slope),
+                                          c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+               "transposed epilogue");
+  return {y, mask};
+}
+
+// a (m x k) times b (k x n) on a split path, a plain product (no bias, multiplier 1, slope 1), b read as it is (the
+// GEMM's w given transposed); a given as itself or, where a_transposed, as its transpose (k x m), whose column sums
+// then go to a_column_sums if not null.
+at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, const at::Tensor& b,
+                             float* a_column_sums) {
+  at::Tensor y = at::empty({a.size(a_transposed ? 1 : 0), b.size(1)}, a.options());
+  split_fp16_product(path, a, a_transposed, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr,
+                     a_column_sums);
+  return y;
+}
+#endif
+
+// The slices of K a plain product (m x n, reduction k) on split_fp16 takes on the current GPU (product_k_slices); 1
+// without CUDA. For tests and tools.
+int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
+#ifdef KERNELS_WITH_CUDA
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  return product_k_slices(device, m, n, k);
+#else
+  (void)m;
+  (void)n;
+  (void)k;
+  return 1;
+#endif
+}
+
+#ifdef KERNELS_WITH_CUDA
+at::Tensor cublas_bf16x9_matmul(const at::Tensor& a, const at::Tensor& b) { return cublas_bf16x9_addmm({}, a, b); }
+#else
+at::Tensor split_fp16_matmul(Path, const at::Tensor&, bool, const at::Tensor&, float*) {
+  TORCH_CHECK(false, "kernels: the split_fp16 path needs the library built with CUDA");
+}
+at::Tensor cublas_bf16x9_matmul(const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "kernels: the cublas_bf16x9 path needs the library built with CUDA");
+}
+#endif
+
+}  // namespace
+}  // namespace kernels::gemm
