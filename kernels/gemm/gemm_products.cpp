@@ -99,6 +99,17 @@ int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
   return forced > 0 ? static_cast<int>(forced) : split_gemm_k_slices(device, m, n, k);
 }
 
+// Byte offsets of a call's temporaries within one allocation, each part 256-byte aligned (TMA reads 16-byte aligned
+// rows and addresses; the caching allocator's blocks start 512-byte aligned).
+struct TemporariesLayout {
+  int64_t bytes = 0;
+  int64_t add(int64_t part_bytes) {
+    const int64_t at = bytes;
+    bytes += (part_bytes + 255) / 256 * 256;
+    return at;
+  }
+};
+
 // The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path`, float32 on one GPU; x_transposed (x as
 // k x m) needs w_transposed (w as k x n). x is split by a pass (x_column_sums, if not null, gets its columns' sums); w
 // in the kernel, by a pass (sm80, splits_w_ahead) or not at all (w_split given). y and the mask (positive) are dense.
@@ -115,29 +126,11 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
-  const auto half = x.options().dtype(at::kHalf);
-  const auto int32 = x.options().dtype(at::kInt);
-  at::Tensor x_hi = at::empty({m, split_k}, half), x_lo = at::empty({m, split_k}, half);
-  at::Tensor x_exponent = at::empty({m}, int32);
   WeightSplit w_split_made;
   if (w_split == nullptr && splits_w_ahead(path, m, n, k, w_transposed)) {
     w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
     w_split = &w_split_made;
   }
-  at::Tensor w_flags = w_split != nullptr ? w_split->flags : at::empty({n}, int32);
-  // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
-  const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
-  // The column split's workspace: its counters (zeroed by the launcher) and per-slab column sums.
-  const at::Tensor column_workspace =
-      at::empty({x_transposed ? split_columns_workspace_bytes(k, m) : 0}, x.options().dtype(at::kByte));
-  check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0),
-                                                   x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
-                                                   x_exponent.mutable_data_ptr<int32_t>(), x_column_sums,
-                                                   column_workspace.mutable_data_ptr(), stream)
-                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order,
-                                                x_hi.mutable_data_ptr(), x_lo.mutable_data_ptr(),
-                                                x_exponent.mutable_data_ptr<int32_t>(), stream),
-               "split (x)");
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
@@ -145,33 +138,50 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // has too few tiles for the multiprocessors (grad_W's, whose reduction is the batch).
   const bool plain = !b.defined() && multiplier_f == 1.0f && slope_f == 1.0f && positive == nullptr;
   const int k_slices = path == Path::kSplitFp16 && plain ? product_k_slices(x.device().index(), m, n, k) : 1;
+  // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split, w's
+  // row flags where no split of w holds them, the column split's counters and sums, K slices' partials.
+  TemporariesLayout layout;
+  const int64_t x_hi_at = layout.add(m * split_k * 2), x_lo_at = layout.add(m * split_k * 2);
+  const int64_t x_exponent_at = layout.add(m * 4);
+  const int64_t w_flags_at = w_split == nullptr ? layout.add(n * 4) : 0;
+  const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m)) : 0;
+  const int64_t partials_at = k_slices > 1 ? layout.add(split_gemm_k_workspace_bytes(m, n, k_slices)) : 0;
+  const at::Tensor temporaries = at::empty({layout.bytes}, x.options().dtype(at::kByte));
+  std::uint8_t* const base = temporaries.mutable_data_ptr<std::uint8_t>();
+  void* const x_hi = base + x_hi_at;
+  void* const x_lo = base + x_lo_at;
+  auto* const x_exponent = reinterpret_cast<int32_t*>(base + x_exponent_at);
+  auto* const w_flags = w_split != nullptr ? w_split->flags.mutable_data_ptr<int32_t>()
+                                           : reinterpret_cast<int32_t*>(base + w_flags_at);
+  // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
+  const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
+  check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
+                                                   x_exponent, x_column_sums, base + column_at, stream)
+                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi,
+                                                x_lo, x_exponent, stream),
+               "split (x)");
   if (k_slices > 1) {
-    at::Tensor k_workspace = at::empty({split_gemm_k_workspace_bytes(m, n, k_slices) / 4}, x.options());
-    float* const workspace = k_workspace.mutable_data_ptr<float>();
+    float* const partials = reinterpret_cast<float*>(base + partials_at);
     check_launch(w_split != nullptr
                      ? launch_split_gemm_presplit_split_k(
-                           x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                           w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
+                           x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
                            w_split->exponent.const_data_ptr<int32_t>(), y.mutable_data_ptr<float>(), m, n, k, k_slices,
-                           workspace, stream)
-                     : launch_split_gemm_split_k(x_hi.const_data_ptr(), x_lo.const_data_ptr(),
-                                                 x_exponent.const_data_ptr<int32_t>(), w2.const_data_ptr<float>(),
-                                                 w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
-                                                 y.mutable_data_ptr<float>(), m, n, k, k_slices, workspace, stream),
+                           partials, stream)
+                     : launch_split_gemm_split_k(x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), w2.stride(0),
+                                                 w_transposed, w_flags, y.mutable_data_ptr<float>(), m, n, k, k_slices,
+                                                 partials, stream),
                  "split GEMM (K split)");
   } else if (w_split != nullptr) {
     SplitGemmFromSplits* const launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
                                                                  : launch_split_gemm_sm80_multiply_leaky_relu;
-    check_launch(launch(x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                        w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
+    check_launch(launch(x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
                         w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(), positive,
                         m, n, k, multiplier_f, slope_f, stream),
                  "split GEMM (w's split given)");
   } else {
-    check_launch(launch_split_gemm_multiply_leaky_relu(
-                     x_hi.const_data_ptr(), x_lo.const_data_ptr(), x_exponent.const_data_ptr<int32_t>(),
-                     w2.const_data_ptr<float>(), w2.stride(0), w_transposed, w_flags.mutable_data_ptr<int32_t>(),
-                     bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, stream),
+    check_launch(launch_split_gemm_multiply_leaky_relu(x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), w2.stride(0),
+                                                       w_transposed, w_flags, bias_data, y.mutable_data_ptr<float>(),
+                                                       positive, m, n, k, multiplier_f, slope_f, stream),
                  "split GEMM");
   }
   // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
@@ -179,8 +189,7 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
   check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x_row_stride, x_element_stride,
                                         w2.const_data_ptr<float>(), w_row_stride, w_element_stride,
-                                        x_exponent.const_data_ptr<int32_t>(), w_flags.const_data_ptr<int32_t>(),
-                                        bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f,
+                                        x_exponent, w_flags, bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f,
                                         slope_f, stream),
                "non-finite outputs");
 }
