@@ -293,6 +293,8 @@ def build_units(args):
                        env=dict(os.environ, TORCH_EXTENSIONS_DIR=build_root))
     scratch = tempfile.mkdtemp(prefix="build_units_scratch_")
     units = unit_commands(build_root)
+    if not units:
+        return f"no build of the op library under {build_root}"
     if args.together:
         commands = [with_source_and_output(command, source_of(command), os.path.join(scratch, f"{label}_{target}"))
                     for label, target, command in units]
