@@ -1,15 +1,14 @@
-"""Builds and loads the op library `torch.ops.kernels` with load_inline: per family (kernels/manifest.py) one library,
-or its CPU loops, ops and autograd as separate libraries where there are CPUs to compile them at once (library_builds).
-Each family's C++ and CUDA files are joined into one unit each, project headers ("x.h", beside the includer or under
-kernels/) inlined once with #line directives; system headers take <...>. A build is named by a hash of its sources,
-flags and versions, so it is made once per content; concurrent builders share torch's lock, stale locks are removed.
+"""Builds and loads the op library `torch.ops.kernels` with load_inline: one library per family (kernels/manifest.py),
+all built at once. A family's C++ files are joined into one unit and its CUDA files into another, project headers
+("x.h", beside the includer or under kernels/) inlined once with #line directives; system headers take <...>. A build
+is named by a hash of its sources, flags and versions, so it is made once per content; concurrent builders share
+torch's lock, stale locks are removed.
 Env (each names a build of its own): KERNELS_VERBOSE_BUILD=1 (compiler output), KERNELS_LINEINFO=1 (nvcc -lineinfo),
 KERNELS_PTXAS_REPORT=1 (ptxas -v, verbose). KERNELS_BUILD_LOCK_TIMEOUT: seconds to wait for another build (600).
 """
 
 import concurrent.futures
 import contextlib
-import ctypes
 import hashlib
 import importlib
 import os
@@ -75,11 +74,9 @@ def joined_source(paths, root=SOURCE_ROOT):
 
 
 def family_sources(families, root=SOURCE_ROOT):
-    """(C++ text, CUDA text) of one library made of `families`, their CPU loop and autograd sources included: one
-    family's, or all of them joined (as a single-file build would take them; per-family namespaces keep their names
-    apart)."""
-    cpp = joined_source([p for family in families
-                         for p in (*family.cpu_loop_sources, *family.cpp_sources, *family.autograd_sources)], root)
+    """(C++ text, CUDA text) of one library made of `families`: one family's, or several joined (as a single-file
+    build takes them; per-family namespaces keep their names apart)."""
+    cpp = joined_source([p for family in families for p in family.cpp_unit], root)
     cuda_paths = [p for family in families for p in family.cuda_sources]
     return cpp, joined_source(cuda_paths, root) if cuda_paths else ""
 
@@ -104,9 +101,9 @@ def cuda_arch_flags():
 
 
 def build_flags(with_cuda, cpu_loops=True):
-    """(C++ flags, CUDA flags, link flags). A C++ unit with CPU loops builds at -O3; one without (torch-side host
-    code that runs once per call) at -O1, which compiles faster at no cost per call (kernels/leaky_relu/NOTES.md,
-    Decisions, "The torch side and the autograd at -O1")."""
+    """(C++ flags, CUDA flags, link flags). A C++ unit with CPU loops builds at -O3; one without (host code that runs
+    once per call) at -O1, which compiles faster at no cost per call (kernels/leaky_relu/NOTES.md, Decisions, "C++
+    units without CPU loops at -O1")."""
     # -fno-trapping-math (as torch itself is built) lets the CPU loops' selects vectorize; results are unchanged.
     # at::parallel_for runs its chunks on OpenMP threads only where the caller is compiled with -fopenmp; linked
     # with it too, the library shares the libgomp that torch has loaded (same soname).
@@ -132,7 +129,7 @@ def build_flags(with_cuda, cpu_loops=True):
 @dataclass(frozen=True)
 class Build:
     """One library: its sources, flags and where it lives."""
-    label: str  # the family's name, <family>_autograd, <family>_cpu_loops, or what the caller named a joined build
+    label: str  # the family's name, or what the caller named a joined build
     name: str
     cpp_source: str
     cuda_source: str
@@ -141,7 +138,6 @@ class Build:
     ldflags: tuple
     with_cuda: bool
     build_dir: str
-    cpu_loops_for: str = ""  # a CPU loops library: the family whose op library takes its table once both are loaded
 
     @property
     def library(self):
@@ -151,70 +147,13 @@ class Build:
 def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
     """The Build of one library made of `families` (all their sources), named
     kernels_<label>_<cuda|cpu>_<hash of its content>."""
-    return _plan(label, *family_sources(families, root), with_cuda,
-                 cpu_loops=any(family.cpu_loop_sources for family in families))
-
-
-def family_builds(family, root=SOURCE_ROOT, with_cuda=None, apart=True):
-    """The Builds of one family in load order: with `apart`, its CPU loops (exporting a table), its ops (with
-    KERNELS_CPU_LOOPS_APART, calling the loops through the table build_and_load binds) and its autograd (dispatcher
-    only), each linking and loading on its own; else one library of all its sources."""
-    if not (apart and (family.autograd_sources or family.cpu_loop_sources)):
-        return [plan_build(family.name, [family], root, with_cuda)]
-    builds = []
-    if family.cpu_loop_sources:
-        builds.append(_plan(f"{family.name}_cpu_loops", joined_source(family.cpu_loop_sources, root), "", with_cuda,
-                            cpu_loops=True, cpu_loops_for=family.name))
-    cuda_source = joined_source(family.cuda_sources, root) if family.cuda_sources else ""
-    builds.append(_plan(family.name, joined_source(family.cpp_sources, root), cuda_source, with_cuda, cpu_loops=False,
-                        defines=("-DKERNELS_CPU_LOOPS_APART",) if family.cpu_loop_sources else ()))
-    if family.autograd_sources:
-        builds.append(_plan(f"{family.name}_autograd", joined_source(family.autograd_sources, root), "", with_cuda,
-                            cpu_loops=False))
-    return builds
-
-
-def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
-    """The Builds of `families`: each family's autograd and CPU loops a library of their own where there is a CPU for
-    each unit to compile at once (a cold build then takes its slowest unit), else one library per family; with fewer
-    CPUs the split builds slower (kernels/leaky_relu/NOTES.md, Decisions, "Autograd and CPU loops apart only where
-    each unit has a CPU")."""
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
-    units = sum(1 + bool(family.cuda_sources and with_cuda) + bool(family.autograd_sources)
-                + bool(family.cpu_loop_sources) for family in families)
-    apart = _cpu_count() >= units
-    return [build for family in families for build in family_builds(family, root, with_cuda, apart)]
-
-
-_CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in us, or "max <period>"
-
-
-def _cpu_count():
-    """The CPUs this process may use: those it may run on (its affinity: taskset, a container's cpuset), within its
-    container's CPU quota (docker --cpus, Kubernetes limits). A process pinned to fewer CPUs than the one that built
-    the library may choose the other layout, and build it once."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except AttributeError:
-        count = os.cpu_count() or 1
-    try:
-        with open(_CGROUP_CPU_MAX, encoding="utf-8") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            count = min(count, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return count
-
-
-def _plan(label, cpp_source, cuda_source, with_cuda, cpu_loops, defines=(), cpu_loops_for=""):
-    with_cuda = with_cuda_build() if with_cuda is None else with_cuda
+    cpp_source, cuda_source = family_sources(families, root)
     if not with_cuda:
         cuda_source = ""
-    cflags, cuda_cflags, ldflags = build_flags(with_cuda, cpu_loops)
-    cflags = [*cflags, *defines]
+    cflags, cuda_cflags, ldflags = build_flags(with_cuda, cpu_loops=any(f.cpu_loop_sources for f in families))
     if not cuda_source:
-        cuda_cflags = []  # a library without a CUDA unit (an autograd library) is not rebuilt for CUDA's switches
+        cuda_cflags = []  # a library without a CUDA unit is not rebuilt for CUDA's switches
     key = hashlib.sha256()
     for part in [cpp_source, cuda_source, *cflags, *cuda_cflags, *ldflags, torch.__version__,
                  str(torch.version.cuda), sys.version, str(with_cuda)]:
@@ -223,7 +162,12 @@ def _plan(label, cpp_source, cuda_source, with_cuda, cpu_loops, defines=(), cpu_
     name = f"{LIBRARY_PREFIX}_{label}_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
     build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Build(label, name, cpp_source, cuda_source, tuple(cflags), tuple(cuda_cflags), tuple(ldflags), with_cuda,
-                 os.path.join(build_root, name), cpu_loops_for)
+                 os.path.join(build_root, name))
+
+
+def family_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
+    """One Build per family, in the manifest's order."""
+    return [plan_build(family.name, [family], root, with_cuda) for family in families]
 
 
 def _check_build_tools(with_cuda):
@@ -312,28 +256,9 @@ def _load(build):
         _compile(build)
 
 
-def _bind_cpu_loops(loops, ops):
-    """Hands the table of the CPU loops library `loops` (kernels_<family>_cpu_loops there) to the family's op library
-    `ops` (kernels_<family>_bind_cpu_loops), both loaded: ctypes opens each again by its path, which gives the handle
-    of the library already loaded."""
-    family = loops.cpu_loops_for
-    table = getattr(ctypes.CDLL(loops.library), f"kernels_{family}_cpu_loops")
-    table.restype, table.argtypes = ctypes.c_void_p, []
-    bind = getattr(ctypes.CDLL(ops.library), f"kernels_{family}_bind_cpu_loops")
-    bind.restype, bind.argtypes = None, [ctypes.c_void_p]
-    bind(table())
-
-
 def build_and_load(builds):
     """Builds the libraries of `builds` that are not built yet, all at once, then loads every one of them (in
-    order) that is not loaded yet, and binds each CPU loops library to its family's op library (which `builds` must
-    hold too)."""
-    by_label = {b.label: b for b in builds}
-    for loops in (b for b in builds if b.cpu_loops_for):
-        ops = by_label.get(loops.cpu_loops_for)
-        if ops is None or "-DKERNELS_CPU_LOOPS_APART" not in ops.cflags:
-            raise ValueError(f"kernels: the CPU loops library {loops.label} needs its family's op library "
-                             f"({loops.cpu_loops_for}) built with KERNELS_CPU_LOOPS_APART beside it, to take its table")
+    order) that is not loaded yet."""
     missing = [b for b in builds if not os.path.exists(b.library)]
     if missing:
         _check_build_tools(any(b.with_cuda for b in missing))
@@ -350,8 +275,6 @@ def build_and_load(builds):
     for build in builds:
         if os.path.realpath(build.library) not in torch.ops.loaded_libraries:
             _load(build)
-    for loops in (b for b in builds if b.cpu_loops_for):
-        _bind_cpu_loops(loops, by_label[loops.cpu_loops_for])
 
 
 _loaded = False
@@ -367,12 +290,12 @@ def register_once(family_name, register):
 
 
 def load_library():
-    """Builds (where needed) and loads every family's libraries, then imports each family's Python module,
+    """Builds (where needed) and loads every family's library, then imports each family's Python module,
     which registers its fake implementations and batching rules. Once per process; later calls return at once."""
     global _loaded
     if _loaded:
         return
-    build_and_load(library_builds())
+    build_and_load(family_builds())
     _loaded = True  # before the imports below: each family module calls load_library() itself
     for family in FAMILIES:
         importlib.import_module(family.python_module)

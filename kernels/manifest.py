@@ -3,10 +3,9 @@
 A family is a folder, kernels/<name>/, with one stem per layer: <name>.cu (kernels, no torch headers), <name>.h (host
 launchers), <name>_cpu_loops.cpp/.h (plain CPU loops over raw pointers), <name>.cpp (schemas, checks, dispatch),
 <name>_autograd.cpp, <name>_op.h (dispatcher handles for C++ callers), <name>.py (fakes, Python functions), NOTES.md,
-tests/test_<name>.py. Each list's order is the join order of its translation unit; project headers are inlined by
-the loader, so only these files are named. Where there are CPUs for it (loader.library_builds) a family builds as up
-to three libraries compiled at once (ops, autograd, CPU loops); else its loops are joined before its C++ files and its
-autograd after them.
+tests/test_<name>.py. Each family builds as one library: its C++ files joined into one translation unit (CPU loops,
+then the torch side, then autograd), its .cu files into another. Project headers are inlined by the loader, so only
+these files are named.
 """
 
 from dataclasses import dataclass
@@ -15,14 +14,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Family:
     name: str
-    cpp_sources: tuple  # paths under kernels/, joined into the family's C++ translation unit
+    cpp_sources: tuple  # paths under kernels/: the torch side, in the C++ unit's join order
     cuda_sources: tuple  # paths under kernels/, joined into its CUDA translation unit (built where a GPU is)
-    python_module: str  # registers fakes and batching rules; imported once the family's libraries are loaded
+    python_module: str  # registers fakes and batching rules; imported once the family's library is loaded
     requires: tuple = ()  # the families whose ops this one's C++ calls (listed before it here)
-    autograd_sources: tuple = ()  # paths under kernels/, joined into the C++ unit of the family's autograd library
-    # Paths under kernels/: the family's CPU loops, joined into the C++ unit of a library of their own, which exports
-    # kernels_<name>_cpu_loops() (their table) for the op library's kernels_<name>_bind_cpu_loops().
-    cpu_loop_sources: tuple = ()
+    autograd_sources: tuple = ()  # paths under kernels/, joined after cpp_sources
+    cpu_loop_sources: tuple = ()  # paths under kernels/, joined before cpp_sources; their unit builds at -O3
+
+    @property
+    def cpp_unit(self):
+        """The paths of the family's C++ translation unit, in join order."""
+        return (*self.cpu_loop_sources, *self.cpp_sources, *self.autograd_sources)
 
 
 FAMILIES = (

@@ -134,9 +134,9 @@ def assert_bitwise_equal(y, reference):
 
 
 def run_on_two_processes(script, env=None, timeout=600):
-    """`script` (a path from the repository root) on two processes under torchrun, NVLink multicast off (as
-    tools/ddp_check.py says why); its output, once both exited with status 0. The launcher runs in a session of its
-    own, so that on a timeout it and both ranks are killed together."""
+    """`script` (a path from the repository root) on two processes under torchrun, NVLink multicast off
+    (distributed_helpers.py says why); its output, once both exited with status 0. The launcher runs in a session of
+    its own, so that on a timeout it and both ranks are killed together."""
     from distributed_helpers import NO_NVLINK_MULTICAST
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
-"""What the multi-GPU tests share with the checks that tools/ddp_check.py and tools/tp_check.py run under torchrun:
-the environment that keeps NVLink multicast off, and the grad_output that leaves LeakyReLU's kink out. Imports only
-torch, so the tools can import it too (nothing in tests/ imports tools/)."""
+"""What the multi-GPU tests share with the checks that tools/checks/ddp_check.py and tools/checks/tp_check.py run
+under torchrun: the environment that keeps NVLink multicast off, and the grad_output that leaves LeakyReLU's kink out.
+Imports only torch, so the tools can import it too (nothing in tests/ imports tools/)."""
 
 import torch
 

@@ -190,100 +190,38 @@ from kernels import loader
 from kernels.manifest import Family
 twin = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="",
               autograd_sources=("twin/twin_autograd.cpp",))
-builds = loader.family_builds(twin, root=sys.argv[2], apart=True)
-assert [b.label for b in builds] == ["twin", "twin_autograd"], [b.label for b in builds]
-assert "twice_twice" not in builds[0].cpp_source and "twice_twice" in builds[1].cpp_source
-assert not builds[1].cuda_source
-loader.build_and_load(builds)
+(build,) = loader.family_builds([twin], root=sys.argv[2])
+loader.build_and_load([build])
 x = torch.randn(100)
 assert torch.equal(torch.ops.kernels._test_twin_twice_twice(x), x * 4)
 assert torch.ops.kernels._test_twin_twice(torch.empty(7, device="meta")).shape == (7,)
 """
 
 
-def test_a_family_with_its_autograd_as_a_library_of_its_own_builds_and_runs(library_copy, tmp_path):
-    """The layout library_builds takes where the machine has a CPU per unit (the GPU machines): the autograd
-    library links on its own, registers a kernel for the family's op and reaches it through the dispatcher."""
+def test_a_family_with_an_autograd_source_builds_as_one_library_and_runs(library_copy, tmp_path):
+    """The autograd file, joined after the family's C++ files, registers a kernel for the family's op and an op of
+    its own that reaches the family's op through the dispatcher."""
     result = subprocess.run([sys.executable, "-c", BUILD_TWIN_WITH_AUTOGRAD, REPO, str(library_copy)],
                             capture_output=True, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-BUILD_LEAKY_RELU_APART = """
-import sys
-sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[1] + "/tests")
-import pytest
-import torch
-from kernels import loader
-from kernels.manifest import FAMILIES
-# With CUDA where the machine has it, as the library's own load below builds them: the same libraries, loaded once.
-loops, ops, autograd = loader.family_builds(FAMILIES[0], apart=True)
-assert (loops.label, ops.label, autograd.label) == ("leaky_relu_cpu_loops", "leaky_relu", "leaky_relu_autograd")
-loader.build_and_load([ops, autograd])  # the op library alone loads (it needs no symbol of the loops' library) ...
-with pytest.raises(RuntimeError, match="CPU loops' library is not bound"):  # ... and says what is missing
-    torch.ops.kernels.leaky_relu(torch.randn(10), 0.1)
-loader.build_and_load([loops, ops, autograd])  # builds the loops, binds their table
-loader._cpu_count = lambda: 16  # the library's load (test_leaky_relu imports it) takes these, and gemm's, apart too
-import test_leaky_relu
-test_leaky_relu.check_cpu_loops()
-"""
-
-
-def test_cpu_loops_as_a_library_of_their_own_are_bound_to_the_op_library(tmp_path):
-    """The layout library_builds takes where the machine has a CPU per unit: leaky_relu's CPU loops in a library of
-    their own, whose table the loader hands to the op library; every CPU loop then gives eager's bits. Before the
-    binding, a CPU call is a clear error."""
-    result = subprocess.run([sys.executable, "-c", BUILD_LEAKY_RELU_APART, REPO], capture_output=True, text=True,
-                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
-def build_units(with_cuda):
-    """The compiler units of the manifest's families: a C++ unit each, a CUDA unit each where built with CUDA, and the
-    autograd's and the CPU loops' units where a family has them."""
-    return sum(1 + bool(with_cuda and family.cuda_sources) + bool(family.autograd_sources)
-               + bool(family.cpu_loop_sources) for family in FAMILIES)
-
-
-# Apart from a CPU per unit on: one CPU short of it, and exactly that many (the manifest's count), with and without CUDA.
-@pytest.mark.parametrize("cpus, with_cuda, apart", [(2, False, False), (build_units(False) - 1, False, False),
-                                                    (build_units(False), False, True),
-                                                    (build_units(True) - 1, True, False),
-                                                    (build_units(True), True, True), (64, True, True)])
-def test_autograd_and_cpu_loops_are_libraries_of_their_own_where_every_unit_has_a_cpu(monkeypatch, cpus, with_cuda,
-                                                                                     apart):
-    monkeypatch.setattr(loader, "_cpu_count", lambda: cpus)
-    builds = loader.library_builds(with_cuda=with_cuda)
-    expected = []
-    for family in FAMILIES:
-        expected += ([f"{family.name}_cpu_loops"] if apart and family.cpu_loop_sources else []) + [family.name] + (
-            [f"{family.name}_autograd"] if apart and family.autograd_sources else [])
-    assert [build.label for build in builds] == expected
-    # Either way, every source file of a family is built, once; apart, the op library calls the loops through the
-    # table the loader binds.
-    for family in FAMILIES:
-        mine = [b for b in builds if b.label in (family.name, f"{family.name}_autograd", f"{family.name}_cpu_loops")]
-        texts = [b.cpp_source + b.cuda_source for b in mine]
-        for path in (*family.cpu_loop_sources, *family.cpp_sources, *family.autograd_sources,
-                     *(family.cuda_sources if with_cuda else ())):
-            assert sum(f'#line 1 "kernels/{path}"' in text for text in texts) == 1, path
-        ops = next(b for b in mine if b.label == family.name)
-        assert ("-DKERNELS_CPU_LOOPS_APART" in ops.cflags) == bool(apart and family.cpu_loop_sources)
-        assert [b.cpu_loops_for for b in mine if b.cpu_loops_for] == (
-            [family.name] if apart and family.cpu_loop_sources else [])
-
-
-def test_the_cpu_count_keeps_within_a_containers_quota(tmp_path, monkeypatch):
-    cpu_max = tmp_path / "cpu.max"
-    monkeypatch.setattr(loader, "_CGROUP_CPU_MAX", str(cpu_max))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    cpu_max.write_text("max 100000\n")
-    assert loader._cpu_count() == 16
-    cpu_max.write_text("200000 100000\n")  # docker --cpus=2
-    assert loader._cpu_count() == 2
-    cpu_max.write_text("50000 100000\n")
-    assert loader._cpu_count() == 1
+@pytest.mark.parametrize("with_cuda", [False, True])
+def test_each_family_builds_as_one_library_of_all_its_sources(with_cuda):
+    """One library per family, in the manifest's order: its C++ unit holds its CPU loops, torch side and autograd
+    in that order, each file once; its CUDA unit only in a CUDA build; -O3 only where the unit has CPU loops."""
+    builds = loader.family_builds(with_cuda=with_cuda)
+    assert [build.label for build in builds] == [family.name for family in FAMILIES]
+    for family, build in zip(FAMILIES, builds):
+        cpp_files = (*family.cpu_loop_sources, *family.cpp_sources, *family.autograd_sources)
+        starts = [build.cpp_source.find(f'#line 1 "kernels/{path}"') for path in cpp_files]
+        assert all(start >= 0 for start in starts) and starts == sorted(starts), (family.name, starts)
+        for path in cpp_files:
+            assert build.cpp_source.count(f'#line 1 "kernels/{path}"') == 1, path
+        for path in family.cuda_sources:
+            assert build.cuda_source.count(f'#line 1 "kernels/{path}"') == (1 if with_cuda else 0), path
+        assert ("-O3" in build.cflags) == bool(family.cpu_loop_sources), (family.name, build.cflags)
+        assert build.with_cuda == with_cuda and bool(build.cuda_cflags) == bool(with_cuda and family.cuda_sources)
 
 
 def check_cpp_syntax(cpp, tmp_path, cflags=None):
@@ -300,17 +238,6 @@ def check_cpp_syntax(cpp, tmp_path, cflags=None):
 def test_joined_cpp_of_every_family_compiles_as_one_unit(library_copy, tmp_path):
     """A single-file build (one C++ unit for all families) must see no name collide; g++ checks the syntax."""
     check_cpp_syntax(loader.family_sources([*FAMILIES, TWIN], root=library_copy)[0], tmp_path)
-
-
-APART_BUILDS = [b for family in FAMILIES for b in loader.family_builds(family, with_cuda=False, apart=True)]
-
-
-@pytest.mark.parametrize("label", [b.label for b in APART_BUILDS])
-def test_each_cpp_unit_of_a_family_built_apart_compiles_alone(tmp_path, label):
-    """Each C++ unit of the layout with the autograd and CPU loops apart includes what it uses (joined, a unit can
-    lean on the includes of the file before it)."""
-    build = next(b for b in APART_BUILDS if b.label == label)
-    check_cpp_syntax(build.cpp_source, tmp_path, build.cflags)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -1,8 +1,8 @@
 """Several GPUs: every op of the library run on cuda:1 while cuda:0 is the current device (results on cuda:1, equal
 to eager's there, issued on cuda:1's current stream, nothing on cuda:0), two GPUs driven from two threads at once,
 no CUDA context made on a GPU the job does not use, and DistributedDataParallel training over NCCL
-(tools/ddp_check.py under torchrun) equal to the same model built from the reference modules. These need two GPUs
-and skip otherwise, except the check that every op of the library has a case here: it reads the op list from the
+(tools/checks/ddp_check.py under torchrun) equal to the same model built from the reference modules. These need two
+GPUs and skip otherwise, except the check that every op of the library has a case here: it reads the op list from the
 library itself, so a family or op added later fails it until it is covered."""
 
 import contextlib
@@ -510,8 +510,8 @@ def test_a_process_that_uses_only_cuda_1_makes_no_context_on_cuda_0():
 
 @requires_two_gpus
 def test_distributed_data_parallel_trains_like_the_reference():
-    """tools/ddp_check.py on two processes, one GPU each, under torchrun (python -m torch.distributed.run)."""
-    output = run_on_two_processes("tools/ddp_check.py")
+    """tools/checks/ddp_check.py on two processes, one GPU each, under torchrun (python -m torch.distributed.run)."""
+    output = run_on_two_processes("tools/checks/ddp_check.py")
     summaries = [line[line.index("ddp_check rank"):] for line in output.splitlines() if "ddp_check rank" in line]
     assert len(summaries) == 2 and all(line.endswith(": ok") for line in summaries), output[-6000:]
 
@@ -520,8 +520,8 @@ def test_distributed_data_parallel_trains_like_the_reference():
 
 @requires_two_gpus
 def test_tensor_parallel_and_fsdp2_on_two_gpus():
-    """tools/tp_check.py on two processes, one GPU each, over NCCL (tests/test_tensor_parallel.py runs it on the CPU):
-    every case at a small shape and at one whose local products take the split path on each rank."""
+    """tools/checks/tp_check.py on two processes, one GPU each, over NCCL (tests/test_tensor_parallel.py runs it on the
+    CPU): every case at a small shape and at one whose local products take the split path on each rank."""
     from test_tensor_parallel import CASES, run_tp_check
 
     output = run_tp_check({})

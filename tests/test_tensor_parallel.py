@@ -1,7 +1,7 @@
 """Distributed modes that act on ModelNew's `gemm` submodule: tensor parallelism (parallelize_module with
 ColwiseParallel or RowwiseParallel on `gemm`, and replicated DTensor weights with row-sharded or replicated x) and
 FSDP2 (fully_shard on the whole model and on `gemm` alone), against the reference model under the same plan, on two
-processes (tools/tp_check.py under torchrun): on the CPU over gloo (runs in CI), on two GPUs over NCCL
+processes (tools/checks/tp_check.py under torchrun): on the CPU over gloo (runs in CI), on two GPUs over NCCL
 (tests/test_multi_gpu.py, which `python tools/device_check.py multi-gpu` runs). And, in one process, what makes them
 work: `gemm` is an nn.Linear that the forward calls, so hooks attached to it run, and its plain call is nn.Linear's."""
 
@@ -47,8 +47,8 @@ CASES = ("ColwiseParallel", "RowwiseParallel", "replicated weight, rows of x", "
 
 
 def run_tp_check(device_env):
-    """tools/tp_check.py on two processes under torchrun; its output, checked for both ranks' final "ok"."""
-    output = run_on_two_processes("tools/tp_check.py", device_env)
+    """tools/checks/tp_check.py on two processes under torchrun; its output, checked for both ranks' final "ok"."""
+    output = run_on_two_processes("tools/checks/tp_check.py", device_env)
     # Each rank's last line (the two ranks' lines may run together in the shared pipe).
     finals = re.findall(r"tp_check rank (\d+): ok(?=\s|$|tp_check)", output)
     assert sorted(finals) == ["0", "1"], output[-8000:]

@@ -1,86 +1,13 @@
-"""The checks that need the GPU machine, one subcommand each: build, tests, sanitize, bench, multi-gpu, sm80, profile,
-gelu-tanh, causal-softmax, all.
+"""The checks that need the GPU machine, one subcommand each (`SUBCOMMAND --help` says what it runs):
+build, tests, sanitize, cases, bench, multi-gpu, ddp, tp, sm80, profile, gelu-tanh, causal-softmax, all.
 
     python tools/device_check.py all            # build, tests, sanitize, bench: the whole single-GPU run
-    python tools/device_check.py build          # cold build and warm imports timed, SASS summaries, smoke test
-    python tools/device_check.py tests [--quick] [PYTEST_ARGS ...]
-    python tools/device_check.py sanitize       # compute-sanitizer's four tools over every kernel
-    python tools/device_check.py bench [--runs 3] [--floor 0.98] [BENCH_ARGS ...]
-    python tools/device_check.py bench --summarize bench.json bench2.json bench3.json
-    python tools/device_check.py multi-gpu      # on a machine with 2 GPUs
-    python tools/device_check.py sm80           # the sm_80 kernel on a Hopper GPU
-    python tools/device_check.py profile [PATH ...]   # tensor-core rates; Nsight Compute of the split GEMMs
-    python tools/device_check.py gelu-tanh      # the GELU (tanh) kernels' bandwidth against a copy, and their error
-    python tools/device_check.py causal-softmax [--shape 128,8,512,512] [--dtypes float32,bfloat16]
-
-What each subcommand runs:
-  build      nvidia-smi's line for the GPU, torch's and CUDA's versions, the CPU count. A cold build of the op library
-             into a fresh $TORCH_EXTENSIONS_DIR (whatever is cached elsewhere), timed, with each library's targets'
-             seconds from ninja's log; the build again into another empty folder (the compilers' files are in the
-             page cache by then, so the difference is cold disk); a warm import in a new process and of kernels
-             alone after torch, timed; python, torch and CUDA's start-up alone, timed. With --units, each compiler
-             command of the build (from its ninja files) again, alone and then all at once. cuobjdump's SASS of every library into sass.txt, with the global loads and
-             stores of the vectorized fp32 forward kernel and the HGMMA count per GEMM kernel. Then the smoke test:
-             tools/sanitize_cases.py (every kernel once on small shapes against eager) under a 180 s limit, as a
-             pipeline that deadlocks hangs.
-  tests      python -m pytest -q -rs tests under a 900 s limit (--time-limit); --quick adds -m "not slow"; other
-             arguments go to pytest, and where they name test files or node ids those run instead of tests/. The
-             whole output goes to pytest.log, its last 25 lines to the terminal.
-  sanitize   the library built first, outside the sanitizer, with KERNELS_LINEINFO=1 (source lines in the reports);
-             then compute-sanitizer --tool memcheck, racecheck, initcheck and synccheck over tools/sanitize_cases.py,
-             each into sanitize_<tool>.log: one line per tool, a failing tool's last 20 lines.
-  bench      bench.py --json bench.json --plot bench.png --markdown bench.md, its output in bench.log. --runs N runs
-             it N - 1 times more (bench<run>.json and .log only), then prints ModelNew's speedup per row over the
-             runs, its lowest, and the rows under --floor (0.98) or missing from a run; --summarize prints that for
-             JSON files of `bench.py --json` already written, and runs nothing.
-  multi-gpu  nvidia-smi, the GPUs' links (nvidia-smi topo -m), torch's device count; then parts, each under a time
-             limit, into <part>.log with its last 25 lines shown: build (one build before anything else, so that the
-             tests and the ranks load the library instead of racing to build it; a failed build stops here),
-             pytest_multi_gpu (tests/test_multi_gpu.py), ddp_check and tp_check (tools/ddp_check.py and
-             tools/tp_check.py under torchrun on 2 processes), peak_memory (tests/test_reliability.py -k peak_memory);
-             then the per-rank summary lines of ddp_check and tp_check. NVLink multicast is off in every process it
-             starts (NO_NVLINK_MULTICAST, tests/distributed_helpers.py).
-  sm80       nvidia-smi's clocks, the library built (where $TORCH_EXTENSIONS_DIR or torch's default folder has it,
-             that one); the tensor-core instructions per GEMM kernel from the SASS of the GEMM libraries
-             (sm80_sass.txt); tools/gemm_sweep.py --path split_fp16_sm80 (sm80_sweep.log), its first 4 lines again
-             at two pipeline stages (KERNELS_GEMM_SM80_STAGES=2, the A100's depth), the first 4 lines of the Hopper
-             kernel's sweep; then pytest -q -x -rs tests/test_gemm*.py under a 400 s limit (--test-time-limit), its
-             output in sm80_pytest.log, its last 15 lines shown; other arguments go to that pytest; then the split
-             tests (-k split) and tools/sanitize_cases.py again at two stages (the A100's depth).
-  profile    tools/tensor_core_rates.py (mma.sync's measured rate, alone and at the sm_80 kernel's ldmatrix ratio,
-             beside cuBLAS fp16 and fp32; tensor_core_rates.log; --skip-rates leaves it out); then, for each split
-             path named (default: split_fp16 and split_fp16_sm80), Nsight Compute over one call at the problem's
-             shape, that path forced, on a build with source lines (KERNELS_LINEINFO=1): every kernel of the call
-             with the speed of light, compute and memory workload, scheduler and warp-state sections
-             (ncu_<name>.txt), and the GEMM kernel's SASS with its stall samples per instruction
-             (ncu_<name>_source.csv). The call is the forward (a model's, which keeps its weight's split from its
-             second call on), or, named PATH:forward_anew, the op's forward without a weight split (w split in
-             registers, as a training forward runs), or, named PATH:grad_x or PATH:grad_w, one product of
-             the backward (the backward op asked for that gradient alone; grad_w with grad_b); <name> is the
-             argument with ':' as '_'.
-  gelu-tanh  the GELU (tanh approximation) family at the MLP activation's size of KernelBench level 3's
-             44_MiniGPTBlock (65536 x 3072), float32 and bfloat16: the forward and the backward timed beside a
-             device-to-device copy of the same tensor (kernels/timing.py, L2 flushed, samples interleaved), each as
-             GB/s and as a share of the copy's rate (bytes read and written: 2 tensors forward, 3 backward); eager's
-             formula (minGPT's NewGELU, op for op), F.gelu(approximate="tanh") and aten's gelu_backward timed beside
-             them; then the error against the float64 formula of ours, eager's formula and F.gelu, forward and
-             backward, per dtype, on randn * 3 and on -20..20 (2^24 elements each). Into gelu_tanh.json and
-             gelu_tanh.log.
-  causal-softmax the causal softmax family at 44_MiniGPTBlock's scores (128, 8, 512, 512) or --shape: for each of --dtypes,
-             forward and backward (the op, and through autograd) timed beside a device-to-device copy of the bytes
-             each must move (the unmasked entries read, every entry written) and eager's steps (scale, the causal
-             masked_fill with minGPT's mask buffer, softmax; autograd's backward of them), the error of each against
-             float64 (forward, and autograd's gradient); into causal_softmax.log and causal_softmax.json.
-  all        build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build
-             where the build or the smoke test failed.
+    python tools/device_check.py tests --quick -k gemm
 
 Every subcommand writes into --out (default: $OUT, else /tmp/device_check), its whole output also into
-device_check_<subcommand>.log there, and exits with status 1 where a step failed, naming the steps that did.
-Environment switches, beside the flags they default: SKIP_TESTS=1, SKIP_SANITIZE=1, SKIP_BENCH=1 (all; SKIP_TESTS
-for sm80 too), SKIP_RATES=1 (profile), BENCH_ARGS (arguments for bench.py: all, bench), BENCH_RUNS (--runs),
-TEST_TIMEOUT (sm80's --test-time-limit), PYTEST_ARGS (arguments for sm80's pytest). Where matplotlib (bench's chart) or pytest-xdist
-(pyproject.toml's pytest options ask for it) is missing, the wheels in .whl/, if carried, are installed into
-/tmp/site for the processes started from here.
+device_check_<subcommand>.log there, and exits 1 where a step failed, naming it. Switches set flags' defaults:
+SKIP_TESTS, SKIP_SANITIZE, SKIP_BENCH, SKIP_RATES, BENCH_ARGS, BENCH_RUNS, TEST_TIMEOUT, PYTEST_ARGS. Missing
+matplotlib or pytest-xdist is installed from the wheels in .whl/, if carried, into /tmp/site.
 """
 
 import argparse
@@ -103,6 +30,11 @@ sys.path.insert(0, REPO)
 from kernels.env import env_flag  # noqa: E402  (pure Python: builds nothing)
 PYTHON = sys.executable
 IMPORT_LIBRARY = [PYTHON, "-c", "import kernels.functional"]
+# The programs this runner starts (tools/checks/): not entry points of their own.
+CASES = "tools/checks/sanitize_cases.py"
+DDP_CHECK = "tools/checks/ddp_check.py"
+TP_CHECK = "tools/checks/tp_check.py"
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 SMOKE_TEST_LIMIT_S = 180
@@ -381,7 +313,7 @@ def build(args):
     run([PYTHON, "-c", "import torch; torch.cuda.init()"])
     say(f"python + torch + CUDA start-up alone: {time.time() - start:.2f} s")
     if getattr(args, "units", False):
-        run([PYTHON, "tools/build_units.py", "--build-root", build_root, "--together"])
+        run([PYTHON, "tools/host_timing.py", "build-units", "--build-root", build_root, "--together"])
 
     sass = os.path.join(args.out, "sass.txt")
     dump_sass(sorted(glob.glob(os.path.join(build_root, "*", "*.so"))), sass)
@@ -395,8 +327,8 @@ def build(args):
 
 def smoke_test():
     """Every kernel once on small shapes against eager, bounded in time (a pipeline that deadlocks hangs)."""
-    say("== smoke test (tools/sanitize_cases.py)")
-    ran = run([PYTHON, "tools/sanitize_cases.py"], limit_s=SMOKE_TEST_LIMIT_S)
+    say(f"== smoke test ({CASES})")
+    ran = run([PYTHON, CASES], limit_s=SMOKE_TEST_LIMIT_S)
     if ran.status != 0:
         say("smoke test failed or hung" + (f" ({SMOKE_TEST_LIMIT_S} s)" if ran.timed_out else ""))
         return ["smoke test"]
@@ -431,7 +363,7 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 
 def sanitize(args):
-    """compute-sanitizer's four tools over tools/sanitize_cases.py; a summary line per tool."""
+    """compute-sanitizer's four tools over the cases; a summary line per tool."""
     lineinfo = {"KERNELS_LINEINFO": "1"}  # source lines in the reports
     say("== sanitize: the library built with KERNELS_LINEINFO=1")
     if not passed("sanitize build", run(IMPORT_LIBRARY, env=lineinfo)):
@@ -447,7 +379,7 @@ def sanitize(args):
         plain_stores = "1" if tool == "initcheck" else ""
         log = os.path.join(args.out, f"sanitize_{tool}.log")
         ran = run(["compute-sanitizer", "--tool", tool, *kernel_filter, "--target-processes", "all",
-                   "--error-exitcode", "86", PYTHON, "tools/sanitize_cases.py"],
+                   "--error-exitcode", "86", PYTHON, CASES],
                   log=log, show=False, env=dict(lineinfo, KERNELS_GEMM_PLAIN_STORES=plain_stores))
         summaries = []
         if os.path.exists(log):
@@ -526,14 +458,13 @@ def multi_gpu(args):
                        "torch.cuda.device_count())"])
     print_cpu_count()
     ensure_module("xdist")
-    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     parts = [
         # One build before anything else, so that the tests and the ranks load the library instead of racing to
         # build it.
         ("build", 600, IMPORT_LIBRARY),
         ("pytest_multi_gpu", 1200, [PYTHON, "-m", "pytest", "-q", "-rs", "tests/test_multi_gpu.py"]),
-        ("ddp_check", 600, [*torchrun, "tools/ddp_check.py"]),
-        ("tp_check", 600, [*torchrun, "tools/tp_check.py"]),
+        ("ddp_check", 600, [*TORCHRUN, DDP_CHECK]),
+        ("tp_check", 600, [*TORCHRUN, TP_CHECK]),
         ("peak_memory", 600, [PYTHON, "-m", "pytest", "-q", "-rs", "tests/test_reliability.py", "-k", "peak_memory"]),
     ]
     failed = []
@@ -554,6 +485,30 @@ def multi_gpu(args):
                     if wanted(line):
                         say(line.rstrip("\n"))
     return failed
+
+
+def torchrun_check(args, name, script, env=None):
+    """`script` on 2 processes under torchrun, NVLink multicast off, after one build (so that the ranks load the
+    library instead of racing to build it); its output into <name>.log, its last 25 lines shown."""
+    from tests.distributed_helpers import NO_NVLINK_MULTICAST
+
+    if not passed("build", run(IMPORT_LIBRARY)):
+        return ["build"]
+    say(f"== {name}: {script} on 2 processes")
+    ran = run([*TORCHRUN, script], log=os.path.join(args.out, f"{name}.log"), show=False, limit_s=600,
+              env={**NO_NVLINK_MULTICAST, **(env or {})})
+    show_tail(ran.lines, 25)
+    return [] if passed(name, ran, 600) else [name]
+
+
+def ddp(args):
+    """The DistributedDataParallel check on 2 GPUs."""
+    return torchrun_check(args, "ddp_check", DDP_CHECK)
+
+
+def tp(args):
+    """The tensor-parallel and FSDP2 check on 2 GPUs, or on the CPU over gloo."""
+    return torchrun_check(args, "tp_check", TP_CHECK, {"TP_CHECK_DEVICE": "cpu"} if args.cpu else None)
 
 
 def sm80(args):
@@ -593,7 +548,7 @@ def sm80(args):
         show_tail(ran.lines, 3)
         if not passed("GEMM split tests, two stages", ran, args.test_time_limit):
             failed.append("GEMM split tests, two stages")
-        if not passed("sanitize_cases, two stages", run([PYTHON, "tools/sanitize_cases.py"], env=two_stages)):
+        if not passed("sanitize_cases, two stages", run([PYTHON, CASES], env=two_stages)):
             failed.append("sanitize_cases, two stages")
     return failed
 
@@ -652,7 +607,7 @@ def profile(args):
                 PROFILED_CALLS[1:])]
         targets.append((path, call or "forward", target.replace(":", "_")))
     if not args.skip_rates and not passed("tensor-core rates", run(
-            [PYTHON, "tools/tensor_core_rates.py"], log=os.path.join(args.out, "tensor_core_rates.log"))):
+            [PYTHON, "tools/gemm_sweep.py", "tensor-core-rates"], log=os.path.join(args.out, "tensor_core_rates.log"))):
         failed.append("tensor-core rates")
     if not passed("build", run(IMPORT_LIBRARY)):
         return failed + ["build"]
@@ -864,10 +819,64 @@ def run_all(args):
 # --- arguments
 
 
-def what_it_runs(subcommand):
-    """The module docstring's paragraph on `subcommand`, for its --help."""
-    match = re.search(rf"^  {re.escape(subcommand)} +(.*?)\n(?=  \S|\n)", __doc__, re.S | re.M)
-    return f"{subcommand}: " + re.sub(r"\s+", " ", match.group(1))
+# What each subcommand runs: its --help.
+DETAILS = {
+    "build": "nvidia-smi's line for the GPU, torch's and CUDA's versions, the CPU count. A cold build of the op "
+             "library into a fresh $TORCH_EXTENSIONS_DIR, timed, with each library's targets' seconds from ninja's "
+             "log; the build again into another empty folder (the compilers' files then in the page cache: the "
+             "difference is cold disk); a warm import in a new process and of kernels alone after torch, timed; "
+             "python, torch and CUDA's start-up alone, timed. --units: each compiler command of the build again, "
+             "alone and then all at once (tools/host_timing.py build-units). cuobjdump's SASS of every library into "
+             "sass.txt, with the global accesses of the vectorized fp32 forward kernel and the HGMMA count per GEMM "
+             f"kernel. Then the smoke test (cases) under a {SMOKE_TEST_LIMIT_S} s limit, as a pipeline that "
+             "deadlocks hangs.",
+    "tests": "python -m pytest -q -rs tests under --time-limit; --quick adds -m \"not slow\"; other arguments go to "
+             "pytest, and where they name test files or node ids those run instead of tests/. The whole output into "
+             "pytest.log, its last 25 lines to the terminal.",
+    "sanitize": "the library built first, outside the sanitizer, with KERNELS_LINEINFO=1 (source lines in the "
+                "reports); then compute-sanitizer's memcheck, racecheck, initcheck and synccheck over the cases, each "
+                "into sanitize_<tool>.log: one line per tool, a failing tool's last 20 lines.",
+    "cases": f"every CUDA kernel once on small shapes against eager ({CASES}): tails, offset views, every dtype, "
+             "both GEMM paths.",
+    "bench": "bench.py --json bench.json --plot bench.png --markdown bench.md, its output in bench.log. --runs N "
+             "runs it N - 1 times more (bench<run>.json and .log only), then prints ModelNew's speedup per row over "
+             "the runs, its lowest, and the rows under --floor or missing from a run; --summarize prints that for "
+             "JSON files of `bench.py --json` already written, and runs nothing.",
+    "multi-gpu": "nvidia-smi, the GPUs' links (nvidia-smi topo -m), torch's device count; then parts, each under a "
+                 "time limit, into <part>.log with its last 25 lines shown: build (once, so that the tests and the "
+                 "ranks load the library; a failed build stops here), pytest_multi_gpu (tests/test_multi_gpu.py), "
+                 "ddp_check and tp_check (as the ddp and tp subcommands), peak_memory (tests/test_reliability.py -k "
+                 "peak_memory); then the ranks' summary lines. NVLink multicast is off in every process it starts "
+                 "(NO_NVLINK_MULTICAST, tests/distributed_helpers.py).",
+    "ddp": f"ModelNew and the reference in DistributedDataParallel, 2 GPUs over NCCL ({DDP_CHECK} under torchrun): "
+           "equal gradients and weights on every rank. NVLink multicast off.",
+    "tp": f"tensor parallelism and FSDP2 on `gemm` against the reference under the same plan ({TP_CHECK} under "
+          "torchrun on 2 processes): GPUs over NCCL, or with --cpu the CPU over gloo. NVLink multicast off.",
+    "sm80": "nvidia-smi's clocks, the library built (where $TORCH_EXTENSIONS_DIR or torch's default folder has it, "
+            "that one); the tensor-core instructions per GEMM kernel from the SASS (sm80_sass.txt); tools/"
+            "gemm_sweep.py --path split_fp16_sm80 (sm80_sweep.log), its first 4 lines again at two pipeline stages "
+            "(KERNELS_GEMM_SM80_STAGES=2, the A100's depth), the first 4 lines of the Hopper kernel's; then pytest "
+            "-q -x -rs tests/test_gemm*.py under --test-time-limit (sm80_pytest.log, its last 15 lines shown; other "
+            "arguments go to that pytest); then the split tests (-k split) and the cases again at two stages.",
+    "profile": "tools/gemm_sweep.py tensor-core-rates (tensor_core_rates.log; --skip-rates leaves it out); then, for "
+               "each split path named (default: split_fp16 and split_fp16_sm80), Nsight Compute over one call at the "
+               "problem's shape, that path forced, on a build with KERNELS_LINEINFO=1: every kernel of the call with "
+               "the speed of light, workload, scheduler and warp-state sections (ncu_<name>.txt), and the GEMM "
+               "kernel's SASS with its stall samples (ncu_<name>_source.csv). The call is the forward (a model's, its "
+               "weight's split kept), PATH:forward_anew the op's forward without a weight split, PATH:grad_x or "
+               "PATH:grad_w one product of the backward; <name> is the argument with ':' as '_'.",
+    "gelu-tanh": "the GELU (tanh) family at 44_MiniGPTBlock's MLP activation (65536 x 3072), float32 and bfloat16: "
+                 "forward and backward timed beside a device-to-device copy of the same tensor (GB/s, share of the "
+                 "copy's rate), eager's formula, F.gelu(approximate=\"tanh\") and aten's gelu_backward beside them; "
+                 "then the error against float64 per dtype on randn * 3 and on -20..20. Into gelu_tanh.json and "
+                 "gelu_tanh.log.",
+    "causal-softmax": "the causal softmax family at 44_MiniGPTBlock's scores (128, 8, 512, 512) or --shape: for each "
+                      "of --dtypes, forward and backward (the op, and through autograd) timed beside a "
+                      "device-to-device copy of the bytes each must move and eager's steps, and the error of each "
+                      "against float64; into causal_softmax.log and causal_softmax.json.",
+    "all": "build, tests, sanitize and bench, in that order, into one folder and on one build; stops after build "
+           "where the build or the smoke test failed.",
+}
 
 
 def parse_arguments(argv):
@@ -879,7 +888,7 @@ def parse_arguments(argv):
 
     def add(name, function, summary, extra=None):
         """A subcommand; `extra` names where its unrecognized arguments go, None where it takes none."""
-        sub = subcommands.add_parser(name, parents=[common], help=summary, description=what_it_runs(name),
+        sub = subcommands.add_parser(name, parents=[common], help=summary, description=f"{name}: {DETAILS[name]}",
                                      allow_abbrev=False)
         sub.set_defaults(function=function, extra_to=extra)
         return sub
@@ -903,6 +912,7 @@ def parse_arguments(argv):
     sub.add_argument("--time-limit", type=int, default=900, help="seconds (900)")
     name_extra_in_usage(sub, "PYTEST_ARGS")
     add("sanitize", sanitize, "compute-sanitizer's four tools over every kernel on small shapes")
+    add("cases", lambda args: smoke_test(), "every CUDA kernel once on small shapes against eager (the smoke test)")
     sub = add("bench", bench, "bench.py with JSON, chart and Markdown; other arguments go to bench.py",
               extra="bench.py")
     add_bench_options(sub)
@@ -910,6 +920,9 @@ def parse_arguments(argv):
                      help="only the speedups over runs of these `bench.py --json` files, in run order")
     name_extra_in_usage(sub, "BENCH_ARGS")
     add("multi-gpu", multi_gpu, "the 2-GPU run: multi-GPU tests, DDP and tensor-parallel checks, peak memory")
+    add("ddp", ddp, "ModelNew in DistributedDataParallel on 2 GPUs against the reference")
+    sub = add("tp", tp, "tensor parallelism and FSDP2 on 2 processes against the reference")
+    sub.add_argument("--cpu", action="store_true", help="on the CPU over gloo (TP_CHECK_DEVICE=cpu)")
     sub = add("sm80", sm80, "the sm_80 kernel on a Hopper GPU; other arguments go to the GEMM tests' pytest",
               extra="pytest")
     sub.add_argument("--skip-tests", action="store_true", default=env_flag("SKIP_TESTS"),
@@ -920,7 +933,7 @@ def parse_arguments(argv):
     sub = add("profile", profile, "tensor-core rates; Nsight Compute over one call per split path named",
               extra="paths")
     sub.add_argument("--skip-rates", action="store_true", default=env_flag("SKIP_RATES"),
-                     help="leave out tools/tensor_core_rates.py (default: $SKIP_RATES set)")
+                     help="leave out the tensor-core rates (default: $SKIP_RATES set)")
     name_extra_in_usage(sub, "PATH[:forward_anew|:grad_x|:grad_w]")
     add("gelu-tanh", gelu_tanh, "the GELU (tanh) kernels' bandwidth against a copy at 65536 x 3072, and their error")
     sub = add("causal-softmax", causal_softmax, "the causal softmax family against the copy rate and eager's steps")

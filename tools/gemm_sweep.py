@@ -1,6 +1,7 @@
 """The split fp16 GEMM's error, time and kernels, one measurement per subcommand (on the GPU machine, from the repo
 root); without one, the problem's size (1024x8192 -> 8192, fp32): error against float64 and eager's, time, and where
-one call's time goes, kernel by kernel.
+one call's time goes, kernel by kernel. Also the tensor cores' measured rates, and versions of kernel files timed
+side by side (variants).
 
     python tools/gemm_sweep.py                    # the problem's size
     python tools/gemm_sweep.py k-sweep            # any subcommand below (--help lists them)
@@ -271,7 +272,7 @@ def loop_profile():
 def loop_kernels():
     """ModelNew's training-loop step alone (fp32 1024x8192 -> 8192; zero_grad, forward, y.square().mean(),
     backward): its kernels' device time per step with the five largest, then its time (the median of 30 steps), each
-    on one line: short enough to compare versions of a kernel with tools/kernel_variants.py."""
+    on one line: short enough to compare versions of a kernel with the variants subcommand."""
     import reference
     from bench import training_loop_step
     from kernels.timing import time_ms
@@ -556,6 +557,192 @@ def coherence(shapes=COHERENCE_SHAPES):
             del x, y64
 
 
+# ---- the tensor cores' rates -----------------------------------------------------------------------------------
+
+TENSOR_CORE_RATES_SOURCE = r"""
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+__device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void load_x4(std::uint32_t address, std::uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// fp16 values near 1 with varied low bits (the tensor cores' power, and so their clock, depends on the data).
+__device__ __forceinline__ std::uint32_t operand(int salt) {
+  const std::uint32_t low = (threadIdx.x * 2654435761u + salt * 40503u) & 0x03ff03ffu;
+  return 0x3c003c00u | low;
+}
+
+__global__ void __launch_bounds__(1024) mma_only(float* out, int iterations) {
+  std::uint32_t a[4] = {operand(1), operand(2), operand(3), operand(4)};
+  const std::uint32_t b0 = operand(5), b1 = operand(6);
+  float acc[8][4] = {};
+  for (int i = 0; i < iterations; ++i) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) mma(acc[c], a, b0, b1);
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) sum += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+  if (sum == 1234.5f) out[threadIdx.x] = sum;  // never true; keeps the products
+}
+
+// The sm_80 kernel's step: a warp's 64 x 32 tile, x_hi, x_lo (4 m16 fragments each) and w_hi, w_lo (2 pairs of n8
+// fragments each) by ldmatrix.x4 from 128-byte rows with 16-byte unit u at u ^ (row % 8), then three products per
+// fragment pair.
+// At most 512 threads, the 16-warp row's block: 128 registers, which ptxas meets for sm_90a as it is and for sm_80
+// with a 20-byte spill.
+__global__ void __launch_bounds__(512) ldmatrix_mma(float* out, int iterations) {
+  extern __shared__ __align__(128) unsigned char tiles[];  // 4 tiles of 128 rows x 128 bytes
+  for (int i = threadIdx.x; i < 4 * 128 * 32; i += blockDim.x)
+    reinterpret_cast<std::uint32_t*>(tiles)[i] = operand(i);
+  __syncthreads();
+  const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tiles));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warp_x = warp % 2, warp_w = (warp / 2) % 4;
+  const auto swizzled = [](int row, int unit) {
+    return static_cast<std::uint32_t>(row * 128 + ((unit ^ (row % 8)) * 16));
+  };
+  float acc[4][4][4] = {};
+  for (int i = 0; i < iterations; ++i) {
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      std::uint32_t a_hi[4][4], a_lo[4][4], b_hi[2][4], b_lo[2][4];
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        const std::uint32_t offset = swizzled(warp_x * 64 + f * 16 + lane % 16, 2 * step + lane / 16);
+        load_x4(base + offset, a_hi[f]);
+        load_x4(base + 16384 + offset, a_lo[f]);
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const std::uint32_t offset =
+            swizzled(warp_w * 32 + p * 16 + lane % 8 + 8 * (lane / 16), 2 * step + (lane / 8) % 2);
+        load_x4(base + 32768 + offset, b_hi[p]);
+        load_x4(base + 49152 + offset, b_lo[p]);
+      }
+#pragma unroll
+      for (int f = 0; f < 4; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma(acc[f][j], a_hi[f], b_lo[j / 2][2 * (j % 2)], b_lo[j / 2][2 * (j % 2) + 1]);
+#pragma unroll
+      for (int f = 0; f < 4; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma(acc[f][j], a_lo[f], b_hi[j / 2][2 * (j % 2)], b_hi[j / 2][2 * (j % 2) + 1]);
+#pragma unroll
+      for (int f = 0; f < 4; ++f)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma(acc[f][j], a_hi[f], b_hi[j / 2][2 * (j % 2)], b_hi[j / 2][2 * (j % 2) + 1]);
+    }
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int f = 0; f < 4; ++f)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sum += acc[f][j][0] + acc[f][j][1] + acc[f][j][2] + acc[f][j][3];
+  if (sum == 1234.5f) out[threadIdx.x] = sum;
+}
+
+// Launches `kernel` (0: mma_only, 1: ldmatrix_mma) on blocks x warps; returns nothing (timed by the caller).
+void launch_rate_kernel(int64_t kernel, int64_t blocks, int64_t warps, int64_t iterations, torch::Tensor out) {
+  const cudaStream_t stream = 0;
+  if (kernel == 0) {
+    mma_only<<<blocks, warps * 32, 0, stream>>>(out.data_ptr<float>(), static_cast<int>(iterations));
+  } else {
+    cudaFuncSetAttribute(ldmatrix_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    ldmatrix_mma<<<blocks, warps * 32, 65536, stream>>>(out.data_ptr<float>(), static_cast<int>(iterations));
+  }
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "launch failed");
+}
+"""
+
+TENSOR_CORE_RATES_DECLARATION = ("void launch_rate_kernel(int64_t kernel, int64_t blocks, int64_t warps, "
+                                 "int64_t iterations, torch::Tensor out);")
+
+# Products per warp per iteration of each kernel.
+PRODUCTS_PER_ITERATION = {0: 8, 1: 4 * 48}
+
+
+def tensor_core_rates():
+    """mma.sync m16n8k16 (fp16 in, fp32 accumulate) alone at 4-32 warps per SM (8 accumulators a warp, no memory),
+    and fed by ldmatrix at the sm_80 kernel's ratio (its 64 x 32 warp tile's inner step, no pipeline around it),
+    beside cuBLAS fp16 and fp32 at the problem's shape: the ceilings in kernels/gemm/NOTES.md."""
+    from torch.utils.cpp_extension import load_inline
+
+    from kernels.timing import time_ms
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}{'a' if major == 9 else ''}"
+    module = load_inline("tensor_core_rates", cpp_sources=TENSOR_CORE_RATES_DECLARATION,
+                         cuda_sources=TENSOR_CORE_RATES_SOURCE, functions=["launch_rate_kernel"],
+                         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(1024, device="cuda")
+    print(f"{processors} SMs; medians of 20 samples, operands cached (no L2 flush); 2 m n k flops per product")
+    print(f"{'case':<44} {'ms':>8} {'TFLOP/s':>8}")
+    for kernel, warps_per_sm, iterations in ((0, 4, 20000), (0, 8, 20000), (0, 16, 10000), (0, 32, 5000),
+                                             (1, 8, 2000), (1, 16, 1000)):
+        blocks, warps = (processors, warps_per_sm) if warps_per_sm <= 32 else (processors * 2, warps_per_sm // 2)
+        ms = time_ms(lambda: module.launch_rate_kernel(kernel, blocks, warps, iterations, out), samples=20,
+                     flush_l2=False)
+        flops = blocks * warps * iterations * PRODUCTS_PER_ITERATION[kernel] * 2 * 16 * 8 * 16
+        name = (f"mma.sync, {warps_per_sm} warps per SM" if kernel == 0
+                else f"ldmatrix + mma.sync (64x32 tile), {warps_per_sm} warps/SM")
+        print(f"{name:<44} {ms:8.3f} {flops / ms / 1e9:8.1f}")
+    m, k, n = 1024, 8192, 8192
+    for dtype in (torch.float16, torch.float32):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, n, device="cuda", dtype=dtype)
+        ms = time_ms(lambda: torch.mm(a, b), samples=20, flush_l2=False)
+        print(f"{'cuBLAS ' + str(dtype).replace('torch.', '') + ' 1024x8192x8192':<44} {ms:8.3f} "
+              f"{2 * m * n * k / ms / 1e9:8.1f}")
+
+
+# ---- versions of kernel files side by side ------------------------------------------------------------------------
+
+def variants(args):
+    """Each version built in a copy of the repository with --file replaced, then one command run there (default: this
+    tool at the problem's size, on --path where given), --repeat times; the working tree's own version first, as
+    `current`. The copies share one extensions folder (builds are named by their sources' hash)."""
+    import shlex
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = args.command or shlex.join([sys.executable, "tools/gemm_sweep.py", *(["--path", args.path] if args.path
+                                                                                    else [])])
+    if any("=" not in v or len(v.split("=", 1)[1].split(",")) != len(args.file) for v in args.versions):
+        sys.exit("each version is NAME=FILE[,FILE...], one file per --file")
+    root = tempfile.mkdtemp(prefix="variants_")
+    extensions = os.path.join(root, "extensions")
+    for name, path in [("current", None)] + [tuple(v.split("=", 1)) for v in args.versions]:
+        copy = os.path.join(root, name)
+        shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git", ".variants", ".whl", "__pycache__"))
+        for replacement, replaced in zip(path.split(","), args.file) if path else ():
+            shutil.copyfile(os.path.join(repo, replacement), os.path.join(copy, replaced))
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=extensions, PYTHONUNBUFFERED="1")
+        start = time.time()
+        built = subprocess.run([sys.executable, "-c", "import kernels.functional"], cwd=copy, env=env,
+                               capture_output=True, text=True)
+        print(f"=== {name} ({path or ', '.join(args.file)}): build {time.time() - start:.1f} s"
+              + ("" if built.returncode == 0 else f" FAILED\n{built.stderr[-3000:]}"), flush=True)
+        for _ in range(args.repeat if built.returncode == 0 else 0):
+            status = subprocess.run(command, shell=True, cwd=copy, env=env).returncode
+            if status != 0:
+                print(f"=== {name}: the command exited with status {status}", flush=True)
+
+
 def shapes(args):
     outputs = (tuple(tuple(int(v) for v in mn.lower().split("x")) for mn in args.outputs.split(","))
                if args.outputs else SWEEP_OUTPUTS)
@@ -584,28 +771,43 @@ SUBCOMMANDS = {
     "loop-profile": (lambda args: loop_profile(), "a training loop's step against bench's autograd.grad step: "
                      "kernels, data against clock"),
     "loop-kernels": (lambda args: loop_kernels(), "ModelNew's training-loop step alone: its largest kernels and "
-                     "its time, two lines (kernel_variants.py's A/B)"),
+                     "its time, two lines (variants' A/B)"),
     "split-k": (lambda args: split_k(), "grad_W's product at small outputs and long reductions: per slices of K, "
                 "against eager"),
     "coherence": (lambda args: coherence(), "the part of a linear layer's error every row shares, on rand, "
                   "rand - 0.5 and randn inputs"),
     "waves": (lambda args: waves(), "the training step's three GEMMs at widths that fill the multiprocessors by "
               "whole rounds, or not"),
+    "tensor-core-rates": (lambda args: tensor_core_rates(), "mma.sync's measured rate, alone and fed by ldmatrix, "
+                          "beside cuBLAS fp16 and fp32"),
+    "variants": (variants, "versions of kernel files, each built in a copy of the repository, timed side by side"),
 }
+# Subcommands that only start other processes: no GPU work, no forced path here.
+LAUNCHERS = {"variants"}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
     subcommands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
-    subparsers = {name: subcommands.add_parser(name, help=summary) for name, (_, summary) in SUBCOMMANDS.items()}
+    subparsers = {name: subcommands.add_parser(name, help=summary, description=summary)
+                  for name, (_, summary) in SUBCOMMANDS.items()}
     subparsers["shapes"].add_argument("--outputs", metavar="MxN[,MxN...]",
                                       help="these output sizes instead (e.g. 256x8192,512x8192: small batches)")
     subparsers["models-profile"].add_argument("models", nargs="*", metavar="MODEL",
                                               help="models named by a word (default: all)")
     subparsers["train-profile"].add_argument("dtype", choices=["fp32", "bf16", "fp16"])
+    sub = subparsers["variants"]
+    sub.description = variants.__doc__
+    sub.add_argument("--file", required=True, action="append",
+                     help="a kernel file the versions replace (repo-relative); may be repeated")
+    sub.add_argument("--command", help="run in each copy instead of this tool at the problem's size")
+    sub.add_argument("--repeat", type=int, default=2, help="runs of the command per version (2)")
+    sub.add_argument("versions", nargs="*", metavar="NAME=FILE[,FILE...]", help="one replacement per --file")
     args = parser.parse_args()
     run = SUBCOMMANDS[args.subcommand or "problem"][0]
+    if args.subcommand in LAUNCHERS:
+        return run(args)
     print(torch.cuda.get_device_name(0))
     if args.path:
         from kernels.gemm.gemm import forced_gemm_path

@@ -1,7 +1,7 @@
 // The torch side of the causal softmax family of `torch.ops.kernels`: schemas, argument checks, and the dispatch to
 // the CUDA kernels (causal_softmax.h, on the current stream of the tensor's own device) or to ATen's ops (CPU
 // tensors, float64 on either device). Fake (meta) implementations are registered in causal_softmax.py; the ops'
-// Autograd kernels are in causal_softmax_autograd.cpp, joined after this file or built as a library of its own.
+// Autograd kernels are in causal_softmax_autograd.cpp, joined after this file.
 //
 // Ops: causal_softmax(scores, scale) = softmax(scores * scale with the entries above the causal diagonal as -inf,
 // dim=-1), over the last two dimensions (query rows, key columns), in the scores' dtype; causal_softmax_backward.

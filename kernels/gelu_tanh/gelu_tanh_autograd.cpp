@@ -1,8 +1,8 @@
 // The autograd of the GELU (tanh approximation) family: the Autograd kernels of kernels::gelu_tanh and
-// kernels::gelu_tanh_backward (defined in gelu_tanh.cpp; this file is joined after it, or built as a library of its
-// own) and the graph nodes they record. It reaches the ops through the dispatcher only. As the LeakyReLU family's
-// autograd: the kernel runs below autograd, then a node is recorded where a gradient can flow (reverse mode) and the
-// tangent is set where one is given (forward mode).
+// kernels::gelu_tanh_backward (defined in gelu_tanh.cpp; this file is joined after it) and the graph nodes they
+// record. It reaches the ops through the dispatcher only. As the LeakyReLU family's autograd: the kernel runs below
+// autograd, then a node is recorded where a gradient can flow (reverse mode) and the tangent is set where one is
+// given (forward mode).
 //
 // gelu_tanh's gradient is gelu_tanh_backward(grad, x). gelu_tanh_backward(g, x) = g f'(x) is linear in g, with
 // gradient gelu_tanh_backward(grad, x) there, and its gradient in x is grad g f''(x), computed with ATen's

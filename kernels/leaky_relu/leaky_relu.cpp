@@ -1,7 +1,7 @@
 // The torch side of the LeakyReLU family: schemas, argument checks and dispatch. CUDA work goes to leaky_relu.cu's
-// launchers (leaky_relu.h) on the current stream of the tensor's device; CPU work through the table of
-// leaky_relu_cpu_loops.cpp (joined before this file, or a library of its own bound by kernels/loader.py). Fakes are in
-// leaky_relu.py; Autograd and ADInplaceOrView kernels in leaky_relu_autograd.cpp.
+// launchers (leaky_relu.h) on the current stream of the tensor's device; CPU work to leaky_relu_cpu_loops.h's loops
+// (joined before this file). Fakes are in leaky_relu.py; Autograd and ADInplaceOrView kernels in
+// leaky_relu_autograd.cpp.
 // Ops: leaky_relu, leaky_relu_ (in place), multiply_leaky_relu_ (in place, with the multiply and the branch mask: the
 // GEMM family's cuBLAS epilogue), leaky_relu_backward. KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible,
 // else CPU-only. Headers kept to the few ATen pieces used, for a short JIT build.
@@ -12,7 +12,6 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -35,28 +34,11 @@ using common::in_layout_of;
 using common::output_like;
 using common::shape_str;
 
-
 // Whether ATen runs its vectorized CPU kernels (ATEN_CPU_CAPABILITY=default holds it to its generic ones): the CPU
 // loops take their AVX2 build only then, as eager would.
 bool aten_cpu_vectorized() {
   static const bool vectorized = at::get_cpu_capability() != "DEFAULT";
   return vectorized;
-}
-
-#ifdef KERNELS_CPU_LOOPS_APART
-// Set once by the loader, after it has loaded the loops' library and this one (kernels_leaky_relu_bind_cpu_loops).
-std::atomic<const CpuLoops*> bound_cpu_loops{nullptr};
-#endif
-
-const CpuLoops& cpu_loops() {
-#ifdef KERNELS_CPU_LOOPS_APART
-  const CpuLoops* loops = bound_cpu_loops.load(std::memory_order_acquire);
-  TORCH_CHECK(loops != nullptr, "kernels: the LeakyReLU CPU loops' library is not bound to the op library; load the "
-              "op library with kernels.loader.load_library(), which builds and binds both");
-  return *loops;
-#else
-  return kCpuLoops;  // leaky_relu_cpu_loops.cpp's table: joined into this unit, before this file
-#endif
 }
 
 // ---- element-wise runners: one function per kernel, CPU loop or CUDA launch --------------------------------------
@@ -79,9 +61,9 @@ void run_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& y, const at:
   }
 #endif
   TORCH_CHECK(x.is_cpu(), "kernels: no implementation for tensors on ", x.device().str());
-  cpu_loops().multiply_leaky_relu(element_type(x.scalar_type()), x.const_data_ptr(), y.mutable_data_ptr(),
-                                  mask.defined() ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr, n,
-                                  multiplier, slope, aten_cpu_vectorized());
+  cpu_multiply_leaky_relu(element_type(x.scalar_type()), x.const_data_ptr(), y.mutable_data_ptr(),
+                          mask.defined() ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr, n, multiplier,
+                          slope, aten_cpu_vectorized());
 }
 
 // grad_in = (positive ? grad_out : grad_out * slope) * multiplier, positive = mask if `saved` is bool, else
@@ -104,7 +86,7 @@ void run_leaky_relu_backward(const at::Tensor& grad_out, const at::Tensor& saved
   }
 #endif
   TORCH_CHECK(grad_out.is_cpu(), "kernels: no implementation for tensors on ", grad_out.device().str());
-  cpu_loops().leaky_relu_backward(
+  cpu_leaky_relu_backward(
       element_type(grad_out.scalar_type()), grad_out.const_data_ptr(), is_mask ? nullptr : saved.const_data_ptr(),
       is_mask ? static_cast<const std::uint8_t*>(saved.const_data_ptr()) : nullptr, grad_in.mutable_data_ptr(), n,
       multiplier, slope, aten_cpu_vectorized());
@@ -171,18 +153,10 @@ at::Tensor leaky_relu_backward(const at::Tensor& grad_output, const at::Tensor& 
 
 // The build of the CPU loops that CPU calls take ("avx2" or "generic"): what the tests check the choice by, as
 // both builds give the same bits.
-std::string leaky_relu_cpu_loops_isa() { return cpu_loops().isa(aten_cpu_vectorized()); }
+std::string leaky_relu_cpu_loops_isa() { return cpu_loops_isa(aten_cpu_vectorized()); }
 
 }  // namespace
 }  // namespace kernels::leaky_relu
-
-#ifdef KERNELS_CPU_LOOPS_APART
-// The loader's call, with the table of the loops' library (kernels_leaky_relu_cpu_loops there), once both libraries
-// are loaded.
-extern "C" void kernels_leaky_relu_bind_cpu_loops(const kernels::leaky_relu::CpuLoops* loops) {
-  kernels::leaky_relu::bound_cpu_loops.store(loops, std::memory_order_release);
-}
-#endif
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("leaky_relu(Tensor x, float negative_slope) -> Tensor");

@@ -1,7 +1,6 @@
 // The autograd of the LeakyReLU family: Autograd kernels of leaky_relu, leaky_relu_backward, leaky_relu_ and
 // multiply_leaky_relu_ (defined in leaky_relu.cpp), the in-place ops' ADInplaceOrView kernels (version bumps) and the
-// graph node they record; reaches the ops through the dispatcher only. Its heaviest header is
-// torch/csrc/autograd/function.h (common/autograd_node.h), why the loader may build this unit apart.
+// graph node they record; reaches the ops through the dispatcher only (joined after leaky_relu.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

@@ -1,7 +1,6 @@
 // The LeakyReLU family's CPU loops, forward and backward (leaky_relu_cpu_loops.h): plain functions over raw
-// pointers, the CPU's counterpart of the CUDA kernels in leaky_relu.cu, reached by the torch side (leaky_relu.cpp)
-// through the table at the end of this file. Only ATen's vector, parallel and scalar-type headers: no tensors, no
-// dispatcher, so that this unit compiles in a fraction of the op library's time where the loader builds it apart.
+// pointers, the CPU's counterpart of the CUDA kernels in leaky_relu.cu, called by the torch side (leaky_relu.cpp).
+// Only ATen's vector, parallel and scalar-type headers: no tensors, no dispatcher.
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -246,6 +245,8 @@ void with_element_type(ElementType type, F f) {
   }
 }
 
+}  // namespace
+
 void cpu_multiply_leaky_relu(ElementType type, const void* x, void* y, std::uint8_t* positive, std::int64_t n,
                              double multiplier, double negative_slope, bool aten_vectorized) {
   if (n == 0) return;
@@ -298,11 +299,4 @@ const char* cpu_loops_isa(bool aten_vectorized) {
   return loops_isa(aten_vectorized) == CpuIsa::kAvx2 ? "avx2" : "generic";
 }
 
-constexpr CpuLoops kCpuLoops{&cpu_multiply_leaky_relu, &cpu_leaky_relu_backward, &cpu_loops_isa};
-
-}  // namespace
 }  // namespace kernels::leaky_relu
-
-extern "C" const kernels::leaky_relu::CpuLoops* kernels_leaky_relu_cpu_loops() {
-  return &kernels::leaky_relu::kCpuLoops;
-}

@@ -1,17 +1,11 @@
 """Tensor parallelism and FSDP2 over 2 processes: ModelNew against the reference model under the same plan.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tools/tp_check.py          # GPUs if present
-    TP_CHECK_DEVICE=cpu python -m torch.distributed.run --standalone --nproc_per_node=2 tools/tp_check.py   # gloo
-
-Each case builds both models with the same weights, applies the same plan to each and compares, on every rank:
-- ColwiseParallel and RowwiseParallel on `gemm` (parallelize_module): the output (its local tensor and shape), the
-  gradients of x, of the weight and the bias (their placements, and their full tensors), the weights after three
-  SGD steps, and the error that a plain tensor beside DTensor weights raises in both;
-- a replicated weight (distribute_module) with x sharded by rows (data parallel over the mesh) and with x
-  replicated: the output's placement and values, the gradients' placements and values;
-- FSDP2 (fully_shard) on the whole model, and on `gemm` alone: the weights after three SGD steps.
-Sizes: one small shape, and on GPUs one whose local products take the split path (in its range on each rank).
-Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end; exits 1 on a mismatch.
+Run by `python tools/device_check.py tp [--cpu]` (torchrun, 2 processes; GPUs over NCCL, or the CPU over gloo where
+TP_CHECK_DEVICE=cpu). Cases: ColwiseParallel and RowwiseParallel on `gemm` (outputs, gradients and placements, weights
+after three SGD steps, the error of a plain tensor beside DTensor weights); a replicated weight with x sharded by rows
+and replicated; FSDP2 on the whole model and on `gemm` alone. Sizes: a small shape, and on GPUs one whose local
+products take the split path. Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end;
+exits 1 on a mismatch.
 """
 
 import argparse
@@ -19,7 +13,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

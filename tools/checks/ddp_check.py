@@ -1,29 +1,20 @@
 """ModelNew and the reference model in DistributedDataParallel (NCCL, 2 GPUs): equal gradients and weights.
 
-On every rank, ModelNew and the same model built from the reference modules, with the same weights, each wrapped in
-DistributedDataParallel (NCCL, one process per GPU), train two SGD steps on per-rank different randn data. After each
-backward the all-reduced gradients of ModelNew must equal the reference's, and be the same on every rank; after each
-step so must the weights. Models: the GEMM at a size where it takes its split_fp16 path on Hopper (1024 rows per
-rank, 1024 -> 1024), the GEMM at a small size (cuBLAS path), and a stack GEMM -> LeakyReLU -> GEMM.
-
-    torchrun --standalone --nproc_per_node=2 tools/ddp_check.py
-
-Equal means the fp32 contract: |ours - reference| <= 1e-4 * max|reference| + 1e-4 * |reference| elementwise
-(allclose at atol = rtol = 1e-4, atol relative to the tensor's scale, as gradients summed over a batch are not of
-unit size). Each rank prints its mismatches, then one summary line, "ddp_check rank R/W ...: ok" or "...: MISMATCH";
-the exit status is non-zero on a mismatch.
+Run by `python tools/device_check.py ddp` (torchrun, 2 processes). On every rank both models, with the same weights,
+train two SGD steps on per-rank randn data; after each backward the all-reduced gradients must equal the reference's
+and be the same on every rank, after each step so must the weights (allclose at atol = rtol = 1e-4, atol relative to
+the tensor's scale). Models: the GEMM at a split_fp16 size, at a small (cuBLAS) size, and GEMM -> LeakyReLU -> GEMM.
+Each rank prints its mismatches and one line "ddp_check rank R/W ...: ok" or "...: MISMATCH"; exit status 1 on one.
 """
 
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# NVLink multicast stays off, here and in every process that may start NCCL: nothing here needs it, and on a shared
-# multi-GPU host a program that uses it can leave the GPUs unusable. The settings live in the device runner, which
-# sets them for its multi-GPU run; the tests take them from here. Set before torch.distributed is imported, which
-# reads them.
+# NVLink multicast stays off (tests/distributed_helpers.py says why); set before torch.distributed is imported, which
+# reads it.
 from tests.distributed_helpers import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink  # noqa: E402
 
 for _name, _value in NO_NVLINK_MULTICAST.items():

@@ -1,11 +1,8 @@
 """Every CUDA kernel of the library once on small shapes, checked against eager: the sanitizer's cases, the smoke test.
 
-Tails, views at an offset (the unaligned paths), every dtype, both GEMM paths, odd shapes. Each result is checked
-against eager, so a kernel that the sanitizer passes but that computes garbage still fails here.
-`python tools/device_check.py sanitize` runs it under compute-sanitizer, and `python tools/device_check.py build` as
-the smoke test, under a time limit, before the test suite.
-
-    python tools/sanitize_cases.py
+Tails, views at an offset (the unaligned paths), every dtype, both GEMM paths, odd shapes; a kernel that the sanitizer
+passes but that computes garbage still fails here. `python tools/device_check.py cases` runs it, `sanitize` under
+compute-sanitizer, `build` as the smoke test.
 """
 
 import argparse
@@ -13,7 +10,7 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 import torch.nn.functional as F
