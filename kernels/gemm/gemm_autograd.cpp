@@ -1,5 +1,5 @@
 // The autograd of the GEMM family: the Autograd kernel of kernels::gemm_multiply_leaky_relu (defined in gemm.cpp,
-// which this file is joined after, or built beside as a library of its own: kernels/loader.py, library_builds) and
+// which this file is joined after: kernels/loader.py) and
 // the graph node it records: reverse mode (the backward op, or differentiable ops where the backward is itself
 // recorded, for a double backward) and forward mode. Recording in C++ keeps a training step's host time below eager's
 // three ops (a Python autograd.Function costs tens of us a step, which a host-bound step pays in GPU idle time). It
