@@ -1,5 +1,5 @@
-"""The one timing helper of the project (bench.py, tools, candidates checked the KernelBench way). Pure torch: it
-imports without building the op library, so a process that runs an exported candidate can time with it too."""
+"""The one timing helper of the project (bench.py and the tools). Pure torch: it imports without building the op
+library."""
 
 import random
 import statistics

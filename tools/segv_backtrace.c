@@ -1,10 +1,8 @@
-// A native backtrace of a process that dies of SIGSEGV, where there is no gdb (the GPU machine has none).
-// Preloaded, it prints each frame as library + offset (and the nearest exported symbol) to stderr, then exits with
-// 139.
+// A native backtrace of a process that dies of SIGSEGV, where there is no gdb: preloaded, it prints each frame as
+// library + offset (and the nearest exported symbol) to stderr, then exits with 139.
 //   gcc -shared -fPIC -o /tmp/segv_backtrace.so tools/segv_backtrace.c -ldl
 //   LD_PRELOAD=/tmp/segv_backtrace.so python3 repro.py
-// Offsets in our library map to functions with `addr2line -f -C -e <library.so> <offset>` (its .symtab has the
-// local ones, which the nearest exported symbol printed here is not).
+// `addr2line -f -C -e <library.so> <offset>` names our library's local functions (in its .symtab).
 #define _GNU_SOURCE
 #include <execinfo.h>
 #include <signal.h>

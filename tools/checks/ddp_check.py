@@ -3,18 +3,15 @@
 Run by `python tools/device_check.py ddp` (torchrun, 2 processes). On every rank both models, with the same weights,
 train two SGD steps on per-rank randn data; after each backward the all-reduced gradients must equal the reference's
 and be the same on every rank, after each step so must the weights (allclose at atol = rtol = 1e-4, atol relative to
-the tensor's scale). Models: the GEMM at a split_fp16 size, at a small (cuBLAS) size, and GEMM -> LeakyReLU -> GEMM.
-Each rank prints its mismatches and one line "ddp_check rank R/W ...: ok" or "...: MISMATCH"; exit status 1 on one.
+the tensor's scale). Each rank prints its mismatches and one line "ddp_check rank R/W ...: ok" or "...: MISMATCH".
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# NVLink multicast stays off (tests/distributed_helpers.py says why); set before torch.distributed is imported, which
-# reads it.
+# NVLink multicast stays off (tests/distributed_helpers.py says why), set before torch.distributed reads it.
 from tests.distributed_helpers import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink  # noqa: E402
 
 for _name, _value in NO_NVLINK_MULTICAST.items():
@@ -33,25 +30,19 @@ TOLERANCE = 1e-4
 STEPS = 2
 
 
-def gemm_pair(in_features, out_features, multiplier, slope):
-    return (GemmMultiplyLeakyReLUModel(in_features, out_features, multiplier, slope),
-            GemmMultiplyLeakyReLUModelNew(in_features, out_features, multiplier, slope))
+def stack(gemm, leaky_relu):
+    return nn.Sequential(gemm(256, 512, 2.0, 0.1), leaky_relu(0.05), gemm(512, 128, -1.5, -0.2))
 
 
-def stack_pair():
-    reference = nn.Sequential(GemmMultiplyLeakyReLUModel(256, 512, 2.0, 0.1), LeakyReLUModel(0.05),
-                              GemmMultiplyLeakyReLUModel(512, 128, -1.5, -0.2))
-    new = nn.Sequential(GemmMultiplyLeakyReLUModelNew(256, 512, 2.0, 0.1), LeakyReLUModelNew(0.05),
-                        GemmMultiplyLeakyReLUModelNew(512, 128, -1.5, -0.2))
-    return reference, new
-
-
-# name: (makes the reference model and ModelNew, rows of x per rank, whether the first GEMM should take split_fp16
-# wherever the GPU has that path)
+# name: (the reference model and ModelNew, rows of x per rank, whether the first GEMM should take split_fp16 wherever
+# the GPU has that path)
 MODELS = {
-    "gemm 1024x1024->1024": (lambda: gemm_pair(1024, 1024, -1.5, -0.2), 1024, True),
-    "gemm 40x136->72": (lambda: gemm_pair(136, 72, 2.0, 0.1), 40, False),
-    "stack 64x256->512->128": (stack_pair, 64, False),
+    "gemm 1024x1024->1024": (lambda: (GemmMultiplyLeakyReLUModel(1024, 1024, -1.5, -0.2),
+                                      GemmMultiplyLeakyReLUModelNew(1024, 1024, -1.5, -0.2)), 1024, True),
+    "gemm 40x136->72": (lambda: (GemmMultiplyLeakyReLUModel(136, 72, 2.0, 0.1),
+                                 GemmMultiplyLeakyReLUModelNew(136, 72, 2.0, 0.1)), 40, False),
+    "stack 64x256->512->128": (lambda: (stack(GemmMultiplyLeakyReLUModel, LeakyReLUModel),
+                                        stack(GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew)), 64, False),
 }
 
 
@@ -69,30 +60,21 @@ def last_preactivation(reference, x):
 
 
 class Comparisons:
-    """Every comparison of one rank: the worst max |diff| and normwise error seen, and the mismatches."""
+    """Every comparison of one rank: the worst normwise error seen, and the mismatches."""
 
     def __init__(self):
-        self.count = 0
-        self.worst_max_abs = self.worst_normwise = 0.0
-        self.worst_where = ""
-        self.mismatches = []
+        self.count, self.worst, self.mismatches = 0, (0.0, ""), []
 
     def compare(self, where, got, expected):
         self.count += 1
         got, expected = got.detach().double(), expected.detach().double()
-        diff = (got - expected).abs()
-        max_abs = diff.max().item()
+        diff, scale = (got - expected).abs(), expected.abs().max().item()
         norm = torch.linalg.vector_norm(expected).item()
-        normwise = torch.linalg.vector_norm(got - expected).item() / norm if norm > 0 else max_abs
-        if max_abs >= self.worst_max_abs:
-            self.worst_max_abs, self.worst_where = max_abs, where
-        self.worst_normwise = max(self.worst_normwise, normwise)
-        scale = expected.abs().max().item()
+        normwise = torch.linalg.vector_norm(got - expected).item() / norm if norm > 0 else diff.max().item()
+        self.worst = max(self.worst, (normwise, where))
         if got.shape != expected.shape or not bool((diff <= TOLERANCE * scale + TOLERANCE * expected.abs()).all()):
-            self.mismatches.append(f"{where}: max |diff| {max_abs:.3e} (scale {scale:.3e}), normwise {normwise:.3e}")
-
-    def fail(self, message):
-        self.mismatches.append(message)
+            self.mismatches.append(f"{where}: max |diff| {diff.max().item():.3e} (scale {scale:.3e}), normwise "
+                                   f"{normwise:.3e}")
 
 
 def same_on_every_rank(t):
@@ -108,61 +90,56 @@ def check_model(name, make_pair, rows, split_expected, device, rank, comparisons
     new.load_state_dict(reference.state_dict())
     reference, new = reference.to(device), new.to(device)
     first_weight = layers(new)[0].gemm.weight
-    ddp_reference = DistributedDataParallel(reference, device_ids=[device.index])
-    ddp_new = DistributedDataParallel(new, device_ids=[device.index])
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) for model in (ddp_reference, ddp_new)]
+    models = [DistributedDataParallel(model, device_ids=[device.index]) for model in (reference, new)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) for model in models]
     generator = torch.Generator(device).manual_seed(1000 + rank)  # different data on every rank
-    path = None
+    parameters = list(zip(reference.named_parameters(), new.parameters()))
     for step in range(1, STEPS + 1):
         x = torch.randn(rows, first_weight.shape[1], device=device, generator=generator)
         grad = grad_output_away_from_the_kink(last_preactivation(reference, x), generator)
         path = gemm_path(x, first_weight)
         if split_expected and "split_fp16" in gemm_paths(device) and path != "split_fp16":
-            comparisons.fail(f"{name}: the GEMM took the {path} path, not split_fp16")
+            comparisons.mismatches.append(f"{name}: the GEMM took the {path} path, not split_fp16")
         outputs = []
-        for model, optimizer in zip((ddp_reference, ddp_new), optimizers):
+        for model, optimizer in zip(models, optimizers):
             optimizer.zero_grad(set_to_none=True)
             y = model(x)
             (y * grad).sum().backward()  # grad_output = grad; DistributedDataParallel averages over the ranks
             outputs.append(y.detach())
         comparisons.compare(f"{name} step {step} output", outputs[1], outputs[0])
-        for (param_name, p_ref), (_, p_new) in zip(reference.named_parameters(), new.named_parameters()):
+        for (param_name, p_ref), p_new in parameters:
             comparisons.compare(f"{name} step {step} grad {param_name}", p_new.grad, p_ref.grad)
             if not same_on_every_rank(p_new.grad):
-                comparisons.fail(f"{name} step {step} grad {param_name}: differs between ranks (not all-reduced)")
+                comparisons.mismatches.append(f"{name} step {step} grad {param_name}: differs between ranks")
         for optimizer in optimizers:
             optimizer.step()
-        for (param_name, p_ref), (_, p_new) in zip(reference.named_parameters(), new.named_parameters()):
+        for (param_name, p_ref), p_new in parameters:
             comparisons.compare(f"{name} step {step} weight {param_name}", p_new, p_ref)
     return path
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     comparisons = Comparisons()
-    paths = {}
-    for name, (make_pair, rows, split_expected) in MODELS.items():
-        paths[name] = check_model(name, make_pair, rows, split_expected, device, rank, comparisons)
+    paths = {name: check_model(name, *spec, device, rank, comparisons) for name, spec in MODELS.items()}
     torch.cuda.synchronize(device)
     for mismatch in comparisons.mismatches:
         print(f"ddp_check mismatch on rank {rank}: {mismatch}", flush=True)
     summary = (f"ddp_check rank {rank}/{world} {torch.cuda.get_device_name(device)}: {len(MODELS)} models x {STEPS} "
-               f"SGD steps, {comparisons.count} comparisons; worst max |diff| {comparisons.worst_max_abs:.3e} "
-               f"({comparisons.worst_where}), worst normwise {comparisons.worst_normwise:.3e}; first GEMM's path: "
-               + ", ".join(f"{name} {path}" for name, path in paths.items())
-               + (": ok" if not comparisons.mismatches else f": MISMATCH ({len(comparisons.mismatches)})"))
+               f"SGD steps, {comparisons.count} comparisons; worst normwise {comparisons.worst[0]:.3e} "
+               f"({comparisons.worst[1]}); first GEMM's path: " + ", ".join(f"{n} {p}" for n, p in paths.items())
+               + (f": MISMATCH ({len(comparisons.mismatches)})" if comparisons.mismatches else ": ok"))
     for turn in range(world):  # one rank at a time, each line in one write, so that lines do not interleave
         if turn == rank:
             sys.stdout.write(summary + "\n")
             sys.stdout.flush()
         dist.barrier(device_ids=[local_rank])
     dist.destroy_process_group()
-    return 0 if not comparisons.mismatches else 1
+    return 1 if comparisons.mismatches else 0
 
 
 if __name__ == "__main__":

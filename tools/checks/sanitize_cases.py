@@ -5,7 +5,6 @@ passes but that computes garbage still fails here. `python tools/device_check.py
 compute-sanitizer, `build` as the smoke test.
 """
 
-import argparse
 import math
 import os
 import sys
@@ -113,7 +112,6 @@ def causal_softmax_cases():
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     elementwise_cases()
     gemm_cases()
     causal_softmax_cases()

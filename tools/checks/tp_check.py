@@ -1,14 +1,11 @@
 """Tensor parallelism and FSDP2 over 2 processes: ModelNew against the reference model under the same plan.
 
 Run by `python tools/device_check.py tp [--cpu]` (torchrun, 2 processes; GPUs over NCCL, or the CPU over gloo where
-TP_CHECK_DEVICE=cpu). Cases: ColwiseParallel and RowwiseParallel on `gemm` (outputs, gradients and placements, weights
-after three SGD steps, the error of a plain tensor beside DTensor weights); a replicated weight with x sharded by rows
-and replicated; FSDP2 on the whole model and on `gemm` alone. Sizes: a small shape, and on GPUs one whose local
-products take the split path. Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end;
-exits 1 on a mismatch.
+TP_CHECK_DEVICE=cpu). Cases: ColwiseParallel and RowwiseParallel on `gemm`, a replicated weight with x sharded by rows
+and replicated, FSDP2 on the whole model and on `gemm` alone; at a small shape, and on GPUs one whose local products
+take the split path. Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end.
 """
 
-import argparse
 import os
 import sys
 import traceback
@@ -31,10 +28,6 @@ from tests.distributed_helpers import grad_output_away_from_the_kink  # noqa: E4
 TOLERANCE = ALLCLOSE_TOLERANCE[torch.float32]
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def same(name, got, expected, gradient=False):
     """Equal placements (DTensors), shapes and values within allclose(1e-4); a gradient's atol is gradient_atol
     (kernels/precision.py: eager's own rounding scales with the gradient)."""
@@ -42,9 +35,27 @@ def same(name, got, expected, gradient=False):
         assert isinstance(got, DTensor) and isinstance(expected, DTensor), (name, type(got), type(expected))
         assert got.placements == expected.placements, (name, got.placements, expected.placements)
     assert got.shape == expected.shape, (name, got.shape, expected.shape)
-    got, expected = full(got), full(expected)
+    got, expected = (t.full_tensor() if isinstance(t, DTensor) else t for t in (got, expected))
     atol = gradient_atol(expected) if gradient else TOLERANCE
     torch.testing.assert_close(got, expected, msg=name, atol=atol, rtol=TOLERANCE)
+
+
+def same_gradients(x_new, x_ref, new, reference):
+    for name, got, expected in (("x", x_new, x_ref), ("weight", new.gemm.weight, reference.gemm.weight),
+                                ("bias", new.gemm.bias, reference.gemm.bias)):
+        same(f"{name} grad", got.grad, expected.grad, gradient=True)
+
+
+def same_after_steps(new, reference, data):
+    """Both models after three SGD steps on `data`: the same weights."""
+    for model in (reference, new):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in data[:3]:
+            optimizer.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            optimizer.step()
+    same("weight after 3 steps", new.gemm.weight, reference.gemm.weight)
+    same("bias after 3 steps", new.gemm.bias, reference.gemm.bias)
 
 
 def build(shape, device, multiplier=2.0, slope=-0.2):
@@ -56,20 +67,12 @@ def build(shape, device, multiplier=2.0, slope=-0.2):
     return reference, new
 
 
-def sgd_steps(model, inputs, steps=3):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x in inputs[:steps]:
-        optimizer.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        optimizer.step()
-
-
 def tensor_parallel(plan_name, shape, mesh, device, rank, world):
     m, k, _ = shape
     reference, new = build(shape, device)
     plan = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[plan_name]
-    parallelize_module(reference, mesh, {"gemm": plan()})
-    parallelize_module(new, mesh, {"gemm": plan()})
+    for model in (reference, new):
+        parallelize_module(model, mesh, {"gemm": plan()})
     g = torch.Generator(device).manual_seed(1)  # the same draws on every rank
     x = torch.randn(m, k, device=device, generator=g)
     if plan_name == "rowwise":  # RowwiseParallel's input: this rank's columns of x
@@ -81,14 +84,8 @@ def tensor_parallel(plan_name, shape, mesh, device, rank, world):
     grad = grad_output_away_from_the_kink(y_ref.detach(), g)
     y_ref.backward(grad)
     y_new.backward(grad)
-    same("x grad", x_new.grad, x_ref.grad, gradient=True)
-    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad, gradient=True)
-    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad, gradient=True)
-    data = [torch.randn(x.shape, device=device, generator=g) for _ in range(3)]
-    sgd_steps(reference, data)
-    sgd_steps(new, data)
-    same("weight after 3 steps", new.gemm.weight, reference.gemm.weight)
-    same("bias after 3 steps", new.gemm.bias, reference.gemm.bias)
+    same_gradients(x_new, x_ref, new, reference)
+    same_after_steps(new, reference, [torch.randn(x.shape, device=device, generator=g) for _ in range(3)])
     # A plain tensor beside DTensor weights is an error, as in eager's nn.Linear.
     for model in (reference, new):
         try:
@@ -114,9 +111,7 @@ def replicated_weight(x_placement, shape, mesh, device, rank, world):
     grad = DTensor.from_local(grad_output_away_from_the_kink(y_ref.to_local().detach(), g), mesh, y_ref.placements)
     y_ref.backward(grad)
     y_new.backward(grad)
-    same("x grad", x_new.grad, x_ref.grad, gradient=True)
-    same("weight grad", new.gemm.weight.grad, reference.gemm.weight.grad, gradient=True)
-    same("bias grad", new.gemm.bias.grad, reference.gemm.bias.grad, gradient=True)
+    same_gradients(x_new, x_ref, new, reference)
 
 
 def fsdp2(target, shape, mesh, device, rank, world):
@@ -125,15 +120,10 @@ def fsdp2(target, shape, mesh, device, rank, world):
     for model in (reference, new):
         fully_shard(model.gemm if target == "gemm" else model, mesh=mesh)
     g = torch.Generator(device).manual_seed(10 + rank)  # data parallel: each rank its own batch
-    data = [torch.randn(m, k, device=device, generator=g) for _ in range(3)]
-    sgd_steps(reference, data)
-    sgd_steps(new, data)
-    same("weight after 3 steps", new.gemm.weight, reference.gemm.weight)
-    same("bias after 3 steps", new.gemm.bias, reference.gemm.bias)
+    same_after_steps(new, reference, [torch.randn(m, k, device=device, generator=g) for _ in range(3)])
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     on_gpu = torch.cuda.is_available() and os.environ.get("TP_CHECK_DEVICE", "") != "cpu"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
@@ -163,14 +153,12 @@ def main():
         local = torch.randn(1024, 1024, device=device)
         print(f"tp_check rank {rank}: local products at the split-sized shape take {gemm_path(local, local)}",
               flush=True)
-    # Both ranks done before either tears gloo down: a rank whose peer is still sending aborts at exit ("terminate
-    # called without an active exception"), seen in 1 of 3 CPU runs without this barrier.
+    # Both ranks done before either tears gloo down: a rank whose peer is still sending aborts at exit.
     dist.barrier()
     dist.destroy_process_group()
     print(f"tp_check rank {rank}: {'ok' if failures == 0 else f'{failures} failed'}", flush=True)
-    # Out without the interpreter's teardown: with gloo, a rank still aborted at exit after the barrier and the
-    # group's destruction, every check done and reported ("terminate called without an active exception": a C++
-    # thread object of the group's destroyed while joinable), in 1 of 4 CI runs. Nothing is left to release.
+    # Out without the interpreter's teardown, where gloo's group can still abort ("terminate called without an active
+    # exception": a joinable C++ thread destroyed); every check is done and reported, nothing is left to release.
     sys.stderr.flush()
     os._exit(1 if failures else 0)
 
