@@ -171,15 +171,37 @@ def test_model_on_meta_weights_raises_as_the_reference_does(weight_device):
             model(x)
 
 
-@pytest.mark.parametrize("problem", ["gemm_multiply_leaky_relu", "leaky_relu"])
+# Each problem's constructor arguments at a small size, and an input of the right shape for them.
+SMALL_PROBLEMS = {
+    "leaky_relu": ([0.1], (4, 8)),
+    "gemm_multiply_leaky_relu": ([8, 6, 2.0, 0.1], (4, 8)),
+    "mlp": ([8, [6, 5], 4], (4, 8)),
+    "shallow_wide_mlp": ([8, [6], 4], (4, 8)),
+    "mini_gpt_block": ([8, 2, 0.0, 0.0, 4], (2, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("problem", SMALL_PROBLEMS)
 def test_model_new_called_with_a_list_raises_a_type_error(problem):
     """A model called with a Python list instead of a tensor raises a TypeError, as the reference model does."""
     import reference
     from model_new import MODEL_NEW
 
-    init = [8, 6, 2.0, 0.1] if problem == "gemm_multiply_leaky_relu" else [0.1]
-    reference_class = {"gemm_multiply_leaky_relu": reference.GemmMultiplyLeakyReLUModel,
-                       "leaky_relu": reference.LeakyReLUModel}[problem]
-    for model in (reference_class(*init), MODEL_NEW[problem](*init)):
+    init, shape = SMALL_PROBLEMS[problem]
+    for model in (reference.PROBLEMS[problem].model(*init), MODEL_NEW[problem](*init)):
         with pytest.raises(TypeError):
-            model([[1.0] * 8])
+            model(torch.zeros(shape).tolist())
+
+
+@pytest.mark.parametrize("problem", [p for p in SMALL_PROBLEMS if p != "leaky_relu"])
+def test_model_new_called_with_the_wrong_dtype_raises_as_the_reference(problem):
+    """float64 input to a float32 model: the reference raises a RuntimeError naming the dtypes, and so does ModelNew
+    (an element-wise model takes any floating dtype, as its reference does)."""
+    import reference
+    from model_new import MODEL_NEW
+
+    init, shape = SMALL_PROBLEMS[problem]
+    x = torch.randn(shape, dtype=torch.float64)
+    for model in (reference.PROBLEMS[problem].model(*init), MODEL_NEW[problem](*init)):
+        with pytest.raises(RuntimeError, match=r"(?i)dtype|double|float"):
+            model(x)
