@@ -54,6 +54,14 @@ def randn(shape, dtype, device, seed=0):
     return (torch.randn(shape, generator=g) * 3).to(device=device, dtype=dtype)
 
 
+def error_limit(dtype, eager_error, strict_error):
+    """The most error against float64 a result may have, given eager's: float32 eager's (plus 2^-24 where not
+    strict_error), float16 and bfloat16 ERROR_RATIO_LIMIT times eager's."""
+    if dtype == torch.float32:
+        return eager_error if strict_error else eager_error + 2.0 ** -24
+    return ERROR_RATIO_LIMIT[dtype] * eager_error
+
+
 def check_forward(scores, scale, strict_error=True):
     """Ours against eager in the same dtype, and both against float64. float32: allclose(1e-5) and an error no
     larger than eager's (strict_error; on a few thousand elements both errors are rounding noise, so there within
@@ -66,11 +74,8 @@ def check_forward(scores, scale, strict_error=True):
     tol = 1e-5 if scores.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y, expected, atol=tol, rtol=tol, equal_nan=True)
     ours, theirs = relative_error(y, y64), relative_error(expected, y64)
-    if scores.dtype == torch.float32:
-        limit = theirs if strict_error else theirs + 2.0 ** -24
-    else:
-        limit = ERROR_RATIO_LIMIT[scores.dtype] * theirs
-    assert ours <= limit, f"error against float64 {ours:.3g}, eager's {theirs:.3g}"
+    assert ours <= error_limit(scores.dtype, theirs, strict_error), \
+        f"error against float64 {ours:.3g}, eager's {theirs:.3g}"
     mask = masked_entries(*scores.shape[-2:], scores.device).expand(scores.shape)
     finite_rows = torch.isfinite(y64).all(-1, keepdim=True).expand(scores.shape)
     assert (y[mask & finite_rows] == 0).all()
@@ -91,11 +96,8 @@ def check_backward(scores, scale, strict_error=True, seed=1):
     tol = 1e-5 if scores.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours, theirs, atol=tol * max(1.0, float(g64.abs().max())), rtol=tol, equal_nan=True)
     error, eager_error = relative_error(ours, g64), relative_error(theirs, g64)
-    if scores.dtype == torch.float32:
-        limit = eager_error if strict_error else eager_error + 2.0 ** -24
-    else:
-        limit = ERROR_RATIO_LIMIT[scores.dtype] * eager_error
-    assert error <= limit, f"gradient error against float64 {error:.3g}, eager's {eager_error:.3g}"
+    assert error <= error_limit(scores.dtype, eager_error, strict_error), \
+        f"gradient error against float64 {error:.3g}, eager's {eager_error:.3g}"
     mask = masked_entries(*scores.shape[-2:], scores.device).expand(scores.shape)
     assert (ours[mask] == 0).all()
 
