@@ -1,10 +1,12 @@
-// once_per_device(device, compute): compute(device) run once per device for each call site (each lambda type), its
-// value kept for the process: for what a launch reads of a device or a kernel (attributes, support) that does not
-// change while the process runs, so that a launch does not pay runtime queries. Devices past kMaxCachedDevices are
-// computed on every call. Host code only; no torch headers.
+// once_per_device(device, compute): for what a launch reads of a device or a kernel (attributes, support), which does
+// not change while the process runs, so that a launch does not pay runtime queries. compute(device) returns a
+// std::optional: a value is kept for the device (per call site: each lambda has its own type), std::nullopt (a query
+// that failed) is returned as it is and asked again next time. Devices past kMaxCachedDevices are asked every time.
+// Host code only; no torch headers.
 #pragma once
 
 #include <mutex>
+#include <optional>
 
 namespace kernels {
 
@@ -12,12 +14,20 @@ constexpr int kMaxCachedDevices = 64;
 
 template <typename Compute>
 auto once_per_device(int device, Compute compute) -> decltype(compute(device)) {
-  using Value = decltype(compute(device));
-  static std::once_flag computed[kMaxCachedDevices];
-  static Value values[kMaxCachedDevices];
+  using Result = decltype(compute(device));
+  static std::mutex mutex;
+  static Result kept[kMaxCachedDevices];
   if (device < 0 || device >= kMaxCachedDevices) return compute(device);
-  std::call_once(computed[device], [&] { values[device] = compute(device); });
-  return values[device];
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (kept[device].has_value()) return kept[device];
+  }
+  const Result result = compute(device);
+  if (result.has_value()) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    kept[device] = result;
+  }
+  return result;
 }
 
 }  // namespace kernels

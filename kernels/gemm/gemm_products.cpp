@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -100,12 +101,17 @@ int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
 }
 
 // Byte offsets of a call's temporaries within one allocation, each part 256-byte aligned (TMA reads 16-byte aligned
-// rows and addresses; the caching allocator's blocks start 512-byte aligned).
+// rows and addresses; the caching allocator's blocks start 512-byte aligned). Sizes that overflow raise, as
+// at::empty's own check does.
 struct TemporariesLayout {
   int64_t bytes = 0;
-  int64_t add(int64_t part_bytes) {
+  int64_t add(int64_t count, int64_t element_bytes) {
+    int64_t part = 0, end = 0;
+    TORCH_CHECK(!__builtin_mul_overflow(count, element_bytes, &part) && !__builtin_add_overflow(bytes, part, &end) &&
+                    end <= std::numeric_limits<int64_t>::max() - 255,
+                "kernels.gemm_multiply_leaky_relu: the product's temporaries overflow a 64-bit size");
     const int64_t at = bytes;
-    bytes += (part_bytes + 255) / 256 * 256;
+    bytes = (end + 255) / 256 * 256;
     return at;
   }
 };
@@ -141,11 +147,11 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split, w's
   // row flags where no split of w holds them, the column split's counters and sums, K slices' partials.
   TemporariesLayout layout;
-  const int64_t x_hi_at = layout.add(m * split_k * 2), x_lo_at = layout.add(m * split_k * 2);
-  const int64_t x_exponent_at = layout.add(m * 4);
-  const int64_t w_flags_at = w_split == nullptr ? layout.add(n * 4) : 0;
-  const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m)) : 0;
-  const int64_t partials_at = k_slices > 1 ? layout.add(split_gemm_k_workspace_bytes(m, n, k_slices)) : 0;
+  const int64_t x_hi_at = layout.add(m * split_k, 2), x_lo_at = layout.add(m * split_k, 2);
+  const int64_t x_exponent_at = layout.add(m, 4);
+  const int64_t w_flags_at = w_split == nullptr ? layout.add(n, 4) : 0;
+  const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m), 1) : 0;
+  const int64_t partials_at = k_slices > 1 ? layout.add(split_gemm_k_workspace_bytes(m, n, k_slices), 1) : 0;
   const at::Tensor temporaries = at::empty({layout.bytes}, x.options().dtype(at::kByte));
   std::uint8_t* const base = temporaries.mutable_data_ptr<std::uint8_t>();
   void* const x_hi = base + x_hi_at;

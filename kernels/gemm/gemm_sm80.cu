@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <optional>
 #include <type_traits>
 
 // The kernel's own names live in gemm::sm80: the family's .cu files are joined into one translation unit.
@@ -410,28 +411,41 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
 // The pipeline depth for `device`: 3 stages where its shared memory per block takes them, else 2; 0 where not even
 // 2 fit. KERNELS_GEMM_SM80_STAGES (2 or 3) asks for a depth, to measure on a Hopper GPU the depth an A100 runs.
 int stages_for(int device) {
-  return once_per_device(device, [](int d) {
+  return once_per_device(device, [](int d) -> std::optional<int> {
     int shared = 0;
-    if (cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) return 0;
+    if (cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query leaves no error for a later launch's check to report
+      return std::nullopt;
+    }
     const char* value = std::getenv("KERNELS_GEMM_SM80_STAGES");
     const int asked = value == nullptr ? 0 : std::atoi(value);
     const int fits = shared >= shared_bytes(3) ? 3 : shared >= shared_bytes(2) ? 2 : 0;
     return asked == 2 || asked == 3 ? (asked <= fits ? asked : 0) : fits;
-  });
+  }).value_or(0);
 }
 
 // Whether `device` runs the kernel: compute capability 8.0 or later, the library's code of it for this GPU, and
-// shared memory for 2 stages at least. Asked once per device.
+// shared memory for 2 stages at least. Asked once per device, which must be the current one (kernel attributes are
+// the current device's); false, and asked again, where a query fails.
 bool device_runs_split_gemm_sm80(int device) {
-  return once_per_device(device, [](int d) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess || major < 8)
-      return false;
+  return once_per_device(device, [](int d) -> std::optional<bool> {
+    int major = 0, current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != d ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    if (major < 8) return false;
     cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, split_gemm_sm80_kernel<2>) != cudaSuccess || attributes.binaryVersion < 80)
-      return false;  // the library holds no sm_80+ code of the kernel for this GPU
-    return stages_for(d) != 0;
-  });
+    if (cudaFuncGetAttributes(&attributes, split_gemm_sm80_kernel<2>) != cudaSuccess) {
+      (void)cudaGetLastError();  // e.g. no image of the kernel for this device
+      return false;
+    }
+    if (attributes.binaryVersion < 80) return false;  // the library holds no sm_80+ code of the kernel for this GPU
+    const int stages = stages_for(d);
+    if (stages == 0) return std::nullopt;  // unread, or not even 2 stages fit: asked again (cheap where it fails)
+    return true;
+  }).value_or(false);
 }
 
 }  // namespace
@@ -466,11 +480,14 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
   if (reinterpret_cast<std::uintptr_t>(y) % 8 != 0) return cudaErrorInvalidValue;
   const int stages = stages_for(device);
   const auto kernel = stages == 3 ? split_gemm_sm80_kernel<3> : split_gemm_sm80_kernel<2>;
-  // Set once per device (the current one: cudaGetDevice above) for the depth it runs.
-  err = once_per_device(device, [kernel, stages](int) {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes(stages));
-  });
-  if (err != cudaSuccess) return err;
+  // Set once per device (the current one: cudaGetDevice above) for the depth it runs, which stages_for keeps.
+  const bool shared_set = once_per_device(device, [&err, kernel, stages](int) -> std::optional<bool> {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes(stages));
+    if (err == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }).value_or(false);
+  if (!shared_set) return err;
   const std::int64_t tiles = ((m + kTileRows - 1) / kTileRows) * ((n + kTileRows - 1) / kTileRows);
   kernel<<<static_cast<unsigned>(tiles), sm80::kThreads, shared_bytes(stages), stream>>>(
       static_cast<const __half*>(x_hi), static_cast<const __half*>(x_lo), x_exponent,

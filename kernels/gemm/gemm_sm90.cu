@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <optional>
 
 namespace kernels::gemm {
 namespace {
@@ -166,10 +167,12 @@ KSlices split_k_slices(std::int64_t m, std::int64_t k, int slices, float* worksp
 
 // The device's multiprocessors (0 where it cannot be read), asked once per device.
 int multiprocessor_count(int device) {
-  return once_per_device(device, [](int d) {
+  return once_per_device(device, [](int d) -> std::optional<int> {
     int processors = 0;
-    return cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, d) == cudaSuccess ? processors : 0;
-  });
+    if (cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, d) == cudaSuccess) return processors;
+    (void)cudaGetLastError();  // a failed query leaves no error for a later launch's check to report
+    return std::nullopt;
+  }).value_or(0);
 }
 
 // What the launchers share: x's maps, y's (or the workspace's, where K is split), the kernel's choice and its launch,
@@ -204,20 +207,23 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const auto kernel = presplit       ? split_gemm_kernel<false, true>
                       : w_transposed ? split_gemm_kernel<true, false>
                                      : split_gemm_kernel<false, false>;
-  // The launch runs on `device`, the current one (the launchers read it with cudaGetDevice).
-  const cudaError_t shared_set = once_per_device(device, [](int) {
-    cudaError_t err = cudaSuccess;
+  // Set once per device: the launch runs on `device`, the current one (the launchers read it with cudaGetDevice).
+  cudaError_t err = cudaSuccess;
+  const bool shared_set = once_per_device(device, [&err](int) -> std::optional<bool> {
     for (const auto variant : {split_gemm_kernel<false, true>, split_gemm_kernel<true, false>,
-                               split_gemm_kernel<false, false>})
-      if (err == cudaSuccess)
-        err = cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-    return err;
-  });
-  if (shared_set != cudaSuccess) return shared_set;
+                               split_gemm_kernel<false, false>}) {
+      err = cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::nullopt;
+      }
+    }
+    return true;
+  }).value_or(false);
+  if (!shared_set) return err;
   const std::int64_t units = tile_count(m, n) * k_slices.slices;
   const int processors = multiprocessor_count(device);
   if (processors <= 0) return cudaErrorInvalidDevice;
-  cudaError_t err = cudaSuccess;
   // Each slice flags the rows of w it sees: the flags start at 0 and are only set.
   if (split && w_flags != nullptr) {
     err = cudaMemsetAsync(w_flags, 0, n * sizeof(std::int32_t), stream);
@@ -253,22 +259,28 @@ bool kernel_registers_hold_budgets(Kernel* kernel) {
 }
 
 // Whether `device` runs the kernel: compute capability 9.0, the library's sm_90a code of it, registers for the
-// roles' budgets and the driver's TMA encoder. Asked once per device.
+// roles' budgets and the driver's TMA encoder. Asked once per device, which must be the current one (kernel
+// attributes are the current device's); false, and asked again, where a query fails.
 bool device_runs_split_gemm(int device) {
-  return once_per_device(device, [](int d) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess || major != 9 ||
-        minor != 0)
-      return false;
+  return once_per_device(device, [](int d) -> std::optional<bool> {
+    int major = 0, minor = 0, current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != d ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    if (major != 9 || minor != 0) return false;
     cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess ||
-        attributes.binaryVersion != 90)
-      return false;  // the library holds no sm_90a code of the kernel
+    if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess) {
+      (void)cudaGetLastError();  // e.g. no image of the kernel for this device
+      return false;
+    }
+    if (attributes.binaryVersion != 90) return false;  // the library holds no sm_90a code of the kernel
     return kernel_registers_hold_budgets(split_gemm_kernel<false, false>) &&
            kernel_registers_hold_budgets(split_gemm_kernel<true, false>) &&
            kernel_registers_hold_budgets(split_gemm_kernel<false, true>) && tensor_map_encoder() != nullptr;
-  });
+  }).value_or(false);
 }
 
 }  // namespace
