@@ -117,7 +117,7 @@ def weight_gradient(grad_pre, x, n):
 
 
 class forced_k_slices:
-    """with forced_k_slices(s): every plain split_fp16 product in the block splits K into at most s slices."""
+    """with forced_k_slices(s): every split_fp16 product in the block splits K into at most s slices."""
 
     def __init__(self, slices):
         self.slices, self.previous = slices, None
@@ -202,6 +202,40 @@ def test_split_k_forced_on_tails_and_on_each_kernel(slices):
         with forced_k_slices(slices):
             ours = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
     check_split_k(ours, whole, F.linear(x, weight), F.linear(x.double(), weight.double()), "forward")
+
+
+@requires_hopper_split
+@pytest.mark.parametrize("slices", [0, 2, 3])
+def test_split_k_forward_applies_the_epilogue_to_the_sum(slices):
+    """A forward with bias, multiplier and LeakyReLU (slopes 0.1 and 0, ReLU) whose K is split: the slices' plain
+    partials summed, then the epilogue and the mask. Slices forced (2, 3) or automatic (0: 128 rows, 16 tiles over 64
+    chunks) on w in registers and on w's split made ahead (2100 rows), each with an Inf in w's last slice of K. Each
+    within max(eager's error, the split's floor) of float64, close to the product over all of K, NaN and Inf where
+    eager's are, the mask where y > 0."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cases = {"w_in_registers": (300, 520, 2056), "w_split_ahead": (2100, 260, 1040), "few_rows": (128, 2048, 4096)}
+    for name, (m, n, k) in cases.items():
+        if slices == 0 and name != "few_rows":
+            continue
+        x, weight = torch.randn(m, k, device="cuda", generator=g), torch.randn(n, k, device="cuda", generator=g)
+        bias = torch.randn(n, device="cuda", generator=g)
+        weight[7, k - 40] = float("inf")
+        if slices == 0:
+            assert torch.ops.kernels._gemm_k_slices(m, n, k) > 1
+        for slope in (0.1, 0.0):
+            with torch.no_grad(), forced_gemm_path("split_fp16"):
+                with forced_k_slices(1):
+                    whole, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, slope, True)
+                poison_allocator((m, n), torch.float32, "cuda")
+                with forced_k_slices(slices):
+                    ours, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, 2.0, slope, True)
+            eager = F.leaky_relu(F.linear(x, weight, bias) * 2.0, slope)
+            reference = F.leaky_relu(F.linear(x.double(), weight.double(), bias.double()) * 2.0, slope)
+            check_split_k(ours, whole, eager, reference, f"{name}, slope {slope}")
+            if slope > 0:
+                assert torch.equal(mask, ours > 0), name
+            else:
+                assert torch.equal(mask[ours != 0], (ours > 0)[ours != 0]), name
 
 
 def check_split_k(ours, whole, eager, reference, name):

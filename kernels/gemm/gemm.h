@@ -141,39 +141,41 @@ SplitGemmFromSplits launch_split_gemm_presplit_multiply_leaky_relu;
 // rows of w's chunk exponents).
 bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
-// Split-K, for the plain products (no bias, multiplier and slope 1, no mask: the backward's, and a plain forward's)
-// whose output has too few 128 x 128 tiles to fill the multiprocessors and whose K is long (grad_W's product, whose
-// reduction runs over the batch): each tile's product is computed over k_slices slices of K's chunks of kSplitChunk
-// by as many CTAs, each with the kernel's per-chunk promotion, and its plain outputs (scaled back by x's row power of
-// two: a true partial of y) written to a workspace; a second kernel then adds the slices' partials in slice order
-// (0, 1, ...) into y, so that every run gives the same bits. launch_nonfinite_outputs runs after it as after the
-// other launchers. With k_slices 1 these launchers are the plain products of the launchers above, bit for bit.
+// Split-K, for products whose output has too few 128 x 128 tiles to fill the multiprocessors and whose K is long
+// (grad_W's product, whose reduction runs over the batch; a forward over few rows): each tile's product is computed
+// over k_slices slices of K's chunks of kSplitChunk by as many CTAs, each with the kernel's per-chunk promotion, and
+// its plain outputs (scaled back by x's row power of two: a true partial of y) written to a workspace; a second kernel
+// then adds the slices' partials in slice order (0, 1, ...) into y, so that every run gives the same bits, and applies
+// the epilogue (bias, multiplier, LeakyReLU, mask) to the sum. launch_nonfinite_outputs runs after it as after the
+// other launchers. With k_slices 1 these launchers are the launchers above, bit for bit.
 
-// The slices the Hopper GEMM's plain (m x n) product of reduction k takes on `device` (1: K not split): the count
-// from 1 to 16, each slice of at least 16 chunks, that minimises a model of the product's time, in chunk-times of
-// a CTA: the rounds of (tile, slice) units over the multiprocessors, times a slice's chunks plus a unit's fixed cost
-// (its epilogue and pipeline start), plus the sum's pass over the partials (gemm_sm90.cu, split_k_cost).
+// The slices the Hopper GEMM's (m x n) product of reduction k takes on `device` (1: K not split): the count from 1 to
+// 16, each slice of at least 16 chunks, that minimises a model of the product's time, in chunk-times of a CTA: the
+// rounds of (tile, slice) units over the multiprocessors, times a slice's chunks plus a unit's fixed cost (its
+// epilogue and pipeline start), plus the sum's pass over the partials (gemm_sm90.cu, split_k_cost).
 int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
 // The bytes of workspace a split-K launch of an (m x n) output over k_slices slices needs (0 for one slice): k_slices
 // slices of m rows rounded up to whole tiles of 128, n floats a row.
 std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_slices);
 
-// launch_split_gemm_multiply_leaky_relu's plain product (bias null, multiplier and slope 1, positive null) y = x w^T,
-// K split into at most k_slices slices of whole chunks (as evenly as whole chunks allow; fewer where K has fewer
-// chunks), through `workspace` (split_gemm_k_workspace_bytes(m, n, k_slices) bytes, 16-byte aligned, any contents,
-// not used by another launch meanwhile). w_flags as there: the rows of w flagged over all of K. Returns
-// cudaErrorInvalidValue where k_slices < 1 or the workspace is missing or misaligned, cudaErrorNotSupported where
-// split_gemm_supported() is false.
+// launch_split_gemm_multiply_leaky_relu with K split into at most k_slices slices of whole chunks (as evenly as whole
+// chunks allow; fewer where K has fewer chunks), through `workspace` (split_gemm_k_workspace_bytes(m, n, k_slices)
+// bytes, 16-byte aligned, any contents, not used by another launch meanwhile). w_flags as there: the rows of w
+// flagged over all of K. Returns cudaErrorInvalidValue where k_slices < 1 or the workspace is missing or misaligned,
+// cudaErrorNotSupported where split_gemm_supported() is false.
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                       const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
-                                      float* y, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices,
-                                      float* workspace, cudaStream_t stream);
+                                      const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
+                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                      int k_slices, float* workspace, cudaStream_t stream);
 
-// launch_split_gemm_presplit_multiply_leaky_relu's plain product, K split as launch_split_gemm_split_k splits it.
+// launch_split_gemm_presplit_multiply_leaky_relu, K split as launch_split_gemm_split_k splits it.
 cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
-                                               float* y, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices,
-                                               float* workspace, cudaStream_t stream);
+                                               const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
+                                               std::int64_t n, std::int64_t k, float multiplier,
+                                               float negative_slope, int k_slices, float* workspace,
+                                               cudaStream_t stream);
 
 }  // namespace kernels::gemm

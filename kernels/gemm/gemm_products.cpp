@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Ten
   return {y, mask};
 }
 
-// The slices of K every later plain product on split_fp16 takes (0: split_gemm_k_slices's choice; n >= 1: at most n,
+// The slices of K every later product on split_fp16 takes (0: split_gemm_k_slices's choice; n >= 1: at most n,
 // fewer where K has fewer chunks); returns the previous setting. For tests and tools/gemm_sweep.py.
 std::atomic<int64_t> forced_k_slices{0};
 
@@ -93,7 +93,7 @@ bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transpose
                                           (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
 }
 
-// The slices of K a plain product (m x n, reduction k) on split_fp16 takes on `device`: the forced count where one
+// The slices of K a product (m x n, reduction k) on split_fp16 takes on `device`: the forced count where one
 // is set (force_k_slices), else split_gemm_k_slices's choice.
 int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
   const int64_t forced = forced_k_slices.load();
@@ -140,10 +140,9 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
   const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
-  // A plain product (the backward's: no bias, multiplier and slope 1, no mask) on split_fp16 splits K where its output
-  // has too few tiles for the multiprocessors (grad_W's, whose reduction is the batch).
-  const bool plain = !b.defined() && multiplier_f == 1.0f && slope_f == 1.0f && positive == nullptr;
-  const int k_slices = path == Path::kSplitFp16 && plain ? product_k_slices(x.device().index(), m, n, k) : 1;
+  // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
+  // reduction is the batch; a forward over few rows).
+  const int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
   // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split, w's
   // row flags where no split of w holds them, the column split's counters and sums, K slices' partials.
   TemporariesLayout layout;
@@ -171,11 +170,12 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
     check_launch(w_split != nullptr
                      ? launch_split_gemm_presplit_split_k(
                            x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
-                           w_split->exponent.const_data_ptr<int32_t>(), y.mutable_data_ptr<float>(), m, n, k, k_slices,
-                           partials, stream)
+                           w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
+                           positive, m, n, k, multiplier_f, slope_f, k_slices, partials, stream)
                      : launch_split_gemm_split_k(x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), w2.stride(0),
-                                                 w_transposed, w_flags, y.mutable_data_ptr<float>(), m, n, k, k_slices,
-                                                 partials, stream),
+                                                 w_transposed, w_flags, bias_data, y.mutable_data_ptr<float>(),
+                                                 positive, m, n, k, multiplier_f, slope_f, k_slices, partials,
+                                                 stream),
                  "split GEMM (K split)");
   } else if (w_split != nullptr) {
     SplitGemmFromSplits* const launch = path == Path::kSplitFp16 ? launch_split_gemm_presplit_multiply_leaky_relu
@@ -259,7 +259,7 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 }
 #endif
 
-// The slices of K a plain product (m x n, reduction k) on split_fp16 takes on the current GPU (product_k_slices); 1
+// The slices of K a product (m x n, reduction k) on split_fp16 takes on the current GPU (product_k_slices); 1
 // without CUDA. For tests and tools.
 int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
 #ifdef KERNELS_WITH_CUDA

@@ -231,20 +231,26 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   }
   const std::int64_t ctas = units < processors ? units : processors;  // persistent: one CTA per multiprocessor
   const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
+  // Where K is split the slices store plain partials, and the sum applies the epilogue.
   kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
-      maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags, bias, out, positive,
-      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope, k_slices.slices,
-      slice_chunks, static_cast<int>(k_slices.slice_rows));
+      maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags, split ? nullptr : bias,
+      out, split ? nullptr : positive, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+      split ? 1.0f : multiplier, split ? 1.0f : negative_slope, k_slices.slices, slice_chunks,
+      static_cast<int>(k_slices.slice_rows));
   err = cudaGetLastError();
   if (err != cudaSuccess || !split) return err;
   const std::int64_t count = m * n, slice_stride = k_slices.slice_rows * n;
+  const bool plain = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
   const bool vectors = count % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
-                       reinterpret_cast<std::uintptr_t>(out) % 16 == 0;  // slice_stride: whole tiles of rows
+                       reinterpret_cast<std::uintptr_t>(out) % 16 == 0 &&  // slice_stride: whole tiles of rows
+                       (plain || (n % 4 == 0 && reinterpret_cast<std::uintptr_t>(positive) % 4 == 0));
   const std::int64_t needed = ((vectors ? count / 4 : count) + kSplitKSumThreads - 1) / kSplitKSumThreads;
   const std::int64_t most = static_cast<std::int64_t>(processors) * kSplitKSumBlocksPerProcessor;
   const unsigned blocks = static_cast<unsigned>(needed < most ? needed : most);
-  const auto sum = vectors ? split_k_sum_kernel<true> : split_k_sum_kernel<false>;
-  sum<<<blocks, kSplitKSumThreads, 0, stream>>>(out, slice_stride, k_slices.slices, y, count);
+  const auto sum = plain ? (vectors ? split_k_sum_kernel<true, false> : split_k_sum_kernel<false, false>)
+                         : (vectors ? split_k_sum_kernel<true, true> : split_k_sum_kernel<false, true>);
+  sum<<<blocks, kSplitKSumThreads, 0, stream>>>(out, slice_stride, k_slices.slices, y, count,
+                                                SplitKEpilogue{bias, multiplier, negative_slope, positive, n});
   return cudaGetLastError();
 }
 
@@ -415,22 +421,25 @@ std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_
 
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                       const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
-                                      float* y, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices,
-                                      float* workspace, cudaStream_t stream) {
+                                      const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
+                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                      int k_slices, float* workspace, cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
-  return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, /*bias=*/nullptr, y,
-                       /*positive=*/nullptr, m, n, k, 1.0f, 1.0f, stream, split);
+  return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
+                       multiplier, negative_slope, stream, split);
 }
 
 cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
-                                               float* y, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices,
-                                               float* workspace, cudaStream_t stream) {
+                                               const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
+                                               std::int64_t n, std::int64_t k, float multiplier,
+                                               float negative_slope, int k_slices, float* workspace,
+                                               cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
-  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, /*bias=*/nullptr, y,
-                             /*positive=*/nullptr, m, n, k, 1.0f, 1.0f, stream, split);
+  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
+                             negative_slope, stream, split);
 }
 
 }  // namespace kernels::gemm

@@ -1,9 +1,12 @@
 // The second kernel of a split-K product (gemm.h, launch_split_gemm_split_k): y = the sum of the slices' partial
-// products, added in slice order (0, then 1, ...), so that every run gives the same bits. Portable.
+// products, added in slice order (0, then 1, ...), so that every run gives the same bits; then, for a forward, the
+// fused epilogue (split_numerics.cuh) on the sum. Portable.
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
+
+#include "split_numerics.cuh"
 
 namespace kernels::gemm {
 namespace {
@@ -11,12 +14,36 @@ namespace {
 constexpr int kSplitKSumThreads = 256;
 constexpr int kSplitKSumBlocksPerProcessor = 8;  // a grid-stride loop over enough blocks to keep the loads in flight
 
-// y[i] = ((partials[i] + partials[stride + i]) + partials[2 stride + i]) + ..., for i < count: slice s's partial at
-// partials + s * stride. kVectors: 4 floats at a time (count, stride and both pointers in whole 16-byte units).
-template <bool kVectors>
+// The epilogue a forward's sum applies, epilogue()'s: bias (null: none), multiplier, slope, the mask (null: none); n:
+// y's columns, the bias's index.
+struct SplitKEpilogue {
+  const float* bias;
+  float multiplier;
+  float negative_slope;
+  std::uint8_t* positive;
+  std::int64_t n;
+};
+
+// One output of the sum: the sum itself for a plain product, else epilogue()'s value, and its mask byte.
+template <bool kEpilogue>
+__device__ __forceinline__ float split_k_output(float sum, std::int64_t i, const SplitKEpilogue& e) {
+  if constexpr (!kEpilogue) {
+    return sum;
+  } else {
+    const Activated out = epilogue(sum, e.bias ? e.bias[i % e.n] : 0.0f, e.multiplier, e.negative_slope);
+    if (e.positive) e.positive[i] = out.positive;
+    return out.value;
+  }
+}
+
+// y[i] = output of ((partials[i] + partials[stride + i]) + partials[2 stride + i]) + ..., for i < count: slice s's
+// partial at partials + s * stride; the output is the sum itself for a plain product (kEpilogue false), else
+// epilogue()'s. kVectors: 4 floats at a time (count, stride and both pointers in whole 16-byte units; with kEpilogue,
+// n too, and the mask 4-byte aligned).
+template <bool kVectors, bool kEpilogue>
 __global__ void __launch_bounds__(kSplitKSumThreads)
 split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int slices, float* __restrict__ y,
-                   std::int64_t count) {
+                   std::int64_t count, SplitKEpilogue e) {
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kSplitKSumThreads;
   if constexpr (kVectors) {
     const float4* const in = reinterpret_cast<const float4*>(partials);
@@ -32,6 +59,20 @@ split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int 
         sum.z += part.z;
         sum.w += part.w;
       }
+      if constexpr (kEpilogue) {
+        const std::int64_t column = i * 4 % e.n;
+        const float b[4] = {e.bias ? e.bias[column] : 0.0f, e.bias ? e.bias[column + 1] : 0.0f,
+                            e.bias ? e.bias[column + 2] : 0.0f, e.bias ? e.bias[column + 3] : 0.0f};
+        const Activated a[4] = {epilogue(sum.x, b[0], e.multiplier, e.negative_slope),
+                                epilogue(sum.y, b[1], e.multiplier, e.negative_slope),
+                                epilogue(sum.z, b[2], e.multiplier, e.negative_slope),
+                                epilogue(sum.w, b[3], e.multiplier, e.negative_slope)};
+        if (e.positive)
+          reinterpret_cast<std::uint32_t*>(e.positive)[i] =
+              std::uint32_t{a[0].positive} | std::uint32_t{a[1].positive} << 8 |
+              std::uint32_t{a[2].positive} << 16 | std::uint32_t{a[3].positive} << 24;
+        sum = make_float4(a[0].value, a[1].value, a[2].value, a[3].value);
+      }
       out[i] = sum;
     }
   } else {
@@ -39,7 +80,7 @@ split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int 
          i += step) {
       float sum = __ldcs(partials + i);
       for (int s = 1; s < slices; ++s) sum += __ldcs(partials + s * stride + i);
-      y[i] = sum;
+      y[i] = split_k_output<kEpilogue>(sum, i, e);
     }
   }
 }
