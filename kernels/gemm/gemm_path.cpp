@@ -172,10 +172,11 @@ Path automatic_fast_fp32_path(const at::Tensor& x, ProductShape shape) {
 // The automatic choice splits only where measured both faster and more accurate than cuBLAS SGEMM (tools/gemm_sweep.py;
 // kernels/gemm/NOTES.md): the split's error has a floor whatever K is while SGEMM's grows with K, so short reductions
 // favour SGEMM's accuracy, and small outputs cuBLAS's speed. Hence two regions, both from 128 rows and columns: a long
-// K from a moderate output size, a medium K from a larger one.
+// K from a moderate output size, a medium K from a larger one. Below 2^22 outputs a K under 1024 saves less GPU time
+// than a split call's extra host time costs a model whose host is the bottleneck.
 constexpr int64_t kSplitMinSide = 128;  // one tile; narrower outputs were not measured
 constexpr int64_t kSplitMinOutputs = int64_t{1} << 20;
-constexpr int64_t kSplitMinReduction = 512;
+constexpr int64_t kSplitMinReduction = 1024;
 constexpr int64_t kSplitMinOutputsShortReduction = int64_t{1} << 22;
 constexpr int64_t kSplitMinShortReduction = 256;
 
