@@ -7,6 +7,7 @@
 // - Pipeline: kStages of cp.async (3 or 2, by shared memory) on per-stage full/empty mbarriers, no CTA-wide barriers.
 // - Per 16 of k three m16n8k16 products, small terms first; each chunk promoted with w's powers of two, the epilogue
 //   unscales by x's. Rows past m or n load as zeros; non-finite inputs are fixed up by launch_nonfinite_outputs.
+#include "common/dependent_launch.cuh"
 #include "common/once_per_device.h"
 #include "gemm.h"
 #include "split_numerics.cuh"
@@ -194,6 +195,8 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
                        const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive,
                        int m, int n, int k, float multiplier, float negative_slope) {
 #if KERNELS_SM80_DEVICE
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   extern __shared__ __align__(128) unsigned char shared[];
   const std::uint32_t shared_base = shared_address(shared);
   const std::int64_t length = split_row_length(k);
@@ -489,11 +492,11 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
   }).value_or(false);
   if (!shared_set) return err;
   const std::int64_t tiles = ((m + kTileRows - 1) / kTileRows) * ((n + kTileRows - 1) / kTileRows);
-  kernel<<<static_cast<unsigned>(tiles), sm80::kThreads, shared_bytes(stages), stream>>>(
-      static_cast<const __half*>(x_hi), static_cast<const __half*>(x_lo), x_exponent,
-      static_cast<const __half*>(w_hi), static_cast<const __half*>(w_lo), w_exponent, bias, y, positive,
-      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier, negative_slope);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(tiles)), dim3(sm80::kThreads), shared_bytes(stages),
+                          stream, static_cast<const __half*>(x_hi), static_cast<const __half*>(x_lo), x_exponent,
+                          static_cast<const __half*>(w_hi), static_cast<const __half*>(w_lo), w_exponent, bias, y,
+                          positive, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier,
+                          negative_slope);
 }
 
 }  // namespace kernels::gemm

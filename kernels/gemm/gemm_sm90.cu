@@ -7,6 +7,7 @@
 // gemm_sm90_epilogue.cuh, gemm_split_k_sum.cuh (split-K's sum); this file: the kernel and its host side (TMA
 // descriptors, support check, split-K's slices, launch). Numerics: split_numerics.cuh; PTX: sm90_primitives.cuh.
 // Requires sm_90a; for any other target the kernel is a stub, split_gemm_supported() is false and cuBLAS runs.
+#include "common/dependent_launch.cuh"
 #include "common/once_per_device.h"
 #include "gemm.h"
 #include "gemm_sm90_epilogue.cuh"
@@ -64,6 +65,9 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     barrier_init_fence();
   }
   __syncthreads();
+  // Launched by launch_dependent: the set-up above (shared memory only) may overlap the previous kernel's end.
+  wait_for_previous_grid();
+  allow_next_grid();
 
   if (warpgroup == 0) {  // producer
     registers_decrease<kProducerRegisters>();
@@ -232,12 +236,12 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const std::int64_t ctas = units < processors ? units : processors;  // persistent: one CTA per multiprocessor
   const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
   // Where K is split the slices store plain partials, and the sum applies the epilogue.
-  kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(
-      maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags, split ? nullptr : bias,
-      out, split ? nullptr : positive, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-      split ? 1.0f : multiplier, split ? 1.0f : negative_slope, k_slices.slices, slice_chunks,
-      static_cast<int>(k_slices.slice_rows));
-  err = cudaGetLastError();
+  err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
+                         maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags,
+                         split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
+                         static_cast<int>(n), static_cast<int>(k), split ? 1.0f : multiplier,
+                         split ? 1.0f : negative_slope, k_slices.slices, slice_chunks,
+                         static_cast<int>(k_slices.slice_rows));
   if (err != cudaSuccess || !split) return err;
   const std::int64_t count = m * n, slice_stride = k_slices.slice_rows * n;
   const bool plain = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
@@ -249,9 +253,8 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const unsigned blocks = static_cast<unsigned>(needed < most ? needed : most);
   const auto sum = plain ? (vectors ? split_k_sum_kernel<true, false> : split_k_sum_kernel<false, false>)
                          : (vectors ? split_k_sum_kernel<true, true> : split_k_sum_kernel<false, true>);
-  sum<<<blocks, kSplitKSumThreads, 0, stream>>>(out, slice_stride, k_slices.slices, y, count,
-                                                SplitKEpilogue{bias, multiplier, negative_slope, positive, n});
-  return cudaGetLastError();
+  return launch_dependent(sum, dim3(blocks), dim3(kSplitKSumThreads), 0, stream, out, slice_stride, k_slices.slices, y,
+                          count, SplitKEpilogue{bias, multiplier, negative_slope, positive, n});
 }
 
 // Whether ptxas gave `kernel` registers enough for the roles' budgets (gemm_sm90_layout.cuh,

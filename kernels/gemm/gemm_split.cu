@@ -6,6 +6,7 @@
 // - gemm_split_nonfinite_outputs.cuh (launch_nonfinite_outputs); gemm_split_transposed_epilogue.cuh: y from a
 //   transposed product (launch_transposed_epilogue).
 // - This file: the host launchers (argument checks, grids, the row split's kernel by row length).
+#include "common/dependent_launch.cuh"
 #include "gemm.h"
 #include "gemm_split_chunks.cuh"
 #include "gemm_split_nonfinite_outputs.cuh"
@@ -30,10 +31,9 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
   if (m <= 0 || n <= 0) return cudaSuccess;
   const std::int64_t blocks = (m + n + kFixupRowsPerBlock - 1) / kFixupRowsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  nonfinite_outputs_kernel<<<static_cast<unsigned>(blocks), kFixupThreads, 0, stream>>>(
-      x, x_stride, x_element_stride, w, w_stride, w_element_stride, x_exponent, w_exponent, bias, y, positive, m, n, k,
-      multiplier, negative_slope);
-  return cudaGetLastError();
+  return launch_dependent(nonfinite_outputs_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kFixupThreads), 0,
+                          stream, x, x_stride, x_element_stride, w, w_stride, w_element_stride, x_exponent, w_exponent,
+                          bias, y, positive, m, n, k, multiplier, negative_slope);
 }
 
 cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
@@ -42,9 +42,8 @@ cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias
   if (m <= 0 || n <= 0) return cudaSuccess;
   const std::int64_t tiles = ((m + kTransposeTile - 1) / kTransposeTile) * ((n + kTransposeTile - 1) / kTransposeTile);
   const unsigned blocks = static_cast<unsigned>(tiles < (1 << 20) ? tiles : (1 << 20));
-  transposed_epilogue_kernel<<<blocks, kTransposeThreads, 0, stream>>>(product_t, bias, y, positive, m, n, multiplier,
-                                                                       negative_slope);
-  return cudaGetLastError();
+  return launch_dependent(transposed_epilogue_kernel, dim3(blocks), dim3(kTransposeThreads), 0, stream, product_t,
+                          bias, y, positive, m, n, multiplier, negative_slope);
 }
 
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols) {
@@ -68,10 +67,9 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
   const bool aligned =
       cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
   const auto kernel = aligned ? split_columns_kernel<true> : split_columns_kernel<false>;
-  kernel<<<static_cast<unsigned>(2 * items), kColumnTileThreads, 0, stream>>>(
-      src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums,
-      static_cast<unsigned char*>(workspace), lag_items);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(2 * items)), dim3(kColumnTileThreads), 0, stream, src,
+                          rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent,
+                          column_sums, static_cast<unsigned char*>(workspace), lag_items);
 }
 
 // The longest split row held in registers (split_rows_in_registers_kernel, split_chunks_in_registers_kernel).
@@ -107,17 +105,17 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
       constexpr bool kNatural = decltype(natural)::value;
       const std::int64_t length = split_row_length(cols);
       if (length > kMaxRowInRegisters) {
-        split_chunks_kernel<kNatural><<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
-            src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
-        return cudaGetLastError();
+        return launch_dependent(split_chunks_kernel<kNatural>, dim3(static_cast<unsigned>(rows)), dim3(kSplitThreads),
+                                0, stream, src, rows, cols, row_stride, static_cast<__half*>(hi),
+                                static_cast<__half*>(lo), chunk_exponent, flags);
       }
       return in_registers(length, [&](auto group, auto packs) {
         constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
         constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
         const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-        split_chunks_in_registers_kernel<kGroup, kPacks, kNatural><<<blocks, kSplitThreads, 0, stream>>>(
-            src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
-        return cudaGetLastError();
+        return launch_dependent(split_chunks_in_registers_kernel<kGroup, kPacks, kNatural>, dim3(blocks),
+                                dim3(kSplitThreads), 0, stream, src, rows, cols, row_stride, static_cast<__half*>(hi),
+                                static_cast<__half*>(lo), chunk_exponent, flags);
       });
     };
     return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
@@ -128,9 +126,8 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
   cudaError_t err = cudaMemsetAsync(flags, 0, rows * sizeof(std::int32_t), stream);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(column_blocks), static_cast<unsigned>(chunks));
-  split_chunks_transposed_kernel<<<grid, kChunkColumnThreads, 0, stream>>>(
-      src, cols, rows, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
-  return cudaGetLastError();
+  return launch_dependent(split_chunks_transposed_kernel, dim3(grid), dim3(kChunkColumnThreads), 0, stream, src, cols,
+                          rows, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
 }
 
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
@@ -144,23 +141,23 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
   const auto in_order = [&](auto natural) {
     constexpr bool kNatural = decltype(natural)::value;
     if (!aligned) {
-      split_rows_unaligned_kernel<kNatural><<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
-          src, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
-      return cudaGetLastError();
+      return launch_dependent(split_rows_unaligned_kernel<kNatural>, dim3(static_cast<unsigned>(rows)),
+                              dim3(kSplitThreads), 0, stream, src, cols, row_stride, static_cast<__half*>(hi),
+                              static_cast<__half*>(lo), exponent);
     }
     const std::int64_t length = split_row_length(cols);
     if (length > kMaxRowInRegisters) {
-      split_rows_kernel<kNatural><<<static_cast<unsigned>(rows), kSplitThreads, 0, stream>>>(
-          src, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
-      return cudaGetLastError();
+      return launch_dependent(split_rows_kernel<kNatural>, dim3(static_cast<unsigned>(rows)), dim3(kSplitThreads), 0,
+                              stream, src, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo),
+                              exponent);
     }
     return in_registers(length, [&](auto group, auto packs) {
       constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
       constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
       const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-      split_rows_in_registers_kernel<kGroup, kPacks, kNatural><<<blocks, kSplitThreads, 0, stream>>>(
-          src, rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
-      return cudaGetLastError();
+      return launch_dependent(split_rows_in_registers_kernel<kGroup, kPacks, kNatural>, dim3(blocks),
+                              dim3(kSplitThreads), 0, stream, src, rows, cols, row_stride, static_cast<__half*>(hi),
+                              static_cast<__half*>(lo), exponent);
     });
   };
   return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});

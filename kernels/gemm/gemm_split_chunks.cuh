@@ -3,6 +3,7 @@
 // (gemm_split_rows.cuh). Portable (any architecture).
 #pragma once
 
+#include "common/dependent_launch.cuh"
 #include "gemm.h"
 #include "gemm_split_rows.cuh"
 #include "split_numerics.cuh"
@@ -24,6 +25,8 @@ __global__ void __launch_bounds__(kSplitThreads)
 split_chunks_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
                                  std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
                                  std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   static_assert(kGroup % kChunkPacks == 0, "a chunk's packs are consecutive lanes of one warp");
   const int member = threadIdx.x % kGroup;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
@@ -62,6 +65,8 @@ __global__ void __launch_bounds__(kSplitThreads)
 split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ chunk_exponent,
                     std::int32_t* __restrict__ flags) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   const std::int64_t row = blockIdx.x;
   const float4* in = reinterpret_cast<const float4*>(src + row * row_stride);
   const std::int64_t packs = cols / 4, length = split_row_length(cols);
@@ -95,6 +100,8 @@ __global__ void __launch_bounds__(kChunkColumnThreads)
 split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, std::int64_t n, std::int64_t row_stride,
                                __half* __restrict__ hi, __half* __restrict__ lo,
                                std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   constexpr int kWarps = kChunkColumnThreads / 32;
   __shared__ float tile[kSplitChunk][kChunkColumnTile + 1];
   __shared__ float warp_max[kWarps][kChunkColumnTile];

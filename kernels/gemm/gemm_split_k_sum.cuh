@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "common/dependent_launch.cuh"
 #include "split_numerics.cuh"
 
 namespace kernels::gemm {
@@ -44,6 +45,8 @@ template <bool kVectors, bool kEpilogue>
 __global__ void __launch_bounds__(kSplitKSumThreads)
 split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int slices, float* __restrict__ y,
                    std::int64_t count, SplitKEpilogue e) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kSplitKSumThreads;
   if constexpr (kVectors) {
     const float4* const in = reinterpret_cast<const float4*>(partials);

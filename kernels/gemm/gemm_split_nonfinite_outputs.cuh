@@ -3,6 +3,7 @@
 // non-finite result. Portable (any architecture).
 #pragma once
 
+#include "common/dependent_launch.cuh"
 #include "gemm.h"
 #include "split_numerics.cuh"
 
@@ -28,6 +29,8 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, std
                          const std::int32_t* __restrict__ w_exponent, const float* __restrict__ bias,
                          float* __restrict__ y, std::uint8_t* __restrict__ positive, std::int64_t m, std::int64_t n,
                          std::int64_t k, float multiplier, float negative_slope) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   __shared__ std::int32_t positions[kListedPositions];
   __shared__ int count;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kFixupRowsPerBlock;

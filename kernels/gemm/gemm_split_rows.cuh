@@ -7,6 +7,7 @@
 // launcher requires 16-byte aligned rows of a multiple of 4 floats. Portable (any architecture).
 #pragma once
 
+#include "common/dependent_launch.cuh"
 #include "gemm.h"
 #include "split_numerics.cuh"
 
@@ -105,6 +106,8 @@ __global__ void __launch_bounds__(kSplitThreads)
 split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
                                std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
                                std::int32_t* __restrict__ exponent) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   const int member = threadIdx.x % kGroup;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
   const bool inside = row < rows;  // the block's last rows may lie past the end; they still join its barriers
@@ -140,6 +143,8 @@ template <bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
 split_rows_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride, __half* __restrict__ hi,
                   __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   const std::int64_t row = blockIdx.x;
   const float4* in = reinterpret_cast<const float4*>(src + row * row_stride);
   const std::int64_t packs = cols / 4, length = split_row_length(cols);
@@ -158,6 +163,8 @@ template <bool kNatural>
 __global__ void __launch_bounds__(kSplitThreads)
 split_rows_unaligned_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride,
                             __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   const std::int64_t row = blockIdx.x;
   const float* in = src + row * row_stride;
   const std::int64_t length = split_row_length(cols);
@@ -335,6 +342,8 @@ __global__ void __launch_bounds__(kColumnTileThreads)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                      __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
                      float* __restrict__ column_sums, unsigned char* __restrict__ workspace, std::int64_t lag) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   static_assert(kColumnTileThreads == 2 * kColumnTileColumns, "the sums are added in two halves of the slabs");
   union Shared {
     ColumnTileStage stage;

@@ -3,6 +3,7 @@
 // gives y^T; this kernel writes y from it through the fused epilogue (split_numerics.cuh). Portable.
 #pragma once
 
+#include "common/dependent_launch.cuh"
 #include "gemm.h"
 #include "split_numerics.cuh"
 
@@ -19,6 +20,8 @@ __global__ void __launch_bounds__(kTransposeThreads)
 transposed_epilogue_kernel(const float* __restrict__ product_t, const float* __restrict__ bias,
                            float* __restrict__ y, std::uint8_t* __restrict__ positive, std::int64_t m,
                            std::int64_t n, float multiplier, float negative_slope) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
   __shared__ float tile[kTransposeTile][kTransposeTile + 1];
   const int lane = threadIdx.x % kTransposeTile, row = threadIdx.x / kTransposeTile;
   const std::int64_t row_tiles = (m + kTransposeTile - 1) / kTransposeTile;

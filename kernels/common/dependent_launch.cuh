@@ -1,0 +1,75 @@
+// Programmatic dependent launch (sm_90 and later): a kernel launched by launch_dependent may start while the kernel
+// before it in the stream drains, so its launch and set-up overlap that kernel's tail instead of following its end.
+// Every kernel so launched calls wait_for_previous_grid() before it touches global memory (the previous grid's
+// results and its inputs both: a buffer the caching allocator hands out again may still be read by it), then
+// allow_next_grid(), which lets the next such kernel launch. On older GPUs the launch is a plain one and both calls
+// do nothing. No torch headers.
+#pragma once
+
+#include <cstddef>
+#include <cstdlib>
+#include <optional>
+
+#include <cuda_runtime.h>
+
+#include "common/once_per_device.h"
+
+namespace kernels {
+
+// Waits until the grid this one depends on has finished and its writes are visible (at once without a dependency).
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream launched by launch_dependent start (it still waits for this grid's end).
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the current device takes programmatic dependent launches (compute capability 9.0 or later), asked once
+// per device. KERNELS_DEPENDENT_LAUNCH=0 turns them off (plain launches), so that a profiler's kernel times hold no
+// wait for the kernel before.
+inline bool dependent_launch_supported() {
+  static const bool turned_off = [] {
+    const char* value = std::getenv("KERNELS_DEPENDENT_LAUNCH");
+    return value != nullptr && value[0] == '0';
+  }();
+  if (turned_off) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return once_per_device(device, [](int d) -> std::optional<bool> {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    return major >= 9;
+  }).value_or(false);
+}
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...) on the current device, as a programmatic dependent launch
+// where the device takes one. Returns the launch's error.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes,
+                             cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = dependent_launch_supported() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+}  // namespace kernels
