@@ -88,4 +88,4 @@ def kept_split_expected(path, m, k, n):
     """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead
     (gemm_weight_split.cpp; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on)."""
     return m * n * k >= KEPT_SPLIT_MIN_PRODUCTS and (
-        path == "split_fp16_sm80" or (path == "split_fp16" and n % 4 == 0 and not m * k > n * k + m * n))
+        path == "split_fp16_sm80" or (path == "split_fp16" and not m * k > n * k + m * n))

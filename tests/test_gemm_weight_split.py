@@ -16,7 +16,7 @@ KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
     "problem": (1024, 8192, 8192),
     "tails": (1153, 4104, 1032),  # M, N not multiples of the tiles, K not of the chunk
     "n_tail": (1100, 4000, 1060),  # N not a multiple of the tile, K of half a chunk
-    "n_odd": (1030, 4104, 1031),  # N % 4 != 0: the Hopper kernel keeps no split (TMA's 16-byte rows of exponents)
+    "n_odd": (1030, 4104, 1031),  # N % 4 != 0: the exponents' rows padded to 16 bytes, y by plain stores
     "tall_narrow": (16400, 2056, 264),  # computed transposed on split_fp16: no split of the weight ahead
     "small": (1024, 1024, 1024),  # under 2^32 multiply-adds: none kept (the call's time is the host's)
 }

@@ -474,6 +474,15 @@ def test_fp32_gemm_mode_under_torch_compile(shape, device):
     assert relative_error(expected, y64) <= relative_error(f(x, w), y64) * 1.0001
 
 
+def _fill_free_cached_blocks():
+    """Tensors that take every free block of 1 MB or more inside the caching allocator's reserved segments (largest
+    first), so that a later allocation needs memory reserved anew."""
+    free = sorted((block["size"] for segment in torch.cuda.memory_snapshot() if segment["device"] == 0
+                   for block in segment["blocks"] if block["state"] == "inactive" and block["size"] >= 1 << 20),
+                  reverse=True)
+    return [torch.empty(size, dtype=torch.uint8, device="cuda") for size in free]
+
+
 @requires_cuda
 def test_out_of_memory_while_making_a_kept_split_goes_on_without():
     """Where the GPU's memory runs out while making a weight's split to keep, the call goes on without one, with
@@ -492,6 +501,7 @@ def test_out_of_memory_while_making_a_kept_split_goes_on_without():
         expected = F.linear(x, layer.weight, layer.bias)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        fillers = _fill_free_cached_blocks()  # earlier tests' segments may hold free blocks the split would fit in
         total = torch.cuda.get_device_properties(0).total_memory
         # Room for the call's own temporaries (x's split and y, 16 MB, in at most two of the allocator's 20 MB
         # segments), not for the weight's split besides (64 MB).
@@ -500,5 +510,6 @@ def test_out_of_memory_while_making_a_kept_split_goes_on_without():
             y = layer(x)
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
+            del fillers
     assert layer._weight_split is None and kept._weight_split is None and kept_split_bytes() == 0
     torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)

@@ -27,6 +27,10 @@ KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_row_length(std::int64_t k)
   return (k + kSplitChunk - 1) / kSplitChunk * kSplitChunk;
 }
 
+// The distance between chunks in a split of w's chunk exponents (launch_split_chunks): its rows rounded up to a
+// multiple of 4, so that each chunk's exponents start 16-byte aligned (TMA's rule) whatever w's row count.
+KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_exponent_stride(std::int64_t rows) { return (rows + 3) / 4 * 4; }
+
 // The split of x, a float32 matrix, into row-scaled fp16 pairs, for fp32-accurate products on fp16 tensor cores.
 // For each row r of src (rows x cols, element (r, c) at src[r * row_stride + c]):
 //   exponent[r] = e, the power of two that puts the row's largest finite |value| in [2^13, 2^14) (0 for a row with
@@ -56,8 +60,8 @@ std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols)
 // The split of w for the sm_80 GEMM (launch_split_gemm_sm80_multiply_leaky_relu): for each row j of w (rows x cols,
 // element (j, c) at src[j * row_stride + c]; or, where transposed, w given as its transpose: cols x rows, element
 // (j, c) at src[c * row_stride + j]) and each chunk q of kSplitChunk along c, the power of two e that puts the
-// chunk's largest finite |value| in [2^13, 2^14) (split_numerics.cuh, scale_exponent), at chunk_exponent[q * rows +
-// j]; hi = fp16(v 2^e), lo = fp16(v 2^e - hi), dense (rows x split_row_length(cols)), the pad zeros, in c's natural
+// chunk's largest finite |value| in [2^13, 2^14) (split_numerics.cuh, scale_exponent), at chunk_exponent[q *
+// split_exponent_stride(rows) + j]; hi = fp16(v 2^e), lo = fp16(v 2^e - hi), dense (rows x split_row_length(cols)), the pad zeros, in c's natural
 // order (natural_order; the sm_80 GEMM's) or in split_position's (the Hopper GEMM's given split,
 // launch_split_gemm_presplit_multiply_leaky_relu); flags[j] = kNonFiniteRow where row j holds an infinity or NaN
 // (split as 0), else 0. The same scales and split as the Hopper kernel makes in its registers. Transposed requires
@@ -137,8 +141,8 @@ bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64
 // split_gemm_presplit_supported() is false.
 SplitGemmFromSplits launch_split_gemm_presplit_multiply_leaky_relu;
 
-// Whether launch_split_gemm_presplit_multiply_leaky_relu can run: split_gemm_supported, and n % 4 == 0 (TMA's 16-byte
-// rows of w's chunk exponents).
+// Whether launch_split_gemm_presplit_multiply_leaky_relu can run: split_gemm_supported for w's split rows (any n: the
+// chunk exponents' rows are split_exponent_stride(n) apart).
 bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
 // Split-K, for products whose output has too few 128 x 128 tiles to fill the multiprocessors and whose K is long

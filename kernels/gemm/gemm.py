@@ -265,10 +265,11 @@ class _KeptSplits:
 
     @staticmethod
     def split_bytes(weight):
-        # hi and lo (2 bytes each per element, rows padded to whole chunks of 64), 4 bytes per row and chunk, 4 per row
+        # hi and lo (2 bytes each per element, rows padded to whole chunks of 64), 4 bytes per row (rounded up to a
+        # multiple of 4) and chunk, 4 per row
         rows, columns = weight.shape
         chunks = -(-columns // 64)
-        return rows * chunks * 64 * 4 + rows * chunks * 4 + rows * 4
+        return rows * chunks * 64 * 4 + -(-rows // 4) * 4 * chunks * 4 + rows * 4
 
     def budget(self, device):
         if self.budget_bytes is not None:

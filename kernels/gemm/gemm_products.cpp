@@ -68,7 +68,7 @@ WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, i
   const auto half = w2.options().dtype(at::kHalf);
   const auto int32 = w2.options().dtype(at::kInt);
   WeightSplit split{at::empty({n, split_k}, half), at::empty({n, split_k}, half),
-                    at::empty({split_k / kSplitChunk, n}, int32), at::empty({n}, int32)};
+                    at::empty({split_k / kSplitChunk, split_exponent_stride(n)}, int32), at::empty({n}, int32)};
   check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
                                    /*natural_order=*/w_transposed || path == Path::kSplitFp16Sm80,
                                    split.hi.mutable_data_ptr(), split.lo.mutable_data_ptr(),
@@ -87,10 +87,11 @@ constexpr int64_t kSplitWAheadRows = 2048;
 // reads only split operands); on split_fp16 from kSplitWAheadRows rows of x on, where the kernel that reads it can
 // take the shape.
 bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transposed) {
-  // split_fp16 was chosen where split_gemm_supported holds; the kernel that reads w's split needs n % 4 == 0 besides
-  // (split_gemm_presplit_supported), and the split of a transposed w takes at most 65535 chunks (its grid).
-  return path == Path::kSplitFp16Sm80 || (path == Path::kSplitFp16 && m >= kSplitWAheadRows && n % 4 == 0 &&
-                                          (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
+  // split_fp16 was chosen where split_gemm_supported holds, which the kernel that reads w's split takes too
+  // (split_gemm_presplit_supported); the split of a transposed w takes at most 65535 chunks (its grid).
+  return path == Path::kSplitFp16Sm80 ||
+         (path == Path::kSplitFp16 && m >= kSplitWAheadRows &&
+          (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
 }
 
 // The slices of K a product (m x n, reduction k) on split_fp16 takes on `device`: the forced count where one

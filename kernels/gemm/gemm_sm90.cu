@@ -133,11 +133,11 @@ bool make_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The TMA map of w's chunk exponents (chunks x n int32, launch_split_chunks's layout), in boxes of one chunk's
-// exponents of a tile's kBlockW rows of w (unswizzled; rows of w past n arrive as 0).
+// The TMA map of w's chunk exponents (chunks x n int32, rows split_exponent_stride(n) apart: launch_split_chunks's
+// layout), in boxes of one chunk's exponents of a tile's kBlockW rows of w (unswizzled; rows of w past n arrive as 0).
 bool make_exponent_map(CUtensorMap* map, const std::int32_t* exponent, std::int64_t chunks, std::int64_t n) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(chunks)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(n * 4)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(split_exponent_stride(n) * 4)};
   const cuuint32_t box[2] = {kBlockW, 1};
   const cuuint32_t element_strides[2] = {1, 1};
   return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_INT32, 2, const_cast<std::int32_t*>(exponent), dims,
@@ -387,8 +387,8 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
 }
 
 bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
-  // n % 4: 16-byte rows of w's exponents for TMA; w's split has rows of whole chunks, whatever k is.
-  return n % 4 == 0 && split_gemm_supported(device, m, n, split_row_length(k));
+  // w's split has rows of whole chunks whatever k is, its exponents chunks 16-byte aligned whatever n is.
+  return split_gemm_supported(device, m, n, split_row_length(k));
 }
 
 cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, const void* x_lo,

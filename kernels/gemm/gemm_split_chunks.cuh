@@ -51,7 +51,7 @@ split_chunks_in_registers_kernel(const float* __restrict__ src, std::int64_t row
       max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
     const int e = scale_exponent(max_abs);
     if (inside && i < split_packs) {
-      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * rows + row] = e;
+      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * split_exponent_stride(rows) + row] = e;
       split_pack<kNatural>(v[p], power_of_two(e), i, hi + row * length, lo + row * length);
     }
   }
@@ -80,7 +80,7 @@ split_chunks_kernel(const float* __restrict__ src, std::int64_t rows, std::int64
       max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
     const int e = scale_exponent(max_abs);
     if (i < length / 4) {
-      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * rows + row] = e;
+      if (i % kChunkPacks == 0) chunk_exponent[(i / kChunkPacks) * split_exponent_stride(rows) + row] = e;
       split_pack<kNatural>(v, power_of_two(e), i, hi + row * length, lo + row * length);
     }
   }
@@ -130,7 +130,7 @@ split_chunks_transposed_kernel(const float* __restrict__ src, std::int64_t k, st
     const int e = scale_exponent(max_abs);
     scales[lane] = power_of_two(e);
     if (column < n) {
-      chunk_exponent[chunk * n + column] = e;
+      chunk_exponent[chunk * split_exponent_stride(n) + column] = e;
       if (non_finite) atomicOr(flags + column, kNonFiniteRow);
     }
   }
