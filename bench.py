@@ -57,9 +57,16 @@ class Options:
         """eager always runs: it is every row's reference."""
         return variant == "eager" or self.variants is None or variant in self.variants
 
-    def eager_and_new(self, eager, new):
-        """{"eager": eager, "ModelNew": new}, without ModelNew where --variant leaves it out."""
-        return {"eager": eager, **({"ModelNew": new} if self.wants("ModelNew") else {})}
+    def eager_and_new(self, eager, new, with_compile=False, label=""):
+        """{"eager": eager, "torch.compile": eager compiled (where with_compile), "ModelNew": new}, without the
+        variants --variant leaves out; `label` names the case in the compile's progress line."""
+        variants = {"eager": eager}
+        if with_compile and self.wants("torch.compile"):
+            progress(f"{label}: compiling with torch.compile")
+            variants["torch.compile"] = compiled(eager)
+        if self.wants("ModelNew"):
+            variants["ModelNew"] = new
+        return variants
 
     def wants_dtype(self, label):
         return self.dtypes is None or label in self.dtypes
@@ -174,12 +181,7 @@ def bench_leaky_relu(rows, options):
             x = x32.to(dtype)
             del x32
             out = torch.empty_like(x)
-            variants = {"eager": eager}
-            if HAS_CUDA and options.wants("torch.compile"):
-                progress(f"{problem}: compiling with torch.compile")
-                variants["torch.compile"] = compiled(eager)
-            if options.wants("ModelNew"):
-                variants["ModelNew"] = new
+            variants = options.eager_and_new(eager, new, with_compile=HAS_CUDA, label=problem)
             (copy_ms, *times), (_, *kb) = run_case(
                 [lambda: out.copy_(x)] + [lambda model=model: model(x) for model in variants.values()], options)
             del out
@@ -790,12 +792,7 @@ def add_kernelbench_rows(rows, problem, case, build_model, build_new, get_inputs
             torch.manual_seed(KERNELBENCH_SEED + trial)
             inputs = _on_device(get_inputs())
             correct += _outputs_allclose(new(*inputs), model(*inputs))
-        variants = {"eager": model}
-        if with_compile and options.wants("torch.compile"):
-            progress(f"{problem}: {case}: compiling with torch.compile")
-            variants["torch.compile"] = compiled(model)
-        if options.wants("ModelNew"):
-            variants["ModelNew"] = new
+        variants = options.eager_and_new(model, new, with_compile=with_compile, label=f"{problem}: {case}")
         torch.manual_seed(KERNELBENCH_SEED)
         inputs = _on_device(get_inputs())
         times, kb = run_case([lambda m=m: m(*inputs) for m in variants.values()], options)

@@ -209,11 +209,13 @@ def test_split_k_forced_on_tails_and_on_each_kernel(slices):
 def test_split_k_forward_applies_the_epilogue_to_the_sum(slices):
     """A forward with bias, multiplier and LeakyReLU (slopes 0.1 and 0, ReLU) whose K is split: the slices' plain
     partials summed, then the epilogue and the mask. Slices forced (2, 3) or automatic (0: 128 rows, 16 tiles over 64
-    chunks) on w in registers and on w's split made ahead (2100 rows), each with an Inf in w's last slice of K. Each
+    chunks) on w in registers and on w's split made ahead (2100 rows; n = 1030 too), each with an Inf in w's last
+    slice of K. Each
     within max(eager's error, the split's floor) of float64, close to the product over all of K, NaN and Inf where
     eager's are, the mask where y > 0."""
     g = torch.Generator(device="cuda").manual_seed(7)
-    cases = {"w_in_registers": (300, 520, 2056), "w_split_ahead": (2100, 260, 1040), "few_rows": (128, 2048, 4096)}
+    cases = {"w_in_registers": (300, 520, 2056), "w_split_ahead": (2100, 260, 1040), "few_rows": (128, 2048, 4096),
+             "w_split_ahead_odd_n": (2100, 1030, 1040)}  # the presplit kernel with n % 4 != 0: y by plain stores
     for name, (m, n, k) in cases.items():
         if slices == 0 and name != "few_rows":
             continue

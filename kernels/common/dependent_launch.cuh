@@ -31,8 +31,8 @@ __device__ __forceinline__ void allow_next_grid() {
 }
 
 // Whether the current device takes programmatic dependent launches (compute capability 9.0 or later), asked once
-// per device. KERNELS_DEPENDENT_LAUNCH=0 turns them off (plain launches), so that a profiler's kernel times hold no
-// wait for the kernel before.
+// per device. KERNELS_DEPENDENT_LAUNCH=0 (read once per process, at the first launch) turns them off: plain launches,
+// so that a profiler's kernel times hold no wait for the kernel before.
 inline bool dependent_launch_supported() {
   static const bool turned_off = [] {
     const char* value = std::getenv("KERNELS_DEPENDENT_LAUNCH");
@@ -69,7 +69,9 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = dependent_launch_supported() ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by a later launch's check
+  return err;
 }
 
 }  // namespace kernels

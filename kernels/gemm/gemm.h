@@ -61,8 +61,9 @@ std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols)
 // element (j, c) at src[j * row_stride + c]; or, where transposed, w given as its transpose: cols x rows, element
 // (j, c) at src[c * row_stride + j]) and each chunk q of kSplitChunk along c, the power of two e that puts the
 // chunk's largest finite |value| in [2^13, 2^14) (split_numerics.cuh, scale_exponent), at chunk_exponent[q *
-// split_exponent_stride(rows) + j]; hi = fp16(v 2^e), lo = fp16(v 2^e - hi), dense (rows x split_row_length(cols)), the pad zeros, in c's natural
-// order (natural_order; the sm_80 GEMM's) or in split_position's (the Hopper GEMM's given split,
+// split_exponent_stride(rows) + j] (the padding columns unwritten); hi = fp16(v 2^e), lo = fp16(v 2^e - hi), dense
+// (rows x split_row_length(cols)), the pad zeros, in c's natural order (natural_order; the sm_80 GEMM's) or in
+// split_position's (the Hopper GEMM's given split,
 // launch_split_gemm_presplit_multiply_leaky_relu); flags[j] = kNonFiniteRow where row j holds an infinity or NaN
 // (split as 0), else 0. The same scales and split as the Hopper kernel makes in its registers. Transposed requires
 // natural_order; not transposed, cols % 4 == 0, row_stride % 4 == 0 and src 16-byte aligned (cudaErrorInvalidValue

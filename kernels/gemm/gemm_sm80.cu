@@ -181,9 +181,8 @@ struct StageLoads {
     }
     if (threadIdx.x < kTileRows) {
       const bool valid = exponent_row >= 0;
-      copy_4_async(stage + 4 * kTileBytes + threadIdx.x * 4,
-                   w_exponent + (valid ? static_cast<std::int64_t>(chunk) * split_exponent_stride(n) + exponent_row : 0),
-                   valid);
+      const std::int64_t at = static_cast<std::int64_t>(chunk) * split_exponent_stride(n) + exponent_row;
+      copy_4_async(stage + 4 * kTileBytes + threadIdx.x * 4, w_exponent + (valid ? at : 0), valid);
     }
   }
 };
