@@ -306,14 +306,16 @@ def test_split_fp16_epilogue_by_tma_and_by_plain_stores_agree_bit_for_bit(tmp_pa
     """The Hopper kernel's TMA epilogue (outputs made in the staging buffer, then TMA stores) and its plain-stores
     epilogue (KERNELS_GEMM_PLAIN_STORES=1, what the sanitizer's initcheck runs) give the same outputs, masks and
     gradients bit for bit: forward, the forward from a kept split, grad_x and grad_W, on shapes with tails and with
-    K of one and two chunks."""
+    K of one and two chunks. The plain-stores run also launches every kernel plainly (KERNELS_DEPENDENT_LAUNCH=0),
+    so the dependent launches are held to the same bits."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = {}
     for plain in ("0", "1"):
         out = tmp_path / f"plain_{plain}.pt"
         done = subprocess.run([sys.executable, "-c", EPILOGUE_CASES_SCRIPT, str(out), repr(EPILOGUE_CASES)],
                               cwd=root, capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, KERNELS_GEMM_PLAIN_STORES=plain))
+                              env=dict(os.environ, KERNELS_GEMM_PLAIN_STORES=plain, KERNELS_DEPENDENT_LAUNCH=(
+                                  "0" if plain == "1" else "1")))
         assert done.returncode == 0, done.stderr[-3000:]
         runs[plain] = torch.load(out)
     for name, by_tma in runs["0"].items():
