@@ -34,6 +34,19 @@ def test_forcing_an_unknown_path_is_a_clear_error():
         torch.ops.kernels._gemm_path_refusal(torch.ones(2, 4), torch.ones(2, 4), "cublas")
 
 
+def test_split_rule_regions():
+    """split_pays_off's two regions, as gemm.py's mirror of it reads them (no GPU needed): K >= 1024 from 2^20
+    outputs, K >= 256 from 2^22, both output sides >= 128; K of 512-1023 below 2^22 outputs stays on cuBLAS, where a
+    split call's host time outweighs what it saves on the GPU (the Swin models' 490 x 768 -> 3072)."""
+    from kernels.gemm.gemm import _split_may_pay
+
+    assert _split_may_pay(1024, 1024, 1024) and _split_may_pay(256, 4096, 1024)
+    assert not _split_may_pay(490, 3072, 768) and not _split_may_pay(7840, 192, 768)
+    assert not _split_may_pay(1024, 1024, 1020)
+    assert _split_may_pay(4096, 1024, 768) and _split_may_pay(2048, 2048, 256)
+    assert not _split_may_pay(2048, 2048, 252) and not _split_may_pay(127, 16384, 1024)
+
+
 @requires_cuda
 def test_split_path_is_taken_by_default_where_the_table_says():
     x, weight = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
@@ -52,7 +65,10 @@ def test_split_path_is_taken_by_default_where_the_table_says():
     assert gemm_path(x.double(), weight.double()) == "cublas"
     assert gemm_path(x[:, :1013], weight[:, :1013]) == "cublas"  # rows of 1013 floats: no 16-byte TMA strides
     # Below the measured range (gemm_path.cpp's split_pays_off) cuBLAS is the more accurate or the faster one...
-    assert gemm_path(x[:, :508], weight[:, :508].contiguous()) == "cublas"  # K under 512 at 2^20 outputs
+    assert gemm_path(x[:, :508], weight[:, :508].contiguous()) == "cublas"  # K under 1024 at 2^20 outputs
+    medium = torch.randn(4096, 768, device="cuda")
+    assert gemm_path(medium[:1024], weight[:, :768].contiguous()) == "cublas"  # K of 768: cuBLAS below 2^22 outputs
+    assert gemm_path(medium, weight[:, :768].contiguous()) == "split_fp16"  # ...and the split from 2^22 on
     short = torch.randn(2048, 256, device="cuda")
     assert gemm_path(short, short) == "split_fp16"  # K of 256 from 2^22 outputs on
     assert gemm_path(short[:, :252], short[:, :252].contiguous()) == "cublas"
