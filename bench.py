@@ -493,6 +493,41 @@ def bench_gemm_shapes(rows, options):
         del eager, new, x, outputs, y64
 
 
+# ---- attention: F.scaled_dot_product_attention against kernels.attention ---------------------------------------
+
+# (batch, heads, rows, head dim, causal): the models' attention (BERT-large, ViT-B/16, GPT-2-medium, LLaMA-style)
+# and a long causal sequence.
+ATTENTION_SHAPES = ((16, 16, 512, 64, False), (64, 12, 197, 64, False), (8, 16, 512, 64, True),
+                    (2, 16, 4096, 64, True), (8, 16, 512, 128, True))
+
+
+def bench_attention(rows, options):
+    """fp32 attention without a mask or dropout: eager's F.scaled_dot_product_attention (PyTorch's memory-efficient
+    kernel) against kernels.attention (the split kernels), errors against float64; kernels.fp32_gemm routes the
+    shapes where the variant is faster (kernels/attention/NOTES.md)."""
+    import math
+
+    from kernels.attention.attention import _reference
+    from kernels.functional import attention
+
+    problem = "attention (fp32)"
+    for batch, heads, length, dim, causal in ATTENTION_SHAPES:
+        case = f"{batch}x{heads}x{length}x{dim}{' causal' if causal else ''}"
+        progress(f"{problem}: {case}")
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        q, k, v = (torch.randn(batch, heads, length, dim, device=DEVICE, generator=g) for _ in range(3))
+        variants = {"eager": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                    "kernels.attention": lambda: attention(q, k, v, causal)}
+        with torch.no_grad():
+            times, kb = run_case(list(variants.values()), options)
+            outputs = [fn() for fn in variants.values()]
+            y64 = _reference(q.double(), k.double(), v.double(), causal, 1.0 / math.sqrt(dim))
+        flops = 4 * batch * heads * length * length * dim / (2 if causal else 1)
+        add_rows(rows, Case(problem, case, "fp32", list(variants), times, kb, outputs),
+                 Rate(lambda variant: flops / 1e9, "TFLOP/s"), Reference(y64, outputs[0]))
+        del q, k, v, outputs, y64
+
+
 # ---- whole models: any fp32 model patched with kernels.patch ----------------------------------------------------
 
 def _model_specs():
@@ -1153,7 +1188,7 @@ def plot(rows, path, device, torch_version=torch.__version__):
 
 GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
-               "linear_layers": bench_linear_layers,
+               "linear_layers": bench_linear_layers, "attention": bench_attention,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}

@@ -1,9 +1,10 @@
 """The library's functions, one import for all families; importing this module builds (first time) and loads the
 op library `torch.ops.kernels`."""
 
+from kernels.attention.attention import attention
 from kernels.causal_softmax.causal_softmax import causal_softmax
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import gemm_multiply_leaky_relu, linear
 from kernels.leaky_relu.leaky_relu import leaky_relu
 
-__all__ = ["causal_softmax", "gelu_tanh", "gemm_multiply_leaky_relu", "leaky_relu", "linear"]
+__all__ = ["attention", "causal_softmax", "gelu_tanh", "gemm_multiply_leaky_relu", "leaky_relu", "linear"]

@@ -59,6 +59,12 @@ FAMILIES = (
         python_module="kernels.causal_softmax.causal_softmax",
         autograd_sources=("causal_softmax/causal_softmax_autograd.cpp",),
     ),
+    Family(
+        name="attention",
+        cpp_sources=("attention/attention.cpp",),  # its autograd is Python (attention.py): one formula, first order
+        cuda_sources=("attention/attention.cu",),
+        python_module="kernels.attention.attention",
+    ),
 )
 
 

@@ -1,8 +1,9 @@
 """Any model on the library's GEMM: patch() turns a model's linear layers into the library's, in place, and
-fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm) to it.
+fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm) to it, and its
+F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # every nn.Linear and transformers Conv1D; kernels.unpatch(model) undoes it
-    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm in the block
+    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, scaled_dot_product_attention
         loss = model(x).sum()
 
 A patched layer keeps its Parameters, hooks and state_dict keys and stays an instance of its class (its class becomes
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from kernels.attention.attention import attention
 from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, plain_linear_suffices, plain_product_suffices
 
 # The original class -> its patched subclass.
@@ -151,7 +153,46 @@ def _addmm_route(bias, a, b, *, beta=1, alpha=1):
     return NotImplemented
 
 
+_CAPABLE_DEVICES = {}  # device index -> whether the attention kernels run there
+
+
+def _attention_runs_on(device):
+    capable = _CAPABLE_DEVICES.get(device.index)
+    if capable is None:
+        capable = _CAPABLE_DEVICES[device.index] = torch.cuda.get_device_capability(device) >= (8, 0)
+    return capable
+
+
+# The fewest keys with which the split attention kernels beat eager's (kernels/attention/NOTES.md, Decisions): a
+# causal mask halves the work but not the passes over q, k and v.
+_ATTENTION_MIN_KEYS = 512
+_CAUSAL_ATTENTION_MIN_KEYS = 2048
+
+
+def _attention_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    # Float32 CUDA attention of head dim 64 over enough keys, without a mask, dropout or a gradient to compute, takes
+    # the split kernels (where they are faster than eager's); the rest stays eager's.
+    if not (_plain(query, key, value) and attn_mask is None and dropout_p == 0.0 and query.dim() == 4 and
+            key.dim() == 4 and value.shape == key.shape and query.dtype == torch.float32 and
+            key.dtype == value.dtype == torch.float32 and query.is_cuda and query.shape[-1] == 64 and
+            key.shape[-1] == 64 and query.shape[0] == key.shape[0] and query.shape[2] > 0 and key.shape[2] > 0 and
+            key.device == query.device == value.device):
+        return NotImplemented
+    if key.shape[2] < (_CAUSAL_ATTENTION_MIN_KEYS if is_causal else _ATTENTION_MIN_KEYS):
+        return NotImplemented
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return NotImplemented
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads and (not enable_gqa or heads % kv_heads != 0):
+        return NotImplemented
+    if not _attention_runs_on(query.device):
+        return NotImplemented
+    return attention(query, key, value, is_causal, scale)
+
+
 _ROUTES = {
+    F.scaled_dot_product_attention: _attention_route,
     F.linear: _linear_route,
     torch.matmul: _matmul_route,
     torch.Tensor.matmul: _matmul_route,
@@ -165,7 +206,9 @@ _ROUTES = {
 
 class fp32_gemm(TorchFunctionMode):
     """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm) take the
-    library's GEMM where gemm_path.cpp's choice says it pays; everything else, batched products included (bmm, matmul
+    library's GEMM where gemm_path.cpp's choice says it pays, and F.scaled_dot_product_attention without a mask,
+    dropout or a gradient to compute (head dim 64, 512 keys or more, 2048 under a causal mask) the library's
+    attention; everything else, batched products included (bmm, matmul
     of two batched tensors), runs as without the mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

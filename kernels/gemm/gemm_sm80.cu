@@ -8,6 +8,7 @@
 // - Per 16 of k three m16n8k16 products, small terms first; each chunk promoted with w's powers of two, the epilogue
 //   unscales by x's. Rows past m or n load as zeros; non-finite inputs are fixed up by launch_nonfinite_outputs.
 #include "common/dependent_launch.cuh"
+#include "common/mma_sm80.cuh"
 #include "common/once_per_device.h"
 #include "gemm.h"
 #include "split_numerics.cuh"
@@ -23,11 +24,11 @@
 namespace kernels::gemm::sm80 {
 namespace {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define KERNELS_SM80_DEVICE 1
-#else
-#define KERNELS_SM80_DEVICE 0
-#endif
+using common::sm80::copy_16_async;
+using common::sm80::copy_4_async;
+using common::sm80::load_matrix_x4;
+using common::sm80::mma_m16n8k16;
+using common::sm80::shared_address;
 
 constexpr int kTileRows = 128;         // rows of x per CTA, and rows of w: each operand tile is 128 x 64 fp16
 constexpr int kWarpsX = 2, kWarpsW = 4;
@@ -44,27 +45,9 @@ static_assert(kFragsW % 2 == 0, "w fragments are loaded in pairs (ldmatrix.x4)")
 
 constexpr int shared_bytes(int stages) { return stages * (kStageBytes + 16); }  // the stages, then their barriers
 
-__device__ __forceinline__ std::uint32_t shared_address(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // The byte offset of 16-byte unit `unit` of row `row` in a tile.
 __device__ __forceinline__ std::uint32_t swizzled(int row, int unit) {
   return static_cast<std::uint32_t>(row * 128 + ((unit ^ (row % 8)) * 16));
-}
-
-__device__ __forceinline__ void copy_16_async(std::uint32_t to, const void* from, bool valid) {
-#if KERNELS_SM80_DEVICE
-  // src-size 0 writes 16 zero bytes and reads nothing: rows past the matrix.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copy_4_async(std::uint32_t to, const void* from, bool valid) {
-#if KERNELS_SM80_DEVICE
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(to), "l"(from), "r"(valid ? 4 : 0) : "memory");
-#endif
 }
 
 // mbarriers (sm_80): a stage's "full" barrier completes once every thread's copies into it have landed
@@ -103,35 +86,6 @@ __device__ __forceinline__ void barrier_wait(std::uint32_t barrier, int parity) 
   // The lanes may leave the loop in different rounds; the .aligned ldmatrix and mma.sync after a wait need the warp
   // converged, which this makes explicit rather than left to the compiler's reconvergence.
   __syncwarp();
-#endif
-}
-
-__device__ __forceinline__ void load_matrix_x4(std::uint32_t address, std::uint32_t (&r)[4]) {
-#if KERNELS_SM80_DEVICE
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-#endif
-}
-
-// d = a b + c, m16n8k16, fp16 operands, fp32 accumulator; kZero: c = 0 (a chunk's first product).
-template <bool kZero>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                             std::uint32_t b1) {
-#if KERNELS_SM80_DEVICE
-  if constexpr (kZero) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %10, %10, %10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 #endif
 }
 

@@ -1,0 +1,583 @@
+// fp32-accurate attention on fp16 tensor cores (contract: attention.h), the GEMM family's split method
+// (gemm/split_numerics.cuh) in a flash-attention loop on sm_80 instructions (mma.sync, cp.async), so it runs from
+// the A100 on.
+// - Passes split the operands ahead: q's and k's rows over the head dim, each with its power of two; v's columns over
+//   the keys, written transposed (head dim x keys) so that the products read their pairs along the keys. Rows are
+//   padded to kAttentionTile with zeros. Heads whose values the split cannot take are flagged.
+// - The kernel: a CTA per 64 query rows of a head, a warp per 16 rows, 64 keys a step, two stages of cp.async.
+//   Scores: per 16 of the head dim three m16n8k16 products, the large one in a fresh accumulator each; then the
+//   scale and both powers of two, the causal mask, the online softmax in fp32 (expf). Probabilities, times 2^13,
+//   are split in registers into the next products' operands; the running output is multiplied by the softmax's
+//   correction, then the products with v are added to it the same way.
+// - Flagged heads: the same CTAs compute them on the plain path, a thread per query row, fp32 throughout.
+#include "attention.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <optional>
+
+#include "common/dependent_launch.cuh"
+#include "common/mma_sm80.cuh"
+#include "common/once_per_device.h"
+#include "gemm/split_numerics.cuh"
+
+namespace kernels::attention {
+namespace {
+
+using common::sm80::commit_copies;
+using common::sm80::copy_16_async;
+using common::sm80::load_matrix_x4;
+using common::sm80::mma_m16n8k16;
+using common::sm80::shared_address;
+using common::sm80::wait_copies;
+using gemm::bits;
+using gemm::exact_power_of_two;
+using gemm::is_finite;
+using gemm::scale_exponent;
+using gemm::split_pair;
+using gemm::SplitPair;
+
+constexpr int kTile = kAttentionTile;
+constexpr int kWarps = kTile / 16;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRowPad = 8;  // fp16 values after each shared-memory row: a quad's rows fall in distinct banks
+// Probabilities are split as p * 2^13: p <= 1, so the largest is in [2^12, 2^13] as the split's scaled values are.
+constexpr int kProbabilityExponent = 13;
+constexpr int kSplitThreads = 256;
+
+// A row or column the split takes: finite, and its largest |value| 0 or within [2^-40, 2^40), where every power of
+// two the kernel multiplies by, and its products with the scale, are exact floats.
+__device__ __forceinline__ bool splittable(float max_abs, bool finite) {
+  return finite && (max_abs == 0.0f || (max_abs >= 0x1p-40f && max_abs < 0x1p40f));
+}
+
+__device__ __forceinline__ std::uint32_t load_pair(const __half* p) {
+  return *reinterpret_cast<const std::uint32_t*>(p);
+}
+
+// ---- the passes ---------------------------------------------------------------------------------------------------
+
+// q's or k's rows (heads x padded rows): a warp per row; hi and lo (heads, padded rows, kDim) fp16, the power of
+// two per row. Padding rows are zeros with exponent 0.
+template <int kDim>
+__global__ void __launch_bounds__(kSplitThreads)
+split_rows_kernel(const float* __restrict__ x, OperandStrides strides, std::int64_t heads, std::int64_t rows,
+                  std::int64_t padded_rows, std::int64_t total_rows, __half* __restrict__ hi, __half* __restrict__ lo,
+                  std::int32_t* __restrict__ exponent, std::int32_t* __restrict__ flags) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
+  constexpr int kPairs = kDim / 64;  // a lane's pairs: columns 64 p + 2 lane, + 1
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kSplitThreads / 32);
+  for (std::int64_t r = (static_cast<std::int64_t>(blockIdx.x) * kSplitThreads + threadIdx.x) / 32; r < total_rows;
+       r += warps) {
+    const std::int64_t head = r / padded_rows, row = r % padded_rows;
+    float v[kPairs][2];
+    float max_abs = 0.0f;
+    bool finite = true;
+    const float* source = x + (head / heads) * strides.batch + (head % heads) * strides.head + row * strides.row;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        v[p][i] = row < rows ? source[64 * p + 2 * lane + i] : 0.0f;
+        max_abs = fmaxf(max_abs, fabsf(v[p][i]));
+        finite = finite && is_finite(v[p][i]);
+      }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
+    const bool ok = __all_sync(0xffffffffu, splittable(max_abs, finite));
+    const int e = ok ? scale_exponent(max_abs) : 0;
+    const float scale = ok ? exact_power_of_two(e) : 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const SplitPair s = split_pair(v[p][0] * scale, v[p][1] * scale);
+      const std::int64_t at = r * kDim + 64 * p + 2 * lane;
+      *reinterpret_cast<__half2*>(hi + at) = s.hi;
+      *reinterpret_cast<__half2*>(lo + at) = s.lo;
+    }
+    if (lane == 0) {
+      exponent[r] = e;
+      if (!ok) flags[head] = 1;
+    }
+  }
+}
+
+// v's columns over the keys, a CTA per head: the column maxima first, then 64 keys at a time through shared memory,
+// written transposed: hi and lo (heads, kDim, padded rows), the power of two per column (heads, kDim).
+template <int kDim>
+__global__ void __launch_bounds__(kSplitThreads)
+split_columns_kernel(const float* __restrict__ v, OperandStrides strides, std::int64_t heads, std::int64_t rows,
+                     std::int64_t padded_rows, __half* __restrict__ hi, __half* __restrict__ lo,
+                     std::int32_t* __restrict__ exponent, std::int32_t* __restrict__ flags) {
+  wait_for_previous_grid();
+  allow_next_grid();
+  constexpr int kGroups = kSplitThreads / kDim;  // threads per column
+  __shared__ float tile[kTile][kDim + 1];
+  __shared__ float maxima[kSplitThreads];
+  __shared__ float scales[kDim];
+  const std::int64_t head = blockIdx.x;
+  const float* source = v + (head / heads) * strides.batch + (head % heads) * strides.head;
+  const int column = threadIdx.x % kDim, group = threadIdx.x / kDim;
+  float max_abs = 0.0f;
+  bool finite = true;
+  for (std::int64_t r = group; r < rows; r += kGroups) {
+    const float value = source[r * strides.row + column];
+    max_abs = fmaxf(max_abs, fabsf(value));
+    finite = finite && is_finite(value);
+  }
+  maxima[threadIdx.x] = max_abs;
+  __syncthreads();
+  if (group == 0) {
+#pragma unroll
+    for (int g = 1; g < kGroups; ++g) max_abs = fmaxf(max_abs, maxima[g * kDim + column]);
+  }
+  // The head is flagged where any value is non-finite or a column's maximum is out of range.
+  const bool ok = !__syncthreads_or(!finite || (group == 0 && !splittable(max_abs, true)));
+  if (group == 0) {
+    const int e = ok ? scale_exponent(max_abs) : 0;
+    scales[column] = ok ? exact_power_of_two(e) : 0.0f;
+    exponent[head * kDim + column] = e;
+  }
+  if (!ok && threadIdx.x == 0) flags[head] = 1;
+  __syncthreads();
+  const float scale = scales[column];
+  __half* const hi_head = hi + head * kDim * padded_rows;
+  __half* const lo_head = lo + head * kDim * padded_rows;
+  for (std::int64_t first = 0; first < padded_rows; first += kTile) {
+    for (int r = group; r < kTile; r += kGroups)
+      tile[r][column] = first + r < rows ? source[(first + r) * strides.row + column] * scale : 0.0f;
+    __syncthreads();
+    for (int i = threadIdx.x; i < kDim * kTile / 2; i += kSplitThreads) {
+      const int c = i / (kTile / 2), pair = i % (kTile / 2);
+      const SplitPair s = split_pair(tile[2 * pair][c], tile[2 * pair + 1][c]);
+      const std::int64_t at = c * padded_rows + first + 2 * pair;
+      *reinterpret_cast<__half2*>(hi_head + at) = s.hi;
+      *reinterpret_cast<__half2*>(lo_head + at) = s.lo;
+    }
+    __syncthreads();
+  }
+}
+
+// ---- the plain path: flagged heads ----------------------------------------------------------------------------
+
+struct PlainOperands {
+  const float *q, *k, *v;
+  OperandStrides q_strides, k_strides, v_strides;
+  float* out;
+  OperandStrides out_strides;
+  float* logsumexp;
+};
+
+// One query row of a head in fp32: the scores (a sequential sum of products, then the scale), their maximum (NaN
+// once any score is NaN), then exp(score - max), its sum and the weighted sum of v's rows accumulated in out. IEEE
+// arithmetic carries every non-finite value as eager's sum does.
+__device__ __forceinline__ void plain_row(const PlainOperands& ops, const AttentionShape& shape, std::int64_t head, std::int64_t row,
+                          bool causal, float scale) {
+  const std::int64_t batch = head / shape.heads, head_in_batch = head % shape.heads;
+  const std::int64_t kv_in_batch = head_in_batch / (shape.heads / shape.kv_heads);
+  const std::int64_t d = shape.head_dim;
+  const float* q_row = ops.q + batch * ops.q_strides.batch + head_in_batch * ops.q_strides.head +
+                       row * ops.q_strides.row;
+  const float* k_head = ops.k + batch * ops.k_strides.batch + kv_in_batch * ops.k_strides.head;
+  const float* v_head = ops.v + batch * ops.v_strides.batch + kv_in_batch * ops.v_strides.head;
+  float* out_row = ops.out + batch * ops.out_strides.batch + head_in_batch * ops.out_strides.head +
+                   row * ops.out_strides.row;
+  const std::int64_t keys = causal ? min(shape.key_rows, row + 1) : shape.key_rows;
+  const auto score_of = [&](std::int64_t key) {
+    const float* k_row = k_head + key * ops.k_strides.row;
+    float dot = 0.0f;
+    for (std::int64_t i = 0; i < d; ++i) dot = fmaf(q_row[i], k_row[i], dot);
+    return dot * scale;
+  };
+  float max_score = -INFINITY;
+  for (std::int64_t key = 0; key < keys; ++key) {
+    const float s = score_of(key);
+    if (s > max_score || s != s) max_score = s;
+    if (max_score != max_score) break;  // NaN stays
+  }
+  for (std::int64_t i = 0; i < d; ++i) out_row[i] = 0.0f;
+  float sum = 0.0f;
+  for (std::int64_t key = 0; key < keys; ++key) {
+    const float p = expf(score_of(key) - max_score);
+    sum += p;
+    const float* v_row = v_head + key * ops.v_strides.row;
+    for (std::int64_t i = 0; i < d; ++i) out_row[i] = fmaf(p, v_row[i], out_row[i]);
+  }
+  for (std::int64_t i = 0; i < d; ++i) out_row[i] = out_row[i] / sum;
+  if (ops.logsumexp != nullptr)
+    ops.logsumexp[head * logsumexp_stride(shape.query_rows) + row] = max_score + logf(sum);
+}
+
+// Every head on the plain path (the generic path, which tests force): a thread per query row.
+__global__ void __launch_bounds__(kTile)
+attention_plain_kernel(PlainOperands ops, AttentionShape shape, std::int64_t query_tiles, bool causal, float scale) {
+  wait_for_previous_grid();
+  allow_next_grid();
+  const std::int64_t head = blockIdx.x / query_tiles, row = blockIdx.x % query_tiles * kTile + threadIdx.x;
+  if (row < shape.query_rows) plain_row(ops, shape, head, row, causal, scale);
+}
+
+// ---- the split kernel ---------------------------------------------------------------------------------------------
+
+struct SplitOperands {
+  const __half *q_hi, *q_lo, *k_hi, *k_lo, *v_hi, *v_lo;
+  const std::int32_t *q_exponent, *k_exponent, *v_exponent, *flags;
+};
+
+template <int kDim>
+struct Stage {
+  static constexpr int kKeyRow = kDim + kRowPad;    // k tiles: keys x head dim
+  static constexpr int kValueRow = kTile + kRowPad;  // v tiles: head dim x keys
+  static constexpr int kKeyValues = kTile * kKeyRow, kValueValues = kDim * kValueRow;
+  static constexpr int kBytes = 2 * (2 * kKeyValues + 2 * kValueValues) + 4 * kTile;  // k hi, lo; v hi, lo; exponents
+};
+
+// Two stages of 36 KB where the head dim is 64; one past it (a stage of 70 KB at 128: two CTAs an SM overlap each
+// other's loads instead).
+template <int kDim>
+constexpr int kStages = kDim == 64 ? 2 : 1;
+
+template <int kDim>
+constexpr int attention_shared_bytes() {
+  return kStages<kDim> * Stage<kDim>::kBytes;
+}
+
+template <int kDim>
+__global__ void __launch_bounds__(kThreads, 2)
+attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape shape, std::int64_t query_tiles,
+                       bool causal, float scale) {
+#if KERNELS_SM80_DEVICE
+  using S = Stage<kDim>;
+  wait_for_previous_grid();
+  allow_next_grid();
+  const std::int64_t q_heads = shape.batch * shape.heads;
+  const std::int64_t head = blockIdx.x / query_tiles;
+  // The longest tiles (the last, under a causal mask) first.
+  const std::int64_t tile = query_tiles - 1 - blockIdx.x % query_tiles;
+  const std::int64_t kv_head = head / shape.heads * shape.kv_heads + head % shape.heads / (shape.heads / shape.kv_heads);
+  if (ops.flags[head] != 0 || ops.flags[q_heads + kv_head] != 0) {  // a head the split cannot take
+    const std::int64_t row = tile * kTile + threadIdx.x;
+    if (threadIdx.x < kTile && row < shape.query_rows) plain_row(plain, shape, head, row, causal, scale);
+    return;
+  }
+  extern __shared__ __align__(16) unsigned char shared[];
+  const std::uint32_t shared_base = shared_address(shared);
+  const std::int64_t q_padded = padded(shape.query_rows), k_padded = padded(shape.key_rows);
+  const std::int64_t key_tiles_all = k_padded / kTile;
+  const std::int64_t key_tiles = causal ? min(key_tiles_all, tile + 1) : key_tiles_all;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+  // The stage loads: k's hi and lo (64 keys x kDim), v's (kDim x 64 keys), the keys' exponents.
+  const __half* k_sources[2] = {ops.k_hi + kv_head * k_padded * kDim, ops.k_lo + kv_head * k_padded * kDim};
+  const __half* v_sources[2] = {ops.v_hi + kv_head * kDim * k_padded, ops.v_lo + kv_head * kDim * k_padded};
+  const std::int32_t* k_exponents = ops.k_exponent + kv_head * k_padded;
+  const auto load_stage = [&](std::int64_t key_tile, int stage) {
+    const std::uint32_t base = shared_base + stage * S::kBytes;
+    constexpr int kKeyUnits = kTile * kDim / 8, kValueUnits = kDim * kTile / 8;  // 16-byte units per tile
+#pragma unroll
+    for (int side = 0; side < 2; ++side) {
+#pragma unroll
+      for (int u = threadIdx.x; u < kKeyUnits; u += kThreads) {
+        const int row = u / (kDim / 8), unit = u % (kDim / 8);
+        copy_16_async(base + 2 * (side * S::kKeyValues + row * S::kKeyRow + unit * 8),
+                      k_sources[side] + (key_tile * kTile + row) * kDim + unit * 8, true);
+      }
+#pragma unroll
+      for (int u = threadIdx.x; u < kValueUnits; u += kThreads) {
+        const int row = u / (kTile / 8), unit = u % (kTile / 8);
+        copy_16_async(base + 2 * (2 * S::kKeyValues + side * S::kValueValues + row * S::kValueRow + unit * 8),
+                      v_sources[side] + row * k_padded + key_tile * kTile + unit * 8, true);
+      }
+    }
+    if (threadIdx.x < kTile / 4)
+      copy_16_async(base + 2 * (2 * S::kKeyValues + 2 * S::kValueValues) + 16 * threadIdx.x,
+                    k_exponents + key_tile * kTile + 4 * threadIdx.x, true);
+  };
+  load_stage(0, 0);
+  commit_copies();
+
+  // The warp's 16 query rows as A fragments: per 16 of the head dim, rows g and g + 8 at pairs 2t and 2t + 8.
+  const std::int64_t first_row = tile * kTile + warp * 16;
+  std::uint32_t q_hi[kDim / 16][4], q_lo[kDim / 16][4];
+  {
+    const __half* hi = ops.q_hi + (head * q_padded + first_row) * kDim + 2 * t;
+    const __half* lo = ops.q_lo + (head * q_padded + first_row) * kDim + 2 * t;
+#pragma unroll
+    for (int step = 0; step < kDim / 16; ++step)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int at = (g + 8 * (i % 2)) * kDim + step * 16 + 8 * (i / 2);
+        q_hi[step][i] = load_pair(hi + at);
+        q_lo[step][i] = load_pair(lo + at);
+      }
+  }
+  // Rows g and g + 8: scale * 2^-e (exact: a power of two within range), the row maxima and sums.
+  float row_factor[2], row_max[2], row_sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_factor[h] = scale * exact_power_of_two(-ops.q_exponent[head * q_padded + first_row + g + 8 * h]);
+    row_max[h] = -INFINITY;
+    row_sum[h] = 0.0f;
+  }
+  float out_acc[kDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < kDim / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) out_acc[n][c] = 0.0f;
+
+  for (std::int64_t key_tile = 0; key_tile < key_tiles; ++key_tile) {
+    const int stage = kStages<kDim> == 1 ? 0 : static_cast<int>(key_tile % 2);
+    if (kStages<kDim> == 2 && key_tile + 1 < key_tiles) {
+      load_stage(key_tile + 1, stage ^ 1);
+      commit_copies();
+      wait_copies<1>();
+    } else {
+      wait_copies<0>();
+    }
+    __syncthreads();
+    const std::int32_t* key_exponent = reinterpret_cast<const std::int32_t*>(
+        shared + stage * S::kBytes + 2 * (2 * S::kKeyValues + 2 * S::kValueValues));
+
+    // Scores of the warp's 16 rows x 64 keys: n-fragment j holds keys 8 j + 2t, + 1 (rows g; g + 8). The tensor
+    // cores truncate their sums, a bias that grows with each product added to a sum: the large product (hi hi) of
+    // each 16 of the head dim goes to a fresh accumulator and is added to the score in fp32; the small ones (lo hi,
+    // hi lo) share one accumulator, added last. ldmatrix.x4 gives the B fragments of n-fragments j, j + 1 for one 16
+    // of the head dim: lane l addresses key 8 (j + l / 16) + l % 8 at 8 ((l / 8) % 2).
+    float score[kTile / 8][4];
+    const std::uint32_t k_hi_base = shared_base + stage * S::kBytes;
+    const std::uint32_t k_lo_base = k_hi_base + 2 * S::kKeyValues;
+    const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
+#pragma unroll
+    for (int j = 0; j < kTile / 8; j += 2) {
+      float small[2][4];
+#pragma unroll
+      for (int step = 0; step < kDim / 16; ++step) {
+        std::uint32_t bh[4], bl[4];
+        const std::uint32_t at = key_lane + 2 * (8 * j * S::kKeyRow + 16 * step);
+        load_matrix_x4(k_hi_base + at, bh);
+        load_matrix_x4(k_lo_base + at, bl);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (step == 0)
+            mma_m16n8k16<true>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
+          else
+            mma_m16n8k16<false>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
+          mma_m16n8k16<false>(small[i], q_hi[step], bl[2 * i], bl[2 * i + 1]);
+          float big[4];
+          mma_m16n8k16<true>(big, q_hi[step], bh[2 * i], bh[2 * i + 1]);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) score[j + i][c] = step == 0 ? big[c] : score[j + i][c] + big[c];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) score[j + i][c] += small[i][c];
+    }
+    // Unscale (one rounding: the scale's), mask, and the rows' new maxima.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int key_in_tile = 8 * j + 2 * t + c % 2;
+        const std::int64_t key = key_tile * kTile + key_in_tile;
+        const std::int64_t row = first_row + g + 8 * (c / 2);
+        const float value =
+            score[j][c] * row_factor[c / 2] * exact_power_of_two(-key_exponent[key_in_tile]);
+        const bool masked = key >= shape.key_rows || (causal && key > row);
+        score[j][c] = masked ? -INFINITY : value;
+        tile_max[c / 2] = fmaxf(tile_max[c / 2], score[j][c]);
+      }
+    float correction[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+      const float new_max = fmaxf(row_max[h], tile_max[h]);
+      correction[h] = expf(row_max[h] - new_max);  // 0 at the first step (row_max -inf)
+      row_max[h] = new_max;
+      row_sum[h] *= correction[h];
+    }
+    // Probabilities, split as the A fragments of the products with v: key step s holds n-fragments 2s and 2s + 1.
+    std::uint32_t p_hi[kTile / 16][4], p_lo[kTile / 16][4];
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j) {
+      float p[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        p[c] = expf(score[j][c] - row_max[c / 2]);
+        row_sum[c / 2] += p[c];
+      }
+      const float factor = exact_power_of_two(kProbabilityExponent);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const SplitPair s = split_pair(p[2 * h] * factor, p[2 * h + 1] * factor);
+        p_hi[j / 2][2 * (j % 2) + h] = bits(s.hi);
+        p_lo[j / 2][2 * (j % 2) + h] = bits(s.lo);
+      }
+    }
+    // This step's products with v, 64 columns of the head dim at a time, as the scores': the running output times
+    // the correction, then each 16 keys' large product from a fresh accumulator, the small ones' sum last. ldmatrix.x4
+    // as for k: lane l addresses column 8 (n + l / 16) + l % 8 of v's tile at key 8 ((l / 8) % 2).
+    const std::uint32_t v_hi_base = k_lo_base + 2 * S::kKeyValues;
+    const std::uint32_t v_lo_base = v_hi_base + 2 * S::kValueValues;
+    const std::uint32_t value_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kValueRow + 8 * ((lane / 8) % 2));
+#pragma unroll
+    for (int n = 0; n < kDim / 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) out_acc[n][c] *= correction[c / 2];
+#pragma unroll
+    for (int half = 0; half < kDim / 64; ++half) {
+      float small[8][4];
+#pragma unroll
+      for (int s = 0; s < kTile / 16; ++s)
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+          std::uint32_t bh[4], bl[4];
+          const std::uint32_t at = value_lane + 2 * ((64 * half + 8 * n) * S::kValueRow + 16 * s);
+          load_matrix_x4(v_hi_base + at, bh);
+          load_matrix_x4(v_lo_base + at, bl);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (s == 0)
+              mma_m16n8k16<true>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+            else
+              mma_m16n8k16<false>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+            mma_m16n8k16<false>(small[n + i], p_hi[s], bl[2 * i], bl[2 * i + 1]);
+            float big[4];
+            mma_m16n8k16<true>(big, p_hi[s], bh[2 * i], bh[2 * i + 1]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) out_acc[8 * half + n + i][c] += big[c];
+          }
+        }
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out_acc[8 * half + n][c] += small[n][c];
+    }
+    __syncthreads();  // the stage is read: the next step's loads may overwrite it
+    if (kStages<kDim> == 1 && key_tile + 1 < key_tiles) {
+      load_stage(key_tile + 1, 0);
+      commit_copies();
+    }
+  }
+
+  // The rows' sums over the quad, then out = acc * 2^-(13 + e_column) / sum (one rounding: the division's).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  const std::int32_t* v_exponent = ops.v_exponent + kv_head * kDim;
+  const std::int64_t batch = head / shape.heads, head_in_batch = head % shape.heads;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const std::int64_t row = first_row + g + 8 * h;
+    if (row >= shape.query_rows) continue;
+    float* target = plain.out + batch * plain.out_strides.batch + head_in_batch * plain.out_strides.head +
+                    row * plain.out_strides.row;
+#pragma unroll
+    for (int n = 0; n < kDim / 8; ++n)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int column = 8 * n + 2 * t + i;
+        const float unscale = exact_power_of_two(-(kProbabilityExponent + v_exponent[column]));
+        target[column] = (out_acc[n][2 * h + i] * unscale) / row_sum[h];
+      }
+    if (plain.logsumexp != nullptr && t == 0)
+      plain.logsumexp[head * logsumexp_stride(shape.query_rows) + row] = row_max[h] + logf(row_sum[h]);
+  }
+#endif
+}
+
+template <int kDim>
+cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape, bool causal, float scale,
+                         const AttentionWorkspace& layout, unsigned char* workspace, cudaStream_t stream) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const auto kernel = attention_split_kernel<kDim>;
+  const bool shared_set = once_per_device(device, [&err, kernel](int) -> std::optional<bool> {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attention_shared_bytes<kDim>());
+    if (err == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }).value_or(false);
+  if (!shared_set) return err;
+  const std::int64_t q_heads = shape.batch * shape.heads, kv_heads = shape.batch * shape.kv_heads;
+  const std::int64_t q_padded = padded(shape.query_rows), k_padded = padded(shape.key_rows);
+  auto* q_split = reinterpret_cast<__half*>(workspace + layout.q_split);
+  auto* k_split = reinterpret_cast<__half*>(workspace + layout.k_split);
+  auto* v_split = reinterpret_cast<__half*>(workspace + layout.v_split);
+  auto* q_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.q_exponent);
+  auto* k_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.k_exponent);
+  auto* v_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.v_exponent);
+  auto* flags = reinterpret_cast<std::int32_t*>(workspace + layout.flags);
+  const std::int64_t q_values = q_heads * q_padded * kDim, kv_values = kv_heads * k_padded * kDim;
+  err = cudaMemsetAsync(flags, 0, 4 * (q_heads + kv_heads), stream);
+  if (err != cudaSuccess) return err;
+  const auto row_blocks = [](std::int64_t rows) {
+    const std::int64_t blocks = (rows + kSplitThreads / 32 - 1) / (kSplitThreads / 32);
+    return dim3(static_cast<unsigned>(blocks < 65536 ? blocks : 65536));
+  };
+  err = launch_dependent(split_rows_kernel<kDim>, row_blocks(q_heads * q_padded), dim3(kSplitThreads), 0, stream,
+                         plain.q, plain.q_strides, shape.heads, shape.query_rows, q_padded, q_heads * q_padded,
+                         q_split, q_split + q_values, q_exponent, flags);
+  if (err != cudaSuccess) return err;
+  err = launch_dependent(split_rows_kernel<kDim>, row_blocks(kv_heads * k_padded), dim3(kSplitThreads), 0, stream,
+                         plain.k, plain.k_strides, shape.kv_heads, shape.key_rows, k_padded, kv_heads * k_padded,
+                         k_split, k_split + kv_values, k_exponent, flags + q_heads);
+  if (err != cudaSuccess) return err;
+  err = launch_dependent(split_columns_kernel<kDim>, dim3(static_cast<unsigned>(kv_heads)), dim3(kSplitThreads), 0,
+                         stream, plain.v, plain.v_strides, shape.kv_heads, shape.key_rows, k_padded, v_split,
+                         v_split + kv_values, v_exponent, flags + q_heads);
+  if (err != cudaSuccess) return err;
+  const SplitOperands ops{q_split, q_split + q_values, k_split, k_split + kv_values, v_split, v_split + kv_values,
+                          q_exponent, k_exponent, v_exponent, flags};
+  const std::int64_t query_tiles = q_padded / kTile;
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(q_heads * query_tiles)), dim3(kThreads),
+                          attention_shared_bytes<kDim>(), stream, ops, plain, shape, query_tiles, causal, scale);
+}
+
+template <int kDim>
+bool supported_on(int device) {
+  return once_per_device(device, [](int d) -> std::optional<bool> {
+    int major = 0, shared = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    return major >= 8 && shared >= attention_shared_bytes<kDim>();
+  }).value_or(false);
+}
+
+}  // namespace
+
+bool attention_supported(int device, std::int64_t head_dim) {
+  return supported_head_dim(head_dim) && supported_on<64>(device);
+}
+
+cudaError_t launch_attention(const float* q, OperandStrides q_strides, const float* k, OperandStrides k_strides,
+                             const float* v, OperandStrides v_strides, float* out, OperandStrides out_strides,
+                             float* logsumexp, const AttentionShape& shape, bool causal, float scale,
+                             bool plain_only, void* workspace, cudaStream_t stream) {
+  if (!supported_head_dim(shape.head_dim) || shape.kv_heads <= 0 || shape.heads % shape.kv_heads != 0)
+    return cudaErrorInvalidValue;
+  const PlainOperands plain{q, k, v, q_strides, k_strides, v_strides, out, out_strides, logsumexp};
+  if (plain_only) {
+    const std::int64_t query_tiles = padded(shape.query_rows) / kTile;
+    return launch_dependent(attention_plain_kernel,
+                            dim3(static_cast<unsigned>(shape.batch * shape.heads * query_tiles)), dim3(kTile), 0,
+                            stream, plain, shape, query_tiles, causal, scale);
+  }
+  const AttentionWorkspace layout = attention_workspace(shape);
+  auto* base = static_cast<unsigned char*>(workspace);
+  return launch_split<64>(plain, shape, causal, scale, layout, base, stream);
+}
+
+}  // namespace kernels::attention

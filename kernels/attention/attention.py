@@ -1,0 +1,97 @@
+"""The attention family's Python side: the op's fake and autograd, and attention().
+
+Op (schema in attention.cpp):
+  attention(query, key, value, is_causal, scale) -> (output, logsumexp)
+      softmax(query key^T * scale (causal mask from the top left), dim=-1) value, fp32-accurate on fp16 tensor cores
+      for float32 CUDA tensors with head dim 64; logsumexp: each row's log-sum-exp of its scaled scores
+      (batch, heads, rows rounded up to 32), as PyTorch's memory-efficient attention keeps it.
+  _attention_force_plain(plain) -> previous: every head on the plain fp32 kernel (tests).
+
+The gradient: eager's (float32 CUDA with as many kv heads as heads: PyTorch's memory-efficient attention, its forward
+recomputed for the output and logsumexp its backward reads), else the gradient of the same formula in ATen's ops.
+First order only, as eager's fused attention. fp32_gemm routes only calls that need no gradient.
+"""
+
+import math
+
+import torch
+
+from kernels import loader
+
+loader.load_library()
+
+_ALIGN_LSE = 32  # the logsumexp rows' padding, PyTorch's memory-efficient attention's
+
+
+def _attention_fake(query, key, value, is_causal, scale):
+    batch, heads, rows, dim = query.shape
+    out = query.new_empty((batch, rows, heads, dim)).permute(0, 2, 1, 3)
+    lse = query.new_empty((batch, heads, (rows + _ALIGN_LSE - 1) // _ALIGN_LSE * _ALIGN_LSE))
+    return out, lse
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _reference(query, key, value, is_causal, scale):
+    """The formula in ATen's ops (kv heads repeated for their query heads)."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = (query @ key.transpose(-2, -1)) * scale
+    if is_causal:
+        rows, keys = scores.shape[-2:]
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores.softmax(-1) @ value
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    if grad_out is None:
+        return None, None, None, None, None
+    if query.is_cuda and query.dtype == torch.float32 and query.shape[1] == key.shape[1]:
+        # Eager's memory-efficient backward, in its (batch, rows, heads, head dim) layout, on the output and
+        # logsumexp of its own forward, recomputed: it recomputes the probabilities from the logsumexp, which must
+        # come from its own scores' arithmetic (this op's, more accurate, leave its gradients less so).
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        mask_type = 1 if ctx.is_causal else 0  # 1: causal from the top left
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            q, k, v, None, None, None, query.shape[2], key.shape[2], 0.0, mask_type, True, scale=ctx.scale)
+        grads = torch.ops.aten._efficient_attention_backward(
+            grad_out.transpose(1, 2), q, k, v, None, out, None, None, query.shape[2], key.shape[2], lse, 0.0, seed,
+            offset, mask_type, False, scale=ctx.scale)
+        grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in grads[:3])
+    else:
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(n) for t, n in zip((query, key, value), needs)]
+            recomputed = _reference(*inputs, ctx.is_causal, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            found = iter(torch.autograd.grad(recomputed, wanted, grad_out))
+            grad_q, grad_k, grad_v = (next(found) if t.requires_grad else None for t in inputs)
+    return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None, None, None)
+
+
+def attention(query, key, value, is_causal=False, scale=None):
+    """F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale) without a mask or
+    dropout, query (batch, heads, rows, head dim), key and value (batch, kv heads, key rows, head dim), heads a
+    multiple of kv heads. Float32 CUDA tensors of head dim 64 take the fp32-accurate split kernels."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    return torch.ops.kernels.attention.default(query, key, value, bool(is_causal), float(scale))[0]
+
+
+def _register_fake_and_autograd():
+    torch.library.register_fake("kernels::attention", _attention_fake)
+    torch.library.register_autograd("kernels::attention", _backward, setup_context=_setup_context)
+
+
+loader.register_once("attention", _register_fake_and_autograd)

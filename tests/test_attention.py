@@ -1,0 +1,201 @@
+"""Attention: the op against float64 and against eager's F.scaled_dot_product_attention (error no larger than
+eager fp32's, allclose at 1e-4), forward, logsumexp and gradients, on CPU and CUDA; the split kernels and the plain
+kernel (forced, and for heads holding non-finite or out-of-range values), grouped kv heads, the fp32_gemm route,
+torch.compile and bad input."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from conftest import poison_allocator, requires_cuda
+from kernels.attention.attention import _reference
+from kernels.functional import attention
+from kernels.precision import allclose, relative_error
+
+# (batch, heads, kv heads, query rows, key rows, head dim)
+SHAPES = {
+    "BERT-like": (2, 16, 16, 512, 512, 64),
+    "ViT rows (197)": (4, 12, 12, 197, 197, 64),
+    "odd rows, more keys": (2, 4, 4, 37, 45, 64),
+    "more queries than keys": (1, 2, 2, 130, 70, 64),
+    "head dim 128": (2, 8, 8, 256, 256, 128),
+    "grouped kv heads": (2, 8, 2, 100, 100, 64),
+    "one row": (3, 2, 2, 1, 1, 64),
+}
+
+
+def operands(shape, device, seed=0, kind="randn"):
+    batch, heads, kv_heads, rows, keys, dim = shape
+    g = torch.Generator().manual_seed(seed)
+    make = torch.randn if kind == "randn" else torch.rand
+    q = make(batch, heads, rows, dim, generator=g)
+    k = make(batch, kv_heads, keys, dim, generator=g)
+    v = make(batch, kv_heads, keys, dim, generator=g)
+    return [t.to(device) for t in (q, k, v)]
+
+
+def eager(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def exact(q, k, v, causal):
+    return _reference(q.double(), k.double(), v.double(), causal, 1.0 / math.sqrt(q.shape[-1]))
+
+
+class ForcedPlain:
+    def __enter__(self):
+        self.previous = torch.ops.kernels._attention_force_plain(True)
+
+    def __exit__(self, *exc):
+        torch.ops.kernels._attention_force_plain(self.previous)
+
+
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_forward_against_float64(device, name, causal, kind):
+    shape = SHAPES[name]
+    if device == "cpu" and shape[3] * shape[4] * shape[1] > 2 ** 22:
+        pytest.skip("CPU: the ATen path at a smaller size")
+    q, k, v = operands(shape, device, kind=kind)
+    poison_allocator((shape[0], shape[3], shape[1], shape[5]), torch.float32, device)
+    y = attention(q, k, v, causal)
+    assert y.shape == q.shape[:3] + v.shape[3:] and y.dtype == torch.float32
+    reference, y64 = eager(q, k, v, causal), exact(q, k, v, causal)
+    assert not y.isnan().any()
+    assert allclose(y, reference)
+    assert relative_error(y, y64) <= relative_error(reference, y64)
+
+
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_logsumexp(causal):
+    q, k, v = operands(SHAPES["odd rows, more keys"], "cuda", seed=1)
+    _, lse = torch.ops.kernels.attention(q, k, v, causal, 0.125)
+    scores = (q.double() @ k.double().transpose(-2, -1)) * 0.125
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device="cuda").triu(1), -math.inf)
+    expected = scores.logsumexp(-1)
+    assert lse.shape == (2, 4, 64)
+    torch.testing.assert_close(lse[..., :37].double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["odd rows, more keys", "head dim 128", "grouped kv heads"])
+def test_plain_kernel_forced(name, causal):
+    q, k, v = operands(SHAPES[name], "cuda", seed=2)
+    with ForcedPlain():
+        y = attention(q, k, v, causal)
+    reference, y64 = eager(q, k, v, causal), exact(q, k, v, causal)
+    assert allclose(y, reference)
+    assert relative_error(y, y64) <= 2 * relative_error(reference, y64)
+
+
+@requires_cuda
+@pytest.mark.parametrize("scaling", ["wide rows", "out of range"])
+def test_scaled_rows(scaling):
+    # Rows of q and k and columns of v at magnitudes from 2^-30 to 2^30 (the split's powers of two), or one row past
+    # 2^40 (its head on the plain kernel): error against float64 no larger than eager's.
+    q, k, v = operands((2, 4, 4, 96, 96, 64), "cuda", seed=3)
+    g = torch.Generator().manual_seed(4)
+    for t, dim in ((q, 2), (k, 2), (v, 3)):
+        exponents = torch.randint(-30, 31, (t.shape[dim],), generator=g).float()
+        shape = [1] * 4
+        shape[dim] = -1
+        t.mul_(torch.exp2(exponents).view(shape).cuda())
+    if scaling == "out of range":
+        q[1, 2, 5] *= 2.0 ** 60
+        v[0, 1, :, 7] *= 2.0 ** -45
+    q /= 2 ** 15  # the scores' magnitudes stay where softmax is not one-hot everywhere
+    y = attention(q, k, v)
+    reference, y64 = eager(q, k, v, False), exact(q, k, v, False)
+    assert not y.isnan().any()
+    assert relative_error(y, y64) <= relative_error(reference, y64) * 1.0 + 1e-7
+
+
+@requires_cuda
+@pytest.mark.parametrize("where", ["q NaN", "k Inf", "v NaN", "v -Inf", "q Inf"])
+def test_non_finite(where):
+    q, k, v = operands((2, 4, 4, 70, 70, 64), "cuda", seed=5)
+    target, value = {"q NaN": (q, math.nan), "k Inf": (k, math.inf), "v NaN": (v, math.nan), "v -Inf": (v, -math.inf),
+                     "q Inf": (q, math.inf)}[where]
+    target[1, 2, 17, 9] = value
+    y = attention(q, k, v)
+    reference = _reference(q, k, v, False, 0.125)  # IEEE arithmetic in fp32, eager's math
+    assert torch.equal(y.isnan(), reference.isnan())
+    assert torch.equal(y.isinf(), reference.isinf())
+    finite = reference.isfinite()
+    torch.testing.assert_close(y[finite], reference[finite], atol=1e-5, rtol=1e-5)
+    # The other heads stay on the split kernels: bit for bit as without the non-finite value elsewhere.
+    assert y[0].isfinite().all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["odd rows, more keys", "head dim 128", "grouped kv heads"])
+def test_gradients(device, name, causal):
+    q, k, v = (t.requires_grad_() for t in operands(SHAPES[name], device, seed=6))
+    grad = torch.randn(q.shape[:3] + v.shape[3:], generator=torch.Generator().manual_seed(7)).to(device)
+    ours = torch.autograd.grad(attention(q, k, v, causal), (q, k, v), grad)
+    theirs = torch.autograd.grad(eager(q, k, v, causal), (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    exact_grads = torch.autograd.grad(exact(q64, k64, v64, causal), (q64, k64, v64), grad.double())
+    for a, b, e in zip(ours, theirs, exact_grads):
+        assert allclose(a, b)
+        assert relative_error(a, e) <= 1.1 * relative_error(b, e) + 1e-7
+    if device == "cuda" and name != "grouped kv heads" and q.shape[-1] == 64:  # eager's own backward, bit for bit
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@requires_cuda
+def test_fp32_gemm_routes_sdpa():
+    q, k, v = operands((1, 4, 4, 512, 512, 64), "cuda", seed=8)
+    long = operands((1, 2, 2, 2048, 2048, 64), "cuda", seed=9)
+    short = operands(SHAPES["ViT rows (197)"], "cuda", seed=10)
+    mask = torch.ones(512, 512, dtype=torch.bool, device="cuda").tril()
+    with kernels.fp32_gemm():
+        routed = F.scaled_dot_product_attention(q, k, v)
+        causal = F.scaled_dot_product_attention(*long, is_causal=True, scale=0.3)
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # a mask: eager's
+        few_keys = F.scaled_dot_product_attention(*short)  # under 512 keys: eager's
+        short_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # under 2048 keys: eager's
+    torch.testing.assert_close(routed, attention(q, k, v), atol=0, rtol=0)
+    torch.testing.assert_close(causal, attention(*long, True, 0.3), atol=0, rtol=0)
+    torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=0, rtol=0)
+    torch.testing.assert_close(few_keys, F.scaled_dot_product_attention(*short), atol=0, rtol=0)
+    torch.testing.assert_close(short_causal, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=0, rtol=0)
+    # A call that computes a gradient stays eager's (outputs bit for bit).
+    q.requires_grad_()
+    with kernels.fp32_gemm():
+        trained = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(trained, F.scaled_dot_product_attention(q, k, v), atol=0, rtol=0)
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_torch_compile():
+    q, k, v = operands(SHAPES["odd rows, more keys"], "cuda", seed=9)
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, True) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v, True) * 2, atol=0, rtol=0)
+
+
+def test_empty_rows(device):
+    q, k, v = operands((2, 4, 4, 0, 8, 64), device)
+    assert attention(q, k, v).shape == (2, 4, 0, 64)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda q, k, v: (q[0], k, v), "must have 4 dimensions"),
+    (lambda q, k, v: (q, k, v[..., :32]), "same shape"),
+    (lambda q, k, v: (q, k.double(), v), "same dtype"),
+    (lambda q, k, v: (q.int(), k, v), "float32, float64, float16 or bfloat16"),
+    (lambda q, k, v: (q[:, :3], k[:, :2], v[:, :2]), "must be a multiple of"),
+])
+def test_bad_input(bad, message):
+    q, k, v = operands((2, 4, 4, 8, 8, 64), "cpu")
+    with pytest.raises(RuntimeError, match=message):
+        attention(*bad(q, k, v))
