@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_bitwise_equal, run_on_two_processes
 from kernels import loader
+from kernels.attention.attention import attention
 from kernels.causal_softmax.causal_softmax import causal_softmax
 from kernels.gemm.gemm import KEPT_SPLIT_MIN_PRODUCTS, SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from kernels.manifest import FAMILIES
@@ -267,12 +268,50 @@ class CausalSoftmaxCase:
             torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+class AttentionCase:
+    """The attention family: its forward without a gradient (the split kernels; one head out of range, on the plain
+    path) and with one (eager's backward), against eager's F.scaled_dot_product_attention."""
+
+    family = "attention"
+    ops = {"attention"}
+
+    def __str__(self):
+        return "attention"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        q, k, v = (torch.randn(2, 4, 70, 64, device=device, generator=generator) for _ in range(3))
+        q[1, 2, 5] *= 2.0 ** 50  # a row past the split's range: its head on the plain path
+        return {"q": q, "k": k, "v": v, "grad": torch.randn(2, 4, 70, 64, device=device, generator=generator)}
+
+    @staticmethod
+    def run(fn, q, k, v, grad):
+        with torch.no_grad():
+            outputs = {"no_grad": fn(q, k, v), "no_grad causal": fn(q, k, v, is_causal=True)}
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves, is_causal=True).backward(grad)
+        outputs.update({f"{name} grad": t.grad for name, t in zip("qkv", leaves)})
+        return outputs
+
+    def ours(self, **inputs):
+        return self.run(attention, **inputs)
+
+    def eager(self, **inputs):
+        return self.run(torch.nn.functional.scaled_dot_product_attention, **inputs)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
               for path in PATHS_ON_SECOND
               for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
-CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [CausalSoftmaxCase()]
+CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [CausalSoftmaxCase(), AttentionCase()]
 
 
 def ops_that_compute():

@@ -62,8 +62,9 @@ void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               shape_str(k.sizes()), " and ", shape_str(v.sizes()));
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "kernels.attention: query ", shape_str(q.sizes()),
               " and key ", shape_str(k.sizes()), " must have the same batch and head dim");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "kernels.attention: query's heads (", q.size(1),
-              ") must be a multiple of key's (", k.size(1), ")");
+  const std::int64_t heads = q.size(1), kv_heads = k.size(1);
+  const bool grouped = kv_heads > 0 && heads % kv_heads == 0;
+  TORCH_CHECK(grouped, "kernels.attention: query has ", heads, " heads, which must be a multiple of key's ", kv_heads);
 }
 
 // ---- the ATen path: eager's attention, and the logsumexp from the scores ----------------------------------------------------------------------------------------------
