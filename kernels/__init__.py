@@ -2,7 +2,7 @@
 folder (kernels/manifest.py lists them).
 
     import kernels
-    kernels.patch(model)                 # a model's nn.Linear / Conv1D layers on the fp32-accurate fast GEMM
+    kernels.patch(model)                 # nn.Linear / Conv1D on the fp32-accurate fast GEMM; NewGELU in one kernel
     with kernels.fp32_gemm(): ...        # functional products (F.linear, matmul, @, mm, addmm) too
     from kernels.functional import leaky_relu, gemm_multiply_leaky_relu
 

@@ -215,12 +215,12 @@ def _top_level_names(tree):
 
 
 def _patching_python():
-    """kernels/patching.py with its imports of the GEMM and attention families' names dropped (they are defined above
-    it)."""
+    """kernels/patching.py with its imports of the families' names dropped (they are defined above it)."""
     path = os.path.join(REPO_ROOT, "kernels", "patching.py")
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    text = re.sub(r"^from kernels\.(gemm\.gemm|attention\.attention) import [^\n]+\n", "", text, flags=re.M)
+    text = re.sub(r"^from kernels\.(gemm\.gemm|attention\.attention|gelu_tanh\.gelu_tanh) import [^\n]+\n", "", text,
+                  flags=re.M)
     leftover = re.search(r"^.*\b(from kernels|import kernels).*$", text, flags=re.M)
     if leftover:
         raise ValueError(f"{path}: the export cannot inline this line: {leftover.group(0)!r}")
@@ -239,7 +239,7 @@ def problem_file_candidate(path):
     missing = {"Model", "get_inputs", "get_init_inputs"} - names
     if missing:
         raise ValueError(f"{path}: not a KernelBench problem file: it defines no {', '.join(sorted(missing))}")
-    library = [*_library_parts(with_requirements("gemm", "attention")), _patching_python()]
+    library = [*_library_parts(with_requirements("gemm", "gelu_tanh", "attention")), _patching_python()]
     library_names = _top_level_names(ast.parse("\n\n".join(library)))
     clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & library_names)
     if clashes:

@@ -2,7 +2,7 @@
 fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm) to it, and its
 F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # every nn.Linear and transformers Conv1D; kernels.unpatch(model) undoes it
+    kernels.patch(model)          # nn.Linear, transformers' Conv1D and NewGELUActivation; unpatch(model) undoes it
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, scaled_dot_product_attention
         loss = model(x).sum()
 
@@ -19,6 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
+from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, plain_linear_suffices, plain_product_suffices
 
 # The original class -> its patched subclass.
@@ -37,24 +38,43 @@ class _Conv1DPatch:
         return gemm_multiply_leaky_relu(x, weight.t(), self.bias, 1.0, 1.0)
 
 
+class _NewGELUPatch:
+    """transformers' NewGELUActivation (GPT-2's "gelu_new", 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), six
+    element-wise ops in eager) in one sweep over memory, forward and backward: kernels.gelu_tanh, the same formula
+    rounded once."""
+
+    def forward(self, input):
+        return gelu_tanh(input)
+
+
+def _transformers_class(module_name, name):
+    """A transformers class where transformers is already imported (it is never imported here), else None."""
+    return getattr(sys.modules.get(module_name), name, None)
+
+
 def _conv1d_class():
-    """transformers' Conv1D where transformers is already imported (it is never imported here), else None."""
-    module = sys.modules.get("transformers.pytorch_utils")
-    return getattr(module, "Conv1D", None)
+    return _transformers_class("transformers.pytorch_utils", "Conv1D")
+
+
+def _base_for_class(cls):
+    """The mixin that patches instances of `cls`, or None: nn.Linear, transformers' Conv1D and NewGELUActivation and
+    the subclasses that keep their forward (a subclass with a forward of its own computes something else)."""
+    if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
+        return FusedLinear
+    for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
+                                    ("transformers.activations", "NewGELUActivation", _NewGELUPatch)):
+        original = _transformers_class(module_name, name)
+        if original is not None and issubclass(cls, original) and cls.forward is original.forward:
+            return base
+    return None
 
 
 def _patch_base(module):
-    """The mixin that patches `module`'s class, or None where patch() leaves it: only classes whose forward is
-    nn.Linear's or Conv1D's own (a subclass with a forward of its own computes something else)."""
+    """The mixin that patches `module`'s class, or None where patch() leaves it."""
     cls = type(module)
     if cls in _PATCHED_CLASSES.values():
         return None
-    if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward:
-        return FusedLinear
-    conv1d = _conv1d_class()
-    if conv1d is not None and isinstance(module, conv1d) and cls.forward is conv1d.forward:
-        return _Conv1DPatch
-    return None
+    return _base_for_class(cls)
 
 
 def _class_name(cls):
@@ -83,12 +103,16 @@ def __getattr__(name):
     cls = importlib.import_module(module_name.replace("$", "."))
     for part in qualname.split("$"):
         cls = getattr(cls, part)
-    return _patched_class(cls, FusedLinear if issubclass(cls, nn.Linear) else _Conv1DPatch)
+    base = _base_for_class(cls)
+    if base is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {cls.__qualname__} is not patched")
+    return _patched_class(cls, base)
 
 
 def patch(model):
-    """Turns every nn.Linear of `model` (itself included) and every transformers Conv1D into the library's, in place,
-    and returns `model`. Idempotent; subclasses with a forward of their own are left as they are."""
+    """Turns every nn.Linear of `model` (itself included), every transformers Conv1D and NewGELUActivation into the
+    library's, in place, and returns `model`. Idempotent; subclasses with a forward of their own are left as they
+    are."""
     for module in model.modules():
         base = _patch_base(module)
         if base is not None:
@@ -164,7 +188,7 @@ def _attention_runs_on(device):
 
 
 # The fewest keys with which the split attention kernels beat eager's (kernels/attention/NOTES.md, Decisions): a
-# causal mask halves the work but not the passes over q, k and v.
+# causal mask halves the work but not the splits of q, k and v.
 _ATTENTION_MIN_KEYS = 512
 _CAUSAL_ATTENTION_MIN_KEYS = 2048
 

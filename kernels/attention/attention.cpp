@@ -67,7 +67,7 @@ void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(grouped, "kernels.attention: query has ", heads, " heads, which must be a multiple of key's ", kv_heads);
 }
 
-// ---- the ATen path: eager's attention, and the logsumexp from the scores ----------------------------------------------------------------------------------------------
+// ---- the ATen path: eager's attention, and the logsumexp from the scores -------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> attention_aten(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool is_causal, double scale) {

@@ -174,8 +174,8 @@ struct PlainOperands {
 // One query row of a head in fp32: the scores (a sequential sum of products, then the scale), their maximum (NaN
 // once any score is NaN), then exp(score - max), its sum and the weighted sum of v's rows accumulated in out. IEEE
 // arithmetic carries every non-finite value as eager's sum does.
-__device__ __forceinline__ void plain_row(const PlainOperands& ops, const AttentionShape& shape, std::int64_t head, std::int64_t row,
-                          bool causal, float scale) {
+__device__ __forceinline__ void plain_row(const PlainOperands& ops, const AttentionShape& shape, std::int64_t head,
+                                          std::int64_t row, bool causal, float scale) {
   const std::int64_t batch = head / shape.heads, head_in_batch = head % shape.heads;
   const std::int64_t kv_in_batch = head_in_batch / (shape.heads / shape.kv_heads);
   const std::int64_t d = shape.head_dim;
@@ -257,7 +257,8 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
   const std::int64_t head = blockIdx.x / query_tiles;
   // The longest tiles (the last, under a causal mask) first.
   const std::int64_t tile = query_tiles - 1 - blockIdx.x % query_tiles;
-  const std::int64_t kv_head = head / shape.heads * shape.kv_heads + head % shape.heads / (shape.heads / shape.kv_heads);
+  const std::int64_t kv_head =
+      head / shape.heads * shape.kv_heads + head % shape.heads / (shape.heads / shape.kv_heads);
   if (ops.flags[head] != 0 || ops.flags[q_heads + kv_head] != 0) {  // a head the split cannot take
     const std::int64_t row = tile * kTile + threadIdx.x;
     if (threadIdx.x < kTile && row < shape.query_rows) plain_row(plain, shape, head, row, causal, scale);

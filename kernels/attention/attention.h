@@ -27,7 +27,9 @@ constexpr int kAttentionTile = 64;  // query rows per CTA and keys per step; row
 // (kernels/attention/NOTES.md), so such heads take the torch side's ATen path.
 KERNELS_ATTENTION_HOST_DEVICE constexpr bool supported_head_dim(std::int64_t d) { return d == 64; }
 
-KERNELS_ATTENTION_HOST_DEVICE constexpr std::int64_t padded(std::int64_t rows) { return (rows + kAttentionTile - 1) / kAttentionTile * kAttentionTile; }
+KERNELS_ATTENTION_HOST_DEVICE constexpr std::int64_t padded(std::int64_t rows) {
+  return (rows + kAttentionTile - 1) / kAttentionTile * kAttentionTile;
+}
 
 // The strides, in elements, of a (batch, heads, rows, head dim) operand whose head dim is contiguous.
 struct OperandStrides {
@@ -68,7 +70,9 @@ inline AttentionWorkspace attention_workspace(const AttentionShape& s) {
 }
 
 // The logsumexp rows' stride: query rows rounded up to 32, as PyTorch's memory-efficient attention lays it out.
-KERNELS_ATTENTION_HOST_DEVICE constexpr std::int64_t logsumexp_stride(std::int64_t query_rows) { return (query_rows + 31) / 32 * 32; }
+KERNELS_ATTENTION_HOST_DEVICE constexpr std::int64_t logsumexp_stride(std::int64_t query_rows) {
+  return (query_rows + 31) / 32 * 32;
+}
 
 // Whether the kernels run on `device`: sm_80 or later, with the shared memory the head dim's kernel asks for.
 // Asked once per device and head dim.
