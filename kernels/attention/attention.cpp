@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "common/torch_checks.h"
@@ -64,7 +65,9 @@ void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               " and key ", shape_str(k.sizes()), " must have the same batch and head dim");
   const std::int64_t heads = q.size(1), kv_heads = k.size(1);
   const bool grouped = kv_heads > 0 && heads % kv_heads == 0;
-  TORCH_CHECK(grouped, "kernels.attention: query has ", heads, " heads, which must be a multiple of key's ", kv_heads);
+  // Numbers go into messages as strings (common/torch_checks.h: streamed, they crashed the GPU machine's build).
+  TORCH_CHECK(grouped, "kernels.attention: query has ", std::to_string(heads), " heads, which must be a multiple of "
+              "key's ", std::to_string(kv_heads));
 }
 
 // ---- the ATen path: eager's attention, and the logsumexp from the scores -------------------------------------

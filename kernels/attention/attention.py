@@ -84,11 +84,6 @@ def attention(query, key, value, is_causal=False, scale=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-    # Checked here too: the op's own check crashed (segfault) with such heads in a CUDA build
-    # (kernels/attention/NOTES.md, Open).
-    if query.dim() == 4 and key.dim() == 4 and (key.shape[1] == 0 or query.shape[1] % key.shape[1] != 0):
-        raise RuntimeError(f"kernels.attention: query has {query.shape[1]} heads, which must be a multiple of key's "
-                           f"{key.shape[1]}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     return torch.ops.kernels.attention.default(query, key, value, bool(is_causal), float(scale))[0]

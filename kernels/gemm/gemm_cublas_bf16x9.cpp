@@ -81,7 +81,8 @@ at::Tensor cublas_bf16x9_addmm(const at::Tensor& bias, const at::Tensor& a, cons
       a_t.owner.const_data_ptr<float>(), CUDA_R_32F, static_cast<int>(a_t.ld), &beta, y.mutable_data_ptr<float>(),
       CUDA_R_32F, static_cast<int>(n), kBf16x9ComputeType, CUBLAS_GEMM_DEFAULT);
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "kernels.gemm_multiply_leaky_relu: cuBLAS refused its FP32 emulation "
-              "(cublas_bf16x9 path) for a ", m, " x ", k, " by ", k, " x ", n, " product: ",
+              "(cublas_bf16x9 path) for a ", std::to_string(m), " x ", std::to_string(k), " by ", std::to_string(k),
+              " x ", std::to_string(n), " product: ",
               cublasGetStatusString(status));
   return y;
 }

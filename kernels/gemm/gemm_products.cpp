@@ -42,7 +42,7 @@ std::atomic<int64_t> forced_k_slices{0};
 
 int64_t force_k_slices(int64_t slices) {
   TORCH_CHECK(slices >= 0 && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
-              "choice) or 1 to 1024, got ", slices);
+              "choice) or 1 to 1024, got ", std::to_string(slices));
   return forced_k_slices.exchange(slices);
 }
 
