@@ -1,12 +1,15 @@
 """Every bad input tried on the public functions, one test per row of docs/bad_inputs.md: each gets the error the
 table names (never a crash, a hang or a silently wrong result), and the unusual but valid ones get PyTorch's result."""
 
+import pathlib
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA
-from kernels.functional import gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import attention, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
 
 
 def ints(*shape):
@@ -60,6 +63,15 @@ ERRORS = {
                           r"x, weight and bias must be torch.Tensors"),
     "gemm: requires_grad on an integer tensor": (lambda: ints(3, 4).requires_grad_(), RuntimeError,
                                                  r"only Tensors of floating point dtype can require gradients"),
+    "attention: query not 4-D": (lambda: attention(torch.randn(4, 8, 64), torch.randn(1, 4, 8, 64),
+                                                   torch.randn(1, 4, 8, 64)), RuntimeError,
+                                 r"query, key and value must have 4 dimensions \(batch, heads, rows, head dim\)"),
+    "attention: heads not a multiple of key's": (
+        lambda: attention(torch.randn(1, 3, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)),
+        RuntimeError, r"query has 3 heads, which must be a multiple of key's 2"),
+    "attention: key and value of different shapes": (
+        lambda: attention(torch.randn(1, 4, 8, 64), torch.randn(1, 4, 8, 64), torch.randn(1, 4, 9, 64)),
+        RuntimeError, r"key and value must have the same shape, got \[1, 4, 8, 64\] and \[1, 4, 9, 64\]"),
 }
 
 CUDA_ERRORS = {
@@ -205,3 +217,48 @@ def test_model_new_called_with_the_wrong_dtype_raises_as_the_reference(problem):
     for model in (reference.PROBLEMS[problem].model(*init), MODEL_NEW[problem](*init)):
         with pytest.raises(RuntimeError, match=r"(?i)dtype|double|float"):
             model(x)
+
+
+# ---- the messages' arguments ----------------------------------------------------------------------------------------
+
+# Arguments of a TORCH_CHECK message that are strings: names of the ops and arguments the checks pass around.
+STRING_NAMES = {"op", "name", "ref_name", "kOp", "what", "refusal", "path"}
+STRING_CALLS = re.compile(r"(_str|to_string|toString|path_name|cudaGetErrorString|cublasGetStatusString)\(|\.str\(\)|"
+                          r"scalar_type\(\)$")
+
+
+def torch_check_arguments(text):
+    """(line, argument) of every message argument of every TORCH_CHECK(condition, ...) in C++ `text`."""
+    strings = re.compile(r'"(?:[^"\\]|\\.)*"')
+    for match in re.finditer(r"\bTORCH_CHECK\(", text):
+        depth, at, current, arguments = 1, match.end(), "", []
+        while depth:
+            literal = strings.match(text, at)
+            if literal:
+                current += literal.group(0)
+                at = literal.end()
+                continue
+            c = text[at]
+            depth += c in "([{"
+            depth -= c in ")]}"
+            if c == "," and depth == 1:
+                arguments.append(current)
+                current = ""
+            elif depth:
+                current += c
+            at += 1
+        arguments.append(current)
+        line = text.count("\n", 0, match.start()) + 1
+        for argument in arguments[1:]:
+            yield line, strings.sub("", argument).strip()
+
+
+def test_torch_check_messages_stream_no_numbers():
+    """Numbers streamed into a TORCH_CHECK message (an int64_t, a double, a shape, a device) crashed the process in
+    the GPU machine's build (a null num_put facet); the checks pass them as strings (kernels/common/torch_checks.h)."""
+    root = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    suspects = [f"{path.relative_to(root)}:{line}: {argument}"
+                for path in sorted([*root.rglob("*.cpp"), *root.rglob("*.h")])
+                for line, argument in torch_check_arguments(path.read_text())
+                if argument and argument not in STRING_NAMES and not STRING_CALLS.search(argument)]
+    assert not suspects, "TORCH_CHECK message arguments that may be numbers:\n" + "\n".join(suspects)
