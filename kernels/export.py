@@ -214,17 +214,22 @@ def _top_level_names(tree):
     return names
 
 
+# A family's Python module imported by name: `from kernels.<family>.<family> import ...`.
+_FAMILY_IMPORT = re.compile(r"^from kernels\.(\w+)\.\1 import [^\n]+\n", flags=re.M)
+
+
 def _patching_python():
-    """kernels/patching.py with its imports of the families' names dropped (they are defined above it)."""
+    """(kernels/patching.py with its imports of the families' names dropped, the families it imports): the
+    families' code goes above it."""
     path = os.path.join(REPO_ROOT, "kernels", "patching.py")
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    text = re.sub(r"^from kernels\.(gemm\.gemm|attention\.attention|gelu_tanh\.gelu_tanh) import [^\n]+\n", "", text,
-                  flags=re.M)
+    families = tuple(match.group(1) for match in _FAMILY_IMPORT.finditer(text))
+    text = _FAMILY_IMPORT.sub("", text)
     leftover = re.search(r"^.*\b(from kernels|import kernels).*$", text, flags=re.M)
     if leftover:
         raise ValueError(f"{path}: the export cannot inline this line: {leftover.group(0)!r}")
-    return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text
+    return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text, families
 
 
 def problem_file_candidate(path):
@@ -239,7 +244,8 @@ def problem_file_candidate(path):
     missing = {"Model", "get_inputs", "get_init_inputs"} - names
     if missing:
         raise ValueError(f"{path}: not a KernelBench problem file: it defines no {', '.join(sorted(missing))}")
-    library = [*_library_parts(with_requirements("gemm", "gelu_tanh", "attention")), _patching_python()]
+    patching, families = _patching_python()
+    library = [*_library_parts(with_requirements(*families)), patching]
     library_names = _top_level_names(ast.parse("\n\n".join(library)))
     clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & library_names)
     if clashes:

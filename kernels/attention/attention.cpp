@@ -48,6 +48,7 @@ std::atomic<bool> forced_plain{false};
 
 bool force_plain(bool plain) { return forced_plain.exchange(plain); }
 
+// attention.h's logsumexp_stride, for the CPU-only build too (that header needs CUDA's).
 std::int64_t lse_stride(std::int64_t rows) { return (rows + 31) / 32 * 32; }
 
 void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

@@ -52,6 +52,17 @@ __device__ __forceinline__ bool splittable(float max_abs, bool finite) {
   return finite && (max_abs == 0.0f || (max_abs >= 0x1p-40f && max_abs < 0x1p40f));
 }
 
+// Query head `head` (of batch x heads) as its batch, its head in the batch and, over batch x kv heads, the kv head
+// it reads (head h reads kv head h / (heads / kv heads)).
+struct HeadIndex {
+  std::int64_t batch, head_in_batch, kv_head;
+};
+
+__device__ __forceinline__ HeadIndex head_index(const AttentionShape& shape, std::int64_t head) {
+  const std::int64_t batch = head / shape.heads, head_in_batch = head % shape.heads;
+  return {batch, head_in_batch, batch * shape.kv_heads + head_in_batch / (shape.heads / shape.kv_heads)};
+}
+
 __device__ __forceinline__ std::uint32_t load_pair(const __half* p) {
   return *reinterpret_cast<const std::uint32_t*>(p);
 }
@@ -176,11 +187,11 @@ struct PlainOperands {
 // arithmetic carries every non-finite value as eager's sum does.
 __device__ __forceinline__ void plain_row(const PlainOperands& ops, const AttentionShape& shape, std::int64_t head,
                                           std::int64_t row, bool causal, float scale) {
-  const std::int64_t batch = head / shape.heads, head_in_batch = head % shape.heads;
-  const std::int64_t kv_in_batch = head_in_batch / (shape.heads / shape.kv_heads);
+  const auto [batch, head_in_batch, kv_head] = head_index(shape, head);
   const std::int64_t d = shape.head_dim;
   const float* q_row = ops.q + batch * ops.q_strides.batch + head_in_batch * ops.q_strides.head +
                        row * ops.q_strides.row;
+  const std::int64_t kv_in_batch = kv_head - batch * shape.kv_heads;
   const float* k_head = ops.k + batch * ops.k_strides.batch + kv_in_batch * ops.k_strides.head;
   const float* v_head = ops.v + batch * ops.v_strides.batch + kv_in_batch * ops.v_strides.head;
   float* out_row = ops.out + batch * ops.out_strides.batch + head_in_batch * ops.out_strides.head +
@@ -257,8 +268,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
   const std::int64_t head = blockIdx.x / query_tiles;
   // The longest tiles (the last, under a causal mask) first.
   const std::int64_t tile = query_tiles - 1 - blockIdx.x % query_tiles;
-  const std::int64_t kv_head =
-      head / shape.heads * shape.kv_heads + head % shape.heads / (shape.heads / shape.kv_heads);
+  const auto [batch, head_in_batch, kv_head] = head_index(shape, head);
   if (ops.flags[head] != 0 || ops.flags[q_heads + kv_head] != 0) {  // a head the split cannot take
     const std::int64_t row = tile * kTile + threadIdx.x;
     if (threadIdx.x < kTile && row < shape.query_rows) plain_row(plain, shape, head, row, causal, scale);
@@ -474,7 +484,6 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
   }
   const std::int32_t* v_exponent = ops.v_exponent + kv_head * kDim;
-  const std::int64_t batch = head / shape.heads, head_in_batch = head % shape.heads;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const std::int64_t row = first_row + g + 8 * h;
