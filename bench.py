@@ -746,6 +746,56 @@ def bench_model_gemms(rows, options):
             torch.cuda.empty_cache()
 
 
+# The split sweeps of the models' products at bench sizes (sweep, rows x cols of the float32 matrix it reads, what
+# it splits): _gemm_split_sweep's sweeps (gemm_products.cpp). Each reads 4 bytes an element and writes 4 (hi and
+# lo), as a copy of the matrix does.
+SPLIT_SWEEP_SHAPES = (
+    ("rows", 4096, 2048, "x, LLaMA-style"), ("rows", 12608, 768, "x, ViT-B/16"),
+    ("rows_natural", 4096, 1024, "x before a Conv1D, GPT-2-medium-style"),
+    ("chunks", 5632, 2048, "w, LLaMA-style MLP"), ("chunks", 32000, 2048, "w, LLaMA-style vocabulary"),
+    ("chunks_natural", 8192, 8192, "w for split_fp16_sm80, L2/12"),
+    ("chunks_transposed", 5632, 2048, "w^T for grad_x, LLaMA-style MLP"),
+    ("chunks_transposed", 12608, 768, "x^T for grad_W, ViT-B/16"),
+    ("columns", 4096, 5632, "grad_pre for grad_W, LLaMA-style MLP"),
+    ("columns", 12608, 3072, "grad_pre for grad_W, ViT-B/16 MLP"),
+    ("columns", 8192, 1024, "grad_pre for grad_W, BERT-large-style"),
+    ("columns", 4096, 32000, "grad_pre for grad_W, LLaMA-style vocabulary"),
+)
+
+
+def _graph_replay(fn):
+    """fn captured in a CUDA graph, as its replay: the GPU's time alone, without the host's per-call work (in a model
+    the host runs ahead of these kernels; at the smaller sizes here it would not)."""
+    fn()  # allocations and first-call work outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench_split_sweeps(rows, options):
+    """Each split sweep of the split paths alone (torch.ops.kernels._gemm_split_sweep) against a copy of the same
+    float32 matrix, both replayed from CUDA graphs: both read 4 bytes an element and write 4, so the % of ceiling
+    column is the sweep's share of copy bandwidth."""
+    import kernels.gemm.gemm  # noqa: F401  (loads the op library)
+
+    problem = "split sweeps (fp32)"
+    sweep_op = torch.ops.kernels._gemm_split_sweep
+    for sweep, m, n, what in SPLIT_SWEEP_SHAPES:
+        case = f"{sweep} {m}x{n} ({what})"
+        progress(f"{problem}: {case}")
+        src = torch.randn(m, n, device=DEVICE)
+        out = torch.empty_like(src)
+        with torch.no_grad():
+            (copy_ms, ms), _ = run_case([_graph_replay(lambda: out.copy_(src)),
+                                         _graph_replay(lambda: sweep_op(src, sweep))], options, kernelbench=False)
+        add_rows(rows, Case(problem, case, "fp32", ["copy", "split sweep"], [copy_ms, ms], [None, None],
+                            [None, None]),
+                 Rate(lambda variant: 2 * src.nbytes / 1e6, "GB/s", "copy", copy_ms))
+        del src, out
+        torch.cuda.empty_cache()
+
+
 # Host-bound linear layers (KernelBench level 3's small transformers): nn.Linear against kernels.nn.Linear.
 HOST_BOUND_LINEARS = ((394, 512, 512), (64, 1024, 1024))
 
@@ -1189,6 +1239,7 @@ def plot(rows, path, device, torch_version=torch.__version__):
 GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
                "linear_layers": bench_linear_layers, "attention": bench_attention,
+               "split_sweeps": bench_split_sweeps,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}

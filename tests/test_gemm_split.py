@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import NVCC, poison_allocator, requires_nvcc
+from conftest import NVCC, poison_allocator, requires_cuda, requires_nvcc
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, relative_error
 from kernels.functional import gemm_multiply_leaky_relu
 from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path
@@ -378,3 +378,85 @@ def check_weight_change(reference, new, x, change):
     reference.load_state_dict(new.state_dict())
     for _ in range(3):  # the first call after the change, the one that splits the weight ahead, one that reads it
         check_against_reference(reference, new, x)
+
+
+# ---- the split sweeps alone (torch.ops.kernels._gemm_split_sweep) ------------------------------------------------
+
+SWEEP_SHAPES = [(300, 200), (64, 4096), (1000, 130), (37, 77)]  # aligned and not (130, 77 columns), short rows
+
+
+def _sweep_input(rows, cols):
+    g = torch.Generator(device="cuda").manual_seed(rows * cols)
+    src = torch.randn(rows, cols, device="cuda", generator=g)
+    src[1] *= 1e-30  # rows far from 1: the scale follows each row (or chunk)
+    src[2] *= 1e30
+    return src
+
+
+def _reconstructed(hi, lo, exponent, cols):
+    """(hi + lo) 2^-e in float64, the first `cols` columns; exponent per row, or per row and chunk of 64."""
+    value = hi.double() + lo.double()
+    scale = exponent.double()
+    if scale.dim() == 2:  # (chunks, rows padded): chunk q of row j at [q, j]
+        scale = scale[:, :hi.shape[0]].t().repeat_interleave(64, dim=1)
+    else:
+        scale = scale[:, None]
+    return (value * torch.exp2(-scale))[:, :cols], value[:, cols:]
+
+
+@requires_cuda
+@pytest.mark.parametrize("sweep", ["rows_natural", "columns", "chunks_natural", "chunks_transposed"])
+@pytest.mark.parametrize("rows,cols", SWEEP_SHAPES)
+def test_split_sweep_halves_add_up_to_the_matrix(sweep, rows, cols):
+    # hi + lo, unscaled, is each element to ~22 bits of its row's (or chunk's) largest; the padding is zero.
+    src = _sweep_input(rows, cols)
+    if sweep == "chunks_natural" and cols % 4 != 0:  # w's rows must be 16-byte aligned, as the GEMM reads them
+        with pytest.raises(RuntimeError, match="multiple of 4 floats"):
+            torch.ops.kernels._gemm_split_sweep(src, sweep)
+        return
+    matrix = src.t() if sweep in ("columns", "chunks_transposed") else src  # the rows the sweep splits
+    hi, lo, exponent, *rest = torch.ops.kernels._gemm_split_sweep(src, sweep)
+    assert hi.dtype == lo.dtype == torch.float16 and hi.shape == lo.shape and hi.shape[0] == matrix.shape[0]
+    assert hi.shape[1] % 64 == 0 and hi.shape[1] >= matrix.shape[1]
+    values, padding = _reconstructed(hi, lo, exponent, matrix.shape[1])
+    exact = matrix.double()
+    if exponent.dim() == 2:
+        chunk_max = F.pad(exact.abs(), (0, hi.shape[1] - exact.shape[1])).unflatten(1, (-1, 64)).amax(2)
+        bound = chunk_max.repeat_interleave(64, dim=1)[:, :exact.shape[1]]
+    else:
+        bound = exact.abs().amax(1, keepdim=True)
+    assert ((values - exact).abs() <= bound * 2.0 ** -21).all()
+    assert (padding == 0).all()
+    if sweep == "columns":  # the columns' sums, compensated: as close to float64's as float32 holds
+        sums = rest[0]
+        assert torch.allclose(sums.double(), exact.sum(1), rtol=2e-7, atol=1e-30 * rows)
+    if sweep.startswith("chunks"):
+        assert (rest[0] == 0).all()  # no row flagged: all finite
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows,cols", SWEEP_SHAPES)
+def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
+    # A column sweep is the row sweep of the transpose, a transposed chunk sweep the chunk sweep of the transpose, and
+    # the GEMM's orders (rows, chunks) hold the same halves as k's order within each chunk of 64.
+    src = _sweep_input(rows, cols)
+    sweep = torch.ops.kernels._gemm_split_sweep
+    transposed = src.t().contiguous()
+
+    def written(split, rows_of_split):  # chunk exponents: the columns past the split's rows are padding
+        return [t[:, :rows_of_split] if t.dim() == 2 and t.dtype == torch.int32 else t for t in split]
+
+    pairs = [(sweep(src, "columns")[:3], sweep(transposed, "rows_natural"))]
+    if rows % 4 == 0:
+        pairs.append((written(sweep(src, "chunks_transposed"), cols), written(sweep(transposed, "chunks_natural"), cols)))
+    for a, b in pairs:
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    sorted_in_chunks = lambda t: t.float().unflatten(1, (-1, 64)).sort(2).values  # noqa: E731
+    orders = [(sweep(src, "rows_natural"), sweep(src, "rows"))]
+    if cols % 4 == 0:
+        orders.append((written(sweep(src, "chunks_natural"), rows), written(sweep(src, "chunks"), rows)))
+    for natural, ordered in orders:
+        assert torch.equal(natural[2], ordered[2])
+        for x, y in zip(natural[:2], ordered[:2]):
+            assert torch.equal(sorted_in_chunks(x), sorted_in_chunks(y))

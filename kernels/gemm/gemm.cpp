@@ -186,6 +186,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.impl("_gemm_k_slices", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::gemm_k_slices));
   m.def("_gemm_fp32_path_for_capability(int capability) -> str");
   m.def("_gemm_split_thresholds() -> int[]");
+  m.def("_gemm_split_sweep(Tensor src, str sweep) -> Tensor[]");
   m.impl("_gemm_split_thresholds",
          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::gemm_split_thresholds));
   m.impl("_gemm_fp32_path_for_capability", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
@@ -197,6 +198,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
   m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal);                               \
+  m.impl("_gemm_split_sweep", &kernels::gemm::gemm_split_sweep);                                   \
   m.impl("gemm_weight_split", &kernels::gemm::gemm_weight_split)
 
 TORCH_LIBRARY_IMPL(kernels, AutocastCPU, m) {

@@ -60,6 +60,7 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 at::Tensor cublas_bf16x9_matmul(const at::Tensor& a, const at::Tensor& b);
 int64_t force_k_slices(int64_t slices);
 int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k);
+std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep);
 #ifdef KERNELS_WITH_CUDA
 at::Tensor split_operand(const at::Tensor& t);
 WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,

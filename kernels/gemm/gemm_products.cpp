@@ -5,7 +5,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
+#include <string>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -275,6 +278,62 @@ int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
   (void)n;
   (void)k;
   return 1;
+#endif
+}
+
+// One split sweep alone, into new tensors (tests, and bench.py's split-sweep rows against a copy of the same bytes):
+//   "rows", "rows_natural": launch_split_rows of src (x's split; split_position's order or k's) -> hi, lo, exponent
+//   "columns": launch_split_columns of src (grad_pre's for grad_W) -> hi, lo, exponent, column sums
+//   "chunks", "chunks_natural": launch_split_chunks of src as w (n x k) -> hi, lo, chunk exponents, row flags
+//   "chunks_transposed": launch_split_chunks of w given as its transpose (src k x n) -> the same
+std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep) {
+  static const char* const kSweeps[] = {"rows", "rows_natural", "columns", "chunks", "chunks_natural",
+                                        "chunks_transposed"};
+  TORCH_CHECK(std::find(std::begin(kSweeps), std::end(kSweeps), sweep) != std::end(kSweeps),
+              "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, columns, chunks, chunks_natural, "
+              "chunks_transposed, got '", sweep, "'");
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
+              "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
+              "-D ", std::string(c10::toString(src.scalar_type())), " tensor");
+#ifdef KERNELS_WITH_CUDA
+  TORCH_CHECK(src.is_cuda(), "kernels._gemm_split_sweep: src must be a CUDA tensor, got one on ",
+              src.device().str());
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
+  const auto half = src.options().dtype(at::kHalf);
+  const auto int32 = src.options().dtype(at::kInt);
+  if (sweep == "rows" || sweep == "rows_natural" || sweep == "columns") {
+    const at::Tensor s = src.stride(1) == 1 ? src : src.contiguous();  // as split_fp16_product gives it
+    const bool columns = sweep == "columns";
+    const int64_t rows = s.size(columns ? 1 : 0), length = split_row_length(s.size(columns ? 0 : 1));
+    at::Tensor hi = at::empty({rows, length}, half), lo = at::empty({rows, length}, half);
+    at::Tensor exponent = at::empty({rows}, int32);
+    if (!columns) {
+      check_launch(launch_split_rows(s.const_data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
+                                     sweep == "rows_natural", hi.mutable_data_ptr(), lo.mutable_data_ptr(),
+                                     exponent.mutable_data_ptr<int32_t>(), stream),
+                   "split (rows)");
+      return {hi, lo, exponent};
+    }
+    at::Tensor sums = at::empty({rows}, src.options());
+    const at::Tensor workspace =
+        at::empty({split_columns_workspace_bytes(s.size(0), s.size(1))}, src.options().dtype(at::kByte));
+    check_launch(launch_split_columns(s.const_data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
+                                      hi.mutable_data_ptr(), lo.mutable_data_ptr(),
+                                      exponent.mutable_data_ptr<int32_t>(), sums.mutable_data_ptr<float>(),
+                                      workspace.mutable_data_ptr(), stream),
+                 "split (columns)");
+    return {hi, lo, exponent, sums};
+  }
+  const bool transposed = sweep == "chunks_transposed";
+  TORCH_CHECK(transposed || src.size(1) % 4 == 0, "kernels._gemm_split_sweep: the chunks sweeps take rows of a "
+              "multiple of 4 floats (w's rows, as the GEMM reads them), got ", std::to_string(src.size(1)), " columns");
+  const WeightSplit split =
+      split_w_chunks(sweep == "chunks" ? Path::kSplitFp16 : Path::kSplitFp16Sm80, split_operand(src), transposed,
+                     src.size(transposed ? 1 : 0), src.size(transposed ? 0 : 1), stream);
+  return {split.hi, split.lo, split.exponent, split.flags};
+#else
+  TORCH_CHECK(false, "kernels._gemm_split_sweep: the split sweeps need the library built with CUDA");
 #endif
 }
 
