@@ -89,3 +89,16 @@ def kept_split_expected(path, m, k, n):
     (gemm_weight_split.cpp; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on)."""
     return m * n * k >= KEPT_SPLIT_MIN_PRODUCTS and (
         path == "split_fp16_sm80" or (path == "split_fp16" and not m * k > n * k + m * n))
+
+
+def split_sweep_values(hi, lo, exponent, cols):
+    """What a split sweep (torch.ops.kernels._gemm_split_sweep) holds: (hi + lo) 2^-e in float64, the first `cols`
+    columns of each row it split, and the rest (the padding); exponent per row, or (chunk sweeps) per chunk of 64 and
+    row at [chunk, row]."""
+    value = hi.double() + lo.double()
+    scale = exponent.double()
+    if scale.dim() == 2:
+        scale = scale[:, :hi.shape[0]].t().repeat_interleave(64, dim=1)
+    else:
+        scale = scale[:, None]
+    return (value * torch.exp2(-scale))[:, :cols], value[:, cols:]

@@ -16,7 +16,7 @@ from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, relative_error
 from kernels.functional import gemm_multiply_leaky_relu
 from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path
 from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, check_against_reference, kept_split_expected, make_pair,
-                          over_split_paths, slow_problem_shape, special_inputs)
+                          over_split_paths, slow_problem_shape, special_inputs, split_sweep_values)
 
 
 SPLIT_SHAPES = {  # name: (m, k, n)
@@ -393,17 +393,6 @@ def _sweep_input(rows, cols):
     return src
 
 
-def _reconstructed(hi, lo, exponent, cols):
-    """(hi + lo) 2^-e in float64, the first `cols` columns; exponent per row, or per row and chunk of 64."""
-    value = hi.double() + lo.double()
-    scale = exponent.double()
-    if scale.dim() == 2:  # (chunks, rows padded): chunk q of row j at [q, j]
-        scale = scale[:, :hi.shape[0]].t().repeat_interleave(64, dim=1)
-    else:
-        scale = scale[:, None]
-    return (value * torch.exp2(-scale))[:, :cols], value[:, cols:]
-
-
 @requires_cuda
 @pytest.mark.parametrize("sweep", ["rows_natural", "columns", "chunks_natural", "chunks_transposed"])
 @pytest.mark.parametrize("rows,cols", SWEEP_SHAPES)
@@ -418,7 +407,7 @@ def test_split_sweep_halves_add_up_to_the_matrix(sweep, rows, cols):
     hi, lo, exponent, *rest = torch.ops.kernels._gemm_split_sweep(src, sweep)
     assert hi.dtype == lo.dtype == torch.float16 and hi.shape == lo.shape and hi.shape[0] == matrix.shape[0]
     assert hi.shape[1] % 64 == 0 and hi.shape[1] >= matrix.shape[1]
-    values, padding = _reconstructed(hi, lo, exponent, matrix.shape[1])
+    values, padding = split_sweep_values(hi, lo, exponent, matrix.shape[1])
     exact = matrix.double()
     if exponent.dim() == 2:
         chunk_max = F.pad(exact.abs(), (0, hi.shape[1] - exact.shape[1])).unflatten(1, (-1, 64)).amax(2)
@@ -448,7 +437,8 @@ def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
 
     pairs = [(sweep(src, "columns")[:3], sweep(transposed, "rows_natural"))]
     if rows % 4 == 0:
-        pairs.append((written(sweep(src, "chunks_transposed"), cols), written(sweep(transposed, "chunks_natural"), cols)))
+        pairs.append((written(sweep(src, "chunks_transposed"), cols),
+                      written(sweep(transposed, "chunks_natural"), cols)))
     for a, b in pairs:
         for x, y in zip(a, b):
             assert torch.equal(x, y)

@@ -32,6 +32,7 @@ from kernels.precision import (ALLCLOSE_TOLERANCE, CUBLAS_BF16X9_ERROR_RATIO_LIM
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
 from distributed_helpers import NO_NVLINK_MULTICAST, grad_output_away_from_the_kink
+from gemm_helpers import split_sweep_values
 
 pytestmark = pytest.mark.slow  # processes on two GPUs
 
@@ -306,12 +307,56 @@ class AttentionCase:
             torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+class SplitSweepCase:
+    """The GEMM family's split sweeps alone (torch.ops.kernels._gemm_split_sweep, every sweep): the matrix each holds,
+    (hi + lo) 2^-e, against the rows it split, to ~22 bits of each row's largest value."""
+
+    family = "gemm"
+    ops = {"_gemm_split_sweep"}
+    sweeps = ("rows", "rows_natural", "columns", "chunks", "chunks_natural", "chunks_transposed")
+
+    def __str__(self):
+        return "split sweeps"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        return {"src": torch.randn(70, 136, device=device, generator=generator)}
+
+    def ours(self, src):
+        outputs = {}
+        for sweep in self.sweeps:
+            hi, lo, exponent, *_ = torch.ops.kernels._gemm_split_sweep(src, sweep)
+            rows = src.t() if sweep in ("columns", "chunks_transposed") else src
+            if sweep in ("rows", "chunks"):  # the GEMM's order within each chunk of 64, padding included: sorted
+                values, _ = split_sweep_values(hi, lo, exponent, hi.shape[1])
+                values = values.unflatten(1, (-1, 64)).sort(2).values
+            else:
+                values, _ = split_sweep_values(hi, lo, exponent, rows.shape[1])
+            outputs[sweep] = values
+        return outputs
+
+    def eager(self, src):
+        expected = {}
+        for sweep in self.sweeps:
+            rows = (src.t() if sweep in ("columns", "chunks_transposed") else src).double()
+            if sweep in ("rows", "chunks"):
+                rows = F.pad(rows, (0, -rows.shape[1] % 64)).unflatten(1, (-1, 64)).sort(2).values
+            expected[sweep] = rows
+        return expected
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0, msg=name)
+
+
 GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
               for path in PATHS_ON_SECOND
               for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
-CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [CausalSoftmaxCase(), AttentionCase()]
+CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), AttentionCase()]
 
 
 def ops_that_compute():

@@ -511,13 +511,8 @@ cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const auto kernel = attention_split_kernel<kDim>;
-  const bool shared_set = once_per_device(device, [&err, kernel](int) -> std::optional<bool> {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attention_shared_bytes<kDim>());
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    return std::nullopt;
-  }).value_or(false);
-  if (!shared_set) return err;
+  err = raise_shared_memory_limit<attention_split_kernel<kDim>>(device, attention_shared_bytes<kDim>());
+  if (err != cudaSuccess) return err;
   const std::int64_t q_heads = shape.batch * shape.heads, kv_heads = shape.batch * shape.kv_heads;
   const std::int64_t q_padded = padded(shape.query_rows), k_padded = padded(shape.key_rows);
   auto* q_split = reinterpret_cast<__half*>(workspace + layout.q_split);

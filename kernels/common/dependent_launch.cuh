@@ -54,6 +54,26 @@ inline bool dependent_launch_supported() {
   }).value_or(false);
 }
 
+// Raises the dynamic shared memory limit of each kernel of kKernels to `bytes` on `device`, which must be the current
+// one (kernel attributes are the current device's): once per device and set of kernels, so that a launch pays no
+// attribute call; `bytes` must be the same on every call for a set. cudaSuccess, or the failed call's error (the set
+// is tried again at the next launch).
+template <auto... kKernels>
+cudaError_t raise_shared_memory_limit(int device, std::size_t bytes) {
+  cudaError_t err = cudaSuccess;
+  const bool raised = once_per_device(device, [&err, bytes](int) -> std::optional<bool> {
+    const int limit = static_cast<int>(bytes);
+    const auto set = [&err, limit](auto kernel) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+      return err == cudaSuccess;
+    };
+    if ((set(kKernels) && ...)) return true;
+    (void)cudaGetLastError();  // reported here, not again by a later launch's check
+    return std::nullopt;
+  }).value_or(false);
+  return raised ? cudaSuccess : err;
+}
+
 // kernel<<<grid, block, shared_bytes, stream>>>(args...) on the current device, as a programmatic dependent launch
 // where the device takes one. Returns the launch's error.
 template <typename... Params, typename... Args>

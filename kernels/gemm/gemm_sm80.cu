@@ -437,14 +437,10 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
   if (reinterpret_cast<std::uintptr_t>(y) % 8 != 0) return cudaErrorInvalidValue;
   const int stages = stages_for(device);
   const auto kernel = stages == 3 ? split_gemm_sm80_kernel<3> : split_gemm_sm80_kernel<2>;
-  // Set once per device (the current one: cudaGetDevice above) for the depth it runs, which stages_for keeps.
-  const bool shared_set = once_per_device(device, [&err, kernel, stages](int) -> std::optional<bool> {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes(stages));
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    return std::nullopt;
-  }).value_or(false);
-  if (!shared_set) return err;
+  // The current device's (cudaGetDevice above), for the depth it runs.
+  err = stages == 3 ? raise_shared_memory_limit<split_gemm_sm80_kernel<3>>(device, shared_bytes(3))
+                    : raise_shared_memory_limit<split_gemm_sm80_kernel<2>>(device, shared_bytes(2));
+  if (err != cudaSuccess) return err;
   const std::int64_t tiles = ((m + kTileRows - 1) / kTileRows) * ((n + kTileRows - 1) / kTileRows);
   return launch_dependent(kernel, dim3(static_cast<unsigned>(tiles)), dim3(sm80::kThreads), shared_bytes(stages),
                           stream, static_cast<const __half*>(x_hi), static_cast<const __half*>(x_lo), x_exponent,

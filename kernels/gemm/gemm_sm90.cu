@@ -211,20 +211,10 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const auto kernel = presplit       ? split_gemm_kernel<false, true>
                       : w_transposed ? split_gemm_kernel<true, false>
                                      : split_gemm_kernel<false, false>;
-  // Set once per device: the launch runs on `device`, the current one (the launchers read it with cudaGetDevice).
-  cudaError_t err = cudaSuccess;
-  const bool shared_set = once_per_device(device, [&err](int) -> std::optional<bool> {
-    for (const auto variant : {split_gemm_kernel<false, true>, split_gemm_kernel<true, false>,
-                               split_gemm_kernel<false, false>}) {
-      err = cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        return std::nullopt;
-      }
-    }
-    return true;
-  }).value_or(false);
-  if (!shared_set) return err;
+  // The launch runs on `device`, the current one (the launchers read it with cudaGetDevice).
+  cudaError_t err = raise_shared_memory_limit<split_gemm_kernel<false, true>, split_gemm_kernel<true, false>,
+                                              split_gemm_kernel<false, false>>(device, kSharedBytes);
+  if (err != cudaSuccess) return err;
   const std::int64_t units = tile_count(m, n) * k_slices.slices;
   const int processors = multiprocessor_count(device);
   if (processors <= 0) return cudaErrorInvalidDevice;
