@@ -1088,6 +1088,9 @@ def legend(rows):
         kinds = dict.fromkeys(CEILINGS.get(c.split()[0] + (" x3" if c.endswith("x3") else ""), c) for c in ceilings)
         lines.append("% of ceiling: the row's rate over the ceiling's, measured in the same run (" + "; ".join(kinds)
                      + ").")
+    if any(r["problem"].startswith("split sweeps") for r in rows):
+        lines.append("split sweeps: each sweep and the copy beside it replayed from a CUDA graph (the GPU's time alone, "
+                     "as in a model, where the host runs ahead); both read 4 bytes an element and write 4.")
     if any(r["problem"].startswith("models") for r in rows):
         lines.append(f"models: eager fp32, eager with TF32 allowed (float32 matmul precision \"high\"), and the model "
                      f"after kernels.patch(model); median times of back-to-back steps (no L2 flush); logits error "
