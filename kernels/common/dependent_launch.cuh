@@ -3,7 +3,8 @@
 // Every kernel so launched calls wait_for_previous_grid() before it touches global memory (the previous grid's
 // results and its inputs both: a buffer the caching allocator hands out again may still be read by it), then
 // allow_next_grid(), which lets the next such kernel launch. On older GPUs the launch is a plain one and both calls
-// do nothing. No torch headers.
+// do nothing. Beside it, what launches share: raise_shared_memory_limit, a kernel's shared-memory limit set once per
+// device. No torch headers.
 #pragma once
 
 #include <cstddef>
