@@ -1,9 +1,9 @@
 """Any model on the library's GEMM: patch() turns a model's linear layers into the library's, in place, and
-fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm) to it, and its
-F.scaled_dot_product_attention calls to the library's attention.
+fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
+projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, transformers' Conv1D and NewGELUActivation; unpatch(model) undoes it
-    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, scaled_dot_product_attention
+    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
 A patched layer keeps its Parameters, hooks and state_dict keys and stays an instance of its class (its class becomes
@@ -11,6 +11,7 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
+import math
 import sys
 
 import torch
@@ -20,7 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
-from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, plain_linear_suffices, plain_product_suffices
+from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, linear
+from kernels.gemm.gemm import plain_linear_suffices, plain_product_suffices
 
 # The original class -> its patched subclass.
 _PATCHED_CLASSES = {}
@@ -215,8 +217,112 @@ def _attention_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return attention(query, key, value, is_causal, scale)
 
 
+def _attention(query, key, value, is_causal=False):
+    """F.scaled_dot_product_attention(query, key, value, is_causal=is_causal) inside a route, where the mode does not
+    see the call: the library's attention where _attention_route takes it."""
+    out = _attention_route(query, key, value, is_causal=is_causal)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal) if out is NotImplemented else out
+
+
+def _in_projection(query, key, value, weight, bias):
+    """F.multi_head_attention_forward's packed in-projection on the library's GEMM: one product for self-attention,
+    two where key is value, else three; the weight's rows split into views (no copies)."""
+    embed_dim = query.shape[-1]
+    if key is value:
+        if query is key:
+            return linear(query, weight, bias).chunk(3, dim=-1)
+        w_q, w_kv = weight.split([embed_dim, 2 * embed_dim])
+        b_q, b_kv = (None, None) if bias is None else bias.split([embed_dim, 2 * embed_dim])
+        return (linear(query, w_q, b_q), *linear(key, w_kv, b_kv).chunk(2, dim=-1))
+    biases = (None,) * 3 if bias is None else bias.chunk(3)
+    return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weight.chunk(3), biases))
+
+
+def _float_mask(mask, dtype):
+    """A mask as F.multi_head_attention_forward adds it: a boolean one as 0 where False and -inf where True."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+
+
+def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias,
+                                bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias,
+                                training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
+                                use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
+                                v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
+                                is_causal=False):
+    # F.multi_head_attention_forward (nn.MultiheadAttention's) dispatches its products itself, out of the mode's
+    # sight: for batched inputs without bias_k / bias_v, zero attention, static keys or dropout, the same computation,
+    # masks included, with its projections through linear() (the library's GEMM where a split pays) and its
+    # attention through _attention where it has no mask; every other call, and every ill-formed one (eager raises),
+    # is eager's.
+    weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else (in_proj_weight,)
+    tensors = (query, key, value, out_proj_weight, *weights) + tuple(
+        t for t in (in_proj_bias, out_proj_bias) if t is not None)
+    if not (all(isinstance(t, torch.Tensor) for t in tensors) and _plain(*tensors)):
+        return NotImplemented
+    if (bias_k is not None or bias_v is not None or add_zero_attn or static_k is not None or static_v is not None or
+            (training and dropout_p > 0.0) or query.dim() != 3 or key.dim() != 3 or value.dim() != 3):
+        return NotImplemented
+    tgt_len, batch, embed_dim = query.shape
+    src_len = key.shape[0]
+    if (embed_dim != embed_dim_to_check or embed_dim % num_heads != 0 or key.shape[1] != batch or
+            (key.shape[:2] != value.shape[:2] if use_separate_proj_weight else key.shape != value.shape)):
+        return NotImplemented
+    # Masks as eager takes them: boolean or floating, key_padding_mask (batch, src_len), attn_mask (tgt_len, src_len)
+    # or (batch * heads, tgt_len, src_len), both of one dtype (eager warns on a mix), is_causal with an attn_mask.
+    masks = [m for m in (key_padding_mask, attn_mask) if m is not None]
+    if (any(not (m.dtype == torch.bool or m.is_floating_point()) or not _plain(m) for m in masks) or
+            len({m.dtype for m in masks}) > 1 or (is_causal and attn_mask is None) or
+            (key_padding_mask is not None and key_padding_mask.shape != (batch, src_len)) or
+            (attn_mask is not None and attn_mask.shape not in ((tgt_len, src_len),
+                                                               (batch * num_heads, tgt_len, src_len)))):
+        return NotImplemented
+    key_padding_mask = _float_mask(key_padding_mask, query.dtype)
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # the hint alone, as eager gives it to scaled_dot_product_attention
+    else:
+        attn_mask = _float_mask(attn_mask, query.dtype)
+        is_causal = is_causal and key_padding_mask is None
+    head_dim = embed_dim // num_heads
+    if use_separate_proj_weight:
+        biases = (None,) * 3 if in_proj_bias is None else in_proj_bias.chunk(3)
+        q, k, v = (linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    else:
+        q, k, v = _in_projection(query, key, value, in_proj_weight, in_proj_bias)
+    if attn_mask is not None and attn_mask.dim() == 2:
+        attn_mask = attn_mask.unsqueeze(0)
+    if key_padding_mask is not None:  # merged into one additive mask of (batch * heads, 1 or tgt_len, src_len)
+        key_padding_mask = key_padding_mask.view(batch, 1, 1, src_len).expand(-1, num_heads, -1, -1).reshape(
+            batch * num_heads, 1, src_len)
+        attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+    # (length, batch, embed) -> (batch * heads, length, head_dim), as eager's
+    q = q.reshape(tgt_len, batch * num_heads, head_dim).transpose(0, 1)
+    k = k.reshape(src_len, batch * num_heads, head_dim).transpose(0, 1)
+    v = v.reshape(src_len, batch * num_heads, head_dim).transpose(0, 1)
+    if need_weights:  # eager's explicit weights: softmax(q k^T / sqrt(head_dim) + mask), averaged over heads if asked
+        q_scaled = q * math.sqrt(1.0 / float(head_dim))
+        scores = (torch.bmm(q_scaled, k.transpose(-2, -1)) if attn_mask is None
+                  else torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1)))
+        attention_weights = F.softmax(scores, dim=-1)
+        out = torch.bmm(attention_weights, v).transpose(0, 1).reshape(tgt_len * batch, embed_dim)
+        out = linear(out, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1)
+        attention_weights = attention_weights.view(batch, num_heads, tgt_len, src_len)
+        return out, attention_weights.mean(dim=1) if average_attn_weights else attention_weights
+    q, k, v = (t.view(batch, num_heads, -1, head_dim) for t in (q, k, v))
+    if attn_mask is None:
+        out = _attention(q, k, v, is_causal)
+    else:
+        attn_mask = (attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else
+                     attn_mask.view(batch, num_heads, -1, src_len))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
+    out = out.permute(2, 0, 1, 3).reshape(batch * tgt_len, embed_dim)
+    return linear(out, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1), None
+
+
 _ROUTES = {
     F.scaled_dot_product_attention: _attention_route,
+    F.multi_head_attention_forward: _multi_head_attention_route,
     F.linear: _linear_route,
     torch.matmul: _matmul_route,
     torch.Tensor.matmul: _matmul_route,
@@ -229,11 +335,12 @@ _ROUTES = {
 
 
 class fp32_gemm(TorchFunctionMode):
-    """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm) take the
-    library's GEMM where gemm_path.cpp's choice says it pays, and F.scaled_dot_product_attention without a mask,
+    """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm, and
+    F.multi_head_attention_forward's projections without bias_k / bias_v, zero attention or training dropout) take
+    the library's GEMM where gemm_path.cpp's choice says it pays, and F.scaled_dot_product_attention without a mask,
     dropout or a gradient to compute (head dim 64, 512 keys or more, 2048 under a causal mask) the library's
-    attention; everything else, batched products included (bmm, matmul
-    of two batched tensors), runs as without the mode."""
+    attention; everything else, batched products included (bmm, matmul of two batched tensors), runs as without the
+    mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -268,15 +268,134 @@ def test_fp32_gemm_mode_takes_the_split_path(call):
         torch.testing.assert_close(ours_g, eager_g, atol=gradient_atol(eager_g), rtol=TOL)
 
 
-def test_fp32_gemm_mode_runs_multihead_attention_as_eager(device):
-    """F.multi_head_attention_forward dispatches torch functions itself, so the mode sees that outer call only: its
-    projections run as eager's, bit for bit (docs/patching.md states the limit)."""
+# key and value as nn.MultiheadAttention gets them: (its kdim and vdim, the products of a forward: one packed
+# in-projection for self-attention, two where key is value, three else, then the output's)
+ATTENTION_INPUTS = {"self": (None, 2), "key is value": (None, 3), "cross": (None, 4), "kdim": (24, 4)}
+
+
+def _attention_inputs(kind, batch_first, device):
+    shape = (lambda length, width: (3, length, width)) if batch_first else (lambda length, width: (length, 3, width))
+    query = torch.randn(*shape(5, 32), device=device)
+    width = ATTENTION_INPUTS[kind][0] or 32
+    key = torch.randn(*shape(7, width), device=device)
+    if kind == "self":
+        return query, query, query
+    return query, key, key if kind == "key is value" else torch.randn(*shape(7, width), device=device)
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_INPUTS))
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_fp32_gemm_mode_reaches_multihead_attention_projections(kind, batch_first, need_weights, device,
+                                                                 monkeypatch):
+    """F.multi_head_attention_forward dispatches its products itself, out of the mode's sight: the mode runs it with
+    its projections through the library's linear(). Shapes no split takes: eager's outputs and attention weights
+    (per head too) bit for bit, and its gradients."""
+    import kernels.patching
+
+    projections = []
+    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    kdim = ATTENTION_INPUTS[kind][0]
     torch.manual_seed(0)
-    attention = nn.MultiheadAttention(64, 4, batch_first=True).to(device)
-    x = torch.randn(2, 16, 64, device=device)
-    expected = attention(x, x, x, need_weights=False)[0]
+    attention = nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=batch_first, kdim=kdim, vdim=kdim).to(device)
+    attention.eval()  # dropout off: the mode takes the call
+    query, key, value = (t.requires_grad_(True) for t in _attention_inputs(kind, batch_first, device))
+    for average in (True, False):
+        expected = attention(query, key, value, need_weights=need_weights, average_attn_weights=average)
+        with kernels.fp32_gemm():
+            got = attention(query, key, value, need_weights=need_weights, average_attn_weights=average)
+        assert torch.equal(got[0], expected[0])
+        assert (got[1] is None and expected[1] is None) if not need_weights else torch.equal(got[1], expected[1])
+    assert len(projections) == 2 * ATTENTION_INPUTS[kind][1]
+    grad = torch.randn_like(expected[0])
+    inputs = tuple(dict.fromkeys((query, key, value)))  # self-attention: one tensor
+    for ours, eager in zip(torch.autograd.grad(got[0], inputs, grad), torch.autograd.grad(expected[0], inputs, grad)):
+        torch.testing.assert_close(ours, eager, atol=1e-6, rtol=1e-5)  # a GPU's attention backward may add atomically
+
+
+def _attention_masks(kind, device):
+    """nn.MultiheadAttention's masks for 3 sequences of 5 queries over 5 keys, 4 heads."""
+    g = torch.Generator(device=device).manual_seed(2)
+    padding = torch.rand(3, 5, device=device, generator=g) > 0.6
+    padding[:, 0] = False  # every query sees a key: no row of -inf only
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool, device=device), diagonal=1)
+    return {
+        "key_padding_mask": {"key_padding_mask": padding},
+        "float key_padding_mask": {"key_padding_mask": torch.randn(3, 5, device=device, generator=g)},
+        "attn_mask": {"attn_mask": causal},
+        "3-D float attn_mask": {"attn_mask": torch.randn(12, 5, 5, device=device, generator=g)},
+        "both": {"attn_mask": causal, "key_padding_mask": padding},
+        "is_causal": {"attn_mask": causal, "is_causal": True},
+        "is_causal and key_padding_mask": {"attn_mask": causal, "is_causal": True, "key_padding_mask": padding},
+    }[kind]
+
+
+@pytest.mark.parametrize("mask", ["key_padding_mask", "float key_padding_mask", "attn_mask", "3-D float attn_mask",
+                                  "both", "is_causal", "is_causal and key_padding_mask"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_fp32_gemm_mode_multihead_attention_with_masks(mask, need_weights, device, monkeypatch):
+    """Masks as nn.MultiheadAttention takes them (boolean or additive, key padding, 2-D or per-head attention masks,
+    the is_causal hint): eager's outputs and weights bit for bit, with the projections on the library's linear()."""
+    import kernels.patching
+
+    projections = []
+    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 4, batch_first=True).to(device).eval()
+    x = torch.randn(3, 5, 32, device=device)
+    options = _attention_masks(mask, device)
+    expected = attention(x, x, x, need_weights=need_weights, **options)
     with kernels.fp32_gemm():
-        assert torch.equal(attention(x, x, x, need_weights=False)[0], expected)
+        got = attention(x, x, x, need_weights=need_weights, **options)
+    assert len(projections) == 2
+    assert torch.equal(got[0], expected[0])
+    assert (got[1] is None and expected[1] is None) if not need_weights else torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("call", ["training with dropout", "add_bias_kv", "add_zero_attn", "unbatched"])
+def test_fp32_gemm_mode_leaves_other_multihead_attention_calls_to_eager(call, device, monkeypatch):
+    """Dropout in training, bias_k / bias_v, zero attention and unbatched inputs: eager's own computation, bit for
+    bit (RNG draws included)."""
+    import kernels.patching
+
+    projections = []
+    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 4, dropout=0.5, add_bias_kv=call == "add_bias_kv",
+                                      add_zero_attn=call == "add_zero_attn").to(device)
+    attention.train(call == "training with dropout")
+    x = torch.randn(5, 32, device=device) if call == "unbatched" else torch.randn(5, 3, 32, device=device)
+    torch.manual_seed(1)
+    expected = attention(x, x, x)
+    with kernels.fp32_gemm():
+        torch.manual_seed(1)
+        got = attention(x, x, x)
+    assert not projections
+    for ours, eager in zip(got, expected):
+        assert torch.equal(ours, eager)
+
+
+@requires_cuda
+def test_fp32_gemm_mode_multihead_attention_takes_the_split_path():
+    """nn.MultiheadAttention at a width the split takes (4096 tokens of 1024): its projections on the library's GEMM,
+    within the contract against float64, with gradients."""
+    if gemm_path(torch.empty(4096, 1024, device="cuda"), torch.empty(3072, 1024, device="cuda")) == "cublas":
+        pytest.skip("this GPU's float32 path is cuBLAS")
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(1024, 16, batch_first=True).cuda().eval()
+    x = torch.randn(4, 1024, 1024, device="cuda", requires_grad=True)
+    eager = attention(x, x, x, need_weights=False)[0]
+    with kernels.fp32_gemm():
+        names = ops_called(lambda: attention(x, x, x, need_weights=False))
+        ours = attention(x, x, x, need_weights=False)[0]
+    assert any("kernels.gemm_multiply_leaky_relu" in n for n in names), names
+    x64 = x.detach().double()
+    y64 = copy.deepcopy(attention).double()(x64, x64, x64, need_weights=False)[0]
+    check_close_to_float64(ours, eager, y64)
+    grad = torch.randn_like(eager)
+    grads, grads_eager = (torch.autograd.grad(y, [x, *attention.parameters()], grad) for y in (ours, eager))
+    for ours_g, eager_g in zip(grads, grads_eager):
+        torch.testing.assert_close(ours_g, eager_g, atol=gradient_atol(eager_g), rtol=TOL)
 
 
 def test_fp32_gemm_mode_leaves_batched_products_to_eager(device):
