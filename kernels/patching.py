@@ -1,8 +1,8 @@
-"""Any model on the library's GEMM: patch() turns a model's linear layers into the library's, in place, and
-fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
+"""Any model on the library's GEMM: patch() turns a model's linear and attention layers into the library's, in place,
+and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, transformers' Conv1D and NewGELUActivation; unpatch(model) undoes it
+    kernels.patch(model)          # nn.Linear, nn.MultiheadAttention, transformers' Conv1D and NewGELUActivation
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -49,6 +49,39 @@ class _NewGELUPatch:
         return gelu_tanh(input)
 
 
+class _MultiheadAttentionPatch:
+    """nn.MultiheadAttention with its projections on the library's GEMM where a split takes its in-projection: the
+    forward F.multi_head_attention_forward computes, as fp32_gemm() computes it (_multi_head_attention_route); its own
+    forward, eager's fused inference path included, where no split takes it or for calls the route leaves to eager."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        arguments = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
+        weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+        if not isinstance(query, torch.Tensor) or plain_linear_suffices(query, weight):
+            return super().forward(*arguments)
+        batched = query.dim() == 3
+        if self.batch_first and batched:  # (batch, length, embed) -> (length, batch, embed), keeping which are one
+            if key is value and query is key:
+                query = key = value = query.transpose(1, 0)
+            elif key is value:
+                query, key = query.transpose(1, 0), key.transpose(1, 0)
+                value = key
+            else:
+                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+        out = _multi_head_attention_route(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias, self.bias_k,
+            self.bias_v, self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias,
+            training=self.training, key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            use_separate_proj_weight=not self._qkv_same_embed_dim, q_proj_weight=self.q_proj_weight,
+            k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
+            average_attn_weights=average_attn_weights, is_causal=is_causal)
+        if out is NotImplemented:
+            return super().forward(*arguments)
+        output, weights = out
+        return (output.transpose(1, 0) if self.batch_first and batched else output), weights
+
+
 def _transformers_class(module_name, name):
     """A transformers class where transformers is already imported (it is never imported here), else None."""
     return getattr(sys.modules.get(module_name), name, None)
@@ -59,10 +92,13 @@ def _conv1d_class():
 
 
 def _base_for_class(cls):
-    """The mixin that patches instances of `cls`, or None: nn.Linear, transformers' Conv1D and NewGELUActivation and
-    the subclasses that keep their forward (a subclass with a forward of its own computes something else)."""
+    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, transformers' Conv1D and
+    NewGELUActivation and the subclasses that keep their forward (a subclass with a forward of its own computes
+    something else)."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
+    if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
+        return _MultiheadAttentionPatch
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch)):
         original = _transformers_class(module_name, name)
@@ -112,9 +148,9 @@ def __getattr__(name):
 
 
 def patch(model):
-    """Turns every nn.Linear of `model` (itself included), every transformers Conv1D and NewGELUActivation into the
-    library's, in place, and returns `model`. Idempotent; subclasses with a forward of their own are left as they
-    are."""
+    """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D and
+    NewGELUActivation into the library's, in place, and returns `model`. Idempotent; subclasses with a forward of
+    their own are left as they are."""
     for module in model.modules():
         base = _patch_base(module)
         if base is not None:

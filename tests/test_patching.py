@@ -375,6 +375,64 @@ def test_fp32_gemm_mode_leaves_other_multihead_attention_calls_to_eager(call, de
         assert torch.equal(ours, eager)
 
 
+@pytest.mark.parametrize("kind", sorted(ATTENTION_INPUTS))
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_patch_multihead_attention(kind, batch_first, device, monkeypatch):
+    """patch() turns nn.MultiheadAttention into the library's: the same class and state_dict, and, with its projections
+    on linear() (forced here: at these widths no split takes them, and the module's own forward runs), eager's
+    results bit for bit, masks included; unpatch() gives the class back."""
+    import kernels.patching
+
+    kdim = ATTENTION_INPUTS[kind][0]
+    torch.manual_seed(0)
+    eager = nn.MultiheadAttention(32, 4, batch_first=batch_first, kdim=kdim, vdim=kdim).to(device).eval()
+    model = kernels.patch(copy.deepcopy(eager))
+    assert kernels.is_patched(model) and isinstance(model, nn.MultiheadAttention)
+    assert list(model.state_dict()) == list(eager.state_dict())
+    query, key, value = _attention_inputs(kind, batch_first, device)
+    padding = torch.rand(3, key.shape[1 if batch_first else 0], device=device) > 0.6
+    padding[:, 0] = False
+    calls = [{}, {"need_weights": False}, {"key_padding_mask": padding}, {"need_weights": False,
+                                                                          "key_padding_mask": padding}]
+    for options in calls:  # the module's own forward
+        assert all(torch.equal(a, b) for a, b in zip(model(query, key, value, **options),
+                                                     eager(query, key, value, **options)) if a is not None)
+    projections = []
+    monkeypatch.setattr(kernels.patching, "plain_linear_suffices", lambda x, w: False)
+    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    for options in calls:
+        got, expected = model(query, key, value, **options), eager(query, key, value, **options)
+        assert torch.equal(got[0], expected[0])
+        assert (got[1] is None and expected[1] is None) or torch.equal(got[1], expected[1])
+    assert len(projections) == len(calls) * ATTENTION_INPUTS[kind][1]
+    eager.train()  # dropout 0: still the library's computation
+    model.train()
+    assert torch.equal(model(query, key, value)[0], eager(query, key, value)[0])
+    kernels.unpatch(model)
+    assert type(model) is nn.MultiheadAttention
+
+
+@requires_cuda
+def test_patched_multihead_attention_takes_the_split_path():
+    """A patched nn.MultiheadAttention at a width the split takes: the library's GEMM runs, within the contract against
+    float64, with gradients."""
+    if gemm_path(torch.empty(4096, 1024, device="cuda"), torch.empty(3072, 1024, device="cuda")) == "cublas":
+        pytest.skip("this GPU's float32 path is cuBLAS")
+    torch.manual_seed(0)
+    eager = nn.MultiheadAttention(1024, 16, batch_first=True).cuda().eval()
+    model = kernels.patch(copy.deepcopy(eager))
+    x = torch.randn(4, 1024, 1024, device="cuda", requires_grad=True)
+    names = ops_called(lambda: model(x, x, x, need_weights=False))
+    assert any("kernels.gemm_multiply_leaky_relu" in n for n in names), names
+    ours, expected = model(x, x, x, need_weights=False)[0], eager(x, x, x, need_weights=False)[0]
+    x64 = x.detach().double()
+    check_close_to_float64(ours, expected, copy.deepcopy(eager).double()(x64, x64, x64, need_weights=False)[0])
+    grad = torch.randn_like(expected)
+    for ours_g, eager_g in zip(torch.autograd.grad(ours, [x, *model.parameters()], grad),
+                               torch.autograd.grad(expected, [x, *eager.parameters()], grad)):
+        torch.testing.assert_close(ours_g, eager_g, atol=gradient_atol(eager_g), rtol=TOL)
+
+
 @requires_cuda
 def test_fp32_gemm_mode_multihead_attention_takes_the_split_path():
     """nn.MultiheadAttention at a width the split takes (4096 tokens of 1024): its projections on the library's GEMM,
