@@ -352,6 +352,21 @@ def test_fp32_gemm_mode_multihead_attention_with_masks(mask, need_weights, devic
     assert (got[1] is None and expected[1] is None) if not need_weights else torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_fp32_gemm_mode_multihead_attention_under_autocast(need_weights, device):
+    """Under autocast the mode's nn.MultiheadAttention casts as eager's does: the same dtypes and values."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 4, batch_first=True).to(device).eval()
+    x = torch.randn(3, 5, 32, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        expected = attention(x, x, x, need_weights=need_weights)
+        with kernels.fp32_gemm():
+            got = attention(x, x, x, need_weights=need_weights)
+    for ours, eager in zip(got, expected):
+        if eager is not None:
+            assert ours.dtype == eager.dtype and torch.equal(ours, eager)
+
+
 @pytest.mark.parametrize("call", ["training with dropout", "add_bias_kv", "add_zero_attn", "unbatched"])
 def test_fp32_gemm_mode_leaves_other_multihead_attention_calls_to_eager(call, device, monkeypatch):
     """Dropout in training, bias_k / bias_v, zero attention and unbatched inputs: eager's own computation, bit for
