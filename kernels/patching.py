@@ -58,7 +58,7 @@ class _MultiheadAttentionPatch:
                 average_attn_weights=True, is_causal=False):
         arguments = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
-        if not isinstance(query, torch.Tensor) or plain_linear_suffices(query, weight):
+        if not _plain(query) or plain_linear_suffices(query, weight):  # nested tensors: eager's fused path
             return super().forward(*arguments)
         batched = query.dim() == 3
         if self.batch_first and batched:  # (batch, length, embed) -> (length, batch, embed), keeping which are one
@@ -184,8 +184,9 @@ def is_patched(module):
 # ---- the scoped mode ------------------------------------------------------------------------------------------------
 
 def _plain(*tensors):
-    """Plain tensors and Parameters (a subclass such as DTensor goes to eager, which knows it)."""
-    return all(type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors)
+    """Plain strided tensors and Parameters (a subclass such as DTensor, or a nested tensor, goes to eager, which knows
+    it)."""
+    return all((type(t) is torch.Tensor or type(t) is nn.Parameter) and not t.is_nested for t in tensors)
 
 
 def _linear_route(x, weight, bias=None):
@@ -261,15 +262,20 @@ def _attention(query, key, value, is_causal=False):
 
 
 def _in_projection(query, key, value, weight, bias):
-    """F.multi_head_attention_forward's packed in-projection on the library's GEMM: one product for self-attention,
-    two where key is value, else three; the weight's rows split into views (no copies)."""
+    """F.multi_head_attention_forward's packed in-projection on the library's GEMM, in eager's layout: one product
+    for self-attention, two where key is value, else three; the weight's rows split into views (no copies)."""
     embed_dim = query.shape[-1]
+
+    def apart(projection, parts):  # (..., parts * embed) -> parts contiguous tensors of (..., embed), as eager's
+        projection = projection.unflatten(-1, (parts, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+        return projection.contiguous().unbind(0)
+
     if key is value:
         if query is key:
-            return linear(query, weight, bias).chunk(3, dim=-1)
+            return apart(linear(query, weight, bias), 3)
         w_q, w_kv = weight.split([embed_dim, 2 * embed_dim])
         b_q, b_kv = (None, None) if bias is None else bias.split([embed_dim, 2 * embed_dim])
-        return (linear(query, w_q, b_q), *linear(key, w_kv, b_kv).chunk(2, dim=-1))
+        return (linear(query, w_q, b_q), *apart(linear(key, w_kv, b_kv), 2))
     biases = (None,) * 3 if bias is None else bias.chunk(3)
     return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weight.chunk(3), biases))
 
@@ -298,12 +304,18 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     if not (all(isinstance(t, torch.Tensor) for t in tensors) and _plain(*tensors)):
         return NotImplemented
     if (bias_k is not None or bias_v is not None or add_zero_attn or static_k is not None or static_v is not None or
-            (training and dropout_p > 0.0) or query.dim() != 3 or key.dim() != 3 or value.dim() != 3):
+            (training and dropout_p != 0.0) or query.dim() != 3 or key.dim() != 3 or value.dim() != 3):
         return NotImplemented
     tgt_len, batch, embed_dim = query.shape
     src_len = key.shape[0]
     if (embed_dim != embed_dim_to_check or embed_dim % num_heads != 0 or key.shape[1] != batch or
             (key.shape[:2] != value.shape[:2] if use_separate_proj_weight else key.shape != value.shape)):
+        return NotImplemented
+    # The projections' shapes eager checks (or fails on): left to eager unless they hold.
+    weight_shapes = ([(embed_dim, embed_dim), (embed_dim, key.shape[-1]), (embed_dim, value.shape[-1])]
+                     if use_separate_proj_weight else [(3 * embed_dim, embed_dim)])
+    if ([tuple(w.shape) for w in weights] != weight_shapes or
+            (in_proj_bias is not None and tuple(in_proj_bias.shape) != (3 * embed_dim,))):
         return NotImplemented
     # Masks as eager takes them: boolean or floating, key_padding_mask (batch, src_len), attn_mask (tgt_len, src_len)
     # or (batch * heads, tgt_len, src_len), both of one dtype (eager warns on a mix), is_causal with an attn_mask.

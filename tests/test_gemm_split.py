@@ -442,11 +442,25 @@ def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
     for a, b in pairs:
         for x, y in zip(a, b):
             assert torch.equal(x, y)
-    sorted_in_chunks = lambda t: t.float().unflatten(1, (-1, 64)).sort(2).values  # noqa: E731
+    def pairs_in_chunks(split):  # each element's (hi, lo) bits as one integer, sorted within each chunk of 64
+        bits = lambda t: t.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
+        return (bits(split[0]) << 16 | bits(split[1])).unflatten(1, (-1, 64)).sort(2).values
+
     orders = [(sweep(src, "rows_natural"), sweep(src, "rows"))]
     if cols % 4 == 0:
         orders.append((written(sweep(src, "chunks_natural"), rows), written(sweep(src, "chunks"), rows)))
     for natural, ordered in orders:
         assert torch.equal(natural[2], ordered[2])
-        for x, y in zip(natural[:2], ordered[:2]):
-            assert torch.equal(sorted_in_chunks(x), sorted_in_chunks(y))
+        assert torch.equal(pairs_in_chunks(natural), pairs_in_chunks(ordered))
+
+
+@pytest.mark.parametrize("src,sweep,message", [
+    (torch.zeros(4, 8), "diagonal", "sweep must be one of"),
+    (torch.zeros(2, 4, 8), "rows", "2-D float32"),
+    (torch.zeros(4, 8, dtype=torch.float64), "rows", "2-D float32"),
+    (torch.zeros(0, 8), "columns", "must not be empty"),
+    (torch.zeros(4, 8), "rows", "CUDA"),  # a CPU tensor: the sweeps run on the GPU
+])
+def test_split_sweep_bad_input(src, sweep, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kernels._gemm_split_sweep(src, sweep)

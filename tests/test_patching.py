@@ -5,6 +5,7 @@ the product shapes real models bring (transposed weights, short reductions) agai
 import copy
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -350,6 +351,31 @@ def test_fp32_gemm_mode_multihead_attention_with_masks(mask, need_weights, devic
     assert len(projections) == 2
     assert torch.equal(got[0], expected[0])
     assert (got[1] is None and expected[1] is None) if not need_weights else torch.equal(got[1], expected[1])
+
+
+def test_multihead_attention_nested_and_ill_formed_calls_stay_eager(device, monkeypatch):
+    """Nested-tensor inputs (eager's fused inference path) to a patched layer whose in-projection a split would take:
+    eager's results. Projection shapes eager rejects, in the mode: eager's error."""
+    import kernels.patching
+
+    monkeypatch.setattr(kernels.patching, "plain_linear_suffices", lambda x, w: False)
+    torch.manual_seed(0)
+    eager = nn.MultiheadAttention(32, 4, batch_first=True).to(device).eval()
+    model = kernels.patch(copy.deepcopy(eager))
+    nested = torch.nested.nested_tensor([torch.randn(5, 32), torch.randn(7, 32)], device=device)
+    with torch.inference_mode():
+        expected = eager(nested, nested, nested, need_weights=False)[0]
+        got = model(nested, nested, nested, need_weights=False)[0]
+    assert torch.equal(got.to_padded_tensor(0.0), expected.to_padded_tensor(0.0))
+    query, key = torch.randn(5, 3, 16, device=device), torch.randn(7, 3, 8, device=device)
+    arguments = (query, key, key, 16, 4, None, torch.randn(3, device=device), None, None, False, 0.0,
+                 torch.randn(16, 16, device=device), None)
+    options = dict(training=False, use_separate_proj_weight=True, q_proj_weight=torch.randn(16, 16, device=device),
+                   k_proj_weight=torch.randn(16, 8, device=device), v_proj_weight=torch.randn(16, 8, device=device))
+    with pytest.raises(Exception) as eager_error:  # a bias of 3 values for three projections of 16
+        F.multi_head_attention_forward(*arguments, **options)
+    with kernels.fp32_gemm(), pytest.raises(type(eager_error.value), match=re.escape(str(eager_error.value)[:30])):
+        F.multi_head_attention_forward(*arguments, **options)
 
 
 @pytest.mark.parametrize("need_weights", [False, True])

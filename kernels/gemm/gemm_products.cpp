@@ -295,6 +295,8 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
               "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
               "-D ", std::string(c10::toString(src.scalar_type())), " tensor");
+  TORCH_CHECK(src.size(0) > 0 && src.size(1) > 0, "kernels._gemm_split_sweep: src must not be empty, got ",
+              std::to_string(src.size(0)), " x ", std::to_string(src.size(1)));
 #ifdef KERNELS_WITH_CUDA
   TORCH_CHECK(src.is_cuda(), "kernels._gemm_split_sweep: src must be a CUDA tensor, got one on ",
               src.device().str());
