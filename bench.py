@@ -528,6 +528,53 @@ def bench_attention(rows, options):
         del q, k, v, outputs, y64
 
 
+# (batch, tokens, width, heads): nn.MultiheadAttention at torchvision's ViT-B/16 and at a BERT-large-style width.
+MULTIHEAD_ATTENTION_SHAPES = ((64, 197, 768, 12), (16, 512, 1024, 16))
+
+
+def bench_multihead_attention(rows, options):
+    """nn.MultiheadAttention (batch_first, self-attention) in fp32: eager against kernels.patch (its projections on the
+    library's GEMM where a split takes them), the no_grad forward without and with the attention weights and a
+    training step's forward and backward; errors of the forward against the layer in float64."""
+    import kernels
+
+    problem = "nn.MultiheadAttention (fp32)"
+    for batch, tokens, width, heads in MULTIHEAD_ATTENTION_SHAPES:
+        torch.manual_seed(0)
+        eager = torch.nn.MultiheadAttention(width, heads, batch_first=True).to(DEVICE)
+        patched = kernels.patch(copy.deepcopy(eager))
+        layer64 = copy.deepcopy(eager).double()
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        x = torch.randn(batch, tokens, width, device=DEVICE, generator=g)
+        x_grad = x.clone().requires_grad_(True)
+        grad = torch.randn(batch, tokens, width, device=DEVICE, generator=g)
+        x64 = x.double()
+        for case, need_weights, train in ((f"forward {batch}x{tokens}x{width}, {heads} heads", False, False),
+                                          (f"forward with weights {batch}x{tokens}x{width}", True, False),
+                                          (f"train step {batch}x{tokens}x{width}", False, True)):
+            progress(f"{problem}: {case}")
+            for layer in (eager, patched):
+                layer.train(train)
+            if train:
+                fns = [lambda layer=layer: layer(x_grad, x_grad, x_grad, need_weights=False)[0].backward(grad)
+                       for layer in (eager, patched)]
+                times, kb = run_case(fns, options, kernelbench=False)
+                outputs, y64 = [None, None], None
+            else:
+                with torch.no_grad():
+                    fns = [lambda layer=layer: layer(x, x, x, need_weights=need_weights)[0]
+                           for layer in (eager, patched)]
+                    times, kb = run_case(fns, options)
+                    outputs = [fn() for fn in fns]
+                    y64 = layer64.eval()(x64, x64, x64, need_weights=need_weights)[0]
+            # the four projections and the two products of attention; a training step's backward twice that
+            flops = (8 * batch * tokens * width * width + 4 * batch * tokens * tokens * width) * (3 if train else 1)
+            add_rows(rows, Case(problem, case, "fp32", ["eager", "kernels.patch"], times, kb, outputs),
+                     Rate(lambda variant, flops=flops: flops / 1e9, "TFLOP/s"), Reference(y64, outputs[0]))
+        del eager, patched, layer64, x, x_grad, grad, x64
+        torch.cuda.empty_cache()
+
+
 # ---- whole models: any fp32 model patched with kernels.patch ----------------------------------------------------
 
 def _model_specs():
@@ -1242,7 +1289,7 @@ def plot(rows, path, device, torch_version=torch.__version__):
 GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench_gemm_multiply_leaky_relu,
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
                "linear_layers": bench_linear_layers, "attention": bench_attention,
-               "split_sweeps": bench_split_sweeps,
+               "split_sweeps": bench_split_sweeps, "multihead_attention": bench_multihead_attention,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
