@@ -261,23 +261,26 @@ def _attention(query, key, value, is_causal=False):
     return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal) if out is NotImplemented else out
 
 
-def _in_projection(query, key, value, weight, bias):
-    """F.multi_head_attention_forward's packed in-projection on the library's GEMM, in eager's layout: one product
-    for self-attention, two where key is value, else three; the weight's rows split into views (no copies)."""
+def _in_projection(query, key, value, weights, bias):
+    """F.multi_head_attention_forward's in-projection on the library's GEMM, in eager's layout. One packed weight:
+    one product for self-attention, two where key is value, else three on its row blocks (views, no copies); three
+    weights (kdim, vdim): three products."""
     embed_dim = query.shape[-1]
 
     def apart(projection, parts):  # (..., parts * embed) -> parts contiguous tensors of (..., embed), as eager's
         projection = projection.unflatten(-1, (parts, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
         return projection.contiguous().unbind(0)
 
-    if key is value:
+    if len(weights) == 1 and key is value:
+        weight = weights[0]
         if query is key:
             return apart(linear(query, weight, bias), 3)
         w_q, w_kv = weight.split([embed_dim, 2 * embed_dim])
         b_q, b_kv = (None, None) if bias is None else bias.split([embed_dim, 2 * embed_dim])
         return (linear(query, w_q, b_q), *apart(linear(key, w_kv, b_kv), 2))
+    weights = weights if len(weights) == 3 else weights[0].chunk(3)
     biases = (None,) * 3 if bias is None else bias.chunk(3)
-    return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weight.chunk(3), biases))
+    return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
 
 
 def _float_mask(mask, dtype):
@@ -301,7 +304,7 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else (in_proj_weight,)
     tensors = (query, key, value, out_proj_weight, *weights) + tuple(
         t for t in (in_proj_bias, out_proj_bias) if t is not None)
-    if not (all(isinstance(t, torch.Tensor) for t in tensors) and _plain(*tensors)):
+    if not _plain(*tensors):
         return NotImplemented
     if (bias_k is not None or bias_v is not None or add_zero_attn or static_k is not None or static_v is not None or
             (training and dropout_p != 0.0) or query.dim() != 3 or key.dim() != 3 or value.dim() != 3):
@@ -333,11 +336,7 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
         attn_mask = _float_mask(attn_mask, query.dtype)
         is_causal = is_causal and key_padding_mask is None
     head_dim = embed_dim // num_heads
-    if use_separate_proj_weight:
-        biases = (None,) * 3 if in_proj_bias is None else in_proj_bias.chunk(3)
-        q, k, v = (linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
-    else:
-        q, k, v = _in_projection(query, key, value, in_proj_weight, in_proj_bias)
+    q, k, v = _in_projection(query, key, value, weights, in_proj_bias)
     if attn_mask is not None and attn_mask.dim() == 2:
         attn_mask = attn_mask.unsqueeze(0)
     if key_padding_mask is not None:  # merged into one additive mask of (batch * heads, 1 or tgt_len, src_len)

@@ -274,6 +274,16 @@ def test_fp32_gemm_mode_takes_the_split_path(call):
 ATTENTION_INPUTS = {"self": (None, 2), "key is value": (None, 3), "cross": (None, 4), "kdim": (24, 4)}
 
 
+def _count_projections(monkeypatch):
+    """The weights' shapes of every product patching.py's linear() runs from now on (the test's monkeypatch undoes
+    it)."""
+    import kernels.patching
+
+    projections = []
+    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    return projections
+
+
 def _attention_inputs(kind, batch_first, device):
     shape = (lambda length, width: (3, length, width)) if batch_first else (lambda length, width: (length, 3, width))
     query = torch.randn(*shape(5, 32), device=device)
@@ -292,10 +302,7 @@ def test_fp32_gemm_mode_reaches_multihead_attention_projections(kind, batch_firs
     """F.multi_head_attention_forward dispatches its products itself, out of the mode's sight: the mode runs it with
     its projections through the library's linear(). Shapes no split takes: eager's outputs and attention weights
     (per head too) bit for bit, and its gradients."""
-    import kernels.patching
-
-    projections = []
-    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    projections = _count_projections(monkeypatch)
     kdim = ATTENTION_INPUTS[kind][0]
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=batch_first, kdim=kdim, vdim=kdim).to(device)
@@ -337,10 +344,7 @@ def _attention_masks(kind, device):
 def test_fp32_gemm_mode_multihead_attention_with_masks(mask, need_weights, device, monkeypatch):
     """Masks as nn.MultiheadAttention takes them (boolean or additive, key padding, 2-D or per-head attention masks,
     the is_causal hint): eager's outputs and weights bit for bit, with the projections on the library's linear()."""
-    import kernels.patching
-
-    projections = []
-    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    projections = _count_projections(monkeypatch)
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(32, 4, batch_first=True).to(device).eval()
     x = torch.randn(3, 5, 32, device=device)
@@ -397,10 +401,7 @@ def test_fp32_gemm_mode_multihead_attention_under_autocast(need_weights, device)
 def test_fp32_gemm_mode_leaves_other_multihead_attention_calls_to_eager(call, device, monkeypatch):
     """Dropout in training, bias_k / bias_v, zero attention and unbatched inputs: eager's own computation, bit for
     bit (RNG draws included)."""
-    import kernels.patching
-
-    projections = []
-    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    projections = _count_projections(monkeypatch)
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(32, 4, dropout=0.5, add_bias_kv=call == "add_bias_kv",
                                       add_zero_attn=call == "add_zero_attn").to(device)
@@ -438,9 +439,8 @@ def test_patch_multihead_attention(kind, batch_first, device, monkeypatch):
     for options in calls:  # the module's own forward
         assert all(torch.equal(a, b) for a, b in zip(model(query, key, value, **options),
                                                      eager(query, key, value, **options)) if a is not None)
-    projections = []
     monkeypatch.setattr(kernels.patching, "plain_linear_suffices", lambda x, w: False)
-    monkeypatch.setattr(kernels.patching, "linear", lambda x, w, b=None: projections.append(w.shape) or linear(x, w, b))
+    projections = _count_projections(monkeypatch)
     for options in calls:
         got, expected = model(query, key, value, **options), eager(query, key, value, **options)
         assert torch.equal(got[0], expected[0])
