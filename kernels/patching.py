@@ -261,13 +261,16 @@ def _attention(query, key, value, is_causal=False):
     return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal) if out is NotImplemented else out
 
 
-def _in_projection(query, key, value, weights, bias):
-    """F.multi_head_attention_forward's in-projection on the library's GEMM, in eager's layout. One packed weight:
-    one product for self-attention, two where key is value, else three on its row blocks (views, no copies); three
-    weights (kdim, vdim): three products."""
+def _in_projection(query, key, value, weights, bias, contiguous=True):
+    """F.multi_head_attention_forward's in-projection on the library's GEMM. One packed weight: one product for
+    self-attention, two where key is value, else three on its row blocks (views, no copies); three weights (kdim,
+    vdim): three products. contiguous: the parts of a packed product laid out apart, as eager's (a copy); else views
+    of it."""
     embed_dim = query.shape[-1]
 
-    def apart(projection, parts):  # (..., parts * embed) -> parts contiguous tensors of (..., embed), as eager's
+    def apart(projection, parts):  # (..., parts * embed) -> parts tensors of (..., embed)
+        if not contiguous:
+            return projection.unflatten(-1, (parts, embed_dim)).unbind(-2)
         projection = projection.unflatten(-1, (parts, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
         return projection.contiguous().unbind(0)
 
@@ -336,35 +339,56 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
         attn_mask = _float_mask(attn_mask, query.dtype)
         is_causal = is_causal and key_padding_mask is None
     head_dim = embed_dim // num_heads
-    q, k, v = _in_projection(query, key, value, weights, in_proj_bias)
+    # Batch-major views (nn.MultiheadAttention's batch_first inputs, transposed) whose in-projection a split takes
+    # (its bits are not eager's then) run batch-major: no copy of the inputs, of the packed projection or of
+    # attention's output. Elsewhere eager's layout, and so eager's bits where no split takes a product.
+    batch_major = (all(t.transpose(0, 1).is_contiguous() for t in (query, key, value)) and
+                   not plain_product_suffices(query, *weights[0].shape, weights[0].requires_grad))
+    if batch_major:  # (batch, length, embed), keeping which inputs are one
+        key_is_query, value_is_key = key is query, value is key
+        query = query.transpose(0, 1)
+        key = query if key_is_query else key.transpose(0, 1)
+        value = key if value_is_key else value.transpose(0, 1)
+    q, k, v = _in_projection(query, key, value, weights, in_proj_bias, contiguous=not batch_major)
     if attn_mask is not None and attn_mask.dim() == 2:
         attn_mask = attn_mask.unsqueeze(0)
     if key_padding_mask is not None:  # merged into one additive mask of (batch * heads, 1 or tgt_len, src_len)
         key_padding_mask = key_padding_mask.view(batch, 1, 1, src_len).expand(-1, num_heads, -1, -1).reshape(
             batch * num_heads, 1, src_len)
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-    # (length, batch, embed) -> (batch * heads, length, head_dim), as eager's
-    q = q.reshape(tgt_len, batch * num_heads, head_dim).transpose(0, 1)
-    k = k.reshape(src_len, batch * num_heads, head_dim).transpose(0, 1)
-    v = v.reshape(src_len, batch * num_heads, head_dim).transpose(0, 1)
+    if batch_major:  # (batch, length, embed) -> (batch, heads, length, head_dim), views
+        q, k, v = (t.unflatten(-1, (num_heads, head_dim)).transpose(1, 2) for t in (q, k, v))
+    else:  # (length, batch, embed) -> (batch * heads, length, head_dim), as eager's
+        q = q.reshape(tgt_len, batch * num_heads, head_dim).transpose(0, 1)
+        k = k.reshape(src_len, batch * num_heads, head_dim).transpose(0, 1)
+        v = v.reshape(src_len, batch * num_heads, head_dim).transpose(0, 1)
+
+    def projected_out(heads_out):  # attention's output (batch, heads, tgt_len, head_dim) -> (tgt_len, batch, embed)
+        if batch_major:
+            rows = heads_out.transpose(1, 2).reshape(batch * tgt_len, embed_dim)
+            return linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, -1).transpose(0, 1)
+        rows = heads_out.permute(2, 0, 1, 3).reshape(tgt_len * batch, embed_dim)
+        return linear(rows, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1)
+
     if need_weights:  # eager's explicit weights: softmax(q k^T / sqrt(head_dim) + mask), averaged over heads if asked
+        if batch_major:
+            q, k, v = (t.reshape(batch * num_heads, -1, head_dim) for t in (q, k, v))
         q_scaled = q * math.sqrt(1.0 / float(head_dim))
         scores = (torch.bmm(q_scaled, k.transpose(-2, -1)) if attn_mask is None
                   else torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1)))
         attention_weights = F.softmax(scores, dim=-1)
-        out = torch.bmm(attention_weights, v).transpose(0, 1).reshape(tgt_len * batch, embed_dim)
-        out = linear(out, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1)
+        out = projected_out(torch.bmm(attention_weights, v).view(batch, num_heads, tgt_len, head_dim))
         attention_weights = attention_weights.view(batch, num_heads, tgt_len, src_len)
         return out, attention_weights.mean(dim=1) if average_attn_weights else attention_weights
-    q, k, v = (t.view(batch, num_heads, -1, head_dim) for t in (q, k, v))
+    if not batch_major:
+        q, k, v = (t.view(batch, num_heads, -1, head_dim) for t in (q, k, v))
     if attn_mask is None:
         out = _attention(q, k, v, is_causal)
     else:
         attn_mask = (attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else
                      attn_mask.view(batch, num_heads, -1, src_len))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
-    out = out.permute(2, 0, 1, 3).reshape(batch * tgt_len, embed_dim)
-    return linear(out, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1), None
+    return projected_out(out), None
 
 
 _ROUTES = {

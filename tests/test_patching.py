@@ -454,23 +454,40 @@ def test_patch_multihead_attention(kind, batch_first, device, monkeypatch):
 
 
 @requires_cuda
-def test_patched_multihead_attention_takes_the_split_path():
+@pytest.mark.parametrize("setup", ["self", "self, weights and masks", "key is value", "cross", "sequence first"])
+def test_patched_multihead_attention_takes_the_split_path(setup):
     """A patched nn.MultiheadAttention at a width the split takes: the library's GEMM runs, within the contract against
-    float64, with gradients."""
+    float64, with gradients; batch-major inputs (batch_first) run batch-major, with or without weights and masks."""
     if gemm_path(torch.empty(4096, 1024, device="cuda"), torch.empty(3072, 1024, device="cuda")) == "cublas":
         pytest.skip("this GPU's float32 path is cuBLAS")
     torch.manual_seed(0)
-    eager = nn.MultiheadAttention(1024, 16, batch_first=True).cuda().eval()
+    batch_first = setup != "sequence first"
+    eager = nn.MultiheadAttention(1024, 16, batch_first=batch_first).cuda().eval()
     model = kernels.patch(copy.deepcopy(eager))
-    x = torch.randn(4, 1024, 1024, device="cuda", requires_grad=True)
-    names = ops_called(lambda: model(x, x, x, need_weights=False))
+    shape = (4, 1024, 1024) if batch_first else (1024, 4, 1024)
+    x = torch.randn(*shape, device="cuda", requires_grad=True)
+    other, third = (torch.randn(*shape, device="cuda", requires_grad=True) for _ in range(2))
+    inputs = {"key is value": (x, other, other), "cross": (x, other, third)}.get(setup, (x, x, x))
+    options = {"need_weights": False}
+    if setup == "self, weights and masks":
+        padding = torch.zeros(4, 1024, dtype=torch.bool, device="cuda")
+        padding[:, 900:] = True
+        causal = torch.ones(1024, 1024, dtype=torch.bool, device="cuda").triu(1)
+        options = {"need_weights": True, "key_padding_mask": padding, "attn_mask": causal}
+    names = ops_called(lambda: model(*inputs, **options))
     assert any("kernels.gemm_multiply_leaky_relu" in n for n in names), names
-    ours, expected = model(x, x, x, need_weights=False)[0], eager(x, x, x, need_weights=False)[0]
-    x64 = x.detach().double()
-    check_close_to_float64(ours, expected, copy.deepcopy(eager).double()(x64, x64, x64, need_weights=False)[0])
+    if setup == "self":  # batch-major: no copy of the input, of the packed projection or of attention's output
+        assert not any(n.startswith(("aten.clone", "aten.copy_", "aten.contiguous")) for n in names), names
+    (ours, ours_weights), (expected, expected_weights) = model(*inputs, **options), eager(*inputs, **options)
+    inputs64 = [t.detach().double() for t in inputs]
+    y64 = copy.deepcopy(eager).double()(*inputs64, **options)[0]
+    check_close_to_float64(ours, expected, y64)
+    if options["need_weights"]:
+        torch.testing.assert_close(ours_weights, expected_weights, atol=TOL, rtol=TOL)
     grad = torch.randn_like(expected)
-    for ours_g, eager_g in zip(torch.autograd.grad(ours, [x, *model.parameters()], grad),
-                               torch.autograd.grad(expected, [x, *eager.parameters()], grad)):
+    leaves = {"key is value": [x, other], "cross": [x, other, third]}.get(setup, [x])
+    for ours_g, eager_g in zip(torch.autograd.grad(ours, [*leaves, *model.parameters()], grad),
+                               torch.autograd.grad(expected, [*leaves, *eager.parameters()], grad)):
         torch.testing.assert_close(ours_g, eager_g, atol=gradient_atol(eager_g), rtol=TOL)
 
 
