@@ -56,10 +56,12 @@ class _MultiheadAttentionPatch:
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        arguments = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
-        if not _plain(query) or plain_linear_suffices(query, weight):  # nested tensors: eager's fused path
-            return super().forward(*arguments)
+        # The cheap check first (small layers are host-bound); nested tensors: eager's fused path.
+        if plain_linear_suffices(query, weight) or not _plain(query):
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                   is_causal)
+        arguments = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         batched = query.dim() == 3
         if self.batch_first and batched:  # (batch, length, embed) -> (length, batch, embed), keeping which are one
             if key is value and query is key:
