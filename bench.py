@@ -979,21 +979,23 @@ def _problem_files(paths):
 
 def bench_problem_files(rows, options, paths):
     """Each KernelBench problem file as the export makes its candidate (python -m kernels.export --problem): the
-    file's Model against ModelNew, the Model after kernels.patch; eager and ModelNew (torch.compile only where asked
-    for with --variant)."""
+    file's Model against ModelNew, the Model after kernels.patch of the layers a split takes at get_inputs()'s shapes;
+    eager and ModelNew (torch.compile only where asked for with --variant)."""
     import os
 
     import kernels
+    from kernels.export import problem_split_layers
 
     for path in _problem_files(paths):
         namespace = {"__name__": "problem"}
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), namespace)
         model_class = namespace["Model"]
+        layers = problem_split_layers(path)  # those the candidate patches
         try:  # one problem that cannot run leaves the others' rows
             add_kernelbench_rows(rows, "problem files (the Model patched: kernels.export --problem)",
                              os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),
-                                 lambda init: kernels.patch(model_class(*init)), namespace["get_inputs"],
+                                 lambda init: kernels.patch(model_class(*init), layers=layers), namespace["get_inputs"],
                                  namespace["get_init_inputs"], options,
                                  with_compile=options.variants is not None and "torch.compile" in options.variants)
         except Exception as e:  # noqa: BLE001

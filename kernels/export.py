@@ -232,11 +232,41 @@ def _patching_python():
     return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text, families
 
 
+def problem_split_layers(path):
+    """The layers of the problem file's Model that ModelNew patches: kernels.split_layer_names of the Model at
+    get_inputs()'s shapes, run on the meta device (shapes only, no data). The Model is built there too, or, where its
+    __init__ reads values (`.item()`), on the CPU and then moved there; the caller's random state is left as it was.
+    None, for every layer patch() knows, where the Model cannot run on the meta device (an op without a meta kernel,
+    control flow on the data) or the file does not run here."""
+    import torch
+
+    from kernels.patching import split_layer_names
+
+    namespace = {"__name__": "problem"}
+    with open(path, encoding="utf-8") as f:
+        code = compile(f.read(), path, "exec")
+    with torch.random.fork_rng(devices=[]):
+        try:  # any failure leaves every layer to patch()
+            exec(code, namespace)
+            model_class, init = namespace["Model"], namespace["get_init_inputs"]()
+            with torch.device("meta"):
+                inputs = namespace["get_inputs"]()
+            try:
+                with torch.device("meta"):
+                    model = model_class(*init)
+            except Exception:  # noqa: BLE001
+                model = model_class(*init).to("meta")
+            return split_layer_names(model, *inputs)
+        except Exception:  # noqa: BLE001
+            return None
+
+
 def problem_file_candidate(path):
     """The text of a candidate for the KernelBench problem file at `path`: the problem's Model, get_inputs and
     get_init_inputs as the file defines them (docstrings dropped, `pass` as `...`), and ModelNew, the Model with the
-    library applied (kernels.patch: its nn.Linear layers on the GEMM family's FusedLinear; everything else runs as in
-    the Model), built in the Model's own RNG order. Its docstring carries the static rules' verdict."""
+    library applied (kernels.patch on the layers a split takes at get_inputs()'s shapes, problem_split_layers: those
+    run on the GEMM family's FusedLinear; everything else runs as in the Model), built in the Model's own RNG order.
+    Its docstring carries the static rules' verdict."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
     problem = ast.unparse(ast.fix_missing_locations(_Cleaned().visit(tree)))
@@ -250,10 +280,21 @@ def problem_file_candidate(path):
     clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & library_names)
     if clashes:
         raise ValueError(f"{path}: the problem defines names the library's inlined code uses: {', '.join(clashes)}")
-    model_new = ('class ModelNew(Model):\n'
-                 '    def __init__(self, *args, **kwargs):\n'
-                 '        super().__init__(*args, **kwargs)\n'
-                 '        patch(self)  # the linear layers on the library\'s GEMM; no random numbers drawn\n')
+    layers = problem_split_layers(path)
+    if layers is None:
+        model_new = ('class ModelNew(Model):\n'
+                     '    def __init__(self, *args, **kwargs):\n'
+                     '        super().__init__(*args, **kwargs)\n'
+                     '        patch(self)  # the linear layers on the library\'s GEMM; no random numbers drawn\n')
+    else:
+        model_new = ('# The layers a split takes at get_inputs()\'s shapes (split_layer_names, run at export on the meta\n'
+                     '# device): the others gain nothing from the library there and stay PyTorch\'s.\n'
+                     f'SPLIT_LAYERS = {layers!r}\n\n\n'
+                     'class ModelNew(Model):\n'
+                     '    def __init__(self, *args, **kwargs):\n'
+                     '        super().__init__(*args, **kwargs)\n'
+                     '        names = {name for name, _ in self.named_modules()}  # other init inputs: fewer layers\n'
+                     '        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # no random numbers\n')
     name = os.path.splitext(os.path.basename(path))[0]
 
     def assemble(verdict):

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, linear
-from kernels.gemm.gemm import plain_linear_suffices, plain_product_suffices
+from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 
 # The original class -> its patched subclass.
 _PATCHED_CLASSES = {}
@@ -149,18 +149,53 @@ def __getattr__(name):
     return _patched_class(cls, base)
 
 
-def patch(model):
+def patch(model, layers=None):
     """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D and
     NewGELUActivation into the library's, in place, and returns `model`. Idempotent; subclasses with a forward of
-    their own are left as they are."""
-    for module in model.modules():
-        base = _patch_base(module)
+    their own are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn,
+    for example split_layer_names()'s; a name no such layer has raises ValueError."""
+    chosen = None if layers is None else set(layers)
+    if chosen is not None:
+        unknown = chosen - {name for name, module in model.named_modules() if _patch_base(module) or is_patched(module)}
+        if unknown:
+            raise ValueError(f"patch: no layer patch() turns is named {', '.join(sorted(map(repr, unknown)))}")
+    for name, module in model.named_modules():
+        base = _patch_base(module) if chosen is None or name in chosen else None
         if base is not None:
             module.__class__ = _patched_class(type(module), base)
             if base is FusedLinear:
                 module.cache_weight_split = True
                 module.clear_weight_split()
     return model
+
+
+def split_layer_names(model, *inputs):
+    """The qualified names of the layers of `model` that patch() turns and whose forward a split takes at the shapes
+    of `inputs` (model(*inputs), no gradient): shapes only, so `model` and `inputs` may live on the meta device. The
+    layers it leaves out gain nothing from patch() at these shapes, as a host-bound model's small layers."""
+    taking = set()
+
+    def record(name, module):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("query", kwargs.get("input"))
+            if isinstance(module, nn.MultiheadAttention):
+                weight = module.in_proj_weight if module._qkv_same_embed_dim else module.q_proj_weight
+                n, k = weight.shape
+            elif isinstance(module, nn.Linear):
+                n, k = module.weight.shape
+            else:  # Conv1D: its weight stored as (in, out)
+                k, n = module.weight.shape
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and k and split_may_pay(x.numel() // k, n, k):
+                taking.add(name)
+        return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    handles = [record(name, module) for name, module in model.named_modules()
+               if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch)]
+    with torch.no_grad():
+        model(*inputs)
+    for handle in handles:
+        handle.remove()
+    return sorted(taking)
 
 
 def unpatch(model):

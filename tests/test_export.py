@@ -239,11 +239,34 @@ class Model(nn.Module):
 
 
 def get_inputs():
-    return [torch.rand(8, 32)]
+    return [torch.rand(1024, 1024)]
 
 
 def get_init_inputs():
-    return [32, [64, 48], 10]
+    return [1024, [1024, 48], 10]
+''',
+    "branching": '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        # control flow on the data: the export cannot trace it on the meta device, so every layer is patched
+        y = self.first(x)
+        return self.second(y) if y.sum().item() > 0 else self.second(-y)
+
+
+def get_inputs():
+    return [torch.rand(4, 16)]
+
+
+def get_init_inputs():
+    return [16]
 ''',
     "conv": '''
 import torch
@@ -254,6 +277,7 @@ import torch.nn.functional as F
 class Model(nn.Module):
     def __init__(self, classes):
         super().__init__()
+        self.slope = torch.linspace(0.0, 0.1, 3)[1].item()  # a value read in __init__: built on the CPU at export
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.norm = nn.BatchNorm2d(8)
         self.head = nn.Linear(8 * 4 * 4, classes)
@@ -345,7 +369,7 @@ print("PROBLEM FILE OK", results)
 def test_problem_file_candidate(name, tmp_path):
     """A candidate from a problem file passes the static rules with no errors (docstrings and `pass` in the problem's
     text included), and, exec'd twice from a string in a fresh process, matches the problem's Model: the same weights
-    from the same seed, outputs and gradients at 1e-4, its linear layers patched."""
+    from the same seed, outputs and gradients at 1e-4, the linear layers a split takes patched."""
     from kernels.export import problem_file_candidate
 
     problem = tmp_path / f"{name}.py"
@@ -360,8 +384,11 @@ def test_problem_file_candidate(name, tmp_path):
     result = subprocess.run([sys.executable, "-c", PROBLEM_FILE_RUNNER, str(path), "cuda" if HAS_CUDA else "cpu"],
                             cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0 and "PROBLEM FILE OK" in result.stdout, result.stderr[-5000:]
-    linear_layers = {"mlp": 3, "conv": 1, "attention": 2}[name]
+    # The layers a split takes at get_inputs()'s shapes (the MLP's 1024 x 1024 one; conv's Model is built on the CPU,
+    # as its __init__ reads a value); every layer where the Model cannot run on the meta device.
+    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2}[name]
     assert f"[{linear_layers}, {linear_layers}]" in result.stdout, result.stdout
+    assert ("SPLIT_LAYERS" not in source) == (name == "branching")
 
 
 def test_problem_file_candidate_refuses_a_clash(tmp_path):
@@ -372,3 +399,19 @@ def test_problem_file_candidate_refuses_a_clash(tmp_path):
     problem.write_text(PROBLEM_FILES["mlp"] + "\n\ndef patch(model):\n    return model\n")
     with pytest.raises(ValueError, match="patch"):
         problem_file_candidate(str(problem))
+
+
+def test_problem_split_layers_leaves_the_random_state(tmp_path):
+    """The export's probe builds a Model whose __init__ reads a value on the CPU (drawing its weights): the caller's
+    random numbers are the same as without it."""
+    import torch
+
+    from kernels.export import problem_split_layers
+
+    problem = tmp_path / "conv.py"
+    problem.write_text(PROBLEM_FILES["conv"])
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    assert problem_split_layers(str(problem)) == []
+    assert torch.equal(torch.rand(4), expected)

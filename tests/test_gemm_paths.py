@@ -38,13 +38,13 @@ def test_split_rule_regions():
     """split_pays_off's two regions, as gemm.py's mirror of it reads them (no GPU needed): K >= 1024 from 2^20
     outputs, K >= 256 from 2^22, both output sides >= 128; K of 512-1023 below 2^22 outputs stays on cuBLAS, where a
     split call's host time outweighs what it saves on the GPU (the Swin models' 490 x 768 -> 3072)."""
-    from kernels.gemm.gemm import _split_may_pay
+    from kernels.gemm.gemm import split_may_pay
 
-    assert _split_may_pay(1024, 1024, 1024) and _split_may_pay(256, 4096, 1024)
-    assert not _split_may_pay(490, 3072, 768) and not _split_may_pay(7840, 192, 768)
-    assert not _split_may_pay(1024, 1024, 1020)
-    assert _split_may_pay(4096, 1024, 768) and _split_may_pay(2048, 2048, 256)
-    assert not _split_may_pay(2048, 2048, 252) and not _split_may_pay(127, 16384, 1024)
+    assert split_may_pay(1024, 1024, 1024) and split_may_pay(256, 4096, 1024)
+    assert not split_may_pay(490, 3072, 768) and not split_may_pay(7840, 192, 768)
+    assert not split_may_pay(1024, 1024, 1020)
+    assert split_may_pay(4096, 1024, 768) and split_may_pay(2048, 2048, 256)
+    assert not split_may_pay(2048, 2048, 252) and not split_may_pay(127, 16384, 1024)
 
 
 @requires_cuda

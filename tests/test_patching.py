@@ -103,6 +103,38 @@ def test_patched_model_matches_unpatched(device):
         torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=name)
 
 
+def test_patch_only_the_named_layers():
+    """patch(model, layers=...) turns only the layers named (model.named_modules()'s names), none for an empty list;
+    a name no patchable layer has is a clear error, and the model is left as it was."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4), nn.MultiheadAttention(4, 2)))
+    kernels.patch(model, layers=["2.0", "2.1"])
+    assert {name for name, m in model.named_modules() if kernels.is_patched(m)} == {"2.0", "2.1"}
+    assert not any(kernels.is_patched(m) for m in kernels.patch(small_model(), layers=[]).modules())
+    for bad in (["1"], ["nothing"], ["0", "2.5"]):
+        fresh = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        with pytest.raises(ValueError, match="no layer patch"):
+            kernels.patch(fresh, layers=bad)
+        assert not any(kernels.is_patched(m) for m in fresh.modules())
+    kernels.patch(model, layers=["0", "2.0"])  # patched ones may be named again: idempotent
+    assert kernels.is_patched(model[0])
+
+
+def test_split_layer_names_on_the_meta_device():
+    """split_layer_names: the layers whose forward a split takes at the inputs' shapes (a float32 product of 2^20
+    outputs over 1024), from shapes alone on the meta device; smaller or float64 products none."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 48),
+                              nn.Sequential(nn.Linear(48, 1024), nn.Linear(1024, 1024)))
+        attention = nn.MultiheadAttention(1024, 16, batch_first=True)
+        x = torch.randn(1024, 1024)
+        tokens = torch.randn(2, 512, 1024)
+    assert kernels.split_layer_names(model, x) == ["0", "3.1"]
+    assert kernels.split_layer_names(model, x[:8]) == []
+    assert kernels.split_layer_names(model.double(), x.double()) == []
+    assert kernels.split_layer_names(attention, tokens, tokens, tokens) == [""]
+    assert kernels.split_layer_names(attention, tokens[:, :8], tokens[:, :8], tokens[:, :8]) == []
+
+
 def test_state_dicts_load_both_ways(device):
     model = small_model().to(device)
     patched = kernels.patch(small_model().to(device))

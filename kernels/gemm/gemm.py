@@ -132,7 +132,7 @@ _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself,
 _SPLIT_THRESHOLDS = tuple(torch.ops.kernels._gemm_split_thresholds())
 
 
-def _split_may_pay(m, n, k):
+def split_may_pay(m, n, k):
     """gemm_path.cpp's split_pays_off for a product (m x k) times (k x n)."""
     min_side, min_outputs, min_k, min_outputs_short_k, min_short_k = _SPLIT_THRESHOLDS
     outputs = m * n
@@ -159,10 +159,10 @@ def plain_product_suffices(x, n, k, weight_requires_grad):
         return True
     if not x.is_cuda or x.dtype != torch.float32 or _tf32_allowed():
         return True
-    if _split_may_pay(m, n, k):
+    if split_may_pay(m, n, k):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight_requires_grad):
-        return not (_split_may_pay(m, k, n) or _split_may_pay(n, k, m))  # grad_x's product, grad_W's
+        return not (split_may_pay(m, k, n) or split_may_pay(n, k, m))  # grad_x's product, grad_W's
     return True
 
 
