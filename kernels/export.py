@@ -14,6 +14,7 @@ import argparse
 import ast
 import inspect
 import os
+import random
 import re
 import sys
 
@@ -235,7 +236,8 @@ def _patching_python():
 def problem_split_layers(path):
     """The layers of the problem file's Model that ModelNew patches: kernels.split_layer_names of the Model at
     get_inputs()'s shapes, run on the meta device (shapes only, no data). The Model is built there too, or, where its
-    __init__ reads values (`.item()`), on the CPU and then moved there; the caller's random state is left as it was.
+    __init__ reads values (`.item()`), on the CPU and then moved there; the random states (torch's on the CPU and the
+    GPUs, Python's, NumPy's) are left as they were.
     None, for every layer patch() knows, where the Model cannot run on the meta device (an op without a meta kernel,
     control flow on the data) or the file does not run here."""
     import torch
@@ -245,7 +247,11 @@ def problem_split_layers(path):
     namespace = {"__name__": "problem"}
     with open(path, encoding="utf-8") as f:
         code = compile(f.read(), path, "exec")
-    with torch.random.fork_rng(devices=[]):
+    python_state = random.getstate()
+    numpy = sys.modules.get("numpy")  # the problem's code may draw from NumPy's generator; restored if it was loaded
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=gpus):
         try:  # any failure leaves every layer to patch()
             exec(code, namespace)
             model_class, init = namespace["Model"], namespace["get_init_inputs"]()
@@ -259,6 +265,10 @@ def problem_split_layers(path):
             return split_layer_names(model, *inputs)
         except Exception:  # noqa: BLE001
             return None
+        finally:
+            random.setstate(python_state)
+            if numpy_state is not None:
+                numpy.random.set_state(numpy_state)
 
 
 def problem_file_candidate(path):
@@ -277,7 +287,8 @@ def problem_file_candidate(path):
     patching, families = _patching_python()
     library = [*_library_parts(with_requirements(*families)), patching]
     library_names = _top_level_names(ast.parse("\n\n".join(library)))
-    clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & library_names)
+    candidate_names = library_names | {"ModelNew", "SPLIT_LAYERS"}  # the names the candidate adds to the problem's
+    clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & candidate_names)
     if clashes:
         raise ValueError(f"{path}: the problem defines names the library's inlined code uses: {', '.join(clashes)}")
     layers = problem_split_layers(path)
@@ -287,14 +298,16 @@ def problem_file_candidate(path):
                      '        super().__init__(*args, **kwargs)\n'
                      '        patch(self)  # the linear layers on the library\'s GEMM; no random numbers drawn\n')
     else:
-        model_new = ('# The layers a split takes at get_inputs()\'s shapes (split_layer_names, run at export on the meta\n'
-                     '# device): the others gain nothing from the library there and stay PyTorch\'s.\n'
-                     f'SPLIT_LAYERS = {layers!r}\n\n\n'
-                     'class ModelNew(Model):\n'
-                     '    def __init__(self, *args, **kwargs):\n'
-                     '        super().__init__(*args, **kwargs)\n'
-                     '        names = {name for name, _ in self.named_modules()}  # other init inputs: fewer layers\n'
-                     '        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # no random numbers\n')
+        model_new = ("# The layers a split takes at get_inputs()'s shapes (split_layer_names, run at export on the\n"
+                     "# meta device): the others gain nothing from the library there and stay PyTorch's.\n"
+                     f"SPLIT_LAYERS = {layers!r}\n\n\n"
+                     "class ModelNew(Model):\n"
+                     "    def __init__(self, *args, **kwargs):\n"
+                     "        super().__init__(*args, **kwargs)\n"
+                     "        # other init inputs may name other layers: those patch() turns, of SPLIT_LAYERS\n"
+                     "        names = {name for name, module in self.named_modules() if _patch_base(module)}\n"
+                     "        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # draws no random "
+                     "numbers\n")
     name = os.path.splitext(os.path.basename(path))[0]
 
     def assemble(verdict):

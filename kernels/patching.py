@@ -11,6 +11,7 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
+import contextlib
 import math
 import sys
 
@@ -77,7 +78,8 @@ class _MultiheadAttentionPatch:
             training=self.training, key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
             use_separate_proj_weight=not self._qkv_same_embed_dim, q_proj_weight=self.q_proj_weight,
             k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
-            average_attn_weights=average_attn_weights, is_causal=is_causal)
+            average_attn_weights=average_attn_weights, is_causal=is_causal,
+            transposed_back=self.batch_first and batched)
         if out is NotImplemented:
             return super().forward(*arguments)
         output, weights = out
@@ -154,12 +156,15 @@ def patch(model, layers=None):
     NewGELUActivation into the library's, in place, and returns `model`. Idempotent; subclasses with a forward of
     their own are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn,
     for example split_layer_names()'s; a name no such layer has raises ValueError."""
+    if isinstance(layers, str):
+        raise TypeError("patch: layers must be a collection of layer names, not one string")
     chosen = None if layers is None else set(layers)
     if chosen is not None:
-        unknown = chosen - {name for name, module in model.named_modules() if _patch_base(module) or is_patched(module)}
+        unknown = chosen - {name for name, module in model.named_modules(remove_duplicate=False)
+                            if _patch_base(module) or is_patched(module)}
         if unknown:
             raise ValueError(f"patch: no layer patch() turns is named {', '.join(sorted(map(repr, unknown)))}")
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):
         base = _patch_base(module) if chosen is None or name in chosen else None
         if base is not None:
             module.__class__ = _patched_class(type(module), base)
@@ -170,14 +175,16 @@ def patch(model, layers=None):
 
 
 def split_layer_names(model, *inputs):
-    """The qualified names of the layers of `model` that patch() turns and whose forward a split takes at the shapes
-    of `inputs` (model(*inputs), no gradient): shapes only, so `model` and `inputs` may live on the meta device. The
-    layers it leaves out gain nothing from patch() at these shapes, as a host-bound model's small layers."""
+    """The qualified names (model.named_modules()'s, shared layers under each of theirs) of the linear and attention
+    layers of `model` that patch() turns and whose forward a split takes at the shapes of `inputs`: shapes only, so
+    `model` and `inputs` may live on the meta device. The layers it leaves out would run PyTorch's product anyway (a
+    host-bound model's small layers). It runs model(*inputs) once, without gradients and in eval mode, and leaves
+    the model's modes, its hooks and the random states of the CPU and of the GPUs it uses as they were."""
     taking = set()
 
     def record(name, module):
         def hook(module, args, kwargs):
-            x = args[0] if args else kwargs.get("query", kwargs.get("input"))
+            x = args[0] if args else kwargs.get("query", kwargs.get("input", kwargs.get("x")))
             if isinstance(module, nn.MultiheadAttention):
                 weight = module.in_proj_weight if module._qkv_same_embed_dim else module.q_proj_weight
                 n, k = weight.shape
@@ -189,12 +196,23 @@ def split_layer_names(model, *inputs):
                 taking.add(name)
         return module.register_forward_pre_hook(hook, with_kwargs=True)
 
-    handles = [record(name, module) for name, module in model.named_modules()
-               if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch)]
-    with torch.no_grad():
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
+    gpus = sorted({t.device.index for t in tensors if t.is_cuda})
+    modes = [(module, module.training) for module in model.modules()]
+    with contextlib.ExitStack() as restore:  # on the way out, an exception's too
+        restore.enter_context(torch.random.fork_rng(devices=gpus))
+        restore.enter_context(torch.no_grad())
+        for name, module in model.named_modules(remove_duplicate=False):
+            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch):
+                restore.callback(record(name, module).remove)
+
+        def restore_modes():
+            for module, training in modes:
+                module.training = training
+
+        restore.callback(restore_modes)
+        model.eval()
         model(*inputs)
-    for handle in handles:
-        handle.remove()
     return sorted(taking)
 
 
@@ -335,12 +353,13 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
                                 training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
                                 use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
                                 v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
-                                is_causal=False):
+                                is_causal=False, *, transposed_back=False):
     # F.multi_head_attention_forward (nn.MultiheadAttention's) dispatches its products itself, out of the mode's
     # sight: for batched inputs without bias_k / bias_v, zero attention, static keys or dropout, the same computation,
     # masks included, with its projections through linear() (the library's GEMM where a split pays) and its
     # attention through _attention where it has no mask; every other call, and every ill-formed one (eager raises),
-    # is eager's.
+    # is eager's. transposed_back: the caller turns the output back to batch-major (a batch_first layer), so it may
+    # be a transposed view; else it is contiguous, as eager's.
     weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else (in_proj_weight,)
     tensors = (query, key, value, out_proj_weight, *weights) + tuple(
         t for t in (in_proj_bias, out_proj_bias) if t is not None)
@@ -403,7 +422,8 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     def projected_out(heads_out):  # attention's output (batch, heads, tgt_len, head_dim) -> (tgt_len, batch, embed)
         if batch_major:
             rows = heads_out.transpose(1, 2).reshape(batch * tgt_len, embed_dim)
-            return linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, -1).transpose(0, 1)
+            out = linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, -1).transpose(0, 1)
+            return out if transposed_back else out.contiguous()
         rows = heads_out.permute(2, 0, 1, 3).reshape(tgt_len * batch, embed_dim)
         return linear(rows, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1)
 

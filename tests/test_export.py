@@ -396,9 +396,10 @@ def test_problem_file_candidate_refuses_a_clash(tmp_path):
     from kernels.export import problem_file_candidate
 
     problem = tmp_path / "clash.py"
-    problem.write_text(PROBLEM_FILES["mlp"] + "\n\ndef patch(model):\n    return model\n")
-    with pytest.raises(ValueError, match="patch"):
-        problem_file_candidate(str(problem))
+    for name, text in (("patch", "def patch(model):\n    return model\n"), ("SPLIT_LAYERS", "SPLIT_LAYERS = []\n")):
+        problem.write_text(PROBLEM_FILES["mlp"] + "\n\n" + text)
+        with pytest.raises(ValueError, match=name):
+            problem_file_candidate(str(problem))
 
 
 def test_problem_split_layers_leaves_the_random_state(tmp_path):

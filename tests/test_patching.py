@@ -135,6 +135,78 @@ def test_split_layer_names_on_the_meta_device():
     assert kernels.split_layer_names(attention, tokens[:, :8], tokens[:, :8], tokens[:, :8]) == []
 
 
+def test_split_layer_names_leaves_the_model_as_it_was():
+    """split_layer_names runs the model once in eval mode: its modes, hooks and BatchNorm statistics, and the random
+    state, are as they were, after a call that raises too; shared layers are named under each of their names, layers
+    called with keywords are seen."""
+    shared = nn.Linear(1024, 1024)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.again, self.norm, self.drop = shared, shared, nn.BatchNorm1d(1024), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.norm(self.again(input=self.first(x))))
+
+    net = Net().train()
+    net.norm.eval()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert kernels.split_layer_names(net, torch.randn(1024, 1024)) == ["again", "first"]
+    assert net.training and not net.norm.training and net.drop.training
+    assert net.norm.num_batches_tracked.item() == 0
+    assert not any(m._forward_pre_hooks for m in net.modules())
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError):
+        kernels.split_layer_names(net, torch.randn(4, 7))
+    assert not any(m._forward_pre_hooks for m in net.modules()) and net.training
+    assert kernels.patch(net, layers=["again"]) is net and kernels.is_patched(net.first)
+    with pytest.raises(TypeError, match="not one string"):
+        kernels.patch(small_model(), layers="0")
+
+
+def test_multihead_attention_batch_major_route(monkeypatch):
+    """The route's batch-major branch (taken where a split takes the in-projection; forced here, on the CPU): eager's
+    results within float32's tolerance, with and without weights and masks, for self and cross attention; a
+    batch_first layer's output comes back batch-major and contiguous, a sequence-first one's contiguous as eager's."""
+    import kernels.patching
+
+    monkeypatch.setattr(kernels.patching, "plain_linear_suffices", lambda x, w: False)
+    monkeypatch.setattr(kernels.patching, "plain_product_suffices", lambda *args: False)
+    layouts, in_projection = [], kernels.patching._in_projection
+
+    def spy(*args, contiguous=True):
+        layouts.append(contiguous)
+        return in_projection(*args, contiguous=contiguous)
+
+    monkeypatch.setattr(kernels.patching, "_in_projection", spy)
+    torch.manual_seed(0)
+    for batch_first in (True, False):
+        eager = nn.MultiheadAttention(32, 4, batch_first=batch_first).eval()
+        model = kernels.patch(copy.deepcopy(eager))
+        x, other = torch.randn(3, 10, 32), torch.randn(3, 12, 32)
+        if not batch_first:  # batch-major tensors seen sequence-first: the route still runs batch-major
+            x, other = x.transpose(0, 1), other.transpose(0, 1)
+        padding = torch.rand(3, 12) > 0.7
+        padding[:, 0] = False
+        for inputs, options in (((x, x, x), {}), ((x, other, other), {"key_padding_mask": padding}),
+                                ((x, other, other * 2), {"need_weights": False})):
+            for layer in (model, eager):
+                layer.zero_grad()
+            (ours, ours_weights), (expected, expected_weights) = model(*inputs, **options), eager(*inputs, **options)
+            torch.testing.assert_close(ours, expected, atol=TOL, rtol=TOL)
+            if expected_weights is not None:
+                torch.testing.assert_close(ours_weights, expected_weights, atol=TOL, rtol=TOL)
+            assert ours.is_contiguous()
+            ours.square().sum().backward()
+            expected.square().sum().backward()
+            for a, b in zip(model.parameters(), eager.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, atol=gradient_atol(b.grad), rtol=TOL)
+    assert layouts == [False] * 6  # every call batch-major
+
+
 def test_state_dicts_load_both_ways(device):
     model = small_model().to(device)
     patched = kernels.patch(small_model().to(device))
