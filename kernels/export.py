@@ -293,21 +293,18 @@ def problem_file_candidate(path):
         raise ValueError(f"{path}: the problem defines names the library's inlined code uses: {', '.join(clashes)}")
     layers = problem_split_layers(path)
     if layers is None:
-        model_new = ('class ModelNew(Model):\n'
-                     '    def __init__(self, *args, **kwargs):\n'
-                     '        super().__init__(*args, **kwargs)\n'
-                     '        patch(self)  # the linear layers on the library\'s GEMM; no random numbers drawn\n')
+        preamble = ""
+        patching_lines = "        patch(self)  # the linear layers on the library's GEMM; no random numbers drawn\n"
     else:
-        model_new = ("# The layers a split takes at get_inputs()'s shapes (split_layer_names, run at export on the\n"
-                     "# meta device): the others gain nothing from the library there and stay PyTorch's.\n"
-                     f"SPLIT_LAYERS = {layers!r}\n\n\n"
-                     "class ModelNew(Model):\n"
-                     "    def __init__(self, *args, **kwargs):\n"
-                     "        super().__init__(*args, **kwargs)\n"
-                     "        # other init inputs may name other layers: those patch() turns, of SPLIT_LAYERS\n"
-                     "        names = {name for name, module in self.named_modules() if _patch_base(module)}\n"
-                     "        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # draws no random "
-                     "numbers\n")
+        preamble = ("# The layers a split takes at get_inputs()'s shapes (split_layer_names, run at export on the\n"
+                    "# meta device): the others gain nothing from the library there and stay PyTorch's.\n"
+                    f"SPLIT_LAYERS = {layers!r}\n\n\n")
+        patching_lines = ("        # other init inputs may name other layers: those patch() turns, of SPLIT_LAYERS\n"
+                          "        names = {name for name, module in self.named_modules() if _patch_base(module)}\n"
+                          "        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # draws no "
+                          "random numbers\n")
+    model_new = (preamble + "class ModelNew(Model):\n    def __init__(self, *args, **kwargs):\n"
+                 "        super().__init__(*args, **kwargs)\n" + patching_lines)
     name = os.path.splitext(os.path.basename(path))[0]
 
     def assemble(verdict):
