@@ -803,12 +803,10 @@ SPLIT_SWEEP_SHAPES = (
     ("chunks_natural", 8192, 8192, "w for split_fp16_sm80, L2/12"),
     ("chunks_transposed", 5632, 2048, "w^T for grad_x, LLaMA-style MLP"),
     ("chunks_transposed", 12608, 768, "x^T for grad_W, ViT-B/16"),
-    ("column_chunks", 4096, 5632, "grad_pre for grad_W, LLaMA-style MLP"),
-    ("column_chunks", 12608, 3072, "grad_pre for grad_W, ViT-B/16 MLP"),
-    ("column_chunks", 8192, 1024, "grad_pre for grad_W, BERT-large-style"),
-    ("column_chunks", 4096, 32000, "grad_pre for grad_W, LLaMA-style vocabulary"),
-    ("columns", 4096, 5632, "grad_pre for grad_W on split_fp16_sm80, LLaMA-style MLP"),
-    ("columns", 8192, 1024, "grad_pre for grad_W on split_fp16_sm80, BERT-large-style"),
+    ("columns", 4096, 5632, "grad_pre for grad_W, LLaMA-style MLP"),
+    ("columns", 12608, 3072, "grad_pre for grad_W, ViT-B/16 MLP"),
+    ("columns", 8192, 1024, "grad_pre for grad_W, BERT-large-style"),
+    ("columns", 4096, 32000, "grad_pre for grad_W, LLaMA-style vocabulary"),
 )
 
 

@@ -130,50 +130,6 @@ class forced_k_slices:
         return False
 
 
-class forced_column_split:
-    """with forced_column_split(): grad_W on split_fp16 splits grad_pre with one power of two per column (the column
-    split, split_fp16_sm80's) instead of one per column and chunk of 64 rows."""
-
-    def __enter__(self):
-        self.previous = torch.ops.kernels._gemm_force_column_split(True)
-
-    def __exit__(self, *exc_info):
-        torch.ops.kernels._gemm_force_column_split(self.previous)
-        return False
-
-
-@requires_hopper_split
-@pytest.mark.parametrize("kind", ["randn", "chunks_apart", "non_finite"])
-@pytest.mark.parametrize("n,k,m", [(1036, 1048, 1156), (3072, 768, 4096), (300, 520, 700)])
-def test_weight_gradient_by_chunks_and_by_columns(n, k, m, kind):
-    """grad_W on split_fp16 scales grad_pre's split per column and chunk of 64 rows, and the Hopper kernel promotes
-    each chunk by both operands' powers of two; forced, per column (the column split). Each as accurate as eager
-    against float64, NaN and Inf where eager's are. chunks_apart: grad_pre's first chunks of rows 1e-10 times the rest,
-    x's 1e10 times (every row's products alike in size): only the chunked split keeps those rows' bits."""
-    g = torch.Generator(device="cuda").manual_seed(7)
-    grad_pre, x = torch.randn(m, n, device="cuda", generator=g), torch.randn(m, k, device="cuda", generator=g)
-    if kind == "chunks_apart":  # whole chunks: within a chunk, values 1e10 apart lose bits with either split
-        grad_pre[:m // 128 * 64] *= 1e-10
-        x[:m // 128 * 64] *= 1e10
-    if kind == "non_finite":
-        grad_pre[m // 3, 5], grad_pre[m - 1, n - 1] = float("inf"), float("nan")
-        x[70, 9] = float("-inf")
-    poison_allocator((n, k), torch.float32, "cuda")
-    by_chunks = weight_gradient(grad_pre, x, n)
-    with forced_column_split():
-        by_columns = weight_gradient(grad_pre, x, n)
-    eager = grad_pre.t().mm(x)
-    reference = grad_pre.double().t() @ x.double()
-    for ours in (by_chunks, by_columns):
-        assert torch.equal(ours.isnan(), eager.isnan()) and torch.equal(ours.isinf(), eager.isinf())
-    chunks_error, columns_error, eager_error = (relative_error(t, reference) for t in (by_chunks, by_columns, eager))
-    assert chunks_error <= eager_error, (chunks_error, eager_error)
-    if kind == "chunks_apart":
-        assert chunks_error < columns_error, (chunks_error, columns_error)
-    else:
-        assert columns_error <= eager_error, (columns_error, eager_error)
-
-
 SPLIT_K_SHAPES = {  # name: (out_features n, in_features k, batch rows m): grad_W is n x k, its reduction m
     "1024x1024_m4096": (1024, 1024, 4096),
     "1024x1024_m8192": (1024, 1024, 8192),

@@ -394,7 +394,7 @@ def _sweep_input(rows, cols):
 
 
 @requires_cuda
-@pytest.mark.parametrize("sweep", ["rows_natural", "columns", "column_chunks", "chunks_natural", "chunks_transposed"])
+@pytest.mark.parametrize("sweep", ["rows_natural", "columns", "chunks_natural", "chunks_transposed"])
 @pytest.mark.parametrize("rows,cols", SWEEP_SHAPES)
 def test_split_sweep_halves_add_up_to_the_matrix(sweep, rows, cols):
     # hi + lo, unscaled, is each element to ~22 bits of its row's (or chunk's) largest; the padding is zero.
@@ -403,7 +403,7 @@ def test_split_sweep_halves_add_up_to_the_matrix(sweep, rows, cols):
         with pytest.raises(RuntimeError, match="multiple of 4 floats"):
             torch.ops.kernels._gemm_split_sweep(src, sweep)
         return
-    matrix = src.t() if sweep in ("columns", "column_chunks", "chunks_transposed") else src  # the rows it splits
+    matrix = src.t() if sweep in ("columns", "chunks_transposed") else src  # the rows the sweep splits
     hi, lo, exponent, *rest = torch.ops.kernels._gemm_split_sweep(src, sweep)
     assert hi.dtype == lo.dtype == torch.float16 and hi.shape == lo.shape and hi.shape[0] == matrix.shape[0]
     assert hi.shape[1] % 64 == 0 and hi.shape[1] >= matrix.shape[1]
@@ -416,10 +416,10 @@ def test_split_sweep_halves_add_up_to_the_matrix(sweep, rows, cols):
         bound = exact.abs().amax(1, keepdim=True)
     assert ((values - exact).abs() <= bound * 2.0 ** -21).all()
     assert (padding == 0).all()
-    if sweep.startswith("column"):  # the columns' sums, compensated: as close to float64's as float32 holds
-        sums = rest[-1]
+    if sweep == "columns":  # the columns' sums, compensated: as close to float64's as float32 holds
+        sums = rest[0]
         assert torch.allclose(sums.double(), exact.sum(1), rtol=2e-7, atol=1e-30 * rows)
-    if sweep.startswith("chunks") or sweep == "column_chunks":
+    if sweep.startswith("chunks"):
         assert (rest[0] == 0).all()  # no row flagged: all finite
 
 
@@ -436,10 +436,6 @@ def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
         return [t[:, :rows_of_split] if t.dim() == 2 and t.dtype == torch.int32 else t for t in split]
 
     pairs = [(sweep(src, "columns")[:3], sweep(transposed, "rows_natural"))]
-    # The chunked column sweep holds the transposed chunk sweep's split and flags, and the column sweep's sums.
-    column_chunks = written(sweep(src, "column_chunks"), cols)
-    pairs.append((column_chunks[:4], written(sweep(src, "chunks_transposed"), cols)))
-    pairs.append((column_chunks[4:], sweep(src, "columns")[3:]))
     if rows % 4 == 0:
         pairs.append((written(sweep(src, "chunks_transposed"), cols),
                       written(sweep(transposed, "chunks_natural"), cols)))
@@ -456,27 +452,6 @@ def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
     for natural, ordered in orders:
         assert torch.equal(natural[2], ordered[2])
         assert torch.equal(pairs_in_chunks(natural), pairs_in_chunks(ordered))
-
-
-@requires_cuda
-@pytest.mark.parametrize("rows,cols", [(300, 200), (37, 77)])
-def test_column_chunk_sweep_flags_non_finite_columns(rows, cols):
-    # A column holding an inf or NaN is flagged and split as 0 there (its other values as the chunk's finite largest
-    # scales them); its sum is IEEE's, as the column sweep's.
-    src = _sweep_input(rows, cols)
-    src[5, 3], src[rows - 1, 3] = float("inf"), float("nan")
-    src[rows - 2, cols - 1] = float("-inf")
-    hi, lo, exponent, flags, sums = torch.ops.kernels._gemm_split_sweep(src, "column_chunks")
-    expected = torch.zeros(cols, dtype=torch.int32, device="cuda")
-    expected[3] = expected[cols - 1] = 1 << 20  # kNonFiniteRow
-    assert torch.equal(flags, expected)
-    finite = torch.where(src.isfinite(), src, torch.zeros_like(src))
-    assert torch.equal(exponent[:, :cols], torch.ops.kernels._gemm_split_sweep(finite, "column_chunks")[2][:, :cols])
-    values, _ = split_sweep_values(hi, lo, exponent, rows)
-    assert (values[~src.t().isfinite()] == 0).all()
-    column_sums = torch.ops.kernels._gemm_split_sweep(src, "columns")[3]
-    assert torch.equal(sums.isnan(), column_sums.isnan()) and torch.equal(sums.isinf(), column_sums.isinf())
-    assert torch.equal(sums[sums.isfinite()], column_sums[column_sums.isfinite()])
 
 
 @pytest.mark.parametrize("src,sweep,message", [

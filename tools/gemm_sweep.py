@@ -190,45 +190,6 @@ def split_k(args):
                   f"{bits:>4}", flush=True)
 
 
-# grad_W's products of the bench models (out_features x in_features over the batch's rows), large and small outputs.
-WEIGHT_GRADIENT_SHAPES = ((5632, 2048, 4096), (2048, 5632, 4096), (32000, 2048, 4096), (4096, 1024, 8192),
-                          (1024, 4096, 8192), (3072, 768, 12608), (768, 3072, 12608), (1024, 1024, 8192),
-                          (768, 768, 12608))
-
-
-def weight_gradient(args):
-    """grad_W through the backward op on the split path, grad_pre split per column and chunk of 64 rows (the default)
-    and per column (forced: the column split) against eager's grad_pre.t().mm(x): times, speedups, errors against
-    float64 (randn)."""
-    from kernels.gemm.gemm import forced_gemm_path
-    from kernels.precision import relative_error
-    from kernels.timing import time_each_ms
-
-    backward, force = torch.ops.kernels.gemm_multiply_leaky_relu_backward, torch.ops.kernels._gemm_force_column_split
-    print(f"{'n':>6} {'k':>5} {'m':>6} {'eager':>7} {'chunks':>7} {'columns':>7} {'x chunks':>8} {'x columns':>9} "
-          f"{'err chunks':>10} {'columns':>9} {'eager':>9}")
-    for n, k, m in WEIGHT_GRADIENT_SHAPES:
-        torch.manual_seed(0)
-        weight, empty = torch.empty(n, k, device="cuda"), torch.empty(0, device="cuda")
-        grad_pre, x = torch.randn(m, n, device="cuda"), torch.randn(m, k, device="cuda")
-
-        def ours(by_columns):
-            with forced_gemm_path(SPLIT_PATH):
-                previous = force(by_columns)
-                grad_w = backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True, False)[1]
-                force(previous)
-            return grad_w
-
-        times = time_each_ms([lambda: grad_pre.t().mm(x), lambda: ours(False), lambda: ours(True)])
-        reference = grad_pre.double().t() @ x.double()
-        errors = [relative_error(t, reference) for t in (ours(False), ours(True), grad_pre.t().mm(x))]
-        print(f"{n:>6} {k:>5} {m:>6} " + " ".join(f"{t:7.4f}" for t in times)
-              + f" {times[0] / times[1]:8.3f} {times[0] / times[2]:9.3f} "
-              + " ".join(f"{e:9.3e}" for e in errors), flush=True)
-        del weight, grad_pre, x, reference
-        torch.cuda.empty_cache()
-
-
 def coherence(args):
     """The part of a linear layer's error that every row shares (nn.Linear's weights; rand, rand - 0.5 and randn x),
     ours against eager: normwise error, the error of the mean over rows, and ||mean error|| sqrt(rows) / ||error||
@@ -303,7 +264,6 @@ def main():
         sub.add_argument("--outputs", metavar="MxN[,MxN...]", help="these output sizes instead")
         sub.add_argument("--ks", metavar="K[,K...]", help="these K instead")
     add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
-    add("weight-gradient", weight_gradient, "grad_W's product with grad_pre split per chunk and per column")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
     sub = add("variants", variants, "versions of kernel files, each built in a copy of the repository, timed")
     sub.add_argument("--file", required=True, action="append", help="a file the versions replace (repo-relative)")

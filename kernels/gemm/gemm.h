@@ -56,18 +56,6 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
 
 // The bytes of workspace launch_split_columns needs for a rows x cols matrix (about 1/32 of its float32 bytes).
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols);
-// The split of src's columns with a power of two per column and chunk of kSplitChunk rows, in one read of src: for
-// column c of src (rows x cols, element (r, c) at src[r * row_stride + c]) and chunk q of its rows, the power of two e
-// that puts the chunk's largest finite |value| in [2^13, 2^14) at chunk_exponent[q * split_exponent_stride(cols) + c]
-// (the padding columns up to that stride written as 0), and row c of hi and lo (cols x split_row_length(rows)) in
-// natural order: launch_split_chunks's result for src given as w's transpose, bit for bit. flags[c] = kNonFiniteRow
-// where the column holds an infinity or NaN (split as 0), else 0; column_sums (if not null) as launch_split_columns
-// gives them, the same bits. For grad_W's x operand (launch_split_gemm_chunk_scaled_split_k). workspace:
-// split_columns_workspace_bytes(rows, cols) bytes, 16-byte aligned, any contents, not used by another launch on
-// another stream meanwhile; hi and lo 4-byte aligned (cudaErrorInvalidValue else).
-cudaError_t launch_split_column_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                                       void* hi, void* lo, std::int32_t* chunk_exponent, std::int32_t* flags,
-                                       float* column_sums, void* workspace, cudaStream_t stream);
 
 // The split of w for the sm_80 GEMM (launch_split_gemm_sm80_multiply_leaky_relu): for each row j of w (rows x cols,
 // element (j, c) at src[j * row_stride + c]; or, where transposed, w given as its transpose: cols x rows, element
@@ -194,18 +182,5 @@ cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_l
                                                std::int64_t n, std::int64_t k, float multiplier,
                                                float negative_slope, int k_slices, float* workspace,
                                                cudaStream_t stream);
-
-// launch_split_gemm_presplit_split_k where x's split, too, has a power of two per row and chunk (launch_split_column_
-// chunks: x_chunk_exponent its chunk_exponent, x_flags its flags) and w's is in the same (natural) order: each chunk's
-// products are promoted times both operands' powers of two (split_numerics.cuh, promote), so y needs no row factor.
-// grad_W's product, whose x (grad_pre^T) then needs no column maxima before its split. Returns cudaErrorInvalidValue
-// and cudaErrorNotSupported as launch_split_gemm_presplit_split_k does.
-cudaError_t launch_split_gemm_chunk_scaled_split_k(const void* x_hi, const void* x_lo,
-                                                   const std::int32_t* x_chunk_exponent, const std::int32_t* x_flags,
-                                                   const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
-                                                   const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                                   std::int64_t n, std::int64_t k, float multiplier,
-                                                   float negative_slope, int k_slices, float* workspace,
-                                                   cudaStream_t stream);
 
 }  // namespace kernels::gemm

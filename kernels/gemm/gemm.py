@@ -4,10 +4,9 @@ FusedLinear. The op's autograd (reverse and forward mode, to any order) is C++ (
   gemm_weight_split(x, weight) -> the weight's split for x's split path, made ahead ([] where that path takes none)
   gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, ...) -> (grad_x, grad_weight, grad_bias), empty if unasked
 Underscored ops are for tests and tools: the path a call takes (_gemm_multiply_leaky_relu_path), why a fast path
-refuses inputs (_gemm_path_refusal), forcing a path, split_fp16's slices of K or its grad_W onto the column split
-(_gemm_force_path, _gemm_force_k_slices, _gemm_force_column_split; each returns the previous setting), _gemm_k_slices,
-_gemm_fp32_path_for_capability, one split sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep
-rows).
+refuses inputs (_gemm_path_refusal), forcing a path or split_fp16's slices of K (_gemm_force_path,
+_gemm_force_k_slices; each returns the previous setting), _gemm_k_slices, _gemm_fp32_path_for_capability, one split
+sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep rows).
 """
 
 import collections

@@ -49,12 +49,6 @@ int64_t force_k_slices(int64_t slices) {
   return forced_k_slices.exchange(slices);
 }
 
-// Whether later grad_W products take the column split on split_fp16 too (splits_x_by_chunks); returns the previous
-// setting. For tests and tools/gemm_sweep.py.
-std::atomic<bool> forced_column_split{false};
-
-bool force_column_split(bool forced) { return forced_column_split.exchange(forced); }
-
 #ifdef KERNELS_WITH_CUDA
 // A float32 matrix the split kernels read: rows with unit column stride, 16-byte aligned rows (a copy otherwise).
 at::Tensor split_operand(const at::Tensor& t) {
@@ -103,14 +97,6 @@ bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transpose
           (!w_transposed || split_row_length(k) / kSplitChunk <= 65535));
 }
 
-// Whether grad_W's product (x given transposed: grad_pre^T) on `path` splits x per row and chunk
-// (launch_split_column_chunks: one read of grad_pre, no column maxima first) and w ahead, for the Hopper kernel's
-// promotion by both operands' powers of two; else (split_fp16_sm80, K past the transposed chunk split's grid, or
-// forced) x's columns take one power of two each (launch_split_columns).
-bool splits_x_by_chunks(Path path, int64_t k) {
-  return path == Path::kSplitFp16 && split_row_length(k) / kSplitChunk <= 65535 && !forced_column_split.load();
-}
-
 // The slices of K a product (m x n, reduction k) on split_fp16 takes on `device`: the forced count where one
 // is set (force_k_slices), else split_gemm_k_slices's choice.
 int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
@@ -150,9 +136,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
-  const bool x_chunks = x_transposed && splits_x_by_chunks(path, k);
   WeightSplit w_split_made;
-  if (w_split == nullptr && (x_chunks || splits_w_ahead(path, m, n, k, w_transposed))) {
+  if (w_split == nullptr && splits_w_ahead(path, m, n, k, w_transposed)) {
     w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
     w_split = &w_split_made;
   }
@@ -162,13 +147,11 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
   // reduction is the batch; a forward over few rows).
   const int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
-  // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split (its
-  // row exponents or flags, and chunk exponents where x_chunks), w's row flags where no split of w holds them, the
-  // column split's counters and sums, K slices' partials.
+  // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split, w's
+  // row flags where no split of w holds them, the column split's counters and sums, K slices' partials.
   TemporariesLayout layout;
   const int64_t x_hi_at = layout.add(m * split_k, 2), x_lo_at = layout.add(m * split_k, 2);
   const int64_t x_exponent_at = layout.add(m, 4);
-  const int64_t x_chunk_exponent_at = x_chunks ? layout.add(split_k / kSplitChunk * split_exponent_stride(m), 4) : 0;
   const int64_t w_flags_at = w_split == nullptr ? layout.add(n, 4) : 0;
   const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m), 1) : 0;
   const int64_t partials_at = k_slices > 1 ? layout.add(split_gemm_k_workspace_bytes(m, n, k_slices), 1) : 0;
@@ -176,28 +159,17 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   std::uint8_t* const base = temporaries.mutable_data_ptr<std::uint8_t>();
   void* const x_hi = base + x_hi_at;
   void* const x_lo = base + x_lo_at;
-  auto* const x_exponent = reinterpret_cast<int32_t*>(base + x_exponent_at);  // x's flags where x_chunks
-  auto* const x_chunk_exponent = x_chunks ? reinterpret_cast<int32_t*>(base + x_chunk_exponent_at) : nullptr;
+  auto* const x_exponent = reinterpret_cast<int32_t*>(base + x_exponent_at);
   auto* const w_flags = w_split != nullptr ? w_split->flags.mutable_data_ptr<int32_t>()
                                            : reinterpret_cast<int32_t*>(base + w_flags_at);
   // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
-  check_launch(x_chunks       ? launch_split_column_chunks(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
-                                                           x_chunk_exponent, x_exponent, x_column_sums,
-                                                           base + column_at, stream)
-               : x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
-                                                     x_exponent, x_column_sums, base + column_at, stream)
-                              : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi,
-                                                  x_lo, x_exponent, stream),
+  check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
+                                                   x_exponent, x_column_sums, base + column_at, stream)
+                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi,
+                                                x_lo, x_exponent, stream),
                "split (x)");
-  if (x_chunks) {
-    float* const partials = k_slices > 1 ? reinterpret_cast<float*>(base + partials_at) : nullptr;
-    check_launch(launch_split_gemm_chunk_scaled_split_k(
-                     x_hi, x_lo, x_chunk_exponent, x_exponent, w_split->hi.const_data_ptr(),
-                     w_split->lo.const_data_ptr(), w_split->exponent.const_data_ptr<int32_t>(), bias_data,
-                     y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f, slope_f, k_slices, partials, stream),
-                 "split GEMM (x scaled per chunk)");
-  } else if (k_slices > 1) {
+  if (k_slices > 1) {
     float* const partials = reinterpret_cast<float*>(base + partials_at);
     check_launch(w_split != nullptr
                      ? launch_split_gemm_presplit_split_k(
@@ -311,17 +283,15 @@ int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
 
 // One split sweep alone, into new tensors (tests, and bench.py's split-sweep rows against a copy of the same bytes):
 //   "rows", "rows_natural": launch_split_rows of src (x's split; split_position's order or k's) -> hi, lo, exponent
-//   "columns": launch_split_columns of src (grad_pre's for grad_W on sm_80) -> hi, lo, exponent, column sums
-//   "column_chunks": launch_split_column_chunks of src (grad_pre's for grad_W on Hopper) -> hi, lo, chunk exponents,
-//                    flags, column sums
+//   "columns": launch_split_columns of src (grad_pre's for grad_W) -> hi, lo, exponent, column sums
 //   "chunks", "chunks_natural": launch_split_chunks of src as w (n x k) -> hi, lo, chunk exponents, row flags
 //   "chunks_transposed": launch_split_chunks of w given as its transpose (src k x n) -> the same
 std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep) {
-  static const char* const kSweeps[] = {"rows", "rows_natural", "columns", "column_chunks", "chunks", "chunks_natural",
+  static const char* const kSweeps[] = {"rows", "rows_natural", "columns", "chunks", "chunks_natural",
                                         "chunks_transposed"};
   TORCH_CHECK(std::find(std::begin(kSweeps), std::end(kSweeps), sweep) != std::end(kSweeps),
-              "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, columns, column_chunks, chunks, "
-              "chunks_natural, chunks_transposed, got '", sweep, "'");
+              "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, columns, chunks, chunks_natural, "
+              "chunks_transposed, got '", sweep, "'");
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
               "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
               "-D ", std::string(c10::toString(src.scalar_type())), " tensor");
@@ -356,22 +326,6 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
                                       workspace.mutable_data_ptr(), stream),
                  "split (columns)");
     return {hi, lo, exponent, sums};
-  }
-  if (sweep == "column_chunks") {
-    const at::Tensor s = src.stride(1) == 1 ? src : src.contiguous();  // as split_fp16_product gives it
-    const int64_t rows = s.size(1), length = split_row_length(s.size(0));
-    at::Tensor hi = at::empty({rows, length}, half), lo = at::empty({rows, length}, half);
-    at::Tensor exponent = at::empty({length / kSplitChunk, split_exponent_stride(rows)}, int32);
-    at::Tensor flags = at::empty({rows}, int32);
-    at::Tensor sums = at::empty({rows}, src.options());
-    const at::Tensor workspace =
-        at::empty({split_columns_workspace_bytes(s.size(0), s.size(1))}, src.options().dtype(at::kByte));
-    check_launch(launch_split_column_chunks(s.const_data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
-                                            hi.mutable_data_ptr(), lo.mutable_data_ptr(),
-                                            exponent.mutable_data_ptr<int32_t>(), flags.mutable_data_ptr<int32_t>(),
-                                            sums.mutable_data_ptr<float>(), workspace.mutable_data_ptr(), stream),
-                 "split (column chunks)");
-    return {hi, lo, exponent, flags, sums};
   }
   const bool transposed = sweep == "chunks_transposed";
   TORCH_CHECK(transposed || src.size(1) % 4 == 0, "kernels._gemm_split_sweep: the chunks sweeps take rows of a "

@@ -33,22 +33,17 @@ namespace {
 // their 64 rows of w of a unit's tile (multiply_tile, or multiply_tile_presplit where w's split is given: then w_map
 // is w_hi's, and w_lo_map and w_exponent_map are read) and store those outputs (store_tile), unit after unit. A unit
 // is a tile over all of K (slices = 1), or over one of `slices` slices of slice_chunks chunks, whose plain outputs go
-// to y, then the partials' workspace, at slice * slice_rows rows (launch_split_gemm_split_k). kXChunkScaled (with
-// kPresplit): x's split has a power of two per row and chunk (x_chunk_exponent, rows x_chunk_stride apart), and
-// x_exponent holds only x's flags (0 or kNonFiniteRow: the epilogue's row factor 1, or the fix-up's rows).
-template <bool kTransposed, bool kPresplit, bool kXChunkScaled = false>
+// to y, then the partials' workspace, at slice * slice_rows rows (launch_split_gemm_split_k).
+template <bool kTransposed, bool kPresplit>
 __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
                   const __grid_constant__ CUtensorMap w_exponent_map, const __grid_constant__ CUtensorMap x_hi_map,
                   const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
-                  bool y_by_tma, const std::int32_t* __restrict__ x_exponent,
-                  const std::int32_t* __restrict__ x_chunk_exponent, int x_chunk_stride,
-                  std::int32_t* __restrict__ w_flags,
+                  bool y_by_tma, const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
                   int n, int k, float multiplier, float negative_slope, int slices, int slice_chunks,
                   int slice_rows) {
 #if KERNELS_SM90A_DEVICE
-  static_assert(kPresplit || !kXChunkScaled, "x's chunk scales come with w's given split");
   using namespace sm90;
   extern __shared__ unsigned char shared_raw[];
   unsigned char* shared = reinterpret_cast<unsigned char*>(
@@ -87,7 +82,6 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   const std::uint32_t shared_base = smem_address(shared);
   const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, x_exponent, w_flags, /*w_flags_set_only=*/slices > 1,
                                              bias, y, positive, m, n, slice_rows, multiplier, negative_slope};
-  const XChunkExponents x_chunks{x_chunk_exponent, x_chunk_stride, m};
   float accumulator[64], total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) accumulator[i] = 0.0f;
@@ -98,9 +92,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     const bool last_tile = scheduler.is_last(unit);
     bool non_finite[2] = {false, false};  // where w's split is given, its pass flagged w's rows
     if constexpr (kPresplit)
-      multiply_tile_presplit<kXChunkScaled>(thread, shared_base, exponents, full, empty, chunks, last_tile, iteration,
-                                            accumulator, total, x_chunks, tile_x * kBlockX,
-                                            scheduler.first_chunk(unit));
+      multiply_tile_presplit(thread, shared_base, exponents, full, empty, chunks, last_tile, iteration, accumulator,
+                             total);
     else
       multiply_tile<kTransposed>(thread, shared_base, full, empty, chunks, last_tile, iteration, accumulator, total,
                                  non_finite);
@@ -193,7 +186,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
                           const void* x_lo, const std::int32_t* x_exponent, std::int32_t* w_flags, const float* bias,
                           float* y, std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
                           float multiplier, float negative_slope, int device, cudaStream_t stream,
-                          const KSlices& k_slices = KSlices{}, const std::int32_t* x_chunk_exponent = nullptr) {
+                          const KSlices& k_slices = KSlices{}) {
   if (reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
     return cudaErrorInvalidValue;
   const std::int64_t x_row = split_row_length(k);
@@ -215,14 +208,12 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const bool y_by_tma = !plain_stores && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(out) % 16 == 0 &&
                         make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, out_rows, n, n * 4,
                                       kOutBoxRows);
-  const auto kernel = x_chunk_exponent != nullptr ? split_gemm_kernel<false, true, true>
-                      : presplit                    ? split_gemm_kernel<false, true>
-                      : w_transposed                ? split_gemm_kernel<true, false>
-                                                    : split_gemm_kernel<false, false>;
+  const auto kernel = presplit       ? split_gemm_kernel<false, true>
+                      : w_transposed ? split_gemm_kernel<true, false>
+                                     : split_gemm_kernel<false, false>;
   // The launch runs on `device`, the current one (the launchers read it with cudaGetDevice).
   cudaError_t err = raise_shared_memory_limit<split_gemm_kernel<false, true>, split_gemm_kernel<true, false>,
-                                              split_gemm_kernel<false, false>, split_gemm_kernel<false, true, true>>(
-      device, kSharedBytes);
+                                              split_gemm_kernel<false, false>>(device, kSharedBytes);
   if (err != cudaSuccess) return err;
   const std::int64_t units = tile_count(m, n) * k_slices.slices;
   const int processors = multiprocessor_count(device);
@@ -236,8 +227,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
   // Where K is split the slices store plain partials, and the sum applies the epilogue.
   err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
-                         maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, x_chunk_exponent,
-                         static_cast<int>(split_exponent_stride(m)), w_flags,
+                         maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags,
                          split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
                          static_cast<int>(n), static_cast<int>(k), split ? 1.0f : multiplier,
                          split ? 1.0f : negative_slope, k_slices.slices, slice_chunks,
@@ -288,8 +278,7 @@ bool device_runs_split_gemm(int device) {
     if (attributes.binaryVersion != 90) return false;  // the library holds no sm_90a code of the kernel
     return kernel_registers_hold_budgets(split_gemm_kernel<false, false>) &&
            kernel_registers_hold_budgets(split_gemm_kernel<true, false>) &&
-           kernel_registers_hold_budgets(split_gemm_kernel<false, true>) &&
-           kernel_registers_hold_budgets(split_gemm_kernel<false, true, true>) && tensor_map_encoder() != nullptr;
+           kernel_registers_hold_budgets(split_gemm_kernel<false, true>) && tensor_map_encoder() != nullptr;
   }).value_or(false);
 }
 
@@ -327,19 +316,17 @@ cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t
 }
 
 // launch_split_gemm_presplit_multiply_leaky_relu, K split where k_slices says so.
-// x_chunk_exponent, where not null: x's split is scaled per row and chunk (x_exponent: its flags).
 cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const void* w_hi,
                                 const void* w_lo, const std::int32_t* w_exponent, const float* bias, float* y,
                                 std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
                                 float multiplier, float negative_slope, cudaStream_t stream,
-                                const KSlices& k_slices, const std::int32_t* x_chunk_exponent = nullptr) {
+                                const KSlices& k_slices) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (!split_gemm_presplit_supported(device, m, n, k)) return cudaErrorNotSupported;
   if (reinterpret_cast<std::uintptr_t>(w_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(w_lo) % 16 != 0 ||
-      reinterpret_cast<std::uintptr_t>(w_exponent) % 16 != 0 ||
-      reinterpret_cast<std::uintptr_t>(x_chunk_exponent) % 8 != 0)  // read in pairs
+      reinterpret_cast<std::uintptr_t>(w_exponent) % 16 != 0)
     return cudaErrorInvalidValue;
   const std::int64_t row = split_row_length(k);
   CUtensorMap maps[6] = {};
@@ -348,8 +335,7 @@ cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::i
       !make_exponent_map(&maps[2], w_exponent, row / kSplitChunk, n))
     return cudaErrorInvalidValue;
   return launch_kernel(maps, /*w_transposed=*/false, /*presplit=*/true, x_hi, x_lo, x_exponent, /*w_flags=*/nullptr,
-                       bias, y, positive, m, n, k, multiplier, negative_slope, device, stream, k_slices,
-                       x_chunk_exponent);
+                       bias, y, positive, m, n, k, multiplier, negative_slope, device, stream, k_slices);
 }
 
 // The slices of a split-K launch, checked: k_slices >= 1, a workspace 16-byte aligned where K is split, and the
@@ -447,19 +433,6 @@ cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_l
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
   return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
                              negative_slope, stream, split);
-}
-
-cudaError_t launch_split_gemm_chunk_scaled_split_k(const void* x_hi, const void* x_lo,
-                                                   const std::int32_t* x_chunk_exponent, const std::int32_t* x_flags,
-                                                   const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
-                                                   const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                                   std::int64_t n, std::int64_t k, float multiplier,
-                                                   float negative_slope, int k_slices, float* workspace,
-                                                   cudaStream_t stream) {
-  KSlices split;
-  if (x_chunk_exponent == nullptr || !split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
-  return launch_with_w_split(x_hi, x_lo, x_flags, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
-                             negative_slope, stream, split, x_chunk_exponent);
 }
 
 }  // namespace kernels::gemm

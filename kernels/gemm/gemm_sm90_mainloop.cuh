@@ -4,8 +4,7 @@
 // issue_chunk_products) into a fresh accumulator, then releases the stage and promotes the accumulator, times the
 // chunk's inverse power of two, into fp32 totals (the tensor cores' own accumulation loses precision over a long K).
 // The consumers alternate on the tensor cores so one's split overlaps the other's products. kPresplit: w's split is
-// loaded instead (multiply_tile_presplit), same products in the same order, bitwise the same results; there x's split
-// may be scaled per row and chunk too (grad_W's), its powers of two read from global memory. Tails: TMA
+// loaded instead (multiply_tile_presplit), same products in the same order, bitwise the same results. Tails: TMA
 // zero-fills w past n and x past m; x's split is zero-padded to whole chunks.
 #pragma once
 
@@ -168,66 +167,19 @@ __device__ __forceinline__ void multiply_tile(const ConsumerThread& thread, std:
   }
 }
 
-// x's powers of two per row and chunk, where x's split has them (launch_split_column_chunks): chunk q's of row r at
-// exponent[q * stride + r], the rows past m up to stride written as 0.
-struct XChunkExponents {
-  const std::int32_t* exponent;
-  int stride, m;
-};
-
-// The chunk's powers of two of the thread's 32 rows of x (accumulator column 8 j + 2 t + c of the tile, row first_row
-// + that: e[j].x for c = 0, e[j].y for c = 1), from global memory: read a chunk ahead, so that the loads' latency
-// passes under the products.
-__device__ __forceinline__ void load_x_chunk_exponents(const XChunkExponents& x, int first_row, int chunk, int t,
-                                                       int2 (&e)[16]) {
-  const std::int32_t* at = x.exponent + static_cast<std::int64_t>(chunk) * x.stride + first_row + 2 * t;
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-    e[j] = first_row + 8 * j + 2 * t < x.m ? __ldg(reinterpret_cast<const int2*>(at + 8 * j)) : make_int2(0, 0);
-}
-
-// total += accumulator * 2^-e_w * 2^-e_x: w's power of two per row (scales), x's per column (e, as
-// load_x_chunk_exponents lays them out).
-template <bool kSingle>
-__device__ __forceinline__ void promote_chunk_scaled(const float (&accumulator)[64], const ChunkScales& scales,
-                                                     const int2 (&e)[16], float (&total)[64]) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int x_e = c == 0 ? e[j].x : e[j].y;
-      const PowerOfTwo x_inverse = kSingle ? PowerOfTwo{exact_power_of_two(-x_e), 1.0f} : power_of_two(-x_e);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = j * 4 + half * 2 + c;
-        total[i] = promote<kSingle>(accumulator[i], scales.inverse[half], x_inverse, total[i]);
-      }
-    }
-  }
-}
-
 // multiply_tile where w's split is given: per chunk the thread reads its two rows' exponents from the stage, and
 // issues the chunk's 12 products with both operands in shared memory, in multiply_tile's order and turns; after
-// they complete, the stage is released and the chunk promoted. kXChunkScaled: x's split has a power of two per row
-// and chunk too (x_chunks; the unit's tile starts at row first_row of x and chunk first_chunk of K), read while the
-// products run.
-template <bool kXChunkScaled>
+// they complete, the stage is released and the chunk promoted.
 __device__ __forceinline__ void multiply_tile_presplit(const ConsumerThread& thread, std::uint32_t shared_base,
                                                        const std::int32_t* exponents, std::uint64_t* full,
                                                        std::uint64_t* empty, int chunks, bool last_tile,
-                                                       int& iteration, float (&accumulator)[64], float (&total)[64],
-                                                       const XChunkExponents& x_chunks, int first_row,
-                                                       int first_chunk) {
+                                                       int& iteration, float (&accumulator)[64], float (&total)[64]) {
   using namespace sm90;
   const int consumer = thread.consumer, lane = thread.lane, tile_row = thread.tile_row;
   const int row_step = thread.row_step;
 #pragma unroll
   for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-  // kXChunkScaled: the powers of two of the thread's rows of x, the chunk's and the next's (loaded while the chunk's
-  // products run, so that they have landed before any use).
-  int2 x_e[2][16];
-  if constexpr (kXChunkScaled) load_x_chunk_exponents(x_chunks, first_row, first_chunk, thread.t, x_e[0]);
-  const auto multiply_chunk = [&](int chunk, const int2 (&x_now)[16], int2 (&x_next)[16]) {
+  for (int chunk = 0; chunk < chunks; ++chunk) {
     const int stage = iteration % kStages;
     barrier_wait(&full[stage], (iteration / kStages) & 1);
     ChunkScales scales;
@@ -246,27 +198,8 @@ __device__ __forceinline__ void multiply_tile_presplit(const ConsumerThread& thr
       wgmma_m64n128k16_f16_ss(accumulator, (w_is_lo ? w_lo : w_hi) + offset, x + offset, accumulate);
     });
     pass_turn(consumer, chunk + 1 < chunks, last_tile);
-    if constexpr (kXChunkScaled) {
-      if (chunk + 1 < chunks) load_x_chunk_exponents(x_chunks, first_row, first_chunk + chunk + 1, thread.t, x_next);
-      bool x_single = true;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) x_single &= x_now[j].x <= 126 && x_now[j].y <= 126;
-      wgmma_wait<0>();
-      if (lane == 0) barrier_arrive(&empty[stage]);
-      if (scales.single && x_single) promote_chunk_scaled<true>(accumulator, scales, x_now, total);
-      else promote_chunk_scaled<false>(accumulator, scales, x_now, total);
-    } else {
-      finish_chunk(lane, empty, stage, scales, accumulator, total);
-    }
+    finish_chunk(lane, empty, stage, scales, accumulator, total);
     ++iteration;
-  };
-  if constexpr (kXChunkScaled) {
-    for (int chunk = 0; chunk < chunks; chunk += 2) {
-      multiply_chunk(chunk, x_e[0], x_e[1]);
-      if (chunk + 1 < chunks) multiply_chunk(chunk + 1, x_e[1], x_e[0]);
-    }
-  } else {
-    for (int chunk = 0; chunk < chunks; ++chunk) multiply_chunk(chunk, x_e[0], x_e[1]);
   }
 }
 

@@ -2,8 +2,7 @@
 // by powers of two (split_numerics.cuh), and the fix-up of outputs that non-finite values reach. Portable.
 // - gemm_split_rows.cuh: a power of two per row: x by rows (launch_split_rows), a matrix's columns
 //   (launch_split_columns).
-// - gemm_split_chunks.cuh: a power of two per row and chunk of 64: w's split made ahead (launch_split_chunks), grad_W's
-//   x by chunks of grad_pre's columns (launch_split_column_chunks).
+// - gemm_split_chunks.cuh: a power of two per row and chunk of 64: w's split made ahead (launch_split_chunks).
 // - gemm_split_nonfinite_outputs.cuh (launch_nonfinite_outputs); gemm_split_transposed_epilogue.cuh: y from a
 //   transposed product (launch_transposed_epilogue).
 // - This file: the host launchers (argument checks, grids, the row split's kernel by row length).
@@ -71,25 +70,6 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
   return launch_dependent(kernel, dim3(static_cast<unsigned>(2 * items)), dim3(kColumnTileThreads), 0, stream, src,
                           rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent,
                           column_sums, static_cast<unsigned char*>(workspace), lag_items);
-}
-
-cudaError_t launch_split_column_chunks(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                                       void* hi, void* lo, std::int32_t* chunk_exponent, std::int32_t* flags,
-                                       float* column_sums, void* workspace, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return cudaSuccess;
-  const ColumnSplitLayout layout = column_split_layout(rows, cols);
-  const std::int64_t items = layout.tiles * layout.slabs;
-  if (items > 0x7fffffff || reinterpret_cast<std::uintptr_t>(workspace) % 16 != 0 ||
-      reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
-    return cudaErrorInvalidValue;
-  cudaError_t err = cudaMemsetAsync(workspace, 0, layout.counters_bytes, stream);
-  if (err != cudaSuccess) return err;
-  const bool aligned =
-      cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
-  const auto kernel = aligned ? split_column_chunks_kernel<true> : split_column_chunks_kernel<false>;
-  return launch_dependent(kernel, dim3(static_cast<unsigned>(items)), dim3(kColumnTileThreads), 0, stream, src, rows,
-                          cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags,
-                          column_sums, static_cast<unsigned char*>(workspace));
 }
 
 // The longest split row held in registers (split_rows_in_registers_kernel, split_chunks_in_registers_kernel).

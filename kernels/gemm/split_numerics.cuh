@@ -1,6 +1,6 @@
 // The split method's numerics, shared by every kernel of the GEMM family, so that the Hopper kernel (gemm_sm90.cu)
-// and the sm_80 kernel (gemm_sm80.cu) compute one function: the power-of-two scales (per row of x, or per row and chunk
-// of x for grad_W's; per row and chunk of W), the fp16 hi/lo split, the promotion of a chunk's products into fp32, the output's unscaling and the fused
+// and the sm_80 kernel (gemm_sm80.cu) compute one function: the power-of-two scales (per row of x, per row and chunk
+// of W), the fp16 hi/lo split, the promotion of a chunk's products into fp32, the output's unscaling and the fused
 // epilogue; and the order along K in which the Hopper kernel hands its fp16 halves to the tensor cores. Non-finite
 // values are split as 0 and their rows flagged (gemm.h, kNonFiniteRow); launch_nonfinite_outputs (gemm_split.cu)
 // writes the outputs they reach. Device code, portable; the output's unscaling (exact_power_of_two, row_unscale,
@@ -86,16 +86,6 @@ __device__ __forceinline__ std::uint32_t bits(__half2 pair) {
 template <bool kSingle = false>
 __device__ __forceinline__ float promote(float accumulator, PowerOfTwo inverse, float total) {
   return kSingle ? fmaf(accumulator, inverse.a, total) : fmaf(accumulator * inverse.a, inverse.b, total);
-}
-
-// The promotion where x's split is scaled per row and chunk too (grad_W's x, launch_split_column_chunks): total +=
-// accumulator * 2^-e_w * 2^-e_x, w's factor first (the value the per-row promotion holds, y 2^e_x, within its range),
-// x's taken into the add: exact but for the add's rounding where each factor is one float (kSingle). With x's power of
-// two the same in every chunk, the totals are the per-row promotion's times 2^-e_x, bit for bit.
-template <bool kSingle>
-__device__ __forceinline__ float promote(float accumulator, PowerOfTwo w_inverse, PowerOfTwo x_inverse, float total) {
-  return kSingle ? fmaf(accumulator * w_inverse.a, x_inverse.a, total)
-                 : fmaf(((accumulator * w_inverse.a) * w_inverse.b) * x_inverse.a, x_inverse.b, total);
 }
 
 // An output's product before the epilogue: the promoted total times 2^-e, e the exponent of its row of x, as two
