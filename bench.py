@@ -991,7 +991,7 @@ def bench_problem_files(rows, options, paths):
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), namespace)
         model_class = namespace["Model"]
-        layers = problem_split_layers(path)  # those the candidate patches
+        layers = problem_split_layers(path, namespace)  # those the candidate patches
         try:  # one problem that cannot run leaves the others' rows
             add_kernelbench_rows(rows, "problem files (the Model patched: kernels.export --problem)",
                              os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),

@@ -233,27 +233,31 @@ def _patching_python():
     return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text, families
 
 
-def problem_split_layers(path):
+def problem_split_layers(path, namespace=None):
     """The layers of the problem file's Model that ModelNew patches: kernels.split_layer_names of the Model at
     get_inputs()'s shapes, run on the meta device (shapes only, no data). The Model is built there too, or, where its
     __init__ reads values (`.item()`), on the CPU and then moved there; the random states (torch's on the CPU and the
-    GPUs, Python's, NumPy's) are left as they were.
+    GPUs, Python's, NumPy's) are left as they were. namespace: the file's globals where the caller has run it already
+    (bench.py), else the file is run here.
     None, for every layer patch() knows, where the Model cannot run on the meta device (an op without a meta kernel,
     control flow on the data) or the file does not run here."""
     import torch
 
     from kernels.patching import split_layer_names
 
-    namespace = {"__name__": "problem"}
-    with open(path, encoding="utf-8") as f:
-        code = compile(f.read(), path, "exec")
+    code = None
+    if namespace is None:
+        namespace = {"__name__": "problem"}
+        with open(path, encoding="utf-8") as f:
+            code = compile(f.read(), path, "exec")
     python_state = random.getstate()
     numpy = sys.modules.get("numpy")  # the problem's code may draw from NumPy's generator; restored if it was loaded
     numpy_state = numpy.random.get_state() if numpy is not None else None
     gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=gpus):
         try:  # any failure leaves every layer to patch()
-            exec(code, namespace)
+            if code is not None:
+                exec(code, namespace)
             model_class, init = namespace["Model"], namespace["get_init_inputs"]()
             with torch.device("meta"):
                 inputs = namespace["get_inputs"]()

@@ -416,3 +416,18 @@ def test_problem_split_layers_leaves_the_random_state(tmp_path):
     torch.manual_seed(0)
     assert problem_split_layers(str(problem)) == []
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_problem_split_layers_takes_a_namespace_already_run(tmp_path):
+    """bench.py runs a problem file once: given the file's globals, the probe uses them and does not run it again."""
+    from kernels.export import problem_split_layers
+
+    problem = tmp_path / "mlp.py"
+    problem.write_text(PROBLEM_FILES["mlp"])
+    layers = problem_split_layers(str(problem))
+    assert layers  # the problem's layers a split takes
+    namespace = {"__name__": "problem"}
+    exec(compile(problem.read_text(), str(problem), "exec"), namespace)
+    problem.write_text("raise RuntimeError('the file ran again')\n")  # run again, the probe would give None
+    assert problem_split_layers(str(problem)) is None
+    assert problem_split_layers(str(problem), namespace) == layers
