@@ -304,7 +304,8 @@ def problem_file_candidate(path):
                     "# meta device): the others gain nothing from the library there and stay PyTorch's.\n"
                     f"SPLIT_LAYERS = {layers!r}\n\n\n")
         patching_lines = ("        # other init inputs may name other layers: those patch() turns, of SPLIT_LAYERS\n"
-                          "        names = {name for name, module in self.named_modules() if _patch_base(module)}\n"
+                          "        names = {name for name, module in self.named_modules(remove_duplicate=False)\n"
+                          "                 if _patch_base(module)}\n"
                           "        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # draws no "
                           "random numbers\n")
     model_new = (preamble + "class ModelNew(Model):\n    def __init__(self, *args, **kwargs):\n"

@@ -64,14 +64,8 @@ class _MultiheadAttentionPatch:
                                    is_causal)
         arguments = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         batched = query.dim() == 3
-        if self.batch_first and batched:  # (batch, length, embed) -> (length, batch, embed), keeping which are one
-            if key is value and query is key:
-                query = key = value = query.transpose(1, 0)
-            elif key is value:
-                query, key = query.transpose(1, 0), key.transpose(1, 0)
-                value = key
-            else:
-                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+        if self.batch_first and batched:  # (batch, length, embed) -> (length, batch, embed)
+            query, key, value = _swap_length_and_batch(query, key, value)
         out = _multi_head_attention_route(
             query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias, self.bias_k,
             self.bias_v, self.add_zero_attn, self.dropout, self.out_proj.weight, self.out_proj.bias,
@@ -341,6 +335,15 @@ def _in_projection(query, key, value, weights, bias, contiguous=True):
     return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
 
 
+def _swap_length_and_batch(query, key, value):
+    """Attention's inputs with their first two dimensions swapped (views), keeping which of them are one tensor (the
+    in-projection packs its products by that)."""
+    swapped_query = query.transpose(0, 1)
+    swapped_key = swapped_query if key is query else key.transpose(0, 1)
+    swapped_value = (swapped_key if value is key else swapped_query if value is query else value.transpose(0, 1))
+    return swapped_query, swapped_key, swapped_value
+
+
 def _float_mask(mask, dtype):
     """A mask as F.multi_head_attention_forward adds it: a boolean one as 0 where False and -inf where True."""
     if mask is None or mask.dtype != torch.bool:
@@ -400,11 +403,8 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     # attention's output. Elsewhere eager's layout, and so eager's bits where no split takes a product.
     batch_major = (all(t.transpose(0, 1).is_contiguous() for t in (query, key, value)) and
                    not plain_product_suffices(query, *weights[0].shape, weights[0].requires_grad))
-    if batch_major:  # (batch, length, embed), keeping which inputs are one
-        key_is_query, value_is_key = key is query, value is key
-        query = query.transpose(0, 1)
-        key = query if key_is_query else key.transpose(0, 1)
-        value = key if value_is_key else value.transpose(0, 1)
+    if batch_major:  # (batch, length, embed)
+        query, key, value = _swap_length_and_batch(query, key, value)
     q, k, v = _in_projection(query, key, value, weights, in_proj_bias, contiguous=not batch_major)
     if attn_mask is not None and attn_mask.dim() == 2:
         attn_mask = attn_mask.unsqueeze(0)

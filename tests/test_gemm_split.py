@@ -442,6 +442,7 @@ def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
     for a, b in pairs:
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
     def pairs_in_chunks(split):  # each element's (hi, lo) bits as one integer, sorted within each chunk of 64
         bits = lambda t: t.view(torch.int16).to(torch.int64) & 0xFFFF  # noqa: E731
         return (bits(split[0]) << 16 | bits(split[1])).unflatten(1, (-1, 64)).sort(2).values
