@@ -528,6 +528,54 @@ def bench_attention(rows, options):
         del q, k, v, outputs, y64
 
 
+# ---- RMSNorm: transformers' LlamaRMSNorm, eager against kernels.patch ------------------------------------------------
+
+# (rows, width): the LLaMA-style model's 8 x 512 tokens of 2048, and 2 x 2048 tokens of a 4096-wide model.
+RMS_NORM_SHAPES = ((4096, 2048), (4096, 4096))
+
+
+def bench_rms_norm(rows, options):
+    """fp32 LlamaRMSNorm: eager (five element-wise ops forward, more backward) against kernels.patch (rms_norm: one
+    pass each way), the no_grad forward and a training step's forward and backward (grad_x and grad_weight), rates
+    over the bytes each must move (forward x and y; training x twice, y, grad_y and grad_x); errors against the
+    formula in float64 (the module itself computes in float32)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    import kernels
+
+    problem = "LlamaRMSNorm (fp32)"
+    for tokens, width in RMS_NORM_SHAPES:
+        torch.manual_seed(0)
+        eager = LlamaRMSNorm(width, eps=1e-6).to(DEVICE)
+        with torch.no_grad():
+            eager.weight.normal_(1.0, 0.5)
+        patched = kernels.patch(copy.deepcopy(eager))
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        x = torch.randn(tokens, width, device=DEVICE, generator=g)
+        x_grad = x.clone().requires_grad_(True)
+        grad = torch.randn(tokens, width, device=DEVICE, generator=g)
+        x64, weight64 = x.double(), eager.weight.detach().double()
+        y64 = weight64 * (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6))
+        for case, train in ((f"forward {tokens}x{width}", False), (f"train step {tokens}x{width}", True)):
+            progress(f"{problem}: {case}")
+            if train:
+                fns = [lambda norm=norm: torch.autograd.grad(norm(x_grad), (x_grad, norm.weight), grad)
+                       for norm in (eager, patched)]
+                times, kb = run_case(fns, options, kernelbench=False)
+                outputs, reference = [None, None], Reference()
+            else:
+                with torch.no_grad():
+                    fns = [lambda norm=norm: norm(x) for norm in (eager, patched)]
+                    times, kb = run_case(fns, options)
+                    outputs = [fn() for fn in fns]
+                reference = Reference(y64, outputs[0])
+            moved = x.nbytes * (5 if train else 2)
+            add_rows(rows, Case(problem, case, "fp32", ["eager", "kernels.patch"], times, kb, outputs),
+                     Rate(lambda variant, moved=moved: moved / 1e6, "GB/s"), reference)
+        del eager, patched, x, x_grad, grad, x64, y64
+        torch.cuda.empty_cache()
+
+
 # (batch, tokens, width, heads): nn.MultiheadAttention at torchvision's ViT-B/16 and at a BERT-large-style width.
 MULTIHEAD_ATTENTION_SHAPES = ((64, 197, 768, 12), (16, 512, 1024, 16))
 
@@ -1292,6 +1340,7 @@ GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
                "linear_layers": bench_linear_layers, "attention": bench_attention,
                "split_sweeps": bench_split_sweeps, "multihead_attention": bench_multihead_attention,
+               "rms_norm": bench_rms_norm,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}

@@ -6,5 +6,6 @@ from kernels.causal_softmax.causal_softmax import causal_softmax
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import gemm_multiply_leaky_relu, linear
 from kernels.leaky_relu.leaky_relu import leaky_relu
+from kernels.rms_norm.rms_norm import rms_norm
 
-__all__ = ["attention", "causal_softmax", "gelu_tanh", "gemm_multiply_leaky_relu", "leaky_relu", "linear"]
+__all__ = ["attention", "causal_softmax", "gelu_tanh", "gemm_multiply_leaky_relu", "leaky_relu", "linear", "rms_norm"]

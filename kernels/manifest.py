@@ -60,6 +60,13 @@ FAMILIES = (
         autograd_sources=("causal_softmax/causal_softmax_autograd.cpp",),
     ),
     Family(
+        name="rms_norm",
+        cpp_sources=("rms_norm/rms_norm.cpp",),  # its CPU path too: ATen's ops on rms_norm_op.h's formulas
+        cuda_sources=("rms_norm/rms_norm.cu",),
+        python_module="kernels.rms_norm.rms_norm",
+        autograd_sources=("rms_norm/rms_norm_autograd.cpp",),
+    ),
+    Family(
         name="attention",
         cpp_sources=("attention/attention.cpp",),  # its autograd is Python (attention.py): one formula, first order
         cuda_sources=("attention/attention.cu",),

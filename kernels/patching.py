@@ -2,7 +2,7 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, nn.MultiheadAttention, transformers' Conv1D and NewGELUActivation
+    kernels.patch(model)          # nn.Linear, nn.MultiheadAttention, transformers' Conv1D, NewGELUActivation, LlamaRMSNorm
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -24,6 +24,7 @@ from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
+from kernels.rms_norm.rms_norm import rms_norm
 
 # The original class -> its patched subclass.
 _PATCHED_CLASSES = {}
@@ -48,6 +49,40 @@ class _NewGELUPatch:
 
     def forward(self, input):
         return gelu_tanh(input)
+
+
+def _llama_rms_norm_forward(self, hidden_states):
+    # transformers' LlamaRMSNorm.forward, token for token: a norm class whose forward compiles to this code computes
+    # this formula (Mistral's, Qwen2's and others are copies of it), so patch() may put rms_norm in its place.
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def _computes_llama_rms_norm(cls):
+    code, reference = getattr(getattr(cls, "forward", None), "__code__", None), _llama_rms_norm_forward.__code__
+    return code is not None and all(getattr(code, part) == getattr(reference, part)
+                                    for part in ("co_code", "co_consts", "co_names", "co_varnames"))
+
+
+_RMS_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kernels/rms_norm/rms_norm.h)
+
+
+class _RMSNormPatch:
+    """transformers' LlamaRMSNorm and the norms whose forward is its code, on kernels.rms_norm: one sweep over memory
+    forward and one backward, at least as accurate (the mean of squares summed in double), where x and the weight are
+    plain GPU tensors of one float dtype with rows the kernels hold; its own forward otherwise."""
+
+    def forward(self, hidden_states):
+        weight = self.weight
+        columns = hidden_states.shape[-1] if hidden_states.dim() else 0
+        if (hidden_states.is_cuda and hidden_states.dtype in _RMS_NORM_DTYPES and weight.dtype == hidden_states.dtype
+                and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % 8 == 0 and _plain(hidden_states, weight)):
+            return rms_norm(hidden_states, weight, self.variance_epsilon)
+        return super().forward(hidden_states)
 
 
 class _MultiheadAttentionPatch:
@@ -92,7 +127,7 @@ def _conv1d_class():
 def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, transformers' Conv1D and
     NewGELUActivation and the subclasses that keep their forward (a subclass with a forward of its own computes
-    something else)."""
+    something else), and the modules whose forward is LlamaRMSNorm's code."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
@@ -102,6 +137,8 @@ def _base_for_class(cls):
         original = _transformers_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
+    if issubclass(cls, nn.Module) and _computes_llama_rms_norm(cls):
+        return _RMSNormPatch
     return None
 
 
@@ -146,10 +183,11 @@ def __getattr__(name):
 
 
 def patch(model, layers=None):
-    """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D and
-    NewGELUActivation into the library's, in place, and returns `model`. Idempotent; subclasses with a forward of
-    their own are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn,
-    for example split_layer_names()'s; a name no such layer has raises ValueError."""
+    """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D,
+    NewGELUActivation and LlamaRMSNorm (or a norm with its forward) into the library's, in place, and returns
+    `model`. Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
+    (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
+    raises ValueError."""
     if isinstance(layers, str):
         raise TypeError("patch: layers must be a collection of layer names, not one string")
     chosen = None if layers is None else set(layers)

@@ -280,6 +280,9 @@ def test_transformers_models_patch_round_trip(name, device):
         new_gelu = sys.modules["transformers.activations"].NewGELUActivation
         activations = [m for m in patched.modules() if isinstance(m, new_gelu)]
         assert len(activations) == config.n_layer and all(kernels.is_patched(m) for m in activations)
+    if name == "llama":  # every LlamaRMSNorm on rms_norm: two a layer and the last one
+        norms = [m for m in patched.modules() if type(m).__name__ == "LlamaRMSNorm"]
+        assert len(norms) == 2 * config.num_hidden_layers + 1 and all(kernels.is_patched(m) for m in norms)
     ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
     out, out_patched = model(input_ids=ids).logits, patched(input_ids=ids).logits
     torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
@@ -314,6 +317,41 @@ def test_new_gelu_activation_patch(device):
                                atol=1e-5, rtol=1e-5)
     kernels.unpatch(patched)
     assert type(patched) is NewGELUActivation
+
+
+def test_llama_rms_norm_patch(device):
+    """transformers' LlamaRMSNorm, and the norms whose forward is its code (Mistral's, Qwen2's), on rms_norm: eager's
+    results within 1e-5, no less accurate against float64, gradients alike; a norm computing something else (Gemma's
+    1 + weight) is left as it is."""
+    _transformers()
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kernels.precision import relative_error
+
+    classes = [LlamaRMSNorm]
+    for module_name, name in (("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm")):
+        module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}")
+        classes.append(getattr(module, name))
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    assert not kernels.is_patched(kernels.patch(gemma.GemmaRMSNorm(64)))
+    for cls in classes:
+        norm = cls(256, eps=1e-5).to(device)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.5)
+        patched = kernels.patch(copy.deepcopy(norm))
+        assert kernels.is_patched(patched) and isinstance(patched, cls), cls.__name__
+        x = (torch.randn(4, 33, 256, generator=torch.Generator().manual_seed(0)) * 3).to(device).requires_grad_()
+        y, y_patched = norm(x), patched(x)
+        torch.testing.assert_close(y_patched, y, atol=1e-5, rtol=1e-5)
+        x64, weight64 = x.detach().double(), norm.weight.detach().double()  # (the module itself computes in float32)
+        y64 = weight64 * (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5))
+        assert relative_error(y_patched, y64) <= relative_error(y, y64), cls.__name__
+        grad = torch.randn_like(y)
+        for got, expected in zip(torch.autograd.grad(y_patched, (x, patched.weight), grad),
+                                 torch.autograd.grad(y, (x, norm.weight), grad)):
+            torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-5)
+        kernels.unpatch(patched)
+        assert type(patched) is cls
 
 
 def test_timm_vit_patch_round_trip(device):

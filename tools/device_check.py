@@ -403,6 +403,67 @@ def causal_softmax(args):
     return []
 
 
+def rms_norm(args):
+    """The RMSNorm family at the LLaMA-style model's rows (4096 x 2048) and at 4096 x 4096: forward, backward op and a
+    training step's autograd beside a copy of the bytes each moves, LlamaRMSNorm's eager ops and PyTorch's own
+    F.rms_norm; then each one's error against the formula in float64, per dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.functional import rms_norm as ours
+    from kernels.precision import relative_error
+
+    eps, backward = 1e-6, torch.ops.kernels.rms_norm_backward
+
+    def llama(x, weight):  # transformers' LlamaRMSNorm.forward, op for op
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def fused(x, weight):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def exact(x, weight):
+        x64 = x.double()
+        return weight.double() * (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps))
+
+    def step(fn, x, weight, grad):
+        leaf, w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        return lambda: torch.autograd.grad(fn(leaf, w), (leaf, w), grad)
+
+    print(torch.cuda.get_device_name())
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for rows, columns in ((4096, 2048), (4096, 4096)):
+            x = (torch.randn(rows, columns, device="cuda") * 3).to(dtype)
+            weight = (torch.randn(columns, device="cuda") * 0.5 + 1).to(dtype)
+            grad = torch.randn(rows, columns, device="cuda").to(dtype)
+            size = x.nbytes
+            copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (2, 3)]
+            outs = [torch.empty_like(c) for c in copies]
+            print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, backward {3 * size / 1e6:.0f} MB")
+            rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 2 * size),
+                       "forward": (lambda: ours(x, weight, eps), 2 * size),
+                       "forward LlamaRMSNorm": (lambda: llama(x, weight), 2 * size),
+                       "forward F.rms_norm": (lambda: fused(x, weight), 2 * size),
+                       "backward copy": (lambda: outs[1].copy_(copies[1]), 3 * size),
+                       "backward op": (lambda: backward(grad, x, weight, eps), 3 * size),
+                       "step (forward + backward)": (step(ours, x, weight, grad), 5 * size),
+                       "step LlamaRMSNorm": (step(llama, x, weight, grad), 5 * size),
+                       "step F.rms_norm": (step(fused, x, weight, grad), 5 * size)}, samples=30)
+            x64, weight64 = x.double().requires_grad_(True), weight.double().requires_grad_(True)
+            y64 = exact(x64, weight64)
+            grads64 = torch.autograd.grad(y64, (x64, weight64), grad.double())
+            for name, fn in (("ours", ours), ("LlamaRMSNorm", llama), ("F.rms_norm", fused)):
+                leaf, w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+                y = fn(leaf, w)
+                got = (y, *torch.autograd.grad(y, (leaf, w), grad))
+                print(f"  error against float64, {name}: " + ", ".join(
+                    f"{label} {relative_error(a, b):.3g}" for label, a, b in zip(("y", "grad_x", "grad_weight"), got,
+                                                                                 (y64, *grads64))))
+            torch.cuda.empty_cache()
+    return []
+
+
 def run_all(args):
     """build, tests, sanitize and bench in that order on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -458,6 +519,8 @@ def parse_arguments(argv):
     add("gelu-tanh", gelu_tanh, "the GELU (tanh) family against a copy's rate, and its error")
     sub = add("causal-softmax", causal_softmax, "the causal softmax family against a copy's rate, and its error")
     sub.add_argument("--shape", default="128,8,512,512", help="the scores' shape (128,8,512,512)")
+    sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
+    sub = add("rms-norm", rms_norm, "the RMSNorm family against a copy's rate, eager's and F.rms_norm, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):

@@ -1,0 +1,99 @@
+"""The RMSNorm family's Python side: fakes and batching rules of its ops, and rms_norm().
+
+Ops (schemas in rms_norm.cpp), over x's last dimension:
+  rms_norm(x, weight, eps) -> weight * (x * rsqrt(mean(x^2) + eps)), x * rsqrt(...) rounded to x's dtype first
+      (transformers' LlamaRMSNorm for a weight of x's dtype); the mean of squares summed in double, the reciprocal
+      square root rounded to float (double for float64) once.
+  rms_norm_backward(grad_y, x, weight, eps) -> (grad_x, grad_weight), each summed in double and rounded once.
+Autograd of both ops is C++ (rms_norm_autograd.cpp): the backward kernels for a first-order backward, ATen's formulas
+(rms_norm_op.h) for higher orders and forward mode.
+"""
+
+import torch
+
+from kernels import loader
+
+loader.load_library()
+
+_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_inputs(op, x, weight):
+    # The C++ checks' messages, for meta tensors and tracing (the fakes stand in for the C++ ops there).
+    for name, t in (("x", x), ("weight", weight)):
+        torch._check(t.dtype in _FLOAT_TYPES,
+                     lambda: f"kernels.{op}: {name} must be a float32, float64, float16 or bfloat16 tensor, got {t.dtype}")
+    torch._prims_common.check_same_device(x, weight, allow_cpu_scalar_tensors=False)
+    torch._check(weight.dtype == x.dtype, lambda: f"kernels.{op}: expected weight and x to have the same dtype, got "
+                                                  f"weight {weight.dtype} and x {x.dtype}")
+    torch._check(x.dim() >= 1, lambda: f"kernels.{op}: x must have at least 1 dimension (..., normalized), got a scalar")
+    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+                 lambda: f"kernels.{op}: weight must have shape [{x.shape[-1]}] (x's last dimension), got "
+                         f"{list(weight.shape)}")
+
+
+def _rms_norm_fake(x, weight, eps):
+    _check_inputs("rms_norm", x, weight)
+    return x.new_empty(x.shape)
+
+
+def _rms_norm_backward_fake(grad_y, x, weight, eps):
+    _check_inputs("rms_norm_backward", x, weight)
+    torch._check(grad_y.dtype == x.dtype and grad_y.shape == x.shape,
+                 lambda: f"kernels.rms_norm_backward: grad_y must match x (shape {list(x.shape)}, {x.dtype}), got "
+                         f"shape {list(grad_y.shape)}, {grad_y.dtype}")
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)) over x's last dimension, as transformers' LlamaRMSNorm computes it
+    for a weight of x's dtype, in one sweep over memory forward and one backward (CUDA float32, float16, bfloat16 rows
+    of up to 8192 elements; ATen's ops otherwise), at least as accurate: the mean of squares is summed in double."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"kernels.rms_norm: x and weight must be torch.Tensors, got {type(x).__name__} and "
+                        f"{type(weight).__name__}")
+    return torch.ops.kernels.rms_norm.default(x, weight, float(eps))
+
+
+def _reference(x, weight, eps):
+    """The formula in plain ops, in x's dtype with the mean of squares in double: rms_norm's batching rules, and the
+    tests' float64 reference."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    r = x.double().square().mean(-1, keepdim=True).add(eps).rsqrt().to(compute)
+    return weight * (x.to(compute) * r).to(x.dtype)
+
+
+# ---- torch.func.vmap -------------------------------------------------------------------------------------------------
+# rms_norm acts on the last dimension: a batched x takes the op with its batch first where the weight is shared;
+# otherwise, and for the backward (whose grad_weight sums over every row), the formula in plain ops, which vmap
+# batches itself.
+
+def _rms_norm_vmap(info, in_dims, x, weight, eps):
+    x_dim, weight_dim = in_dims[0], in_dims[1]
+    if weight_dim is None:
+        return torch.ops.kernels.rms_norm(x.movedim(x_dim, 0), weight, eps), 0
+    x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+    weight = weight.movedim(weight_dim, 0).reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1])
+    return _reference(x, weight, eps), 0
+
+
+def _rms_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
+    def front(t, d):
+        return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+
+    grad_y, x, weight = (front(t, d) for t, d in zip((grad_y, x, weight), in_dims))
+    with torch.enable_grad():
+        x_leaf, weight_leaf = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        shaped = weight_leaf.reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1])
+        grads = torch.autograd.grad(_reference(x_leaf, shaped, eps), (x_leaf, weight_leaf), grad_y)
+    return grads, (0, 0)
+
+
+def _register_fakes_and_batching_rules():
+    torch.library.register_fake("kernels::rms_norm", _rms_norm_fake)
+    torch.library.register_fake("kernels::rms_norm_backward", _rms_norm_backward_fake)
+    torch.library.register_vmap("kernels::rms_norm", _rms_norm_vmap)
+    torch.library.register_vmap("kernels::rms_norm_backward", _rms_norm_backward_vmap)
+
+
+loader.register_once("rms_norm", _register_fakes_and_batching_rules)

@@ -1,0 +1,60 @@
+// The RMSNorm family's ops as C++ code calls them (through the dispatcher), and its formulas in ATen ops: the path of
+// CPU tensors, float64 and rows the kernels do not take (rms_norm.cpp), and the differentiable form the autograd
+// uses for higher orders and forward mode (rms_norm_autograd.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <tuple>
+
+namespace kernels::rms_norm {
+
+using RmsNorm = at::Tensor(const at::Tensor& x, const at::Tensor& weight, double eps);
+using RmsNormBackward = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& grad_y, const at::Tensor& x,
+                                                           const at::Tensor& weight, double eps);
+
+// kernels::rms_norm, looked up once.
+inline const c10::TypedOperatorHandle<RmsNorm>& rms_norm_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kernels::rms_norm", "").typed<RmsNorm>();
+  return op;
+}
+
+// kernels::rms_norm_backward, looked up once.
+inline const c10::TypedOperatorHandle<RmsNormBackward>& rms_norm_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::rms_norm_backward", "").typed<RmsNormBackward>();
+  return op;
+}
+
+// The type the arithmetic is done in: float, or double for double.
+inline at::ScalarType compute_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// r = 1 / sqrt(mean(x^2) + eps) over the last dimension (kept, size 1): the squares summed in double, r rounded to
+// the compute type once, as the kernels compute it.
+inline at::Tensor reciprocal_rms(const at::Tensor& x, double eps) {
+  return x.to(at::kDouble).square().mean(-1, true).add(eps).rsqrt().to(compute_type(x));
+}
+
+// y = weight * (x r), x r rounded to x's type first (LlamaRMSNorm's hidden_states.to(input_dtype)).
+inline at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return weight.mul(x.to(compute_type(x)).mul(reciprocal_rms(x, eps)).to(x.scalar_type()));
+}
+
+// grad_x = r (g w - x r^2 mean(g w x)) in double, rounded once; grad_weight = the sum over rows of g (x r), in double.
+inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                 const at::Tensor& weight, double eps) {
+  const at::Tensor r = reciprocal_rms(x, eps);
+  const at::Tensor r64 = r.to(at::kDouble), x64 = x.to(at::kDouble), g64 = grad_y.to(at::kDouble);
+  const at::Tensor gw = g64.mul(weight.to(at::kDouble));
+  const at::Tensor c = r64.square().mul(gw.mul(x64).mean(-1, true));
+  const at::Tensor grad_x = r64.mul(gw.sub(x64.mul(c))).to(x.scalar_type());
+  const at::Tensor h = x.to(compute_type(x)).mul(r).to(x.scalar_type());
+  const at::Tensor grad_weight =
+      g64.mul(h.to(at::kDouble)).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
+  return {grad_x, grad_weight};
+}
+
+}  // namespace kernels::rms_norm

@@ -1,0 +1,291 @@
+"""RMSNorm: the op against LlamaRMSNorm's formula in the same dtype (eager) and in float64, forward and backward, on
+CPU and CUDA; every row layout the kernels take and the rows they leave to ATen, views, non-finite and huge values,
+autograd to higher orders, forward mode, vmap, torch.compile and bad input. The precision contract: float32 error
+against float64 no larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eager's error."""
+
+import pytest
+import torch
+
+from conftest import poison_allocator, requires_cuda
+from kernels.functional import rms_norm
+from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-6
+
+# Rows of every kernel configuration on CUDA (16-byte packs 1 to 8 a thread, single elements where the columns do not
+# fill packs) and beyond (ATen's formula): (shape of x).
+SHAPES = {
+    "one row of 8": (1, 8),
+    "2-D, 64": (4, 64),
+    "3-D, 1000": (3, 5, 1000),
+    "odd columns 1030": (7, 1030),
+    "odd columns 13": (9, 13),
+    "2048": (64, 2048),
+    "4096": (16, 4096),
+    "8192": (5, 8192),
+    "8200 (ATen)": (3, 8200),
+    "2051 single elements (ATen)": (3, 2051),
+    "many rows": (3000, 256),
+}
+
+
+def llama_rms_norm(x, weight, eps=EPS):
+    """transformers' LlamaRMSNorm.forward, op for op (weight of x's dtype): eager, or float64."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32) if x.dtype != torch.float64 else x
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def randn(shape, dtype, device, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def weight_for(columns, dtype, device, seed=1):
+    return randn((columns,), dtype, device, seed) * 0.5 + 1.0  # both signs possible, around 1 as trained norms are
+
+
+def check_accuracy(got, expected, reference64, dtype, what, atol=None):
+    """got against float64: no more error than eager's (ERROR_RATIO_LIMIT; a small tensor one rounding's slack),
+    and allclose to eager. float64 (eager is the reference there): within 1e-13 of it."""
+    ours, theirs = relative_error(got, reference64), relative_error(expected, reference64)
+    if dtype == torch.float64:
+        theirs = 1e-13
+    slack = torch.finfo(dtype).eps / 2 if got.numel() <= 4096 else 0.0
+    assert ours <= ERROR_RATIO_LIMIT[dtype] * theirs + slack, \
+        f"{what}: error against float64 {ours:.3g}, eager's {theirs:.3g}"
+    tol = ALLCLOSE_TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tol if atol is None else atol, rtol=tol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def gradients(fn, x, weight, grad, dtype):
+    x_leaf = x.detach().to(dtype).requires_grad_(True)
+    weight_leaf = weight.detach().to(dtype).requires_grad_(True)
+    return torch.autograd.grad(fn(x_leaf, weight_leaf), (x_leaf, weight_leaf), grad.to(dtype))
+
+
+# ---- forward and backward against eager -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_matches_eager(device, dtype, shape):
+    x, weight = randn(shape, dtype, device, scale=3.0), weight_for(shape[-1], dtype, device)
+    x_before = x.clone()
+    poison_allocator(shape, dtype, device)
+    y = rms_norm(x, weight, EPS)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert not y.isnan().any(), "an element was not written"
+    check_accuracy(y, llama_rms_norm(x, weight), llama_rms_norm(x.double(), weight.double()), dtype, "forward")
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_backward_matches_eager(device, dtype, shape):
+    x, weight = randn(shape, dtype, device, scale=3.0), weight_for(shape[-1], dtype, device)
+    grad = randn(shape, dtype, device, seed=2)
+    poison_allocator(shape, dtype, device)
+    ours = gradients(rms_norm, x, weight, grad, dtype)
+    eager = gradients(llama_rms_norm, x, weight, grad, dtype)
+    exact = gradients(llama_rms_norm, x, weight, grad, torch.float64)
+    for name, got, expected, reference in zip(("grad_x", "grad_weight"), ours, eager, exact):
+        assert got.dtype == dtype and got.shape == expected.shape, name
+        assert not got.isnan().any(), f"{name}: an element was not written"
+        check_accuracy(got, expected, reference, dtype, name, atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_views_and_layouts(device, dtype):
+    """Rows of a transposed, strided or offset x (unaligned), and a strided weight: eager's values."""
+    base = randn((96, 130), dtype, device, scale=2.0)
+    weight_base = weight_for(2 * 64, dtype, device)
+    cases = {
+        "transposed": (base.t()[:, :64], weight_base[:64]),
+        "strided rows": (base[::2, :128], weight_base),
+        "offset by one element": (base.reshape(-1)[1:1 + 40 * 64].view(40, 64), weight_base[:64]),
+        "strided weight": (base[:, :64], weight_base[::2]),
+        "expanded x": (base[:1, :128].expand(7, 128), weight_base),
+    }
+    for name, (x, weight) in cases.items():
+        check_accuracy(rms_norm(x, weight, EPS), llama_rms_norm(x, weight), llama_rms_norm(x.double(),
+                       weight.double()), dtype, name)
+        grad = randn(x.shape, dtype, device, seed=3)
+        for got, expected in zip(gradients(rms_norm, x, weight, grad, dtype),
+                                 gradients(llama_rms_norm, x, weight, grad, dtype)):
+            tol = ALLCLOSE_TOLERANCE[dtype]
+            torch.testing.assert_close(got, expected, atol=gradient_atol(expected, tol), rtol=tol, msg=name)
+
+
+def test_empty_inputs(device):
+    for shape in ((0, 16), (2, 0, 8)):
+        x, weight = torch.randn(shape, device=device, requires_grad=True), torch.ones(shape[-1], device=device)
+        y = rms_norm(x, weight)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+def test_non_finite_values_give_eagers_result(device):
+    """A row with an Inf or a NaN: eager's NaN and zeros, forward and backward."""
+    x = randn((4, 256), torch.float32, device)
+    x[1, 7], x[2, 100] = float("inf"), float("nan")
+    weight = weight_for(256, torch.float32, device)
+    torch.testing.assert_close(rms_norm(x, weight), llama_rms_norm(x, weight), equal_nan=True)
+    grad = randn(x.shape, torch.float32, device, seed=4)
+    got, expected = gradients(rms_norm, x, weight, grad, torch.float32), gradients(llama_rms_norm, x, weight, grad,
+                                                                                 torch.float32)
+    torch.testing.assert_close(got[0], expected[0], equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert got[1].isnan().any() == expected[1].isnan().any()
+
+
+def test_huge_values_are_normalized(device):
+    """Rows near float32's largest values: the squares, summed in double, do not overflow where eager's do (eager
+    gives zeros), so the result is the float64 formula's."""
+    x = randn((8, 512), torch.float32, device) * 1e30
+    weight = weight_for(512, torch.float32, device)
+    y = rms_norm(x, weight)
+    assert relative_error(y, llama_rms_norm(x.double(), weight.double())) < 1e-6
+    assert llama_rms_norm(x, weight).abs().max() == 0  # eager's x.pow(2) overflows to inf
+
+
+# ---- autograd, transforms, compile ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(3, 8), (2, 3, 5)])
+def test_gradcheck_float64(device, shape):
+    """First and second order and forward mode, of the op and of its backward op (the ATen formulas)."""
+    x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(shape[-1], dtype=torch.float64, device=device, requires_grad=True)
+    fn = lambda a, w: rms_norm(a, w, 0.1)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, weight), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(fn, (x, weight))
+    grad = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    backward = lambda g, a, w: torch.ops.kernels.rms_norm_backward(g, a, w, 0.1)  # noqa: E731
+    assert torch.autograd.gradcheck(backward, (grad, x, weight), check_forward_ad=True)
+
+
+def test_double_backward_and_forward_mode_match_eager(device):
+    x, weight = randn((6, 64), torch.float32, device), weight_for(64, torch.float32, device)
+    cotangent, tangent = randn(x.shape, torch.float32, device, 5), randn(x.shape, torch.float32, device, 6)
+    results = []
+    for fn in (rms_norm, llama_rms_norm):
+        leaf, w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        g, gw = torch.autograd.grad((fn(leaf, w) * cotangent).sum(), (leaf, w), create_graph=True)
+        gg = torch.autograd.grad((g * g).sum() + (gw * gw).sum(), (leaf, w))
+        _, jvp = torch.func.jvp(lambda a: fn(a, weight), (x,), (tangent,))
+        results.append((g.detach(), gw.detach(), *gg, jvp))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
+
+
+def test_graph_node(device):
+    x = torch.randn(3, 16, device=device, requires_grad=True)
+    weight = torch.ones(16, device=device)
+    assert rms_norm(x, weight).grad_fn.name() == "kernels::RmsNormBackward"
+    with torch.no_grad():
+        assert rms_norm(x, weight).grad_fn is None
+    assert rms_norm(x.detach(), weight).grad_fn is None
+
+
+def test_vmap(device):
+    x, weight = randn((4, 3, 32), torch.float32, device), weight_for(32, torch.float32, device)
+    weights = torch.stack([weight_for(32, torch.float32, device, seed) for seed in range(3)])
+    got = torch.func.vmap(lambda a: rms_norm(a, weight), in_dims=1)(x)
+    torch.testing.assert_close(got, llama_rms_norm(x.movedim(1, 0), weight), atol=1e-6, rtol=1e-6)
+    got = torch.func.vmap(rms_norm, in_dims=(1, 0))(x, weights)
+    torch.testing.assert_close(got, llama_rms_norm(x.movedim(1, 0), weights[:, None]), atol=1e-6, rtol=1e-6)
+    # per-sample weight gradients: the backward batched
+    per_sample = torch.func.vmap(torch.func.grad(lambda w, a: rms_norm(a, w).square().sum()), in_dims=(None, 0))
+    expected = torch.func.vmap(torch.func.grad(lambda w, a: llama_rms_norm(a, w).square().sum()), in_dims=(None, 0))
+    torch.testing.assert_close(per_sample(weight, x), expected(weight, x), atol=1e-4, rtol=1e-4)
+
+
+def test_opcheck(device):
+    x, weight = torch.randn(5, 48, device=device), torch.randn(48, device=device)
+    for requires_grad in (False, True):
+        torch.library.opcheck(torch.ops.kernels.rms_norm.default,
+                              (x.clone().requires_grad_(requires_grad), weight.clone().requires_grad_(requires_grad),
+                               EPS))
+    torch.library.opcheck(torch.ops.kernels.rms_norm_backward.default, (torch.randn_like(x), x, weight, EPS))
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def block(x, weight, proj):
+        return rms_norm(x, weight) @ proj
+
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(4, 9, 64, device=device, requires_grad=True)
+    weight = torch.randn(64, device=device, requires_grad=True)
+    proj = torch.randn(64, 32, device=device)
+    grad = torch.randn(4, 9, 32, device=device)
+    y = compiled(x, weight, proj)
+    y_eager = llama_rms_norm(x, weight) @ proj
+    torch.testing.assert_close(y, y_eager, atol=1e-4, rtol=1e-4)
+    for got, expected in zip(torch.autograd.grad(y, (x, weight), grad),
+                             torch.autograd.grad(y_eager, (x, weight), grad)):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
+
+
+@requires_cuda
+def test_same_bits_every_run():
+    x, weight = randn((4096, 2048), torch.float32, "cuda"), weight_for(2048, torch.float32, "cuda")
+    grad = randn(x.shape, torch.float32, "cuda", seed=7)
+    first, second = (gradients(rms_norm, x, weight, grad, torch.float32) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_bad_dtype_is_a_clear_error(device, dtype):
+    with pytest.raises(RuntimeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor, got"):
+        rms_norm(torch.ones(4, 4, device=device).to(dtype), torch.ones(4, device=device))
+
+
+def test_bad_arguments_are_clear_errors(device):
+    x = torch.randn(3, 8, device=device)
+    with pytest.raises(RuntimeError, match=r"weight must have shape \[8\] \(x's last dimension\), got \[7\]"):
+        rms_norm(x, torch.ones(7, device=device))
+    with pytest.raises(RuntimeError, match=r"expected weight and x to have the same dtype"):
+        rms_norm(x, torch.ones(8, device=device, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"x must have at least 1 dimension"):
+        rms_norm(torch.tensor(1.0, device=device), torch.ones(1, device=device))
+    with pytest.raises(RuntimeError, match=r"grad_y has shape \[3, 9\] but x has shape \[3, 8\]"):
+        torch.ops.kernels.rms_norm_backward(torch.randn(3, 9, device=device), x, torch.ones(8, device=device), EPS)
+    with pytest.raises(TypeError, match="x and weight must be torch.Tensors"):
+        rms_norm([1.0], torch.ones(1))
+
+
+@requires_cuda
+def test_mixed_devices_are_a_clear_error():
+    with pytest.raises(RuntimeError, match="same device"):
+        rms_norm(torch.randn(2, 8, device="cuda"), torch.ones(8))
+
+
+def test_meta_tensors_trace():
+    x, weight = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16), torch.empty(64, device="meta",
+                                                                                         dtype=torch.bfloat16)
+    y = rms_norm(x, weight)
+    assert y.device.type == "meta" and y.shape == x.shape and y.dtype == x.dtype
+    with pytest.raises(RuntimeError, match=r"weight must have shape \[64\]"):
+        rms_norm(x, torch.empty(63, device="meta", dtype=torch.bfloat16))
+
+
+@requires_cuda
+def test_runs_on_the_current_stream():
+    base = torch.randn(512, 1024, device="cuda")
+    weight = weight_for(1024, torch.float32, "cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # the input below is written only after this delay, on `stream`
+        x = base * 3.0
+        y = rms_norm(x, weight)
+        expected = llama_rms_norm(x, weight)
+    stream.synchronize()
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
