@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA
-from kernels.functional import attention, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import attention, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu, rms_norm
 
 
 def ints(*shape):
@@ -37,6 +37,17 @@ ERRORS = {
     "gelu_tanh_backward: grad_output and x of different dtypes": (
         lambda: torch.ops.kernels.gelu_tanh_backward(torch.randn(4), torch.randn(4, dtype=torch.float64)),
         RuntimeError, r"expected x and grad_output to have the same dtype, got x Double and grad_output Float"),
+    "rms_norm: integer tensor": (
+        lambda: rms_norm(ints(2, 4), ints(4)), RuntimeError,
+        r"kernels.rms_norm: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+    "rms_norm: weight of another length": (
+        lambda: rms_norm(torch.randn(2, 4), torch.ones(3)), RuntimeError,
+        r"kernels.rms_norm: weight must have shape \[4\] \(x's last dimension\), got \[3\]"),
+    "rms_norm: x and weight of different dtypes": (
+        lambda: rms_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.float64)), RuntimeError,
+        r"expected weight and x to have the same dtype, got weight Double and x Float"),
+    "rms_norm: not tensors": (lambda: rms_norm([1.0], torch.ones(1)), TypeError,
+                              r"x and weight must be torch.Tensors, got list and Tensor"),
     "gemm: integer tensors": (lambda: gemm_multiply_leaky_relu(ints(2, 4), ints(3, 4)), RuntimeError,
                               r"x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
     "gemm: x and weight of different dtypes": (
@@ -75,6 +86,8 @@ ERRORS = {
 }
 
 CUDA_ERRORS = {
+    "rms_norm: x on CUDA, weight on the CPU": (
+        lambda: rms_norm(torch.randn(2, 4, device="cuda"), torch.ones(4)), RuntimeError, r"same device"),
     "gemm: x on CUDA, weight on the CPU": (
         lambda: gemm_multiply_leaky_relu(torch.randn(2, 4, device="cuda"), torch.randn(3, 4)), RuntimeError,
         r"same device"),
@@ -145,6 +158,13 @@ MIXED_DEVICE_OPS = {
     "gelu_tanh_backward": (
         ("grad_output", "x"),
         lambda d: torch.ops.kernels.gelu_tanh_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]))),
+    "rms_norm": (
+        ("x", "weight"),
+        lambda d: torch.ops.kernels.rms_norm(torch.randn(2, 4, device=d[0]), torch.randn(4, device=d[1]), 1e-6)),
+    "rms_norm_backward": (
+        ("grad_y", "x", "weight"),
+        lambda d: torch.ops.kernels.rms_norm_backward(torch.randn(2, 4, device=d[0]), torch.randn(2, 4, device=d[1]),
+                                                      torch.randn(4, device=d[2]), 1e-6)),
     "leaky_relu_backward": (
         ("grad_output", "saved"),
         lambda d: torch.ops.kernels.leaky_relu_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]),

@@ -144,6 +144,59 @@ class GeluTanhCase:
             torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, equal_nan=True, msg=name)
 
 
+class RmsNormCase:
+    """The RMSNorm family: the function forward and backward (its C++ node calls the backward op), against the formula
+    in float64 (rows of 16-byte packs, odd rows of single elements, a row with an Inf)."""
+
+    family = "rms_norm"
+    ops = {"rms_norm", "rms_norm_backward"}
+    eps = 1e-6
+
+    def __str__(self):
+        return "rms_norm"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        draws = {}
+        for name, shape in (("packs", (64, 1024)), ("odd", (33, 13))):
+            x = torch.randn(*shape, device=device, generator=generator) * 3
+            draws[name] = x
+            draws[f"{name} weight"] = torch.randn(shape[-1], device=device, generator=generator) * 0.5 + 1
+            draws[f"{name} grad"] = torch.randn(*shape, device=device, generator=generator)
+        draws["packs"][5, 3] = float("inf")
+        return draws
+
+    @staticmethod
+    def run(fn, inputs, dtype):
+        outputs = {}
+        for name in ("packs", "odd"):
+            leaf = inputs[name].to(dtype).requires_grad_(True)
+            weight = inputs[f"{name} weight"].to(dtype).requires_grad_(True)
+            y = fn(leaf, weight)
+            y.backward(inputs[f"{name} grad"].to(dtype))
+            outputs.update({name: y.detach().float(), f"{name} grad": leaf.grad.float(),
+                            f"{name} weight grad": weight.grad.float()})
+        return outputs
+
+    def ours(self, **inputs):
+        from kernels.functional import rms_norm
+
+        return self.run(lambda x, weight: rms_norm(x, weight, self.eps), inputs, torch.float32)
+
+    def eager(self, **inputs):
+        def formula(x, weight):
+            return weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps))
+
+        return self.run(formula, inputs, torch.float64)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            atol = 1e-5 * max(1.0, float(expected[name].nan_to_num().abs().max()))
+            torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=1e-5, equal_nan=True, msg=name)
+
+
 class GemmCase:
     """The GEMM family: ModelNew forward and backward on one path ("auto": the automatic choice), against eager fp32:
     outputs and gradients as check() says."""
@@ -356,7 +409,8 @@ GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
               for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
-CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), AttentionCase()]
+CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), RmsNormCase(),
+                                                          AttentionCase()]
 
 
 def ops_that_compute():

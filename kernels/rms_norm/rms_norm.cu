@@ -185,15 +185,32 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
   }
 }
 
-// grad_weight[j] = the blocks' partials of column j added in block order, rounded to T once.
+// grad_weight[j] = the blocks' partials of column j, rounded to T once. A block takes kSumColumns columns; each of its
+// kSumSlices slices of threads adds one fixed range of the partials' rows in order, then the slices' sums are added in
+// order: the same bits every run, with the loads spread over enough threads to stream the partials.
+constexpr int kSumColumns = 16;
+constexpr int kSumSlices = kThreads / kSumColumns;
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
 weight_grad_sum_kernel(const double* __restrict__ partials, int blocks, std::int64_t columns, T* __restrict__ out) {
-  const std::int64_t column = blockIdx.x * std::int64_t{kThreads} + threadIdx.x;
-  if (column >= columns) return;
+  __shared__ double slice_sums[kSumSlices][kSumColumns];
+  const int lane = threadIdx.x % kSumColumns, slice = threadIdx.x / kSumColumns;
+  const std::int64_t column = blockIdx.x * std::int64_t{kSumColumns} + lane;
+  const int per_slice = (blocks + kSumSlices - 1) / kSumSlices;
+  const int begin = slice * per_slice, end = begin + per_slice < blocks ? begin + per_slice : blocks;
   double total = 0.0;
-  for (int b = 0; b < blocks; ++b) total += partials[b * columns + column];
-  out[column] = from_opmath<T>(static_cast<typename common::OpMath<T>::type>(total));
+  if (column < columns) {
+#pragma unroll 4
+    for (int b = begin; b < end; ++b) total += partials[b * columns + column];
+  }
+  slice_sums[slice][lane] = total;
+  __syncthreads();
+  if (slice != 0 || column >= columns) return;
+  double sum = slice_sums[0][lane];
+#pragma unroll
+  for (int s = 1; s < kSumSlices; ++s) sum += slice_sums[s][lane];
+  out[column] = from_opmath<T>(static_cast<typename common::OpMath<T>::type>(sum));
 }
 
 int multiprocessors(int device) {
@@ -273,7 +290,7 @@ cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight
         return cudaGetLastError();
       });
   if (err != cudaSuccess) return err;
-  const unsigned int sum_blocks = static_cast<unsigned int>((columns + kThreads - 1) / kThreads);
+  const unsigned int sum_blocks = static_cast<unsigned int>((columns + kSumColumns - 1) / kSumColumns);
   weight_grad_sum_kernel<T><<<sum_blocks, kThreads, 0, stream>>>(partials, blocks, columns,
                                                                   static_cast<T*>(grad_weight));
   return cudaGetLastError();

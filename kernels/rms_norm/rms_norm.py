@@ -39,6 +39,7 @@ def _rms_norm_fake(x, weight, eps):
 
 def _rms_norm_backward_fake(grad_y, x, weight, eps):
     _check_inputs("rms_norm_backward", x, weight)
+    torch._prims_common.check_same_device(grad_y, x, allow_cpu_scalar_tensors=False)
     torch._check(grad_y.dtype == x.dtype and grad_y.shape == x.shape,
                  lambda: f"kernels.rms_norm_backward: grad_y must match x (shape {list(x.shape)}, {x.dtype}), got "
                          f"shape {list(grad_y.shape)}, {grad_y.dtype}")
