@@ -67,6 +67,13 @@ FAMILIES = (
         autograd_sources=("rms_norm/rms_norm_autograd.cpp",),
     ),
     Family(
+        name="silu_mul",
+        cpp_sources=("silu_mul/silu_mul.cpp",),  # its CPU path too: ATen's ops on silu_mul_op.h's formulas
+        cuda_sources=("silu_mul/silu_mul.cu",),
+        python_module="kernels.silu_mul.silu_mul",
+        autograd_sources=("silu_mul/silu_mul_autograd.cpp",),
+    ),
+    Family(
         name="attention",
         cpp_sources=("attention/attention.cpp",),  # its autograd is Python (attention.py): one formula, first order
         cuda_sources=("attention/attention.cu",),

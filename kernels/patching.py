@@ -2,7 +2,7 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, nn.MultiheadAttention, transformers' Conv1D, NewGELUActivation, LlamaRMSNorm
+    kernels.patch(model)          # nn.Linear, nn.MultiheadAttention; transformers' Conv1D, NewGELU, LlamaRMSNorm, LlamaMLP
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -25,6 +25,7 @@ from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.rms_norm.rms_norm import rms_norm
+from kernels.silu_mul.silu_mul import silu_mul
 
 # The original class -> its patched subclass.
 _PATCHED_CLASSES = {}
@@ -61,9 +62,16 @@ def _llama_rms_norm_forward(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
-def _computes_llama_rms_norm(cls):
-    code, reference = getattr(getattr(cls, "forward", None), "__code__", None), _llama_rms_norm_forward.__code__
-    return code is not None and all(getattr(code, part) == getattr(reference, part)
+def _llama_mlp_forward(self, x):
+    # transformers' LlamaMLP.forward, token for token (Mistral's, Qwen2's and others are copies of it).
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _forward_compiles_to(cls, reference):
+    """Whether cls.forward is `reference`'s code: the same bytecode, constants and names."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    return code is not None and all(getattr(code, part) == getattr(reference.__code__, part)
                                     for part in ("co_code", "co_consts", "co_names", "co_varnames"))
 
 
@@ -83,6 +91,34 @@ class _RMSNormPatch:
                 and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % 8 == 0 and _plain(hidden_states, weight)):
             return rms_norm(hidden_states, weight, self.variance_epsilon)
         return super().forward(hidden_states)
+
+
+def _is_plain_silu(module):
+    """Whether `module` computes F.silu(x) and nothing else: nn.SiLU (not in place) or transformers' SiLUActivation."""
+    if type(module) is nn.SiLU:
+        return not module.inplace
+    return type(module) is _transformers_class("transformers.activations", "SiLUActivation")
+
+
+_SILU_MUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _GatedMLPPatch:
+    """transformers' LlamaMLP and the MLPs whose forward is its code, with a SiLU activation: the gate's activation and
+    product, act_fn(gate_proj(x)) * up_proj(x), in one sweep over memory forward and backward (kernels.silu_mul,
+    computed in double and rounded once), where both are plain GPU tensors of one float dtype and shape; its own
+    steps otherwise, and its own forward for any other activation. Its projections are layers of their own, which
+    patch() turns as it turns every nn.Linear."""
+
+    def forward(self, x):
+        if not _is_plain_silu(self.act_fn):
+            return super().forward(x)
+        gate = self.gate_proj(x)
+        up = self.up_proj(x)
+        if (gate.is_cuda and gate.dtype in _SILU_MUL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
+                and _plain(gate, up)):
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class _MultiheadAttentionPatch:
@@ -127,7 +163,7 @@ def _conv1d_class():
 def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, transformers' Conv1D and
     NewGELUActivation and the subclasses that keep their forward (a subclass with a forward of its own computes
-    something else), and the modules whose forward is LlamaRMSNorm's code."""
+    something else), and the modules whose forward is LlamaRMSNorm's or LlamaMLP's code."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
@@ -137,8 +173,10 @@ def _base_for_class(cls):
         original = _transformers_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
-    if issubclass(cls, nn.Module) and _computes_llama_rms_norm(cls):
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _llama_rms_norm_forward):
         return _RMSNormPatch
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _llama_mlp_forward):
+        return _GatedMLPPatch
     return None
 
 
@@ -184,8 +222,8 @@ def __getattr__(name):
 
 def patch(model, layers=None):
     """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D,
-    NewGELUActivation and LlamaRMSNorm (or a norm with its forward) into the library's, in place, and returns
-    `model`. Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
+    NewGELUActivation, LlamaRMSNorm and LlamaMLP (or a module with one of their forwards) into the library's, in place,
+    and returns `model`. Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
     (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
     raises ValueError."""
     if isinstance(layers, str):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA
-from kernels.functional import attention, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu, rms_norm
+from kernels.functional import attention, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu, rms_norm, silu_mul
 
 
 def ints(*shape):
@@ -48,6 +48,15 @@ ERRORS = {
         r"expected weight and x to have the same dtype, got weight Double and x Float"),
     "rms_norm: not tensors": (lambda: rms_norm([1.0], torch.ones(1)), TypeError,
                               r"x and weight must be torch.Tensors, got list and Tensor"),
+    "silu_mul: integer tensors": (
+        lambda: silu_mul(ints(4), ints(4)), RuntimeError,
+        r"kernels.silu_mul: gate must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+    "silu_mul: gate and up of different shapes": (
+        lambda: silu_mul(torch.randn(2, 4), torch.randn(2, 5)), RuntimeError,
+        r"kernels.silu_mul: up has shape \[2, 5\] but gate has shape \[2, 4\]"),
+    "silu_mul: gate and up of different dtypes": (
+        lambda: silu_mul(torch.randn(4), torch.randn(4, dtype=torch.float64)), RuntimeError,
+        r"expected up and gate to have the same dtype, got up Double and gate Float"),
     "gemm: integer tensors": (lambda: gemm_multiply_leaky_relu(ints(2, 4), ints(3, 4)), RuntimeError,
                               r"x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
     "gemm: x and weight of different dtypes": (
@@ -165,6 +174,13 @@ MIXED_DEVICE_OPS = {
         ("grad_y", "x", "weight"),
         lambda d: torch.ops.kernels.rms_norm_backward(torch.randn(2, 4, device=d[0]), torch.randn(2, 4, device=d[1]),
                                                       torch.randn(4, device=d[2]), 1e-6)),
+    "silu_mul": (
+        ("gate", "up"),
+        lambda d: torch.ops.kernels.silu_mul(torch.randn(2, 4, device=d[0]), torch.randn(2, 4, device=d[1]))),
+    "silu_mul_backward": (
+        ("grad_y", "gate", "up"),
+        lambda d: torch.ops.kernels.silu_mul_backward(torch.randn(4, device=d[0]), torch.randn(4, device=d[1]),
+                                                      torch.randn(4, device=d[2]))),
     "leaky_relu_backward": (
         ("grad_output", "saved"),
         lambda d: torch.ops.kernels.leaky_relu_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]),

@@ -197,6 +197,47 @@ class RmsNormCase:
             torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=1e-5, equal_nan=True, msg=name)
 
 
+class SiluMulCase:
+    """The SwiGLU gate family: the function forward and backward (its C++ node calls the backward op), against F.silu(
+    gate) * up in float64 (16-byte packs; an odd offset view: single elements)."""
+
+    family = "silu_mul"
+    ops = {"silu_mul", "silu_mul_backward"}
+
+    def __str__(self):
+        return "silu_mul"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        return {name: torch.randn(4097, device=device, generator=generator) * 3 for name in ("gate", "up", "grad")}
+
+    @staticmethod
+    def run(fn, gate, up, grad, dtype):
+        outputs = {}
+        for name, view in (("aligned", slice(0, 4096)), ("offset", slice(1, 4097))):
+            g = gate[view].to(dtype).requires_grad_(True)
+            u = up[view].to(dtype).requires_grad_(True)
+            y = fn(g, u)
+            y.backward(grad[view].to(dtype))
+            outputs.update({name: y.detach().float(), f"{name} grad_gate": g.grad.float(),
+                            f"{name} grad_up": u.grad.float()})
+        return outputs
+
+    def ours(self, gate, up, grad):
+        from kernels.functional import silu_mul
+
+        return self.run(silu_mul, gate, up, grad, torch.float32)
+
+    def eager(self, gate, up, grad):
+        return self.run(lambda g, u: F.silu(g) * u, gate, up, grad, torch.float64)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 class GemmCase:
     """The GEMM family: ModelNew forward and backward on one path ("auto": the automatic choice), against eager fp32:
     outputs and gradients as check() says."""
@@ -410,7 +451,7 @@ GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
 CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), RmsNormCase(),
-                                                          AttentionCase()]
+                                                          SiluMulCase(), AttentionCase()]
 
 
 def ops_that_compute():
