@@ -464,6 +464,56 @@ def rms_norm(args):
     return []
 
 
+def silu_mul(args):
+    """The SwiGLU gate family at the LLaMA-style model's MLP (4096 x 5632) and at 8192 x 14336: forward, backward op and
+    a training step's autograd beside a copy of the bytes each moves and eager's F.silu(gate) * up; then each one's
+    error against float64, per dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.functional import silu_mul as ours
+    from kernels.precision import relative_error
+
+    backward = torch.ops.kernels.silu_mul_backward
+
+    def eager(gate, up):
+        return F.silu(gate) * up
+
+    def step(fn, gate, up, grad):
+        g, u = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+        return lambda: torch.autograd.grad(fn(g, u), (g, u), grad)
+
+    print(torch.cuda.get_device_name())
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for rows, columns in ((4096, 5632), (8192, 14336)):
+            gate, up, grad = ((torch.randn(rows, columns, device="cuda") * 3).to(dtype) for _ in range(3))
+            size = gate.nbytes
+            copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (3, 5)]
+            outs = [torch.empty_like(c) for c in copies]
+            print(f"{dtype}, {rows} x {columns}: forward moves {3 * size / 1e6:.0f} MB, backward {5 * size / 1e6:.0f} MB")
+            rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 3 * size),
+                       "forward": (lambda: ours(gate, up), 3 * size),
+                       "forward eager": (lambda: eager(gate, up), 3 * size),
+                       "backward copy": (lambda: outs[1].copy_(copies[1]), 5 * size),
+                       "backward op": (lambda: backward(grad, gate, up), 5 * size),
+                       "step (forward + backward)": (step(ours, gate, up, grad), 8 * size),
+                       "step eager": (step(eager, gate, up, grad), 8 * size)}, samples=30)
+            part = slice(0, 1024)  # errors on the first rows: the whole in float64 would not fit beside the rest
+            g64, u64 = gate[part].double().requires_grad_(True), up[part].double().requires_grad_(True)
+            y64 = eager(g64, u64)
+            grads64 = torch.autograd.grad(y64, (g64, u64), grad[part].double())
+            for name, fn in (("ours", ours), ("eager", eager)):
+                g, u = gate[part].clone().requires_grad_(True), up[part].clone().requires_grad_(True)
+                y = fn(g, u)
+                got = (y, *torch.autograd.grad(y, (g, u), grad[part]))
+                print(f"  error against float64, {name}: " + ", ".join(
+                    f"{label} {relative_error(a, b):.3g}" for label, a, b in zip(("y", "grad_gate", "grad_up"), got,
+                                                                                 (y64, *grads64))))
+            del gate, up, grad, copies, outs
+            torch.cuda.empty_cache()
+    return []
+
+
 def run_all(args):
     """build, tests, sanitize and bench in that order on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -521,6 +571,8 @@ def parse_arguments(argv):
     sub.add_argument("--shape", default="128,8,512,512", help="the scores' shape (128,8,512,512)")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("rms-norm", rms_norm, "the RMSNorm family against a copy's rate, eager's and F.rms_norm, and its error")
+    sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
+    sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):
