@@ -576,6 +576,47 @@ def bench_rms_norm(rows, options):
         torch.cuda.empty_cache()
 
 
+# ---- the SwiGLU gate: LLaMA's MLP activation, eager's F.silu(gate) * up against kernels.silu_mul --------------------
+
+# (rows, intermediate width): the LLaMA-style model's 8 x 512 tokens of 5632, and 8192 tokens of a 14336-wide MLP.
+SILU_MUL_SHAPES = ((4096, 5632), (8192, 14336))
+
+
+def bench_silu_mul(rows, options):
+    """fp32 silu(gate) * up (LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)): eager's two kernels (and the activation's
+    output kept for the backward) against kernels.silu_mul (one sweep each way, what kernels.patch runs in a LlamaMLP),
+    the no_grad forward and a training step's forward and backward, rates over the bytes each must move (forward gate,
+    up and y; training those and grad_y, grad_gate, grad_up, gate and up again); errors against float64."""
+    import torch.nn.functional as F
+
+    from kernels.functional import silu_mul
+
+    problem = "SwiGLU gate silu(gate) * up (fp32)"
+    for tokens, width in SILU_MUL_SHAPES:
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        gate, up, grad = (torch.randn(tokens, width, device=DEVICE, generator=g) * 2 for _ in range(3))
+        leaves = [t.clone().requires_grad_(True) for t in (gate, up)]
+        fns = {"eager": lambda a, b: F.silu(a) * b, "kernels.silu_mul": silu_mul}
+        y64 = F.silu(gate.double()) * up.double()
+        for case, train in ((f"forward {tokens}x{width}", False), (f"train step {tokens}x{width}", True)):
+            progress(f"{problem}: {case}")
+            if train:
+                calls = [lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, grad) for fn in fns.values()]
+                times, kb = run_case(calls, options, kernelbench=False)
+                outputs, reference = [None, None], Reference()
+            else:
+                with torch.no_grad():
+                    calls = [lambda fn=fn: fn(gate, up) for fn in fns.values()]
+                    times, kb = run_case(calls, options)
+                    outputs = [call() for call in calls]
+                reference = Reference(y64, outputs[0])
+            moved = gate.nbytes * (8 if train else 3)
+            add_rows(rows, Case(problem, case, "fp32", list(fns), times, kb, outputs),
+                     Rate(lambda variant, moved=moved: moved / 1e6, "GB/s"), reference)
+        del gate, up, grad, leaves, y64
+        torch.cuda.empty_cache()
+
+
 # (batch, tokens, width, heads): nn.MultiheadAttention at torchvision's ViT-B/16 and at a BERT-large-style width.
 MULTIHEAD_ATTENTION_SHAPES = ((64, 197, 768, 12), (16, 512, 1024, 16))
 
@@ -1340,7 +1381,7 @@ GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
                "linear_layers": bench_linear_layers, "attention": bench_attention,
                "split_sweeps": bench_split_sweeps, "multihead_attention": bench_multihead_attention,
-               "rms_norm": bench_rms_norm,
+               "rms_norm": bench_rms_norm, "silu_mul": bench_silu_mul,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}
