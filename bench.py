@@ -1076,14 +1076,14 @@ def bench_problem_files(rows, options, paths):
     from kernels.export import problem_split_layers
 
     for path in _problem_files(paths):
-        namespace = {"__name__": "problem"}
-        with open(path, encoding="utf-8") as f:
-            exec(compile(f.read(), path, "exec"), namespace)
-        model_class = namespace["Model"]
-        layers = problem_split_layers(path, namespace)  # those the candidate patches
-        try:  # one problem that cannot run leaves the others' rows
+        try:  # one problem that cannot be read, built or run leaves the others' rows
+            namespace = {"__name__": "problem"}
+            with open(path, encoding="utf-8") as f:
+                exec(compile(f.read(), path, "exec"), namespace)
+            model_class = namespace["Model"]
+            layers = problem_split_layers(path, namespace)  # those the candidate patches
             add_kernelbench_rows(rows, "problem files (the Model patched: kernels.export --problem)",
-                             os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),
+                                 os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),
                                  lambda init: kernels.patch(model_class(*init), layers=layers), namespace["get_inputs"],
                                  namespace["get_init_inputs"], options,
                                  with_compile=options.variants is not None and "torch.compile" in options.variants)

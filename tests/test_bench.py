@@ -28,6 +28,7 @@ def get_init_inputs():
 '''
 
 BROKEN = PROBLEM.replace("return self.net(x)", "return self.net(x.unsqueeze(0).t())")
+UNREADABLE = PROBLEM.replace("import torch.nn as nn", "import a_module_no_one_has")  # fails when the file runs
 
 
 def options():
@@ -37,12 +38,14 @@ def options():
 def test_problem_files_give_eager_and_model_new_rows_with_the_trials(tmp_path):
     (tmp_path / "2_small_mlp.py").write_text(PROBLEM)
     (tmp_path / "10_broken.py").write_text(BROKEN)  # raises in forward: a row saying so, the others still run
+    (tmp_path / "11_unreadable.py").write_text(UNREADABLE)  # raises when the file runs: the same
     rows = []
     bench.bench_problem_files(rows, options(), [str(tmp_path)])
     by_case = {}
     for row in rows:
         by_case.setdefault(row["case"], {})[row["variant"]] = row
-    assert list(by_case) == ["2_small_mlp", "10_broken"]  # KernelBench's order: by number
+    assert list(by_case) == ["2_small_mlp", "10_broken", "11_unreadable"]  # KernelBench's order: by number
+    assert by_case["11_unreadable"]["ModelNew"]["verdict"] == "ModuleNotFoundError"
     small = by_case["2_small_mlp"]
     assert set(small) == {"eager", "ModelNew"}
     assert small["ModelNew"]["verdict"] == f"{bench.KERNELBENCH_TRIALS}/{bench.KERNELBENCH_TRIALS}"
