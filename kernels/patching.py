@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
@@ -77,6 +78,15 @@ def _forward_compiles_to(cls, reference):
 
 _RMS_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kernels/rms_norm/rms_norm.h)
+_RMS_NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the kernels' vectorized path
+
+
+def _has_hooks(module):
+    """Whether a hook would see `module`'s call: its own, or the global module hooks."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _module_hooks._global_forward_hooks
+                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_backward_hooks
+                or _module_hooks._global_backward_pre_hooks)
 
 
 class _RMSNormPatch:
@@ -87,8 +97,9 @@ class _RMSNormPatch:
     def forward(self, hidden_states):
         weight = self.weight
         columns = hidden_states.shape[-1] if hidden_states.dim() else 0
-        if (hidden_states.is_cuda and hidden_states.dtype in _RMS_NORM_DTYPES and weight.dtype == hidden_states.dtype
-                and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % 8 == 0 and _plain(hidden_states, weight)):
+        if (_plain(hidden_states, weight) and hidden_states.is_cuda and hidden_states.dtype in _RMS_NORM_DTYPES
+                and weight.dtype == hidden_states.dtype and weight.shape == (columns,)
+                and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % _RMS_NORM_PACK == 0):
             return rms_norm(hidden_states, weight, self.variance_epsilon)
         return super().forward(hidden_states)
 
@@ -107,11 +118,11 @@ class _GatedMLPPatch:
     """transformers' LlamaMLP and the MLPs whose forward is its code, with a SiLU activation: the gate's activation and
     product, act_fn(gate_proj(x)) * up_proj(x), in one sweep over memory forward and backward (kernels.silu_mul,
     computed in double and rounded once), where both are plain GPU tensors of one float dtype and shape; its own
-    steps otherwise, and its own forward for any other activation. Its projections are layers of their own, which
-    patch() turns as it turns every nn.Linear."""
+    steps otherwise, and its own forward for any other activation or where a hook would see the activation's call.
+    Its projections are layers of their own, which patch() turns as it turns every nn.Linear."""
 
     def forward(self, x):
-        if not _is_plain_silu(self.act_fn):
+        if not _is_plain_silu(self.act_fn) or _has_hooks(self.act_fn):  # the fused gate never calls act_fn
             return super().forward(x)
         gate = self.gate_proj(x)
         up = self.up_proj(x)

@@ -344,6 +344,8 @@ def test_llama_rms_norm_patch(device):
         assert kernels.is_patched(patched) and isinstance(patched, cls), cls.__name__
         x = (torch.randn(4, 33, 256, generator=torch.Generator().manual_seed(0)) * 3).to(device).requires_grad_()
         y, y_patched = norm(x), patched(x)
+        if device == "cuda":  # the op ran (on the CPU the module's own forward does)
+            assert y_patched.grad_fn.name() == "kernels::RmsNormBackward"
         torch.testing.assert_close(y_patched, y, atol=1e-5, rtol=1e-5)
         x64, weight64 = x.detach().double(), norm.weight.detach().double()  # (the module itself computes in float32)
         y64 = weight64 * (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5))
@@ -354,6 +356,19 @@ def test_llama_rms_norm_patch(device):
             torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-5)
         kernels.unpatch(patched)
         assert type(patched) is cls
+
+
+def graph_node_names(t):
+    """The names of every node of t's autograd graph."""
+    names, pending, seen = set(), [t.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return names
 
 
 def test_llama_mlp_patch(device):
@@ -375,6 +390,8 @@ def test_llama_mlp_patch(device):
         assert all(kernels.is_patched(getattr(patched, name)) for name in ("gate_proj", "up_proj", "down_proj"))
         x = (torch.randn(4, 33, 64, generator=torch.Generator().manual_seed(0)) * 2).to(device).requires_grad_()
         y, y_patched = mlp(x), patched(x)
+        if device == "cuda":  # the op ran (on the CPU the module's own steps do)
+            assert "kernels::SiluMulBackward" in graph_node_names(y_patched)
         torch.testing.assert_close(y_patched, y, atol=1e-5, rtol=1e-5)
         y64 = copy.deepcopy(mlp).double()(x.detach().double())
         assert relative_error(y_patched, y64) <= relative_error(y, y64) * 1.01 + 2.0 ** -24, cls.__name__
@@ -382,6 +399,11 @@ def test_llama_mlp_patch(device):
         for got, expected in zip(torch.autograd.grad(y_patched, (x, patched.gate_proj.weight), grad),
                                  torch.autograd.grad(y, (x, mlp.gate_proj.weight), grad)):
             torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-5)
+    hooked = kernels.patch(copy.deepcopy(mlp))  # a hook on the activation sees its call: the module's own forward
+    seen = []
+    hooked.act_fn.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    hooked(x)
+    assert seen == [(4, 33, 160)]
     gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
     gelu_mlp = gemma.GemmaMLP(t.GemmaConfig(hidden_size=64, intermediate_size=160)).to(device)
     patched = kernels.patch(copy.deepcopy(gelu_mlp))

@@ -141,11 +141,13 @@ def test_vmap(device):
 
 
 def test_opcheck(device):
-    gate, up = torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)
-    for requires_grad in (False, True):
-        torch.library.opcheck(torch.ops.kernels.silu_mul.default,
-                              (gate.clone().requires_grad_(requires_grad), up.clone().requires_grad_(requires_grad)))
-    torch.library.opcheck(torch.ops.kernels.silu_mul_backward.default, (torch.randn_like(gate), gate, up))
+    """Contiguous and transposed operands (the fakes' layout is the results' whatever the path)."""
+    for gate, up in ((torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)),
+                     (torch.randn(48, 5, device=device).t(), torch.randn(48, 5, device=device).t())):
+        for requires_grad in (False, True):
+            torch.library.opcheck(torch.ops.kernels.silu_mul.default, (gate.clone().requires_grad_(requires_grad),
+                                                                       up.clone().requires_grad_(requires_grad)))
+        torch.library.opcheck(torch.ops.kernels.silu_mul_backward.default, (torch.randn_like(gate), gate, up))
 
 
 @pytest.mark.slow

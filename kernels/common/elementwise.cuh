@@ -27,6 +27,23 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_opmath<__nv_bfloat16>(
   return __float2bfloat16_rn(v);
 }
 
+// v rounded to float toward zero, its last bit set where that dropped anything (round to odd): rounding this float
+// to a type of at most 22 bits rounds v itself, once. NaN stays NaN; a finite v past float's range keeps float's
+// largest value, whose narrower rounding overflows as v's would.
+__device__ __forceinline__ float round_to_odd_float(double v) {
+  const float toward_zero = __double2float_rz(v);
+  return static_cast<double>(toward_zero) == v ? toward_zero : __uint_as_float(__float_as_uint(toward_zero) | 1u);
+}
+
+// A double rounded to T once: float and double directly, float16 and bfloat16 through round_to_odd_float.
+template <typename T> __device__ __forceinline__ T from_double(double v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __half from_double<__half>(double v) {
+  return __float2half_rn(round_to_odd_float(v));
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double v) {
+  return __float2bfloat16_rn(round_to_odd_float(v));
+}
+
 // kWidth consecutive elements moved by one load or store.
 template <typename T, int kWidth> struct alignas(sizeof(T) * kWidth) Pack { T v[kWidth]; };
 

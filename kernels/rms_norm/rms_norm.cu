@@ -1,8 +1,8 @@
 // RMSNorm over each row (LlamaRMSNorm's formula, rms_norm.h), forward and backward. A block takes rows in turn and
 // holds a row in registers (kPacks packs a thread), so each operand is read once and each result written once; the
 // weight is loaded once per block. A row's sums are doubles added in a fixed order (a thread's packs in order, the
-// warps' shuffles, then the warps in order): the forward and the backward compute the same r, bit for bit, and the
-// same inputs give the same bits every run. The backward adds each block's g h into per-column doubles, written to its
+// warps' shuffles, then the warps in order): the same inputs give the same bits every run, and the forward and the
+// backward compute the same r bit for bit where they take the same layout (all their pointers aligned, or not). The backward adds each block's g h into per-column doubles, written to its
 // row of partials; a second kernel adds those rows in order.
 #include "rms_norm.h"
 
@@ -18,6 +18,7 @@
 namespace kernels::rms_norm {
 namespace {
 
+using common::from_double;
 using common::from_opmath;
 using common::Pack;
 using common::to_opmath;
@@ -170,7 +171,7 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         const float value = to_opmath(v[p].v[j]), grad = to_opmath(g[p].v[j]);
-        result.v[j] = from_opmath<T>(static_cast<float>(rd * (static_cast<double>(grad) * w[p][j] - value * c)));
+        result.v[j] = from_double<T>(rd * (static_cast<double>(grad) * w[p][j] - value * c));
         weight_grad[p][j] += static_cast<double>(grad) * normalized<T>(value, r);
       }
       out[i] = result;
@@ -210,7 +211,7 @@ weight_grad_sum_kernel(const double* __restrict__ partials, int blocks, std::int
   double sum = slice_sums[0][lane];
 #pragma unroll
   for (int s = 1; s < kSumSlices; ++s) sum += slice_sums[s][lane];
-  out[column] = from_opmath<T>(static_cast<typename common::OpMath<T>::type>(sum));
+  out[column] = from_double<T>(sum);
 }
 
 int multiprocessors(int device) {

@@ -66,8 +66,7 @@ def _reference(x, weight, eps):
 
 # ---- torch.func.vmap -------------------------------------------------------------------------------------------------
 # rms_norm acts on the last dimension: a batched x takes the op with its batch first where the weight is shared;
-# otherwise, and for the backward (whose grad_weight sums over every row), the formula in plain ops, which vmap
-# batches itself.
+# otherwise, and for the backward (whose grad_weight sums over every row), the formulas in plain ops.
 
 def _rms_norm_vmap(info, in_dims, x, weight, eps):
     x_dim, weight_dim = in_dims[0], in_dims[1]
@@ -79,15 +78,21 @@ def _rms_norm_vmap(info, in_dims, x, weight, eps):
 
 
 def _rms_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
+    # The backward's closed form in plain ops (no autograd inside a transform), grad_weight summed over each batch
+    # member's rows.
     def front(t, d):
         return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
 
     grad_y, x, weight = (front(t, d) for t, d in zip((grad_y, x, weight), in_dims))
-    with torch.enable_grad():
-        x_leaf, weight_leaf = x.detach().requires_grad_(), weight.detach().requires_grad_()
-        shaped = weight_leaf.reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1])
-        grads = torch.autograd.grad(_reference(x_leaf, shaped, eps), (x_leaf, weight_leaf), grad_y)
-    return grads, (0, 0)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    r = x.double().square().mean(-1, keepdim=True).add(eps).rsqrt().to(compute)
+    shaped = weight.reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1]).double()
+    r64, x64, g64 = r.double(), x.double(), grad_y.double()
+    gw = g64 * shaped
+    grad_x = (r64 * (gw - x64 * r64.square() * (gw * x64).mean(-1, keepdim=True))).to(x.dtype)
+    h = (x.to(compute) * r).to(x.dtype).double()
+    grad_weight = (g64 * h).reshape(info.batch_size, -1, x.shape[-1]).sum(1).to(weight.dtype)
+    return (grad_x, grad_weight), (0, 0)
 
 
 def _register_fakes_and_batching_rules():

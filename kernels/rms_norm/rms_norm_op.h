@@ -38,19 +38,21 @@ inline at::Tensor reciprocal_rms(const at::Tensor& x, double eps) {
   return x.to(at::kDouble).square().mean(-1, true).add(eps).rsqrt().to(compute_type(x));
 }
 
-// y = weight * (x r), x r rounded to x's type first (LlamaRMSNorm's hidden_states.to(input_dtype)).
+// y = weight * (x r), x r rounded to x's type first (LlamaRMSNorm's hidden_states.to(input_dtype)); contiguous, as
+// the kernels' results and the fakes' are.
 inline at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return weight.mul(x.to(compute_type(x)).mul(reciprocal_rms(x, eps)).to(x.scalar_type()));
+  return weight.mul(x.to(compute_type(x)).mul(reciprocal_rms(x, eps)).to(x.scalar_type())).contiguous();
 }
 
-// grad_x = r (g w - x r^2 mean(g w x)) in double, rounded once; grad_weight = the sum over rows of g (x r), in double.
+// grad_x = r (g w - x r^2 mean(g w x)) in double, rounded once (contiguous); grad_weight = the sum over rows of
+// g (x r), in double.
 inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_y, const at::Tensor& x,
                                                                  const at::Tensor& weight, double eps) {
   const at::Tensor r = reciprocal_rms(x, eps);
   const at::Tensor r64 = r.to(at::kDouble), x64 = x.to(at::kDouble), g64 = grad_y.to(at::kDouble);
   const at::Tensor gw = g64.mul(weight.to(at::kDouble));
   const at::Tensor c = r64.square().mul(gw.mul(x64).mean(-1, true));
-  const at::Tensor grad_x = r64.mul(gw.sub(x64.mul(c))).to(x.scalar_type());
+  const at::Tensor grad_x = r64.mul(gw.sub(x64.mul(c))).to(x.scalar_type()).contiguous();
   const at::Tensor h = x.to(compute_type(x)).mul(r).to(x.scalar_type());
   const at::Tensor grad_weight =
       g64.mul(h.to(at::kDouble)).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());

@@ -18,7 +18,7 @@ namespace {
 
 using common::aligned;
 using common::for_each_pack;
-using common::from_opmath;
+using common::from_double;
 using common::OpMath;
 using common::Pack;
 using common::to_opmath;
@@ -28,23 +28,20 @@ constexpr int kThreads = common::kElementwiseThreads;
 template <int kWidth> __host__ __device__ constexpr int unroll() { return kWidth == 1 ? 4 : 2; }
 
 template <typename T> __device__ __forceinline__ double in_double(T v) { return static_cast<double>(to_opmath(v)); }
-template <typename T> __device__ __forceinline__ T rounded(double v) {
-  return from_opmath<T>(static_cast<typename OpMath<T>::type>(v));
-}
 
 __device__ __forceinline__ double sigmoid(double g) { return 1.0 / (1.0 + exp(-g)); }
 
 template <typename T>
 __device__ __forceinline__ T silu_times(T gate, T up) {
   const double g = in_double(gate);
-  return rounded<T>(g * sigmoid(g) * in_double(up));
+  return from_double<T>(g * sigmoid(g) * in_double(up));
 }
 
 template <typename T>
 __device__ __forceinline__ void gradients(T grad, T gate, T up, T& grad_gate, T& grad_up) {
   const double dy = in_double(grad), g = in_double(gate), sigma = sigmoid(g);
-  grad_up = rounded<T>(dy * (g * sigma));
-  grad_gate = rounded<T>(dy * in_double(up) * sigma * (1.0 + g * (1.0 - sigma)));
+  grad_up = from_double<T>(dy * (g * sigma));
+  grad_gate = from_double<T>(dy * in_double(up) * sigma * (1.0 + g * (1.0 - sigma)));
 }
 
 template <typename T, int kWidth>

@@ -32,19 +32,23 @@ inline const c10::TypedOperatorHandle<SiluMulBackward>& silu_mul_backward_op() {
 // sigma = 1 / (1 + exp(-gate)) in double (the kernels' arithmetic).
 inline at::Tensor sigma_of(const at::Tensor& gate) { return at::sigmoid(gate.to(at::kDouble)); }
 
-// y = gate sigma(gate) up, in double, rounded once.
+// y = gate sigma(gate) up, in double, rounded once; contiguous, as the kernels' results and the fakes' are.
 inline at::Tensor silu_mul_aten(const at::Tensor& gate, const at::Tensor& up) {
   const at::Tensor g = gate.to(at::kDouble);
-  return g.mul(sigma_of(gate)).mul(up.to(at::kDouble)).to(gate.scalar_type());
+  return g.mul(sigma_of(gate)).mul(up.to(at::kDouble)).to(gate.scalar_type()).contiguous();
 }
 
-// grad_gate = grad_y up sigma (1 + gate (1 - sigma)), grad_up = grad_y gate sigma, in double, each rounded once.
+// grad_gate = grad_y up sigma (1 + gate (1 - sigma)), grad_up = grad_y gate sigma, in double, each rounded once
+// (contiguous).
 inline std::tuple<at::Tensor, at::Tensor> silu_mul_backward_aten(const at::Tensor& grad_y, const at::Tensor& gate,
                                                                  const at::Tensor& up) {
   const at::Tensor dy = grad_y.to(at::kDouble), g = gate.to(at::kDouble), sigma = sigma_of(gate);
-  const at::Tensor grad_up = dy.mul(g.mul(sigma)).to(gate.scalar_type());
-  const at::Tensor grad_gate =
-      dy.mul(up.to(at::kDouble)).mul(sigma).mul(g.mul(sigma.neg().add(1.0)).add(1.0)).to(gate.scalar_type());
+  const at::Tensor grad_up = dy.mul(g.mul(sigma)).to(gate.scalar_type()).contiguous();
+  const at::Tensor grad_gate = dy.mul(up.to(at::kDouble))
+                                   .mul(sigma)
+                                   .mul(g.mul(sigma.neg().add(1.0)).add(1.0))
+                                   .to(gate.scalar_type())
+                                   .contiguous();
   return {grad_gate, grad_up};
 }
 
