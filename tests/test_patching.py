@@ -888,6 +888,31 @@ def test_patched_model_under_torch_compile(shape, device):
     torch.testing.assert_close(x2.grad, x.grad, atol=gradient_atol(x.grad), rtol=TOL)
 
 
+@pytest.mark.slow
+def test_patched_llama_norm_and_mlp_under_torch_compile(device):
+    """torch.compile(fullgraph=True) of a patched LlamaRMSNorm feeding a patched LlamaMLP (rms_norm and silu_mul on the
+    GPU): the same results and gradients as the patched modules in eager."""
+    t = _transformers()
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = kernels.patch(LlamaRMSNorm(64).to(device))
+    mlp = kernels.patch(LlamaMLP(t.LlamaConfig(hidden_size=64, intermediate_size=160)).to(device))
+
+    def block(x):
+        return mlp(norm(x))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(3, 17, 64, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y_compiled = block(x), compiled(x2)
+    torch.testing.assert_close(y_compiled, y, atol=TOL, rtol=TOL)
+    y.square().sum().backward()
+    y_compiled.square().sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad, atol=gradient_atol(x.grad), rtol=TOL)
+
+
 @requires_cuda
 def test_patched_model_in_a_cuda_graph():
     """A captured training-free forward replays the same results as eager calls, at a split shape."""

@@ -253,6 +253,34 @@ def test_same_bits_every_run():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@requires_cuda
+def test_cuda_graph_replays_the_same_bits():
+    """Forward and backward captured in a CUDA graph (the backward's workspace from the graph's pool): a replay on new
+    inputs gives the eager calls' bits."""
+    x = randn((512, 2048), torch.float32, "cuda", scale=2.0).requires_grad_(True)
+    weight = weight_for(2048, torch.float32, "cuda").requires_grad_(True)
+    grad = randn((512, 2048), torch.float32, "cuda", seed=3)
+
+    def step():
+        y = rms_norm(x, weight)
+        return (y, *torch.autograd.grad(y, (x, weight), grad))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        x.copy_(randn(x.shape, torch.float32, "cuda", seed=11))
+    graph.replay()
+    for got, expected in zip(captured, step()):
+        assert torch.equal(got, expected)
+
+
 # ---- bad input ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])

@@ -170,6 +170,32 @@ def test_torch_compile_fullgraph(device):
         torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
 
 
+@requires_cuda
+def test_cuda_graph_replays_the_same_bits():
+    gate = randn((512, 1024), torch.float32, "cuda", scale=2.0).requires_grad_(True)
+    up = randn((512, 1024), torch.float32, "cuda", seed=1).requires_grad_(True)
+    grad = randn((512, 1024), torch.float32, "cuda", seed=2)
+
+    def step():
+        y = silu_mul(gate, up)
+        return (y, *torch.autograd.grad(y, (gate, up), grad))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        gate.copy_(randn(gate.shape, torch.float32, "cuda", seed=11))
+    graph.replay()
+    for got, expected in zip(captured, step()):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
 def test_bad_dtype_is_a_clear_error(device, dtype):
     with pytest.raises(RuntimeError, match=r"gate must be a float32, float64, float16 or bfloat16 tensor, got"):
