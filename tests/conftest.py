@@ -126,6 +126,25 @@ def poison_allocator(shape, dtype, device):
     torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def assert_graph_replay_matches_eager(step, refill):
+    """Captures step() (tensors out) in a CUDA graph after warm-up on a side stream, refills its inputs in place with
+    refill(), replays, and asserts that the replay's tensors are bit for bit a new eager step()'s."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        refill()
+    graph.replay()
+    for got, expected in zip(captured, step()):
+        assert torch.equal(got, expected)
+
+
 def assert_bitwise_equal(y, reference):
     """Same shape, dtype, values (NaN where reference has NaN) and zero signs."""
     assert y.shape == reference.shape and y.dtype == reference.dtype

@@ -6,7 +6,7 @@ against float64 no larger than eager's and allclose(1e-4) to it; float16 and bfl
 import pytest
 import torch
 
-from conftest import poison_allocator, requires_cuda
+from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
 from kernels.functional import rms_norm
 from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
 
@@ -265,20 +265,8 @@ def test_cuda_graph_replays_the_same_bits():
         y = rms_norm(x, weight)
         return (y, *torch.autograd.grad(y, (x, weight), grad))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    with torch.no_grad():
-        x.copy_(randn(x.shape, torch.float32, "cuda", seed=11))
-    graph.replay()
-    for got, expected in zip(captured, step()):
-        assert torch.equal(got, expected)
+    assert_graph_replay_matches_eager(
+        step, lambda: x.copy_(randn(x.shape, torch.float32, "cuda", seed=11)))
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------------

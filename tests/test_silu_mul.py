@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import poison_allocator, requires_cuda
+from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
 from kernels.functional import silu_mul
 from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
 
@@ -180,20 +180,8 @@ def test_cuda_graph_replays_the_same_bits():
         y = silu_mul(gate, up)
         return (y, *torch.autograd.grad(y, (gate, up), grad))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    with torch.no_grad():
-        gate.copy_(randn(gate.shape, torch.float32, "cuda", seed=11))
-    graph.replay()
-    for got, expected in zip(captured, step()):
-        assert torch.equal(got, expected)
+    assert_graph_replay_matches_eager(
+        step, lambda: gate.copy_(randn(gate.shape, torch.float32, "cuda", seed=11)))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
