@@ -9,4 +9,5 @@ from kernels.leaky_relu.leaky_relu import leaky_relu
 from kernels.rms_norm.rms_norm import rms_norm
 from kernels.silu_mul.silu_mul import silu_mul
 
-__all__ = ["attention", "causal_softmax", "gelu_tanh", "gemm_multiply_leaky_relu", "leaky_relu", "linear", "rms_norm", "silu_mul"]
+__all__ = ["attention", "causal_softmax", "gelu_tanh", "gemm_multiply_leaky_relu", "leaky_relu", "linear", "rms_norm",
+           "silu_mul"]

@@ -2,7 +2,7 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, nn.MultiheadAttention; transformers' Conv1D, NewGELU, LlamaRMSNorm, LlamaMLP
+    kernels.patch(model)          # nn.Linear, MultiheadAttention; transformers' Conv1D, NewGELU, LLaMA's norms, MLP
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -76,7 +76,7 @@ def _forward_compiles_to(cls, reference):
                                     for part in ("co_code", "co_consts", "co_names", "co_varnames"))
 
 
-_RMS_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # those rms_norm's and silu_mul's kernels take
 _RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kernels/rms_norm/rms_norm.h)
 _RMS_NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the kernels' vectorized path
 
@@ -97,7 +97,7 @@ class _RMSNormPatch:
     def forward(self, hidden_states):
         weight = self.weight
         columns = hidden_states.shape[-1] if hidden_states.dim() else 0
-        if (_plain(hidden_states, weight) and hidden_states.is_cuda and hidden_states.dtype in _RMS_NORM_DTYPES
+        if (_plain(hidden_states, weight) and hidden_states.is_cuda and hidden_states.dtype in _KERNEL_DTYPES
                 and weight.dtype == hidden_states.dtype and weight.shape == (columns,)
                 and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % _RMS_NORM_PACK == 0):
             return rms_norm(hidden_states, weight, self.variance_epsilon)
@@ -109,9 +109,6 @@ def _is_plain_silu(module):
     if type(module) is nn.SiLU:
         return not module.inplace
     return type(module) is _transformers_class("transformers.activations", "SiLUActivation")
-
-
-_SILU_MUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _GatedMLPPatch:
@@ -126,7 +123,7 @@ class _GatedMLPPatch:
             return super().forward(x)
         gate = self.gate_proj(x)
         up = self.up_proj(x)
-        if (gate.is_cuda and gate.dtype in _SILU_MUL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
+        if (gate.is_cuda and gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
                 and _plain(gate, up)):
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
@@ -234,9 +231,9 @@ def __getattr__(name):
 def patch(model, layers=None):
     """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D,
     NewGELUActivation, LlamaRMSNorm and LlamaMLP (or a module with one of their forwards) into the library's, in place,
-    and returns `model`. Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
-    (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
-    raises ValueError."""
+    and returns `model`. Idempotent; subclasses with a forward of their own are left as they are. layers: the
+    qualified names (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no
+    such layer has raises ValueError."""
     if isinstance(layers, str):
         raise TypeError("patch: layers must be a collection of layer names, not one string")
     chosen = None if layers is None else set(layers)

@@ -221,8 +221,8 @@ def test_opcheck(device):
                 torch.library.opcheck(torch.ops.kernels.rms_norm.default,
                                       (x.clone().requires_grad_(requires_grad),
                                        weight.clone().requires_grad_(requires_grad), EPS))
-            torch.library.opcheck(torch.ops.kernels.rms_norm_backward.default, (torch.randn_like(x).t().contiguous().t(),
-                                                                                 x, weight, EPS))
+            grad = torch.randn_like(x).t().contiguous().t()  # the other layout than x's
+            torch.library.opcheck(torch.ops.kernels.rms_norm_backward.default, (grad, x, weight, EPS))
 
 
 @pytest.mark.slow

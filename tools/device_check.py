@@ -440,7 +440,8 @@ def rms_norm(args):
             size = x.nbytes
             copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (2, 3)]
             outs = [torch.empty_like(c) for c in copies]
-            print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, backward {3 * size / 1e6:.0f} MB")
+            print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, "
+                  f"backward {3 * size / 1e6:.0f} MB")
             rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 2 * size),
                        "forward": (lambda: ours(x, weight, eps), 2 * size),
                        "forward LlamaRMSNorm": (lambda: llama(x, weight), 2 * size),
@@ -490,7 +491,8 @@ def silu_mul(args):
             size = gate.nbytes
             copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (3, 5)]
             outs = [torch.empty_like(c) for c in copies]
-            print(f"{dtype}, {rows} x {columns}: forward moves {3 * size / 1e6:.0f} MB, backward {5 * size / 1e6:.0f} MB")
+            print(f"{dtype}, {rows} x {columns}: forward moves {3 * size / 1e6:.0f} MB, "
+                  f"backward {5 * size / 1e6:.0f} MB")
             rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 3 * size),
                        "forward": (lambda: ours(gate, up), 3 * size),
                        "forward eager": (lambda: eager(gate, up), 3 * size),

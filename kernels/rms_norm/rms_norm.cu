@@ -2,8 +2,9 @@
 // holds a row in registers (kPacks packs a thread), so each operand is read once and each result written once; the
 // weight is loaded once per block. A row's sums are doubles added in a fixed order (a thread's packs in order, the
 // warps' shuffles, then the warps in order): the same inputs give the same bits every run, and the forward and the
-// backward compute the same r bit for bit where they take the same layout (all their pointers aligned, or not). The backward adds each block's g h into per-column doubles, written to its
-// row of partials; a second kernel adds those rows in order.
+// backward compute the same r bit for bit where they take the same layout (all their pointers aligned, or not). The
+// backward adds each block's g h into per-column doubles, written to its row of partials; a second kernel adds those
+// rows in order.
 #include "rms_norm.h"
 
 #include <cuda_bf16.h>
@@ -33,7 +34,9 @@ struct DoublePair {
   double squares, dot;
 };
 
-__device__ __forceinline__ DoublePair operator+(DoublePair a, DoublePair b) { return {a.squares + b.squares, a.dot + b.dot}; }
+__device__ __forceinline__ DoublePair operator+(DoublePair a, DoublePair b) {
+  return {a.squares + b.squares, a.dot + b.dot};
+}
 
 __device__ __forceinline__ double shuffle_xor(double v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
 
@@ -328,7 +331,8 @@ cudaError_t launch_rms_norm_backward(ElementType type, const void* grad_y, const
   if (rows <= 0 || columns <= 0) return cudaSuccess;
   switch (type) {
     case ElementType::kFloat32:
-      return backward_typed<float>(grad_y, x, weight, grad_x, grad_weight, partials, blocks, rows, columns, eps, stream);
+      return backward_typed<float>(grad_y, x, weight, grad_x, grad_weight, partials, blocks, rows, columns, eps,
+                                   stream);
     case ElementType::kFloat16:
       return backward_typed<__half>(grad_y, x, weight, grad_x, grad_weight, partials, blocks, rows, columns, eps,
                                     stream);

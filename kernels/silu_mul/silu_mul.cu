@@ -101,7 +101,9 @@ silu_mul_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ gat
       [&](std::int64_t i) { gradients(grad_y[i], gate[i], up[i], grad_gate[i], grad_up[i]); });
 }
 
-template <int kWidth> unsigned int grid_for(std::int64_t n) { return common::elementwise_grid<kWidth, unroll<kWidth>()>(n); }
+template <int kWidth> unsigned int grid_for(std::int64_t n) {
+  return common::elementwise_grid<kWidth, unroll<kWidth>()>(n);
+}
 
 template <typename T>
 cudaError_t forward_typed(const void* gate, const void* up, void* y, std::int64_t n, cudaStream_t stream) {
