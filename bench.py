@@ -534,6 +534,27 @@ def bench_attention(rows, options):
 RMS_NORM_SHAPES = ((4096, 2048), (4096, 4096))
 
 
+def add_forward_and_training_rows(rows, options, problem, size, variants, y64, forward_bytes, training_bytes):
+    """The rows of one size of a memory-bound layer: its no_grad forward (against float64's y64, and eager's for the
+    fp32 tolerance) and a training step's forward and backward. variants: name -> (forward call, training-step call),
+    eager first; rates over the bytes each must move."""
+    names = list(variants)
+    for case, train in ((f"forward {size}", False), (f"train step {size}", True)):
+        progress(f"{problem}: {case}")
+        if train:
+            times, kb = run_case([calls[1] for calls in variants.values()], options, kernelbench=False)
+            outputs, reference = [None] * len(names), Reference()
+        else:
+            with torch.no_grad():
+                forwards = [calls[0] for calls in variants.values()]
+                times, kb = run_case(forwards, options)
+                outputs = [forward() for forward in forwards]
+            reference = Reference(y64, outputs[0])
+        moved = training_bytes if train else forward_bytes
+        add_rows(rows, Case(problem, case, "fp32", names, times, kb, outputs),
+                 Rate(lambda variant, moved=moved: moved / 1e6, "GB/s"), reference)
+
+
 def bench_rms_norm(rows, options):
     """fp32 LlamaRMSNorm: eager (five element-wise ops forward, more backward) against kernels.patch (rms_norm: one
     pass each way), the no_grad forward and a training step's forward and backward (grad_x and grad_weight), rates
@@ -543,7 +564,6 @@ def bench_rms_norm(rows, options):
 
     import kernels
 
-    problem = "LlamaRMSNorm (fp32)"
     for tokens, width in RMS_NORM_SHAPES:
         torch.manual_seed(0)
         eager = LlamaRMSNorm(width, eps=1e-6).to(DEVICE)
@@ -556,23 +576,12 @@ def bench_rms_norm(rows, options):
         grad = torch.randn(tokens, width, device=DEVICE, generator=g)
         x64, weight64 = x.double(), eager.weight.detach().double()
         y64 = weight64 * (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6))
-        for case, train in ((f"forward {tokens}x{width}", False), (f"train step {tokens}x{width}", True)):
-            progress(f"{problem}: {case}")
-            if train:
-                fns = [lambda norm=norm: torch.autograd.grad(norm(x_grad), (x_grad, norm.weight), grad)
-                       for norm in (eager, patched)]
-                times, kb = run_case(fns, options, kernelbench=False)
-                outputs, reference = [None, None], Reference()
-            else:
-                with torch.no_grad():
-                    fns = [lambda norm=norm: norm(x) for norm in (eager, patched)]
-                    times, kb = run_case(fns, options)
-                    outputs = [fn() for fn in fns]
-                reference = Reference(y64, outputs[0])
-            moved = x.nbytes * (5 if train else 2)
-            add_rows(rows, Case(problem, case, "fp32", ["eager", "kernels.patch"], times, kb, outputs),
-                     Rate(lambda variant, moved=moved: moved / 1e6, "GB/s"), reference)
-        del eager, patched, x, x_grad, grad, x64, y64
+        variants = {name: (lambda norm=norm: norm(x),
+                           lambda norm=norm: torch.autograd.grad(norm(x_grad), (x_grad, norm.weight), grad))
+                    for name, norm in (("eager", eager), ("kernels.patch", patched))}
+        add_forward_and_training_rows(rows, options, "LlamaRMSNorm (fp32)", f"{tokens}x{width}", variants, y64,
+                                      2 * x.nbytes, 5 * x.nbytes)
+        del eager, patched, x, x_grad, grad, x64, y64, variants
         torch.cuda.empty_cache()
 
 
@@ -591,29 +600,15 @@ def bench_silu_mul(rows, options):
 
     from kernels.functional import silu_mul
 
-    problem = "SwiGLU gate silu(gate) * up (fp32)"
     for tokens, width in SILU_MUL_SHAPES:
         g = torch.Generator(device=DEVICE).manual_seed(0)
         gate, up, grad = (torch.randn(tokens, width, device=DEVICE, generator=g) * 2 for _ in range(3))
         leaves = [t.clone().requires_grad_(True) for t in (gate, up)]
-        fns = {"eager": lambda a, b: F.silu(a) * b, "kernels.silu_mul": silu_mul}
-        y64 = F.silu(gate.double()) * up.double()
-        for case, train in ((f"forward {tokens}x{width}", False), (f"train step {tokens}x{width}", True)):
-            progress(f"{problem}: {case}")
-            if train:
-                calls = [lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, grad) for fn in fns.values()]
-                times, kb = run_case(calls, options, kernelbench=False)
-                outputs, reference = [None, None], Reference()
-            else:
-                with torch.no_grad():
-                    calls = [lambda fn=fn: fn(gate, up) for fn in fns.values()]
-                    times, kb = run_case(calls, options)
-                    outputs = [call() for call in calls]
-                reference = Reference(y64, outputs[0])
-            moved = gate.nbytes * (8 if train else 3)
-            add_rows(rows, Case(problem, case, "fp32", list(fns), times, kb, outputs),
-                     Rate(lambda variant, moved=moved: moved / 1e6, "GB/s"), reference)
-        del gate, up, grad, leaves, y64
+        variants = {name: (lambda fn=fn: fn(gate, up), lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, grad))
+                    for name, fn in (("eager", lambda a, b: F.silu(a) * b), ("kernels.silu_mul", silu_mul))}
+        add_forward_and_training_rows(rows, options, "SwiGLU gate silu(gate) * up (fp32)", f"{tokens}x{width}",
+                                      variants, F.silu(gate.double()) * up.double(), 3 * gate.nbytes, 8 * gate.nbytes)
+        del gate, up, grad, leaves, variants
         torch.cuda.empty_cache()
 
 

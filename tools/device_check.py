@@ -403,6 +403,32 @@ def causal_softmax(args):
     return []
 
 
+def autograd_step(fn, inputs, grad):
+    """A call of fn's forward and backward (the gradients of all of `inputs`, leaves of their own)."""
+    import torch
+
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
+def print_gradient_errors(functions, exact, inputs, grad, labels):
+    """Each of `functions`' output and gradients (of every input) against `exact`'s in float64, labelled by `labels`
+    (the output's, then each input's)."""
+    import torch
+
+    from kernels.precision import relative_error
+
+    leaves64 = [t.double().requires_grad_(True) for t in inputs]
+    y64 = exact(*leaves64)
+    expected = (y64, *torch.autograd.grad(y64, leaves64, grad.double()))
+    for name, fn in functions.items():
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        y = fn(*leaves)
+        got = (y, *torch.autograd.grad(y, leaves, grad))
+        print(f"  error against float64, {name}: " + ", ".join(
+            f"{label} {relative_error(a, b):.3g}" for label, a, b in zip(labels, got, expected)))
+
+
 def rms_norm(args):
     """The RMSNorm family at the LLaMA-style model's rows (4096 x 2048) and at 4096 x 4096: forward, backward op and a
     training step's autograd beside a copy of the bytes each moves, LlamaRMSNorm's eager ops and PyTorch's own
@@ -411,7 +437,6 @@ def rms_norm(args):
     import torch.nn.functional as F
 
     from kernels.functional import rms_norm as ours
-    from kernels.precision import relative_error
 
     eps, backward = 1e-6, torch.ops.kernels.rms_norm_backward
 
@@ -426,10 +451,6 @@ def rms_norm(args):
     def exact(x, weight):
         x64 = x.double()
         return weight.double() * (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps))
-
-    def step(fn, x, weight, grad):
-        leaf, w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        return lambda: torch.autograd.grad(fn(leaf, w), (leaf, w), grad)
 
     print(torch.cuda.get_device_name())
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
@@ -448,19 +469,11 @@ def rms_norm(args):
                        "forward F.rms_norm": (lambda: fused(x, weight), 2 * size),
                        "backward copy": (lambda: outs[1].copy_(copies[1]), 3 * size),
                        "backward op": (lambda: backward(grad, x, weight, eps), 3 * size),
-                       "step (forward + backward)": (step(ours, x, weight, grad), 5 * size),
-                       "step LlamaRMSNorm": (step(llama, x, weight, grad), 5 * size),
-                       "step F.rms_norm": (step(fused, x, weight, grad), 5 * size)}, samples=30)
-            x64, weight64 = x.double().requires_grad_(True), weight.double().requires_grad_(True)
-            y64 = exact(x64, weight64)
-            grads64 = torch.autograd.grad(y64, (x64, weight64), grad.double())
-            for name, fn in (("ours", ours), ("LlamaRMSNorm", llama), ("F.rms_norm", fused)):
-                leaf, w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-                y = fn(leaf, w)
-                got = (y, *torch.autograd.grad(y, (leaf, w), grad))
-                print(f"  error against float64, {name}: " + ", ".join(
-                    f"{label} {relative_error(a, b):.3g}" for label, a, b in zip(("y", "grad_x", "grad_weight"), got,
-                                                                                 (y64, *grads64))))
+                       "step (forward + backward)": (autograd_step(ours, (x, weight), grad), 5 * size),
+                       "step LlamaRMSNorm": (autograd_step(llama, (x, weight), grad), 5 * size),
+                       "step F.rms_norm": (autograd_step(fused, (x, weight), grad), 5 * size)}, samples=30)
+            print_gradient_errors({"ours": ours, "LlamaRMSNorm": llama, "F.rms_norm": fused}, exact, (x, weight), grad,
+                                  ("y", "grad_x", "grad_weight"))
             torch.cuda.empty_cache()
     return []
 
@@ -473,16 +486,11 @@ def silu_mul(args):
     import torch.nn.functional as F
 
     from kernels.functional import silu_mul as ours
-    from kernels.precision import relative_error
 
     backward = torch.ops.kernels.silu_mul_backward
 
     def eager(gate, up):
         return F.silu(gate) * up
-
-    def step(fn, gate, up, grad):
-        g, u = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
-        return lambda: torch.autograd.grad(fn(g, u), (g, u), grad)
 
     print(torch.cuda.get_device_name())
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
@@ -498,19 +506,11 @@ def silu_mul(args):
                        "forward eager": (lambda: eager(gate, up), 3 * size),
                        "backward copy": (lambda: outs[1].copy_(copies[1]), 5 * size),
                        "backward op": (lambda: backward(grad, gate, up), 5 * size),
-                       "step (forward + backward)": (step(ours, gate, up, grad), 8 * size),
-                       "step eager": (step(eager, gate, up, grad), 8 * size)}, samples=30)
+                       "step (forward + backward)": (autograd_step(ours, (gate, up), grad), 8 * size),
+                       "step eager": (autograd_step(eager, (gate, up), grad), 8 * size)}, samples=30)
             part = slice(0, 1024)  # errors on the first rows: the whole in float64 would not fit beside the rest
-            g64, u64 = gate[part].double().requires_grad_(True), up[part].double().requires_grad_(True)
-            y64 = eager(g64, u64)
-            grads64 = torch.autograd.grad(y64, (g64, u64), grad[part].double())
-            for name, fn in (("ours", ours), ("eager", eager)):
-                g, u = gate[part].clone().requires_grad_(True), up[part].clone().requires_grad_(True)
-                y = fn(g, u)
-                got = (y, *torch.autograd.grad(y, (g, u), grad[part]))
-                print(f"  error against float64, {name}: " + ", ".join(
-                    f"{label} {relative_error(a, b):.3g}" for label, a, b in zip(("y", "grad_gate", "grad_up"), got,
-                                                                                 (y64, *grads64))))
+            print_gradient_errors({"ours": ours, "eager": eager}, eager, (gate[part], up[part]), grad[part],
+                                  ("y", "grad_gate", "grad_up"))
             del gate, up, grad, copies, outs
             torch.cuda.empty_cache()
     return []

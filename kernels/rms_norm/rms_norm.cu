@@ -59,6 +59,9 @@ __device__ __forceinline__ V block_sum(V value, V* slots) {
   return total;
 }
 
+// This thread's p-th pack of a row: packs of a row are spread over the block's threads in turn.
+__device__ __forceinline__ std::int64_t pack_index(int p) { return threadIdx.x + std::int64_t{p} * kThreads; }
+
 // r = 1 / sqrt(mean + eps), in double (rsqrt: within an ulp of double), rounded to float once. The mean is the sum
 // times 1 / columns (computed on the host): no division on the device.
 __device__ __forceinline__ float reciprocal_rms(double squares, double inverse_columns, double eps) {
@@ -76,7 +79,7 @@ __device__ __forceinline__ void load_weight(const T* __restrict__ weight, std::i
   using P = Pack<T, kWidth>;
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) {
-    const std::int64_t i = threadIdx.x + std::int64_t{p} * kThreads;
+    const std::int64_t i = pack_index(p);
     P v{};
     if (i < packs) v = reinterpret_cast<const P*>(weight)[i];
 #pragma unroll
@@ -99,13 +102,13 @@ rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __rest
     P v[kPacks];
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      const std::int64_t i = threadIdx.x + std::int64_t{p} * kThreads;
+      const std::int64_t i = pack_index(p);
       if (i < packs) v[p] = in[i];
     }
     double squares = 0.0;
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      if (threadIdx.x + std::int64_t{p} * kThreads >= packs) continue;
+      if (pack_index(p) >= packs) continue;
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         const double value = to_opmath(v[p].v[j]);
@@ -116,7 +119,7 @@ rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __rest
     P* out = reinterpret_cast<P*>(y + row * columns);
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      const std::int64_t i = threadIdx.x + std::int64_t{p} * kThreads;
+      const std::int64_t i = pack_index(p);
       if (i >= packs) continue;
       P result;
 #pragma unroll
@@ -144,7 +147,7 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
     P v[kPacks], g[kPacks];
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      const std::int64_t i = threadIdx.x + std::int64_t{p} * kThreads;
+      const std::int64_t i = pack_index(p);
       if (i < packs) {
         v[p] = in[i];
         g[p] = grad_in[i];
@@ -154,7 +157,7 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
     DoublePair sums{0.0, 0.0};
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      if (threadIdx.x + std::int64_t{p} * kThreads >= packs) continue;
+      if (pack_index(p) >= packs) continue;
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         const double value = to_opmath(v[p].v[j]);
@@ -168,7 +171,7 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
     P* out = reinterpret_cast<P*>(grad_x + row * columns);
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
-      const std::int64_t i = threadIdx.x + std::int64_t{p} * kThreads;
+      const std::int64_t i = pack_index(p);
       if (i >= packs) continue;
       P result;
 #pragma unroll
@@ -182,7 +185,7 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
   }
 #pragma unroll
   for (int p = 0; p < kPacks; ++p) {
-    const std::int64_t i = threadIdx.x + std::int64_t{p} * kThreads;
+    const std::int64_t i = pack_index(p);
     if (i >= packs) continue;
 #pragma unroll
     for (int j = 0; j < kWidth; ++j) partials[blockIdx.x * columns + i * kWidth + j] = weight_grad[p][j];

@@ -57,41 +57,49 @@ def rms_norm(x, weight, eps=1e-6):
     return torch.ops.kernels.rms_norm.default(x, weight, float(eps))
 
 
-def _reference(x, weight, eps):
-    """The formula in plain ops, in x's dtype with the mean of squares in double: rms_norm's batching rules, and the
-    tests' float64 reference."""
+def _reciprocal_rms(x, eps):
+    """r over x's last dimension (kept), as the kernels compute it: the mean of squares in double, r rounded to x's
+    compute type (float, double for double) once."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    r = x.double().square().mean(-1, keepdim=True).add(eps).rsqrt().to(compute)
-    return weight * (x.to(compute) * r).to(x.dtype)
+    return x.double().square().mean(-1, keepdim=True).add(eps).rsqrt().to(compute)
+
+
+def _formula(x, weight, eps):
+    """rms_norm in plain ops (the batching rules' path where the weight is batched)."""
+    r = _reciprocal_rms(x, eps)
+    return weight * (x.to(r.dtype) * r).to(x.dtype)
 
 
 # ---- torch.func.vmap -------------------------------------------------------------------------------------------------
 # rms_norm acts on the last dimension: a batched x takes the op with its batch first where the weight is shared;
 # otherwise, and for the backward (whose grad_weight sums over every row), the formulas in plain ops.
 
+def _batch_first(info, t, dim):
+    return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+
+
+def _member_weights(info, weight, x):
+    """The batch-first weight (batch, columns) shaped to broadcast over x's rows (batch, ..., columns)."""
+    return weight.reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1])
+
+
 def _rms_norm_vmap(info, in_dims, x, weight, eps):
-    x_dim, weight_dim = in_dims[0], in_dims[1]
+    x_dim, weight_dim = in_dims[0], in_dims[1]  # (eps has one too)
     if weight_dim is None:
         return torch.ops.kernels.rms_norm(x.movedim(x_dim, 0), weight, eps), 0
-    x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-    weight = weight.movedim(weight_dim, 0).reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1])
-    return _reference(x, weight, eps), 0
+    x = _batch_first(info, x, x_dim)
+    return _formula(x, _member_weights(info, weight.movedim(weight_dim, 0), x), eps), 0
 
 
 def _rms_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
     # The backward's closed form in plain ops (no autograd inside a transform), grad_weight summed over each batch
     # member's rows.
-    def front(t, d):
-        return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
-
-    grad_y, x, weight = (front(t, d) for t, d in zip((grad_y, x, weight), in_dims))
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    r = x.double().square().mean(-1, keepdim=True).add(eps).rsqrt().to(compute)
-    shaped = weight.reshape(info.batch_size, *([1] * (x.dim() - 2)), weight.shape[-1]).double()
+    grad_y, x, weight = (_batch_first(info, t, d) for t, d in zip((grad_y, x, weight), in_dims))
+    r = _reciprocal_rms(x, eps)
     r64, x64, g64 = r.double(), x.double(), grad_y.double()
-    gw = g64 * shaped
+    gw = g64 * _member_weights(info, weight, x).double()
     grad_x = (r64 * (gw - x64 * r64.square() * (gw * x64).mean(-1, keepdim=True))).to(x.dtype)
-    h = (x.to(compute) * r).to(x.dtype).double()
+    h = (x.to(r.dtype) * r).to(x.dtype).double()
     grad_weight = (g64 * h).reshape(info.batch_size, -1, x.shape[-1]).sum(1).to(weight.dtype)
     return (grad_x, grad_weight), (0, 0)
 
