@@ -883,6 +883,9 @@ def bench_model_gemms(rows, options):
 SPLIT_SWEEP_SHAPES = (
     ("rows", 4096, 2048, "x, LLaMA-style"), ("rows", 12608, 768, "x, ViT-B/16"),
     ("rows_natural", 4096, 1024, "x before a Conv1D, GPT-2-medium-style"),
+    ("rows", 8192, 30522, "grad_y for grad_x, BERT-large-style vocabulary (unaligned rows)"),
+    ("rows", 4096, 50257, "grad_y for grad_x, GPT-2-medium-style vocabulary (unaligned rows)"),
+    ("rows", 4096, 32000, "grad_y for grad_x, LLaMA-style vocabulary"),
     ("chunks", 5632, 2048, "w, LLaMA-style MLP"), ("chunks", 32000, 2048, "w, LLaMA-style vocabulary"),
     ("chunks_natural", 8192, 8192, "w for split_fp16_sm80, L2/12"),
     ("chunks_transposed", 5632, 2048, "w^T for grad_x, LLaMA-style MLP"),

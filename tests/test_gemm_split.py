@@ -455,6 +455,32 @@ def test_split_sweeps_agree_with_each_other_bit_for_bit(rows, cols):
         assert torch.equal(pairs_in_chunks(natural), pairs_in_chunks(ordered))
 
 
+@requires_cuda
+@pytest.mark.parametrize("sweep", ["rows", "rows_natural"])
+@pytest.mark.parametrize("cols", [77, 4099, 30522, 50257, 32000, 70001])
+def test_row_split_staged_is_the_generic_one(sweep, cols):
+    # Rows at each 4-byte offset from a 16-byte boundary (unaligned: a vocabulary's lengths; aligned and longer than
+    # the in-register kernels hold: 32000), staged in shared memory (70001: partly, the rest read again), against the
+    # generic kernels that read each row twice, bit for bit; short rows (77) take the generic kernel either way.
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    rows = 5
+    flat = torch.randn(rows * cols + 8, device="cuda", generator=g)
+    flat[cols + 3: 2 * cols] *= 1e30  # a row far from 1, whose first floats are not
+    flat[5 * cols // 2] = float("inf")  # row 2 holds a non-finite value: flagged
+    for offset in range(4):
+        src = flat[offset: offset + rows * cols].view(rows, cols)
+        split = torch.ops.kernels._gemm_split_sweep(src, sweep)
+        for got, want in zip(split, torch.ops.kernels._gemm_split_sweep(src, sweep + "_read_twice")):
+            assert torch.equal(got, want), offset
+        if sweep == "rows_natural":  # k's own order: the halves add up to the rows (but the flagged row's)
+            values, padding = split_sweep_values(*split, cols)
+            exact = src.double()
+            finite_rows = torch.arange(rows, device="cuda") != 2
+            assert split[2][2] == split[2].max()  # kNonFiniteRow, far above any row's exponent
+            assert ((values - exact).abs() <= exact.abs().amax(1, keepdim=True) * 2.0 ** -21)[finite_rows].all()
+            assert (padding == 0).all()
+
+
 @pytest.mark.parametrize("src,sweep,message", [
     (torch.zeros(4, 8), "diagonal", "sweep must be one of"),
     (torch.zeros(2, 4, 8), "rows", "2-D float32"),

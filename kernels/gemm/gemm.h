@@ -40,9 +40,12 @@ KERNELS_GEMM_HOST_DEVICE constexpr std::int64_t split_exponent_stride(std::int64
 //   hi = lo = 0 (launch_nonfinite_outputs then writes the outputs it reaches).
 // hi and lo are dense (rows x split_row_length(cols)) fp16 arrays in the order along K that the GEMM reads: k's own
 // order (natural_order, for a GEMM given w transposed), else split_numerics.cuh's split_position; the pad zeros.
-// Any cols and row_stride; rows of a multiple of 4 floats, 16-byte aligned, take the vectorized kernels.
+// Any cols and row_stride: rows of up to 16384 floats, a multiple of 4 and 16-byte aligned, held in registers; other
+// rows staged in shared memory where a block's holds one, else (or where staged is false: the generic kernels, for
+// tests) read twice.
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                              bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream);
+                              bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream,
+                              bool staged = true);
 
 // The split of src's columns, as launch_split_rows splits rows, in natural order: for each column c of src (rows x
 // cols, element (r, c) at src[r * row_stride + c]), row c of hi and lo (cols x split_row_length(rows)) and

@@ -282,16 +282,17 @@ int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
 }
 
 // One split sweep alone, into new tensors (tests, and bench.py's split-sweep rows against a copy of the same bytes):
-//   "rows", "rows_natural": launch_split_rows of src (x's split; split_position's order or k's) -> hi, lo, exponent
+//   "rows", "rows_natural": launch_split_rows of src (x's split; split_position's order or k's) -> hi, lo, exponent;
+//   "rows_read_twice", "rows_natural_read_twice": the same by the generic kernels for rows not held in registers
 //   "columns": launch_split_columns of src (grad_pre's for grad_W) -> hi, lo, exponent, column sums
 //   "chunks", "chunks_natural": launch_split_chunks of src as w (n x k) -> hi, lo, chunk exponents, row flags
 //   "chunks_transposed": launch_split_chunks of w given as its transpose (src k x n) -> the same
 std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep) {
-  static const char* const kSweeps[] = {"rows", "rows_natural", "columns", "chunks", "chunks_natural",
-                                        "chunks_transposed"};
+  static const char* const kSweeps[] = {"rows", "rows_natural", "rows_read_twice", "rows_natural_read_twice",
+                                        "columns", "chunks", "chunks_natural", "chunks_transposed"};
   TORCH_CHECK(std::find(std::begin(kSweeps), std::end(kSweeps), sweep) != std::end(kSweeps),
-              "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, columns, chunks, chunks_natural, "
-              "chunks_transposed, got '", sweep, "'");
+              "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, rows_read_twice, "
+              "rows_natural_read_twice, columns, chunks, chunks_natural, chunks_transposed, got '", sweep, "'");
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
               "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
               "-D ", std::string(c10::toString(src.scalar_type())), " tensor");
@@ -304,7 +305,7 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
   const auto half = src.options().dtype(at::kHalf);
   const auto int32 = src.options().dtype(at::kInt);
-  if (sweep == "rows" || sweep == "rows_natural" || sweep == "columns") {
+  if (sweep.rfind("rows", 0) == 0 || sweep == "columns") {
     const at::Tensor s = src.stride(1) == 1 ? src : src.contiguous();  // as split_fp16_product gives it
     const bool columns = sweep == "columns";
     const int64_t rows = s.size(columns ? 1 : 0), length = split_row_length(s.size(columns ? 0 : 1));
@@ -312,8 +313,9 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
     at::Tensor exponent = at::empty({rows}, int32);
     if (!columns) {
       check_launch(launch_split_rows(s.const_data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
-                                     sweep == "rows_natural", hi.mutable_data_ptr(), lo.mutable_data_ptr(),
-                                     exponent.mutable_data_ptr<int32_t>(), stream),
+                                     sweep.rfind("rows_natural", 0) == 0, hi.mutable_data_ptr(),
+                                     lo.mutable_data_ptr(), exponent.mutable_data_ptr<int32_t>(), stream,
+                                     sweep.find("read_twice") == std::string::npos),
                    "split (rows)");
       return {hi, lo, exponent};
     }

@@ -5,7 +5,7 @@
 // - gemm_split_chunks.cuh: a power of two per row and chunk of 64: w's split made ahead (launch_split_chunks).
 // - gemm_split_nonfinite_outputs.cuh (launch_nonfinite_outputs); gemm_split_transposed_epilogue.cuh: y from a
 //   transposed product (launch_transposed_epilogue).
-// - This file: the host launchers (argument checks, grids, the row split's kernel by row length).
+// - This file: the host launchers (argument checks, grids, the row split's kernel by row length and alignment).
 #include "common/dependent_launch.cuh"
 #include "gemm.h"
 #include "gemm_split_chunks.cuh"
@@ -130,22 +130,66 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
                           rows, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), chunk_exponent, flags);
 }
 
+// How many packs of 4 floats split_rows_staged_kernel keeps in shared memory for rows of `packs` packs on `device` (the
+// current one): as many as let two blocks share a multiprocessor where that reads at most a quarter of the row again
+// (the whole row where it fits), else the whole row where a block's most holds it (one block a multiprocessor), else
+// the two blocks' part again. Its limit is raised once to a block's most. 0 where a query fails (the row split then
+// takes the generic kernels).
+int staged_row_packs(int device, std::int64_t packs) {
+  struct Limits {
+    int shared_pair, whole_block;  // packs: half a multiprocessor's shared memory, and a block's most
+  };
+  const std::optional<Limits> limits = once_per_device(device, [](int d) -> std::optional<Limits> {
+    int multiprocessor = 0, block = 0;
+    if (cudaDeviceGetAttribute(&multiprocessor, cudaDevAttrMaxSharedMemoryPerMultiprocessor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&block, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query leaves no error for a later launch's check to report
+      return std::nullopt;
+    }
+    // Each block's reserve and static part (row_scale's) within 2 KB.
+    return Limits{(multiprocessor / 2 - 2048) / 16, (block - 2048) / 16};
+  });
+  if (!limits || limits->shared_pair <= 0 ||
+      raise_shared_memory_limit<split_rows_staged_kernel<false>, split_rows_staged_kernel<true>>(
+          device, static_cast<std::size_t>(limits->whole_block) * 16) != cudaSuccess)
+    return 0;
+  if (packs <= limits->shared_pair) return static_cast<int>(packs);
+  if (4 * (packs - limits->shared_pair) <= packs || packs > limits->whole_block) return limits->shared_pair;
+  return static_cast<int>(packs);
+}
+
 cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                              bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream) {
+                              bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream,
+                              bool staged) {
   if (rows <= 0) return cudaSuccess;
   if (rows > 0x7fffffff || reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 ||
       reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
     return cudaErrorInvalidValue;
   const bool aligned =
       cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
+  const std::int64_t length = split_row_length(cols);
+  // Rows the in-register kernels do not take: staged (one read from DRAM) where each of the block's threads gets a
+  // pack of 4 at least, else the generic kernels (short rows read the second time from L1).
+  const bool stageable = staged && cols < (std::int64_t{1} << 30) &&
+                         (aligned ? length > kMaxRowInRegisters : cols >= 4 * kStagedRowThreads);
+  int staged_packs = 0;
+  if (stageable) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError();
+    staged_packs = staged_row_packs(device, (cols + 3) / 4);
+  }
   const auto in_order = [&](auto natural) {
     constexpr bool kNatural = decltype(natural)::value;
+    if (staged_packs > 0) {
+      return launch_dependent(split_rows_staged_kernel<kNatural>, dim3(static_cast<unsigned>(rows)),
+                              dim3(kStagedRowThreads), static_cast<std::size_t>(staged_packs) * 16, stream, src, cols,
+                              row_stride, staged_packs, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
+    }
     if (!aligned) {
       return launch_dependent(split_rows_unaligned_kernel<kNatural>, dim3(static_cast<unsigned>(rows)),
                               dim3(kSplitThreads), 0, stream, src, cols, row_stride, static_cast<__half*>(hi),
                               static_cast<__half*>(lo), exponent);
     }
-    const std::int64_t length = split_row_length(cols);
     if (length > kMaxRowInRegisters) {
       return launch_dependent(split_rows_kernel<kNatural>, dim3(static_cast<unsigned>(rows)), dim3(kSplitThreads), 0,
                               stream, src, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo),

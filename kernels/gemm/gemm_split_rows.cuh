@@ -56,16 +56,17 @@ __device__ __forceinline__ void split_pack(float4 v, PowerOfTwo scale, std::int6
 }
 
 // The block's reduction of its threads' row maximum and non-finite flag into the row's exponent (written by thread
-// 0) and scale. Every thread of the block must call it.
+// 0) and scale. Every thread of the block (kThreads of them) must call it; it is a barrier for the block.
+template <int kThreads = kSplitThreads>
 __device__ __forceinline__ PowerOfTwo row_scale(float max_abs, bool non_finite, std::int32_t* exponent) {
-  __shared__ float warp_max[kSplitThreads / 32];
+  __shared__ float warp_max[kThreads / 32];
   for (int offset = 16; offset > 0; offset /= 2)
     max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, offset));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = max_abs;
   non_finite = __syncthreads_or(non_finite);  // also orders the warp_max writes before the reads below
   max_abs = warp_max[0];
 #pragma unroll
-  for (int w = 1; w < kSplitThreads / 32; ++w) max_abs = fmaxf(max_abs, warp_max[w]);
+  for (int w = 1; w < kThreads / 32; ++w) max_abs = fmaxf(max_abs, warp_max[w]);
   const int e = scale_exponent(max_abs);
   if (threadIdx.x == 0) *exponent = non_finite ? kNonFiniteRow : e;
   return power_of_two(e);
@@ -176,6 +177,63 @@ split_rows_unaligned_kernel(const float* __restrict__ src, std::int64_t cols, st
   for (std::int64_t i = threadIdx.x; i < length / 4; i += kSplitThreads)
     split_pack<kNatural>(make_float4(at(4 * i), at(4 * i + 1), at(4 * i + 2), at(4 * i + 3)), scale, i,
                          hi + row * length, lo + row * length);
+}
+
+// Rows the in-register kernels do not take (any alignment: a vocabulary of 30522 or 50257 floats as the reduction;
+// aligned rows past kMaxRowInRegisters): a block per row reads it once from DRAM, 16-byte loads from its first 16-byte
+// boundary on (scalars before and after), keeping its first staged_packs packs of 4 in shared memory at their own
+// indices; then splits it from there, the rest of the row read again (from L2). Where two blocks share a
+// multiprocessor, one's loads run while the other stores. split_rows_kernel and split_rows_unaligned_kernel (the
+// generic kernels) read each row twice.
+constexpr int kStagedRowThreads = 512;
+
+template <bool kNatural>
+__global__ void __launch_bounds__(kStagedRowThreads, 2)
+split_rows_staged_kernel(const float* __restrict__ src, std::int64_t cols, std::int64_t row_stride, int staged_packs,
+                         __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
+  extern __shared__ float4 staged_row[];  // the row's first staged_packs packs of 4, zeros past its end
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
+  float* const staged = reinterpret_cast<float*>(staged_row);
+  const std::int64_t row = blockIdx.x;
+  const float* const in = src + row * row_stride;
+  const int packs = static_cast<int>((cols + 3) / 4), staged_floats = 4 * staged_packs;
+  // head: the floats before the row's first 16-byte boundary; body: the whole 16-byte units after it.
+  const int head = static_cast<int>((16 - reinterpret_cast<std::uintptr_t>(in) % 16) % 16 / 4);
+  const int body = cols > head ? static_cast<int>((cols - head) / 4) : 0;
+  const float4* const aligned = reinterpret_cast<const float4*>(in + head);
+  float max_abs = 0.0f;
+  bool non_finite = false;
+  const auto stage = [&](int c, float v) {
+    if (c < staged_floats) staged[c] = v;
+  };
+#pragma unroll 4
+  for (int j = threadIdx.x; j < body; j += kStagedRowThreads) {
+    const float4 v = __ldg(aligned + j);  // the part past staged_packs is read again
+    fold(v, max_abs, non_finite);
+    const int c = head + 4 * j;
+    stage(c, v.x);
+    stage(c + 1, v.y);
+    stage(c + 2, v.z);
+    stage(c + 3, v.w);
+  }
+  // The head, then the tail and the last pack's padding (zeros): a float each for the first threads.
+  const int tail_begin = head + 4 * body, tail = 4 * packs - tail_begin;
+  if (threadIdx.x < head + tail) {
+    const int c = threadIdx.x < head ? threadIdx.x : tail_begin + (threadIdx.x - head);
+    const float v = c < cols ? in[c] : 0.0f;
+    fold(v, max_abs, non_finite);
+    stage(c, v);
+  }
+  const PowerOfTwo scale = row_scale<kStagedRowThreads>(max_abs, non_finite, exponent + row);  // also a barrier
+  const std::int64_t length = split_row_length(cols);
+  const auto at = [&](std::int64_t c) { return c < cols ? in[c] : 0.0f; };
+  for (int i = threadIdx.x; i < length / 4; i += kStagedRowThreads) {
+    const float4 v = i < staged_packs ? staged_row[i]
+                     : i < packs      ? make_float4(at(4 * i), at(4 * i + 1), at(4 * i + 2), at(4 * i + 3))
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    split_pack<kNatural>(v, scale, i, hi + row * length, lo + row * length);
+  }
 }
 
 // Column tiles of launch_split_columns, whose rows of the result are columns of a row-major matrix: kColumnTileRows rows
