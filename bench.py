@@ -585,6 +585,40 @@ def bench_rms_norm(rows, options):
         torch.cuda.empty_cache()
 
 
+# ---- nn.LayerNorm: eager's F.layer_norm against kernels.layer_norm ---------------------------------------------------
+
+# (rows, width): ViT-B/16's 64 x 197 tokens of 768, and the BERT-large-style model's 16 x 512 tokens of 1024.
+LAYER_NORM_SHAPES = ((12608, 768), (8192, 1024))
+
+
+def bench_layer_norm(rows, options):
+    """fp32 nn.LayerNorm: eager (F.layer_norm: one kernel forward, two backward) against kernels.patch (layer_norm: one
+    pass each way), the no_grad forward and a training step's forward and backward (grad_x, grad_weight, grad_bias),
+    rates over the bytes each must move (forward x and y; training x twice, y, grad_y and grad_x); errors against
+    float64."""
+    import kernels
+
+    for tokens, width in LAYER_NORM_SHAPES:
+        torch.manual_seed(0)
+        eager = torch.nn.LayerNorm(width, eps=1e-6).to(DEVICE)
+        with torch.no_grad():
+            eager.weight.normal_(1.0, 0.5)
+            eager.bias.normal_(0.0, 0.5)
+        patched = kernels.patch(copy.deepcopy(eager))
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        x = torch.randn(tokens, width, device=DEVICE, generator=g) + 0.5
+        x_grad = x.clone().requires_grad_(True)
+        grad = torch.randn(tokens, width, device=DEVICE, generator=g)
+        y64 = copy.deepcopy(eager).double()(x.double())
+        variants = {name: (lambda norm=norm: norm(x),
+                           lambda norm=norm: torch.autograd.grad(norm(x_grad), (x_grad, norm.weight, norm.bias), grad))
+                    for name, norm in (("eager", eager), ("kernels.patch", patched))}
+        add_forward_and_training_rows(rows, options, "LayerNorm (fp32)", f"{tokens}x{width}", variants, y64,
+                                      2 * x.nbytes, 5 * x.nbytes)
+        del eager, patched, x, x_grad, grad, y64, variants
+        torch.cuda.empty_cache()
+
+
 # ---- the SwiGLU gate: LLaMA's MLP activation, eager's F.silu(gate) * up against kernels.silu_mul --------------------
 
 # (rows, intermediate width): the LLaMA-style model's 8 x 512 tokens of 5632, and 8192 tokens of a 14336-wide MLP.
@@ -1379,7 +1413,7 @@ GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench
                "gemm_shapes": bench_gemm_shapes, "models": bench_models, "model_gemms": bench_model_gemms,
                "linear_layers": bench_linear_layers, "attention": bench_attention,
                "split_sweeps": bench_split_sweeps, "multihead_attention": bench_multihead_attention,
-               "rms_norm": bench_rms_norm, "silu_mul": bench_silu_mul,
+               "rms_norm": bench_rms_norm, "layer_norm": bench_layer_norm, "silu_mul": bench_silu_mul,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}

@@ -67,6 +67,13 @@ FAMILIES = (
         autograd_sources=("rms_norm/rms_norm_autograd.cpp",),
     ),
     Family(
+        name="layer_norm",
+        cpp_sources=("layer_norm/layer_norm.cpp",),  # its CPU path too: ATen's ops on layer_norm_op.h's formulas
+        cuda_sources=("layer_norm/layer_norm.cu",),
+        python_module="kernels.layer_norm.layer_norm",
+        autograd_sources=("layer_norm/layer_norm_autograd.cpp",),
+    ),
+    Family(
         name="silu_mul",
         cpp_sources=("silu_mul/silu_mul.cpp",),  # its CPU path too: ATen's ops on silu_mul_op.h's formulas
         cuda_sources=("silu_mul/silu_mul.cu",),

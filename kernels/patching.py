@@ -2,7 +2,7 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, MultiheadAttention; transformers' Conv1D, NewGELU, LLaMA's norms, MLP
+    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -25,6 +25,7 @@ from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
+from kernels.layer_norm.layer_norm import layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
 from kernels.silu_mul.silu_mul import silu_mul
 
@@ -76,9 +77,10 @@ def _forward_compiles_to(cls, reference):
                                     for part in ("co_code", "co_consts", "co_names", "co_varnames"))
 
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # those rms_norm's and silu_mul's kernels take
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # those the norms' and silu_mul's kernels take
 _RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kernels/rms_norm/rms_norm.h)
-_RMS_NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the kernels' vectorized path
+_LAYER_NORM_MOST_COLUMNS = 4096  # the longest rows layer_norm's kernels hold (kernels/layer_norm/layer_norm.h)
+_NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the norm kernels' vectorized path
 
 
 def _has_hooks(module):
@@ -99,9 +101,29 @@ class _RMSNormPatch:
         columns = hidden_states.shape[-1] if hidden_states.dim() else 0
         if (_plain(hidden_states, weight) and hidden_states.is_cuda and hidden_states.dtype in _KERNEL_DTYPES
                 and weight.dtype == hidden_states.dtype and weight.shape == (columns,)
-                and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % _RMS_NORM_PACK == 0):
+                and 0 < columns <= _RMS_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0):
             return rms_norm(hidden_states, weight, self.variance_epsilon)
         return super().forward(hidden_states)
+
+
+class _LayerNormPatch:
+    """nn.LayerNorm (and timm's LayerNorm, F.layer_norm where timm's fast norm is off) with a weight and a bias over
+    one dimension, on kernels.layer_norm: one sweep over memory forward and one backward, at least as accurate (the
+    moments and each result in double), where x and the parameters are plain GPU tensors of one float dtype with rows
+    the kernels hold, outside autocast (whose float32 policy for layer_norm eager's forward follows); its own forward
+    otherwise."""
+
+    def forward(self, input):
+        weight, bias = self.weight, self.bias
+        columns = input.shape[-1] if input.dim() else 0
+        if (weight is not None and bias is not None and len(self.normalized_shape) == 1
+                and not getattr(self, "_fast_norm", False) and _plain(input, weight, bias)
+                and input.is_cuda and input.dtype in _KERNEL_DTYPES and weight.dtype == input.dtype
+                and bias.dtype == input.dtype and weight.shape == (columns,) and bias.shape == (columns,)
+                and 0 < columns <= _LAYER_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0
+                and not torch.is_autocast_enabled("cuda")):
+            return layer_norm(input, weight, bias, self.eps)
+        return super().forward(input)
 
 
 def _is_plain_silu(module):
@@ -160,7 +182,7 @@ class _MultiheadAttentionPatch:
 
 
 def _transformers_class(module_name, name):
-    """A transformers class where transformers is already imported (it is never imported here), else None."""
+    """A transformers (or timm) class where its package is already imported (it is never imported here), else None."""
     return getattr(sys.modules.get(module_name), name, None)
 
 
@@ -169,15 +191,19 @@ def _conv1d_class():
 
 
 def _base_for_class(cls):
-    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, transformers' Conv1D and
-    NewGELUActivation and the subclasses that keep their forward (a subclass with a forward of its own computes
-    something else), and the modules whose forward is LlamaRMSNorm's or LlamaMLP's code."""
+    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm,
+    transformers' Conv1D and NewGELUActivation, timm's LayerNorm and the subclasses that keep their forward (a subclass
+    with a forward of its own computes something else), and the modules whose forward is LlamaRMSNorm's or LlamaMLP's
+    code."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
         return _MultiheadAttentionPatch
+    if issubclass(cls, nn.LayerNorm) and cls.forward is nn.LayerNorm.forward:
+        return _LayerNormPatch
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
-                                    ("transformers.activations", "NewGELUActivation", _NewGELUPatch)):
+                                    ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
+                                    ("timm.layers.norm", "LayerNorm", _LayerNormPatch)):
         original = _transformers_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
@@ -229,11 +255,11 @@ def __getattr__(name):
 
 
 def patch(model, layers=None):
-    """Turns every nn.Linear and nn.MultiheadAttention of `model` (itself included), every transformers Conv1D,
-    NewGELUActivation, LlamaRMSNorm and LlamaMLP (or a module with one of their forwards) into the library's, in place,
-    and returns `model`. Idempotent; subclasses with a forward of their own are left as they are. layers: the
-    qualified names (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no
-    such layer has raises ValueError."""
+    """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every transformers
+    Conv1D, NewGELUActivation, LlamaRMSNorm and LlamaMLP (or a module with one of their forwards) and every timm
+    LayerNorm into the library's, in place, and returns `model`. Idempotent; subclasses with a forward of their own are
+    left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
+    split_layer_names()'s; a name no such layer has raises ValueError."""
     if isinstance(layers, str):
         raise TypeError("patch: layers must be a collection of layer names, not one string")
     chosen = None if layers is None else set(layers)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA
-from kernels.functional import attention, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu, rms_norm, silu_mul
+from kernels.functional import (attention, gelu_tanh, gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm,
+                                silu_mul)
 
 
 def ints(*shape):
@@ -48,6 +49,17 @@ ERRORS = {
         r"expected weight and x to have the same dtype, got weight Double and x Float"),
     "rms_norm: not tensors": (lambda: rms_norm([1.0], torch.ones(1)), TypeError,
                               r"x and weight must be torch.Tensors, got list and Tensor"),
+    "layer_norm: integer tensor": (
+        lambda: layer_norm(ints(2, 4), ints(4), ints(4)), RuntimeError,
+        r"kernels.layer_norm: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+    "layer_norm: bias of another length": (
+        lambda: layer_norm(torch.randn(2, 4), torch.ones(4), torch.zeros(3)), RuntimeError,
+        r"kernels.layer_norm: bias must have shape \[4\] \(x's last dimension\), got \[3\]"),
+    "layer_norm: x and weight of different dtypes": (
+        lambda: layer_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.float64), torch.zeros(4)), RuntimeError,
+        r"expected weight and x to have the same dtype, got weight Double and x Float"),
+    "layer_norm: no bias": (lambda: layer_norm(torch.randn(2, 4), torch.ones(4), None), TypeError,
+                            r"kernels.layer_norm: bias must be a torch.Tensor, got NoneType"),
     "silu_mul: integer tensors": (
         lambda: silu_mul(ints(4), ints(4)), RuntimeError,
         r"kernels.silu_mul: gate must be a float32, float64, float16 or bfloat16 tensor, got Long"),
@@ -97,6 +109,9 @@ ERRORS = {
 CUDA_ERRORS = {
     "rms_norm: x on CUDA, weight on the CPU": (
         lambda: rms_norm(torch.randn(2, 4, device="cuda"), torch.ones(4)), RuntimeError, r"same device"),
+    "layer_norm: x on CUDA, bias on the CPU": (
+        lambda: layer_norm(torch.randn(2, 4, device="cuda"), torch.ones(4, device="cuda"), torch.zeros(4)),
+        RuntimeError, r"same device"),
     "gemm: x on CUDA, weight on the CPU": (
         lambda: gemm_multiply_leaky_relu(torch.randn(2, 4, device="cuda"), torch.randn(3, 4)), RuntimeError,
         r"same device"),
@@ -174,6 +189,14 @@ MIXED_DEVICE_OPS = {
         ("grad_y", "x", "weight"),
         lambda d: torch.ops.kernels.rms_norm_backward(torch.randn(2, 4, device=d[0]), torch.randn(2, 4, device=d[1]),
                                                       torch.randn(4, device=d[2]), 1e-6)),
+    "layer_norm": (
+        ("x", "weight", "bias"),
+        lambda d: torch.ops.kernels.layer_norm(torch.randn(2, 4, device=d[0]), torch.randn(4, device=d[1]),
+                                               torch.randn(4, device=d[2]), 1e-5)),
+    "layer_norm_backward": (
+        ("grad_y", "x", "weight"),
+        lambda d: torch.ops.kernels.layer_norm_backward(torch.randn(2, 4, device=d[0]), torch.randn(2, 4, device=d[1]),
+                                                        torch.randn(4, device=d[2]), 1e-5)),
     "silu_mul": (
         ("gate", "up"),
         lambda d: torch.ops.kernels.silu_mul(torch.randn(2, 4, device=d[0]), torch.randn(2, 4, device=d[1]))),

@@ -197,6 +197,57 @@ class RmsNormCase:
             torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=1e-5, equal_nan=True, msg=name)
 
 
+class LayerNormCase:
+    """The LayerNorm family: the function forward and backward (its C++ node calls the backward op), against the
+    formula in float64 (rows of 16-byte packs in groups of rows, odd rows of single elements, rows the block takes, a
+    row with an Inf)."""
+
+    family = "layer_norm"
+    ops = {"layer_norm", "layer_norm_backward"}
+    eps = 1e-5
+
+    def __str__(self):
+        return "layer_norm"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        draws = {}
+        for name, shape in (("packs", (64, 768)), ("odd", (33, 13)), ("long", (9, 4096))):
+            draws[name] = torch.randn(*shape, device=device, generator=generator) * 3 + 1
+            draws[f"{name} weight"] = torch.randn(shape[-1], device=device, generator=generator) * 0.5 + 1
+            draws[f"{name} bias"] = torch.randn(shape[-1], device=device, generator=generator) * 0.5
+            draws[f"{name} grad"] = torch.randn(*shape, device=device, generator=generator)
+        draws["packs"][5, 3] = float("inf")
+        return draws
+
+    @staticmethod
+    def run(fn, inputs, dtype):
+        outputs = {}
+        for name in ("packs", "odd", "long"):
+            leaves = [inputs[key].to(dtype).requires_grad_(True) for key in (name, f"{name} weight", f"{name} bias")]
+            y = fn(*leaves)
+            y.backward(inputs[f"{name} grad"].to(dtype))
+            outputs.update({name: y.detach().float(), f"{name} grad": leaves[0].grad.float(),
+                            f"{name} weight grad": leaves[1].grad.float(), f"{name} bias grad": leaves[2].grad.float()})
+        return outputs
+
+    def ours(self, **inputs):
+        from kernels.functional import layer_norm
+
+        return self.run(lambda x, weight, bias: layer_norm(x, weight, bias, self.eps), inputs, torch.float32)
+
+    def eager(self, **inputs):
+        return self.run(lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, self.eps), inputs,
+                        torch.float64)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            atol = 1e-5 * max(1.0, float(expected[name].nan_to_num().abs().max()))
+            torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=1e-5, equal_nan=True, msg=name)
+
+
 class SiluMulCase:
     """The SwiGLU gate family: the function forward and backward (its C++ node calls the backward op), against F.silu(
     gate) * up in float64 (16-byte packs; an odd offset view: single elements)."""
@@ -451,7 +502,7 @@ GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
 CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), RmsNormCase(),
-                                                          SiluMulCase(), AttentionCase()]
+                                                          LayerNormCase(), SiluMulCase(), AttentionCase()]
 
 
 def ops_that_compute():

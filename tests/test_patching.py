@@ -280,6 +280,9 @@ def test_transformers_models_patch_round_trip(name, device):
         new_gelu = sys.modules["transformers.activations"].NewGELUActivation
         activations = [m for m in patched.modules() if isinstance(m, new_gelu)]
         assert len(activations) == config.n_layer and all(kernels.is_patched(m) for m in activations)
+    if name in ("gpt2", "bert"):  # every nn.LayerNorm on layer_norm
+        norms = [m for m in patched.modules() if isinstance(m, nn.LayerNorm)]
+        assert norms and all(kernels.is_patched(m) for m in norms)
     if name == "llama":  # every LlamaRMSNorm on rms_norm (two a layer and the last one), every LlamaMLP on silu_mul
         norms = [m for m in patched.modules() if type(m).__name__ == "LlamaRMSNorm"]
         assert len(norms) == 2 * config.num_hidden_layers + 1 and all(kernels.is_patched(m) for m in norms)
@@ -358,6 +361,50 @@ def test_llama_rms_norm_patch(device):
         assert type(patched) is cls
 
 
+def test_layer_norm_patch(device):
+    """nn.LayerNorm with a weight and a bias on layer_norm: eager's results within 1e-5, no less accurate against
+    float64, gradients alike; without a bias or an affine transform, under autocast (whose float32 policy eager's
+    forward follows) and for a subclass with a forward of its own, the module's own forward."""
+    from kernels.precision import relative_error
+
+    norm = nn.LayerNorm(256, eps=1e-5).to(device)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+        norm.bias.normal_(0.0, 0.5)
+    patched = kernels.patch(copy.deepcopy(norm))
+    assert kernels.is_patched(patched) and isinstance(patched, nn.LayerNorm)
+    x = (torch.randn(4, 33, 256, generator=torch.Generator().manual_seed(0)) * 3 + 1).to(device).requires_grad_()
+    y, y_patched = norm(x), patched(x)
+    if device == "cuda":  # the op ran (on the CPU the module's own forward does)
+        assert y_patched.grad_fn.name() == "kernels::LayerNormBackward"
+    torch.testing.assert_close(y_patched, y, atol=1e-5, rtol=1e-5)
+    y64 = copy.deepcopy(norm).double()(x.detach().double())
+    assert relative_error(y_patched, y64) <= relative_error(y, y64)
+    grad = torch.randn_like(y)
+    for got, expected in zip(torch.autograd.grad(y_patched, (x, patched.weight, patched.bias), grad),
+                             torch.autograd.grad(y, (x, norm.weight, norm.bias), grad)):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-5)
+    kernels.unpatch(patched)
+    assert type(patched) is nn.LayerNorm
+    for other in (nn.LayerNorm(256, bias=False), nn.LayerNorm(256, elementwise_affine=False), nn.LayerNorm((4, 64))):
+        other = other.to(device)
+        patched_other = kernels.patch(copy.deepcopy(other))
+        assert kernels.is_patched(patched_other)
+        assert torch.equal(patched_other(x.detach().view(4, 33, *other.normalized_shape)),
+                           other(x.detach().view(4, 33, *other.normalized_shape)))
+    if device == "cuda":
+        patched = kernels.patch(copy.deepcopy(norm))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            half = x.detach().to(torch.bfloat16)
+            assert torch.equal(patched(half), norm(half)) and patched(half).dtype == torch.float32
+
+    class OwnForward(nn.LayerNorm):
+        def forward(self, input):
+            return super().forward(input) * 2
+
+    assert not kernels.is_patched(kernels.patch(OwnForward(8)))
+
+
 def graph_node_names(t):
     """The names of every node of t's autograd graph."""
     names, pending, seen = set(), [t.grad_fn], set()
@@ -416,8 +463,15 @@ def test_timm_vit_patch_round_trip(device):
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8).to(device)
     patched = kernels.patch(copy.deepcopy(model))
-    x = torch.randn(2, 3, 32, 32, device=device)
-    torch.testing.assert_close(patched(x), model(x), atol=TOL, rtol=TOL)
+    norms = [m for m in patched.modules() if isinstance(m, nn.LayerNorm)]  # timm's LayerNorm: on layer_norm
+    assert norms and all(kernels.is_patched(m) for m in norms)
+    x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
+    out, out_patched = model(x), patched(x)
+    torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
+    grad = torch.randn_like(out)
+    for got, expected in zip(torch.autograd.grad(out_patched, (x, *patched.parameters()), grad),
+                             torch.autograd.grad(out, (x, *model.parameters()), grad)):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=TOL)
     kernels.unpatch(patched)
     assert not any(kernels.is_patched(m) for m in patched.modules())
 

@@ -11,10 +11,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <optional>
-
 #include "common/elementwise.cuh"
-#include "common/once_per_device.h"
+#include "common/rows.cuh"
 
 namespace kernels::rms_norm {
 namespace {
@@ -24,11 +22,9 @@ using common::from_opmath;
 using common::Pack;
 using common::to_opmath;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = common::kRowThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxPacks = 8;  // packs a thread holds
 constexpr int kMaxElements = 32;  // elements a thread holds: a backward's row, weight and sums fit its registers
-constexpr int kBlocksPerProcessor = 4;
 
 struct DoublePair {
   double squares, dot;
@@ -38,15 +34,16 @@ __device__ __forceinline__ DoublePair operator+(DoublePair a, DoublePair b) {
   return {a.squares + b.squares, a.dot + b.dot};
 }
 
-__device__ __forceinline__ double shuffle_xor(double v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+using common::shuffle_xor;
 
 __device__ __forceinline__ DoublePair shuffle_xor(DoublePair v, int offset) {
   return {shuffle_xor(v.squares, offset), shuffle_xor(v.dot, offset)};
 }
 
 // A block's sum of one value per thread, the same bits in every thread: a warp's by shuffles (both lanes of each add
-// compute the same sum), then the warps' in order. Rows alternate between two sets of slots, so one __syncthreads a
-// row suffices: a warp writing row k + 2's slots has passed row k + 1's barrier, after every read of row k's.
+// compute the same sum), then the warps' in order (common::Rows<kThreads>::sum, specialized: one row a block). Rows
+// alternate between two sets of slots, so one __syncthreads a row suffices: a warp writing row k + 2's slots has
+// passed row k + 1's barrier, after every read of row k's.
 template <typename V>
 __device__ __forceinline__ V block_sum(V value, V* slots) {
 #pragma unroll
@@ -192,92 +189,12 @@ rms_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, 
   }
 }
 
-// grad_weight[j] = the blocks' partials of column j, rounded to T once. A block takes kSumColumns columns; each of its
-// kSumSlices slices of threads adds one fixed range of the partials' rows in order, then the slices' sums are added in
-// order: the same bits every run, with the loads spread over enough threads to stream the partials.
-constexpr int kSumColumns = 16;
-constexpr int kSumSlices = kThreads / kSumColumns;
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-weight_grad_sum_kernel(const double* __restrict__ partials, int blocks, std::int64_t columns, T* __restrict__ out) {
-  __shared__ double slice_sums[kSumSlices][kSumColumns];
-  const int lane = threadIdx.x % kSumColumns, slice = threadIdx.x / kSumColumns;
-  const std::int64_t column = blockIdx.x * std::int64_t{kSumColumns} + lane;
-  const int per_slice = (blocks + kSumSlices - 1) / kSumSlices;
-  const int begin = slice * per_slice, end = begin + per_slice < blocks ? begin + per_slice : blocks;
-  double total = 0.0;
-  if (column < columns) {
-#pragma unroll 4
-    for (int b = begin; b < end; ++b) total += partials[b * columns + column];
-  }
-  slice_sums[slice][lane] = total;
-  __syncthreads();
-  if (slice != 0 || column >= columns) return;
-  double sum = slice_sums[0][lane];
-#pragma unroll
-  for (int s = 1; s < kSumSlices; ++s) sum += slice_sums[s][lane];
-  out[column] = from_double<T>(sum);
-}
-
-int multiprocessors(int device) {
-  const std::optional<int> count = once_per_device(device, [](int d) -> std::optional<int> {
-    int value = 0;
-    if (cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, d) != cudaSuccess || value <= 0)
-      return std::nullopt;
-    return value;
-  });
-  return count.value_or(1);
-}
-
-int current_device() {
-  int device = 0;
-  return cudaGetDevice(&device) == cudaSuccess ? device : 0;
-}
-
-// Packs a thread holds for `columns` (1, 2, 4 or 8), 0 where they exceed kMaxPacks or kMaxElements.
-int packs_for(std::int64_t columns, int width) {
-  const std::int64_t packs = (columns / width + kThreads - 1) / kThreads;
-  for (int p = 1; p <= kMaxPacks && p * width <= kMaxElements; p *= 2)
-    if (packs <= p) return p;
-  return 0;
-}
-
-// Calls fn with the kernel's (kWidth, kPacks) as integral constants.
-template <int kWidth, typename Fn>
-cudaError_t with_packs(int packs, const Fn& fn) {
-  switch (packs) {
-    case 1: return fn(std::integral_constant<int, kWidth>{}, std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, kWidth>{}, std::integral_constant<int, 2>{});
-    case 4: return fn(std::integral_constant<int, kWidth>{}, std::integral_constant<int, 4>{});
-  }
-  if constexpr (8 * kWidth <= kMaxElements) {
-    if (packs == 8) return fn(std::integral_constant<int, kWidth>{}, std::integral_constant<int, 8>{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-// fn(width, packs) for the row layout: kWidth = 16 bytes where the columns fill whole packs and the pointers are
-// 16-byte aligned, else 1.
-template <typename T, typename Fn>
-cudaError_t with_layout(std::int64_t columns, bool aligned, const Fn& fn) {
-  constexpr int kWidth = common::vector_width<T>();
-  if (aligned && columns % kWidth == 0) return with_packs<kWidth>(packs_for(columns, kWidth), fn);
-  return with_packs<1>(packs_for(columns, 1), fn);
-}
-
-bool all_aligned(std::initializer_list<const void*> pointers) {
-  for (const void* p : pointers)
-    if (!common::aligned(p, 16)) return false;
-  return true;
-}
-
 template <typename T>
 cudaError_t forward_typed(const void* x, const void* weight, void* y, std::int64_t rows, std::int64_t columns,
                           double eps, cudaStream_t stream) {
-  const std::int64_t most = std::int64_t{kBlocksPerProcessor} * multiprocessors(current_device());
-  const unsigned int blocks = static_cast<unsigned int>(rows < most ? rows : most);
-  return with_layout<T>(columns, all_aligned({x, weight, y}), [&](auto width, auto packs) {
+  const unsigned int blocks = static_cast<unsigned int>(common::row_blocks(common::current_device(), rows));
+  return common::with_row_layout<T, kMaxElements>(columns, common::all_aligned({x, weight, y}), [&](auto width,
+                                                                                                    auto packs) {
     rms_norm_kernel<T, width.value, packs.value><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(y), rows, columns,
         1.0 / static_cast<double>(columns), eps);
@@ -289,32 +206,26 @@ template <typename T>
 cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight, void* grad_x, void* grad_weight,
                            double* partials, int blocks, std::int64_t rows, std::int64_t columns, double eps,
                            cudaStream_t stream) {
-  const cudaError_t err =
-      with_layout<T>(columns, all_aligned({grad_y, x, weight, grad_x}), [&](auto width, auto packs) {
+  const cudaError_t err = common::with_row_layout<T, kMaxElements>(
+      columns, common::all_aligned({grad_y, x, weight, grad_x}), [&](auto width, auto packs) {
         rms_norm_backward_kernel<T, width.value, packs.value><<<blocks, kThreads, 0, stream>>>(
             static_cast<const T*>(grad_y), static_cast<const T*>(x), static_cast<const T*>(weight),
             static_cast<T*>(grad_x), partials, rows, columns, 1.0 / static_cast<double>(columns), eps);
         return cudaGetLastError();
       });
   if (err != cudaSuccess) return err;
-  const unsigned int sum_blocks = static_cast<unsigned int>((columns + kSumColumns - 1) / kSumColumns);
-  weight_grad_sum_kernel<T><<<sum_blocks, kThreads, 0, stream>>>(partials, blocks, columns,
-                                                                  static_cast<T*>(grad_weight));
-  return cudaGetLastError();
+  return common::launch_column_partials_sum<T>(partials, blocks, columns, 1, static_cast<T*>(grad_weight), nullptr,
+                                               stream);
 }
 
 }  // namespace
 
 bool rms_norm_fits(ElementType type, std::int64_t columns, bool aligned) {
-  const int width = type == ElementType::kFloat32 ? 4 : 8;
-  if (type == ElementType::kFloat64 || columns <= 0) return false;
-  return packs_for(columns, aligned && columns % width == 0 ? width : 1) != 0;
+  if (type == ElementType::kFloat64) return false;
+  return common::row_fits<kMaxElements>(type == ElementType::kFloat32 ? 4 : 2, columns, aligned);
 }
 
-int rms_norm_backward_blocks(int device, std::int64_t rows) {
-  const std::int64_t most = std::int64_t{kBlocksPerProcessor} * multiprocessors(device);
-  return static_cast<int>(rows < most ? (rows > 0 ? rows : 1) : most);
-}
+int rms_norm_backward_blocks(int device, std::int64_t rows) { return common::row_blocks(device, rows); }
 
 cudaError_t launch_rms_norm(ElementType type, const void* x, const void* weight, void* y, std::int64_t rows,
                             std::int64_t columns, double eps, cudaStream_t stream) {

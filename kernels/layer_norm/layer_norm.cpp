@@ -1,0 +1,137 @@
+// The torch side of the LayerNorm family of `torch.ops.kernels`: schemas, argument checks, and the dispatch to the
+// CUDA kernels (layer_norm.h, on the current stream of the tensors' own device) or to the ATen formulas of
+// layer_norm_op.h (CPU tensors, float64, rows the kernels do not hold). Fake (meta) implementations are registered in
+// layer_norm.py; the Autograd kernels are in layer_norm_autograd.cpp, joined after this file.
+//
+// Ops, over x's last dimension: layer_norm(x, weight, bias, eps) = (x - mean) / sqrt(var + eps) * weight + bias
+// (nn.LayerNorm's formula, the variance biased); layer_norm_backward(grad_y, x, weight, eps) = (grad_x, grad_weight,
+// grad_bias).
+//
+// Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include "common/torch_checks.h"
+#include "layer_norm_op.h"
+
+#ifdef KERNELS_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "layer_norm.h"
+#endif
+
+namespace kernels::layer_norm {
+namespace {
+
+using common::check_float_tensor;
+using common::check_same;
+using common::element_type;
+using common::shape_str;
+
+void check_parameter(const char* op, const char* name, const at::Tensor& parameter, const at::Tensor& x) {
+  check_float_tensor(op, name, parameter);
+  check_same(op, name, parameter, "x", x);
+  TORCH_CHECK(parameter.dim() == 1 && parameter.size(0) == x.size(-1), "kernels.", op, ": ", name,
+              " must have shape [", std::to_string(x.size(-1)), "] (x's last dimension), got ",
+              shape_str(parameter.sizes()));
+}
+
+void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  check_float_tensor(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1, "kernels.", op, ": x must have at least 1 dimension (..., normalized), got a scalar");
+  check_parameter(op, "weight", weight, x);
+}
+
+#ifdef KERNELS_WITH_CUDA
+bool aligned(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+// Whether the kernels may take x: a non-empty CUDA tensor of float32, float16 or bfloat16 (its rows must also fit:
+// layer_norm_fits).
+bool takes_kernel(const at::Tensor& x) { return x.is_cuda() && x.scalar_type() != at::kDouble && x.numel() > 0; }
+
+cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+// ---- ops --------------------------------------------------------------------------------------------------------
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  check_inputs("layer_norm", x, weight);
+  check_parameter("layer_norm", "bias", bias, x);
+#ifdef KERNELS_WITH_CUDA
+  if (takes_kernel(x)) {
+    // The kernels read rows of contiguous memory.
+    const at::Tensor in = x.contiguous(), w = weight.contiguous(), b = bias.contiguous();
+    const int64_t columns = x.size(-1);
+    if (layer_norm_fits(element_type(x.scalar_type()), columns, aligned(in) && aligned(w) && aligned(b))) {
+      const c10::cuda::CUDAGuard guard(x.device());
+      at::Tensor y = at::empty(x.sizes(), x.options());
+      const cudaError_t err =
+          launch_layer_norm(element_type(x.scalar_type()), in.const_data_ptr(), w.const_data_ptr(),
+                            b.const_data_ptr(), y.mutable_data_ptr(), x.numel() / columns, columns, eps, stream_of(x));
+      TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm kernel failed to launch: ", cudaGetErrorString(err));
+      return y;
+    }
+  }
+#endif
+  TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm: no implementation for tensors on ", x.device().str());
+  return layer_norm_aten(x, weight, bias, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                   const at::Tensor& weight, double eps) {
+  check_inputs("layer_norm_backward", x, weight);
+  check_float_tensor("layer_norm_backward", "grad_y", grad_y);
+  check_same("layer_norm_backward", "grad_y", grad_y, "x", x);
+  TORCH_CHECK(grad_y.sizes() == x.sizes(), "kernels.layer_norm_backward: grad_y has shape ",
+              shape_str(grad_y.sizes()), " but x has shape ", shape_str(x.sizes()));
+#ifdef KERNELS_WITH_CUDA
+  if (takes_kernel(x)) {
+    const at::Tensor g = grad_y.contiguous(), in = x.contiguous(), w = weight.contiguous();
+    const int64_t columns = x.size(-1), rows = x.numel() / columns;
+    if (layer_norm_fits(element_type(x.scalar_type()), columns, aligned(g) && aligned(in) && aligned(w))) {
+      const c10::cuda::CUDAGuard guard(x.device());
+      const int blocks = layer_norm_backward_blocks(x.device().index(), rows);
+      at::Tensor grad_x = at::empty(x.sizes(), x.options());
+      at::Tensor grad_weight = at::empty({columns}, weight.options());
+      at::Tensor grad_bias = at::empty({columns}, weight.options());
+      at::Tensor partials = at::empty({blocks, 2, columns}, x.options().dtype(at::kDouble));
+      const cudaError_t err = launch_layer_norm_backward(
+          element_type(x.scalar_type()), g.const_data_ptr(), in.const_data_ptr(), w.const_data_ptr(),
+          grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
+          partials.mutable_data_ptr<double>(), blocks, rows, columns, eps, stream_of(x));
+      TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
+                  cudaGetErrorString(err));
+      return {grad_x, grad_weight, grad_bias};
+    }
+  }
+#endif
+  TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm_backward: no implementation for tensors on ",
+              x.device().str());
+  return layer_norm_backward_aten(grad_y, x, weight, eps);
+}
+
+}  // namespace
+}  // namespace kernels::layer_norm
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
+  m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
+}
+
+// The same functions serve both devices: each picks the CUDA kernels or the ATen formulas by the tensors' device,
+// dtype and row length.
+#define KERNELS_LAYER_NORM_IMPLS(m)                                    \
+  m.impl("layer_norm", &kernels::layer_norm::layer_norm);              \
+  m.impl("layer_norm_backward", &kernels::layer_norm::layer_norm_backward)
+
+TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_LAYER_NORM_IMPLS(m); }
+#ifdef KERNELS_WITH_CUDA
+TORCH_LIBRARY_IMPL(kernels, CUDA, m) { KERNELS_LAYER_NORM_IMPLS(m); }
+#endif
+#undef KERNELS_LAYER_NORM_IMPLS

@@ -1,0 +1,324 @@
+// LayerNorm over each row (nn.LayerNorm's formula with a weight and a bias, layer_norm.h), forward and backward. A
+// block takes rows in turn and holds a row in registers (kPacks packs a thread, common/rows.cuh), so each operand is
+// read once and each result written once; the weight and bias are loaded once per block. A row's sums are doubles
+// added in a fixed order (a thread's packs in order, the warps' shuffles, then the warps in order), the mean first and
+// then the squares of the deviations from it (two sums of the registers, no cancellation): the same inputs give the
+// same bits every run, and the forward and the backward compute the same mean and rstd bit for bit where they take the
+// same layout. The backward adds each block's g h and g into per-column doubles, written to its row of partials; a
+// second kernel adds those rows in order.
+#include "layer_norm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "common/dependent_launch.cuh"
+#include "common/elementwise.cuh"
+#include "common/rows.cuh"
+
+namespace kernels::layer_norm {
+namespace {
+
+using common::from_double;
+using common::kRowThreads;
+using common::kRowWarps;
+using common::Pack;
+using common::Rows;
+using common::to_opmath;
+
+// Elements a thread holds: a backward's row, gradient, weight and its two partial sums (doubles) fit its registers.
+constexpr int kMaxElements = 16;
+// Threads a row (whole warps): rows of up to kShortGroup * kMaxElements elements take kShortGroup threads, so that a
+// block holds kRowThreads / kShortGroup rows at once (enough bytes in flight for short rows); longer ones the block.
+constexpr int kShortGroup = 64;
+// The blocks whose registers a multiprocessor holds at once: the forward's (one fewer for single elements, whose
+// wider index arithmetic would spill) and the backward's for float32 (16-bit types' wider packs take one block's).
+constexpr int kForwardBlocksPerProcessor = 4;
+constexpr int kBackwardBlocksPerProcessor = 2;
+
+struct DoublePair {
+  double first, second;
+};
+
+__device__ __forceinline__ DoublePair operator+(DoublePair a, DoublePair b) {
+  return {a.first + b.first, a.second + b.second};
+}
+
+__device__ __forceinline__ DoublePair shuffle_xor(DoublePair v, int offset) {
+  return {common::shuffle_xor(v.first, offset), common::shuffle_xor(v.second, offset)};
+}
+
+// A parameter's pack i as floats (the parameters are read once per row from L1: registers go to the rows in flight).
+template <typename T, int kWidth>
+__device__ __forceinline__ void load_parameter_pack(const T* __restrict__ parameter, std::int64_t i,
+                                                    float (&out)[kWidth]) {
+  const Pack<T, kWidth> v = reinterpret_cast<const Pack<T, kWidth>*>(parameter)[i];
+#pragma unroll
+  for (int j = 0; j < kWidth; ++j) out[j] = to_opmath(v.v[j]);
+}
+
+template <typename T, int kWidth, int kPacks, int kGroup>
+__global__ void
+__launch_bounds__(kRowThreads, kWidth == 1 ? kForwardBlocksPerProcessor - 1 : kForwardBlocksPerProcessor)
+layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                  T* __restrict__ y, std::int64_t rows, std::int64_t columns, double inverse_columns, double eps) {
+  using P = Pack<T, kWidth>;
+  using R = Rows<kGroup>;
+  __shared__ double slots[2][kRowWarps];
+  const std::int64_t packs = columns / kWidth, stride = gridDim.x * std::int64_t{R::kRows};
+  // Every row of the block goes round the loop as often (a row past the end still joins the sums' barriers); the
+  // next row's loads are issued before this row's sums, so that they are in flight meanwhile.
+  const std::int64_t group_rows = rows + R::group();  // the loop runs while the block's first row is a row
+  std::int64_t row = blockIdx.x * std::int64_t{R::kRows} + R::group();
+  P next[kPacks];
+  R::template load_row<T, kWidth, kPacks>(x + (row < rows ? row : 0) * columns, row < rows, packs, next);
+  for (; row < group_rows; row += stride) {
+    const bool inside = row < rows;
+    P v[kPacks];
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) v[p] = next[p];
+    const std::int64_t following = row + stride;
+    R::template load_row<T, kWidth, kPacks>(x + (following < rows ? following : 0) * columns, following < rows,
+                                            packs, next);
+    double sum = 0.0;
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      if (!inside || R::pack(p) >= packs) continue;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) sum += to_opmath(v[p].v[j]);
+    }
+    const double mean = R::sum(sum, slots[0]) * inverse_columns;
+    double squares = 0.0;
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      if (!inside || R::pack(p) >= packs) continue;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) {
+        const double deviation = to_opmath(v[p].v[j]) - mean;
+        squares += deviation * deviation;
+      }
+    }
+    const double rstd = common::reciprocal_sqrt(R::sum(squares, slots[1]) * inverse_columns + eps);
+    if (!inside) continue;
+    P* out = reinterpret_cast<P*>(y + row * columns);
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const std::int64_t i = R::pack(p);
+      if (i >= packs) continue;
+      float w[kWidth], b[kWidth];
+      load_parameter_pack<T, kWidth>(weight, i, w);
+      load_parameter_pack<T, kWidth>(bias, i, b);
+      P result;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j)
+        result.v[j] = from_double<T>(fma((to_opmath(v[p].v[j]) - mean) * rstd, double{w[j]}, double{b[j]}));
+      out[i] = result;
+    }
+  }
+}
+
+template <typename T, int kWidth, int kPacks, int kGroup>
+__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 4 ? kBackwardBlocksPerProcessor : 1)
+layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, const T* __restrict__ weight,
+                           T* __restrict__ grad_x, double* __restrict__ partials, std::int64_t rows,
+                           std::int64_t columns, double inverse_columns, double eps) {
+  using P = Pack<T, kWidth>;
+  using R = Rows<kGroup>;
+  __shared__ DoublePair slots[2][kRowWarps];
+  // Each row group's sums of g h and g per column, in shared memory (registers hold the rows): the group's columns
+  // at [group][column].
+  extern __shared__ double2 parameter_grads[];
+  double2* const own_grads = parameter_grads + R::group() * columns;
+  const std::int64_t packs = columns / kWidth;
+  for (std::int64_t c = threadIdx.x; c < R::kRows * columns; c += kRowThreads)
+    parameter_grads[c] = make_double2(0.0, 0.0);
+  __syncthreads();
+  for (std::int64_t first = blockIdx.x * std::int64_t{R::kRows}; first < rows; first += gridDim.x * R::kRows) {
+    const std::int64_t row = first + R::group();
+    const bool inside = row < rows;
+    P v[kPacks], g[kPacks];
+    R::template load_row<T, kWidth, kPacks>(x + (inside ? row : 0) * columns, inside, packs, v);
+    R::template load_row<T, kWidth, kPacks>(grad_y + (inside ? row : 0) * columns, inside, packs, g);
+    float w[kPacks][kWidth];  // read from L1 each row: registers go to the partial sums
+    R::template load_parameter<T, kWidth, kPacks>(weight, packs, w);
+    // The mean as the forward sums it (the same mean and rstd), with sum(g w); then the deviations' squares, with
+    // sum(g w (x - mean)).
+    DoublePair sums{0.0, 0.0};
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      if (!inside || R::pack(p) >= packs) continue;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) {
+        sums.first += to_opmath(v[p].v[j]);
+        sums.second += static_cast<double>(to_opmath(g[p].v[j])) * w[p][j];
+      }
+    }
+    sums = R::sum(sums, slots[0]);
+    const double mean = sums.first * inverse_columns, mean_gw = sums.second * inverse_columns;
+    DoublePair deviations{0.0, 0.0};
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      if (!inside || R::pack(p) >= packs) continue;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) {
+        const double deviation = to_opmath(v[p].v[j]) - mean;
+        deviations.first += deviation * deviation;
+        deviations.second += static_cast<double>(to_opmath(g[p].v[j])) * w[p][j] * deviation;
+      }
+    }
+    deviations = R::sum(deviations, slots[1]);
+    if (!inside) continue;
+    const double rstd = common::reciprocal_sqrt(deviations.first * inverse_columns + eps);
+    const double mean_gwh = deviations.second * rstd * inverse_columns;
+    P* out = reinterpret_cast<P*>(grad_x + row * columns);
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const std::int64_t i = R::pack(p);
+      if (i >= packs) continue;
+      P result;
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) {
+        const double h = (to_opmath(v[p].v[j]) - mean) * rstd, grad = to_opmath(g[p].v[j]);
+        result.v[j] = from_double<T>(rstd * (grad * w[p][j] - mean_gw - h * mean_gwh));
+        double2& sums_of_column = own_grads[i * kWidth + j];  // this thread's own: no other thread touches it
+        sums_of_column = make_double2(sums_of_column.x + grad * h, sums_of_column.y + grad);
+      }
+      out[i] = result;
+    }
+  }
+  // The block's row of partials: its row groups' sums added in group order (the same bits every run).
+  __syncthreads();
+  double* const weight_partials = partials + blockIdx.x * 2 * columns;
+  for (std::int64_t c = threadIdx.x; c < columns; c += kRowThreads) {
+    double2 total = parameter_grads[c];
+#pragma unroll
+    for (int group = 1; group < R::kRows; ++group) {
+      const double2 part = parameter_grads[group * columns + c];
+      total = make_double2(total.x + part.x, total.y + part.y);
+    }
+    weight_partials[c] = total.x;
+    weight_partials[columns + c] = total.y;
+  }
+}
+
+// The dynamic shared memory of layer_norm_backward_kernel: two doubles per column for each of a block's row groups,
+// at most kMaxElements a thread.
+template <int kGroup>
+std::size_t backward_shared_bytes(std::int64_t columns) {
+  return static_cast<std::size_t>(Rows<kGroup>::kRows * columns) * sizeof(double2);
+}
+constexpr std::size_t kBackwardMostSharedBytes = std::size_t{kRowThreads} * kMaxElements * sizeof(double2);
+
+// fn(width, packs, group) as integral constants for the row layout: kWidth = 16 bytes where the columns fill whole
+// packs and the pointers are 16-byte aligned, else 1; kShortGroup threads a row where the row fits them, else the
+// block; packs a thread: 1, 2, 4 or 8, at most kMaxElements elements.
+template <typename T, typename Fn>
+cudaError_t with_layout(std::int64_t columns, bool aligned, const Fn& fn) {
+  using std::integral_constant;
+  const auto with_width = [&](auto width) -> cudaError_t {
+    constexpr int kWidth = decltype(width)::value;
+    constexpr int kMostPacks = kMaxElements / kWidth < common::kRowMaxPacks ? kMaxElements / kWidth
+                                                                            : common::kRowMaxPacks;
+    const std::int64_t packs = columns / kWidth;
+    const auto with_group = [&](auto group) -> cudaError_t {
+      constexpr int kGroup = decltype(group)::value;
+      const std::int64_t per_thread = (packs + kGroup - 1) / kGroup;
+      if (per_thread <= 1) return fn(width, integral_constant<int, 1>{}, group);
+      if constexpr (kMostPacks >= 2) {
+        if (per_thread <= 2) return fn(width, integral_constant<int, 2>{}, group);
+      }
+      if constexpr (kMostPacks >= 4) {
+        if (per_thread <= 4) return fn(width, integral_constant<int, 4>{}, group);
+      }
+      if constexpr (kMostPacks >= 8) {
+        if (per_thread <= 8) return fn(width, integral_constant<int, 8>{}, group);
+      }
+      return cudaErrorInvalidValue;
+    };
+    if (packs <= std::int64_t{kShortGroup} * kMostPacks) return with_group(integral_constant<int, kShortGroup>{});
+    return with_group(integral_constant<int, kRowThreads>{});
+  };
+  constexpr int kVector = common::vector_width<T>();
+  if (aligned && columns % kVector == 0) return with_width(integral_constant<int, kVector>{});
+  return with_width(integral_constant<int, 1>{});
+}
+
+template <typename T>
+cudaError_t forward_typed(const void* x, const void* weight, const void* bias, void* y, std::int64_t rows,
+                          std::int64_t columns, double eps, cudaStream_t stream) {
+  return with_layout<T>(columns, common::all_aligned({x, weight, bias, y}), [&](auto width, auto packs, auto group) {
+    constexpr int kRows = Rows<decltype(group)::value>::kRows;
+    const unsigned int blocks =
+        static_cast<unsigned int>(common::row_blocks(common::current_device(), (rows + kRows - 1) / kRows));
+    layer_norm_kernel<T, width.value, packs.value, group.value><<<blocks, kRowThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const T*>(bias), static_cast<T*>(y), rows,
+        columns, 1.0 / static_cast<double>(columns), eps);
+    return cudaGetLastError();
+  });
+}
+
+template <typename T>
+cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight, void* grad_x, void* grad_weight,
+                           void* grad_bias, double* partials, int blocks, std::int64_t rows, std::int64_t columns,
+                           double eps, cudaStream_t stream) {
+  const cudaError_t err = with_layout<T>(
+      columns, common::all_aligned({grad_y, x, weight, grad_x}), [&](auto width, auto packs, auto group) {
+        constexpr auto kKernel = layer_norm_backward_kernel<T, width.value, packs.value, group.value>;
+        const cudaError_t raised =
+            raise_shared_memory_limit<kKernel>(common::current_device(), kBackwardMostSharedBytes);
+        if (raised != cudaSuccess) return raised;
+        kKernel<<<blocks, kRowThreads, backward_shared_bytes<group.value>(columns), stream>>>(
+            static_cast<const T*>(grad_y), static_cast<const T*>(x), static_cast<const T*>(weight),
+            static_cast<T*>(grad_x), partials, rows, columns, 1.0 / static_cast<double>(columns), eps);
+        return cudaGetLastError();
+      });
+  if (err != cudaSuccess) return err;
+  return common::launch_column_partials_sum<T>(partials, blocks, columns, 2, static_cast<T*>(grad_weight),
+                                               static_cast<T*>(grad_bias), stream);
+}
+
+}  // namespace
+
+bool layer_norm_fits(ElementType type, std::int64_t columns, bool aligned) {
+  if (type == ElementType::kFloat64) return false;
+  return common::row_fits<kMaxElements>(type == ElementType::kFloat32 ? 4 : 2, columns, aligned);
+}
+
+int layer_norm_backward_blocks(int device, std::int64_t rows) {
+  const std::int64_t most = std::int64_t{kBackwardBlocksPerProcessor} * common::multiprocessors(device);
+  return static_cast<int>(rows < most ? (rows > 0 ? rows : 1) : most);
+}
+
+cudaError_t launch_layer_norm(ElementType type, const void* x, const void* weight, const void* bias, void* y,
+                              std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream) {
+  if (rows <= 0 || columns <= 0) return cudaSuccess;
+  switch (type) {
+    case ElementType::kFloat32: return forward_typed<float>(x, weight, bias, y, rows, columns, eps, stream);
+    case ElementType::kFloat16: return forward_typed<__half>(x, weight, bias, y, rows, columns, eps, stream);
+    case ElementType::kBFloat16:
+      return forward_typed<__nv_bfloat16>(x, weight, bias, y, rows, columns, eps, stream);
+    case ElementType::kFloat64: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_layer_norm_backward(ElementType type, const void* grad_y, const void* x, const void* weight,
+                                       void* grad_x, void* grad_weight, void* grad_bias, double* partials, int blocks,
+                                       std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream) {
+  if (rows <= 0 || columns <= 0) return cudaSuccess;
+  switch (type) {
+    case ElementType::kFloat32:
+      return backward_typed<float>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows, columns,
+                                   eps, stream);
+    case ElementType::kFloat16:
+      return backward_typed<__half>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows,
+                                    columns, eps, stream);
+    case ElementType::kBFloat16:
+      return backward_typed<__nv_bfloat16>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows,
+                                           columns, eps, stream);
+    case ElementType::kFloat64: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kernels::layer_norm

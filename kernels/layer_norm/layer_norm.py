@@ -1,0 +1,115 @@
+"""The LayerNorm family's Python side: fakes and batching rules of its ops, and layer_norm().
+
+Ops (schemas in layer_norm.cpp), over x's last dimension:
+  layer_norm(x, weight, bias, eps) -> (x - mean) / sqrt(var + eps) * weight + bias (nn.LayerNorm's formula, the
+      variance biased); the mean, the variance (from the deviations from the mean) and each result in double, each
+      result rounded to x's dtype once.
+  layer_norm_backward(grad_y, x, weight, eps) -> (grad_x, grad_weight, grad_bias), each summed in double and rounded
+      once.
+Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for a first-order backward, ATen's formulas
+(layer_norm_op.h) for higher orders and forward mode.
+"""
+
+import torch
+
+from kernels import loader
+
+loader.load_library()
+
+_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_inputs(op, x, *parameters):
+    # The C++ checks' messages, for meta tensors and tracing (the fakes stand in for the C++ ops there).
+    torch._check(x.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: x must be a float32, float64, float16 or bfloat16 "
+                                                  f"tensor, got {x.dtype}")
+    torch._check(x.dim() >= 1,
+                 lambda: f"kernels.{op}: x must have at least 1 dimension (..., normalized), got a scalar")
+    for name, t in zip(("weight", "bias"), parameters):
+        torch._check(t.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: {name} must be a float32, float64, float16 or "
+                                                      f"bfloat16 tensor, got {t.dtype}")
+        torch._prims_common.check_same_device(x, t, allow_cpu_scalar_tensors=False)
+        torch._check(t.dtype == x.dtype, lambda: f"kernels.{op}: expected {name} and x to have the same dtype, got "
+                                                 f"{name} {t.dtype} and x {x.dtype}")
+        torch._check(t.dim() == 1 and t.shape[0] == x.shape[-1],
+                     lambda: f"kernels.{op}: {name} must have shape [{x.shape[-1]}] (x's last dimension), got "
+                             f"{list(t.shape)}")
+
+
+def _layer_norm_fake(x, weight, bias, eps):
+    _check_inputs("layer_norm", x, weight, bias)
+    return x.new_empty(x.shape)
+
+
+def _layer_norm_backward_fake(grad_y, x, weight, eps):
+    _check_inputs("layer_norm_backward", x, weight)
+    torch._prims_common.check_same_device(grad_y, x, allow_cpu_scalar_tensors=False)
+    torch._check(grad_y.dtype == x.dtype and grad_y.shape == x.shape,
+                 lambda: f"kernels.layer_norm_backward: grad_y must match x (shape {list(x.shape)}, {x.dtype}), got "
+                         f"shape {list(grad_y.shape)}, {grad_y.dtype}")
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over x's last dimension, as nn.LayerNorm computes it (a weight and
+    a bias of x's dtype), in one sweep over memory forward and one backward (CUDA float32, float16, bfloat16 rows of up
+    to 4096 elements; ATen's ops otherwise), at least as accurate: the moments and each result are computed in
+    double."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kernels.layer_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return torch.ops.kernels.layer_norm.default(x, weight, bias, float(eps))
+
+
+def _normalized(x, eps):
+    """h = (x - mean) rstd over x's last dimension, in float64, as the kernels compute it."""
+    deviation = x.double() - x.double().mean(-1, keepdim=True)
+    return deviation * deviation.square().mean(-1, keepdim=True).add(eps).rsqrt()
+
+
+# ---- torch.func.vmap -------------------------------------------------------------------------------------------------
+# layer_norm acts on the last dimension: a batched x takes the op with its batch first where the weight and bias are
+# shared; otherwise, and for the backward (whose parameter gradients sum over every row), the formulas in plain ops.
+
+def _batch_first(info, t, dim):
+    return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+
+
+def _member_parameter(info, parameter, x):
+    """A batch-first parameter (batch, columns) shaped to broadcast over x's rows (batch, ..., columns)."""
+    return parameter.reshape(info.batch_size, *([1] * (x.dim() - 2)), parameter.shape[-1])
+
+
+def _layer_norm_vmap(info, in_dims, x, weight, bias, eps):
+    x_dim, weight_dim, bias_dim = in_dims[0], in_dims[1], in_dims[2]  # (eps has one too)
+    if weight_dim is None and bias_dim is None:
+        return torch.ops.kernels.layer_norm(x.movedim(x_dim, 0), weight, bias, eps), 0
+    x = _batch_first(info, x, x_dim)
+    weight, bias = (_member_parameter(info, _batch_first(info, t, d), x) for t, d in ((weight, weight_dim),
+                                                                                      (bias, bias_dim)))
+    return (_normalized(x, eps) * weight.double() + bias.double()).to(x.dtype), 0
+
+
+def _layer_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
+    # The backward's closed form in plain ops (no autograd inside a transform), the parameter gradients summed over
+    # each batch member's rows.
+    grad_y, x, weight = (_batch_first(info, t, d) for t, d in zip((grad_y, x, weight), in_dims))
+    deviation = x.double() - x.double().mean(-1, keepdim=True)
+    rstd = deviation.square().mean(-1, keepdim=True).add(eps).rsqrt()
+    h, g64 = deviation * rstd, grad_y.double()
+    gw = g64 * _member_parameter(info, weight, x).double()
+    grad_x = (rstd * (gw - gw.mean(-1, keepdim=True) - h * (gw * h).mean(-1, keepdim=True))).to(x.dtype)
+    rows = (info.batch_size, -1, x.shape[-1])
+    grad_weight = (g64 * h).reshape(rows).sum(1).to(weight.dtype)
+    grad_bias = g64.reshape(rows).sum(1).to(weight.dtype)
+    return (grad_x, grad_weight, grad_bias), (0, 0, 0)
+
+
+def _register_fakes_and_batching_rules():
+    torch.library.register_fake("kernels::layer_norm", _layer_norm_fake)
+    torch.library.register_fake("kernels::layer_norm_backward", _layer_norm_backward_fake)
+    torch.library.register_vmap("kernels::layer_norm", _layer_norm_vmap)
+    torch.library.register_vmap("kernels::layer_norm_backward", _layer_norm_backward_vmap)
+
+
+loader.register_once("layer_norm", _register_fakes_and_batching_rules)

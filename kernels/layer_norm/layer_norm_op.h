@@ -1,0 +1,64 @@
+// The LayerNorm family's ops as C++ code calls them (through the dispatcher), and its formulas in ATen ops: the path
+// of CPU tensors, float64 and rows the kernels do not take (layer_norm.cpp), and the differentiable form the autograd
+// uses for higher orders and forward mode (layer_norm_autograd.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <tuple>
+
+namespace kernels::layer_norm {
+
+using LayerNorm = at::Tensor(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps);
+using LayerNormBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                         const at::Tensor& weight, double eps);
+
+// kernels::layer_norm, looked up once.
+inline const c10::TypedOperatorHandle<LayerNorm>& layer_norm_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::layer_norm", "").typed<LayerNorm>();
+  return op;
+}
+
+// kernels::layer_norm_backward, looked up once.
+inline const c10::TypedOperatorHandle<LayerNormBackward>& layer_norm_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::layer_norm_backward", "").typed<LayerNormBackward>();
+  return op;
+}
+
+// h = (x - mean) rstd over the last dimension, in double: the mean first, then the mean of the squared deviations
+// from it, as the kernels compute them.
+inline at::Tensor normalized64(const at::Tensor& x64, double eps) {
+  const at::Tensor deviation = x64.sub(x64.mean(-1, true));
+  return deviation.mul(deviation.square().mean(-1, true).add(eps).rsqrt());
+}
+
+// y = h weight + bias in double, rounded to x's type once; contiguous, as the kernels' results and the fakes' are.
+inline at::Tensor layer_norm_aten(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  return normalized64(x.to(at::kDouble), eps)
+      .mul(weight.to(at::kDouble))
+      .add(bias.to(at::kDouble))
+      .to(x.scalar_type())
+      .contiguous();
+}
+
+// grad_x = rstd (g w - mean(g w) - h mean(g w h)) in double, rounded once (contiguous); grad_weight = the sum over rows
+// of g h, grad_bias of g, in double.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_aten(const at::Tensor& grad_y,
+                                                                               const at::Tensor& x,
+                                                                               const at::Tensor& weight, double eps) {
+  const at::Tensor x64 = x.to(at::kDouble), g64 = grad_y.to(at::kDouble);
+  const at::Tensor deviation = x64.sub(x64.mean(-1, true));
+  const at::Tensor rstd = deviation.square().mean(-1, true).add(eps).rsqrt();
+  const at::Tensor h = deviation.mul(rstd), gw = g64.mul(weight.to(at::kDouble));
+  const at::Tensor grad_x =
+      rstd.mul(gw.sub(gw.mean(-1, true)).sub(h.mul(gw.mul(h).mean(-1, true)))).to(x.scalar_type()).contiguous();
+  const int64_t columns = x.size(-1);
+  const at::Tensor grad_weight = g64.mul(h).reshape({-1, columns}).sum(0).to(weight.scalar_type());
+  const at::Tensor grad_bias = g64.reshape({-1, columns}).sum(0).to(weight.scalar_type());
+  return {grad_x, grad_weight, grad_bias};
+}
+
+}  // namespace kernels::layer_norm

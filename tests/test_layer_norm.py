@@ -1,0 +1,334 @@
+"""LayerNorm: the op against F.layer_norm in the same dtype (eager) and in float64, forward and backward, on CPU and
+CUDA; every row layout the kernels take and the rows they leave to ATen, views, non-finite and huge values, autograd
+to higher orders, forward mode, vmap, torch.compile and bad input. The precision contract: float32 error against
+float64 no larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eager's error."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
+from kernels.functional import layer_norm
+from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-5
+
+# Rows of every kernel configuration on CUDA (16-byte packs 1 to 4 a thread, single elements where the columns do not
+# fill packs) and beyond (ATen's formula): (shape of x).
+SHAPES = {
+    "one row of 8": (1, 8),
+    "2-D, 64": (4, 64),
+    "3-D, 1000": (3, 5, 1000),
+    "odd columns 1030": (7, 1030),
+    "odd columns 13": (9, 13),
+    "768": (50, 768),
+    "2048": (64, 2048),
+    "4096": (16, 4096),
+    "4104 (ATen)": (3, 4104),
+    "2051 single elements (ATen)": (3, 2051),
+    "many rows": (3000, 256),
+}
+
+
+def eager_layer_norm(x, weight, bias, eps=EPS):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def randn(shape, dtype, device, seed=0, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + shift).to(device=device, dtype=dtype)
+
+
+def parameters_for(columns, dtype, device, seed=1):
+    """A weight around 1 and a bias around 0, both signs possible, as trained norms have."""
+    return randn((columns,), dtype, device, seed) * 0.5 + 1.0, randn((columns,), dtype, device, seed + 1) * 0.5
+
+
+def check_accuracy(got, expected, reference64, dtype, what, atol=None):
+    """got against float64: no more error than eager's (ERROR_RATIO_LIMIT; a small tensor one rounding's slack),
+    and allclose to eager (float32) or to the float64 result in got's dtype (float16 and bfloat16: eager's own
+    parameter gradients there, summed in the narrow type on CPU, are not). float64 (eager is the reference there):
+    within 1e-13 of it."""
+    ours, theirs = relative_error(got, reference64), relative_error(expected, reference64)
+    if dtype == torch.float64:
+        theirs = 1e-13
+    slack = torch.finfo(dtype).eps / 2 if got.numel() <= 4096 else 0.0
+    assert ours <= ERROR_RATIO_LIMIT[dtype] * theirs + slack, \
+        f"{what}: error against float64 {ours:.3g}, eager's {theirs:.3g}"
+    tol = ALLCLOSE_TOLERANCE[dtype]
+    close_to = expected if dtype in (torch.float32, torch.float64) else reference64.to(dtype)
+    torch.testing.assert_close(got, close_to, atol=tol if atol is None else atol, rtol=tol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def gradients(fn, x, weight, bias, grad, dtype):
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, weight, bias)]
+    return torch.autograd.grad(fn(*leaves), leaves, grad.to(dtype))
+
+
+# ---- forward and backward against eager -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_matches_eager(device, dtype, shape):
+    x = randn(shape, dtype, device, scale=3.0, shift=1.5)  # rows off zero: the mean matters
+    weight, bias = parameters_for(shape[-1], dtype, device)
+    x_before = x.clone()
+    poison_allocator(shape, dtype, device)
+    y = layer_norm(x, weight, bias, EPS)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert not y.isnan().any(), "an element was not written"
+    check_accuracy(y, eager_layer_norm(x, weight, bias),
+                   eager_layer_norm(x.double(), weight.double(), bias.double()), dtype, "forward")
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_backward_matches_eager(device, dtype, shape):
+    x = randn(shape, dtype, device, scale=3.0, shift=1.5)
+    weight, bias = parameters_for(shape[-1], dtype, device)
+    grad = randn(shape, dtype, device, seed=2)
+    poison_allocator(shape, dtype, device)
+    ours = gradients(layer_norm, x, weight, bias, grad, dtype)
+    eager = gradients(eager_layer_norm, x, weight, bias, grad, dtype)
+    exact = gradients(eager_layer_norm, x, weight, bias, grad, torch.float64)
+    for name, got, expected, reference in zip(("grad_x", "grad_weight", "grad_bias"), ours, eager, exact):
+        assert got.dtype == dtype and got.shape == expected.shape, name
+        assert not got.isnan().any(), f"{name}: an element was not written"
+        check_accuracy(got, expected, reference, dtype, name, atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_views_and_layouts(device, dtype):
+    """Rows of a transposed, strided or offset x (unaligned), and strided parameters: eager's values."""
+    base = randn((96, 130), dtype, device, scale=2.0, shift=1.0)
+    weight_base, bias_base = parameters_for(2 * 64, dtype, device)
+    cases = {
+        "transposed": (base.t()[:, :64], weight_base[:64], bias_base[:64]),
+        "strided rows": (base[::2, :128], weight_base, bias_base),
+        "offset by one element": (base.reshape(-1)[1:1 + 40 * 64].view(40, 64), weight_base[:64], bias_base[:64]),
+        "strided parameters": (base[:, :64], weight_base[::2], bias_base[1::2]),
+        "expanded x": (base[:1, :128].expand(7, 128), weight_base, bias_base),
+    }
+    for name, (x, weight, bias) in cases.items():
+        check_accuracy(layer_norm(x, weight, bias, EPS), eager_layer_norm(x, weight, bias),
+                       eager_layer_norm(x.double(), weight.double(), bias.double()), dtype, name)
+        grad = randn(x.shape, dtype, device, seed=3)
+        for got, expected in zip(gradients(layer_norm, x, weight, bias, grad, dtype),
+                                 gradients(eager_layer_norm, x, weight, bias, grad, dtype)):
+            tol = ALLCLOSE_TOLERANCE[dtype]
+            torch.testing.assert_close(got, expected, atol=gradient_atol(expected, tol), rtol=tol, msg=name)
+
+
+def test_empty_inputs(device):
+    for shape in ((0, 16), (2, 0, 8)):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        weight, bias = torch.ones(shape[-1], device=device), torch.zeros(shape[-1], device=device)
+        y = layer_norm(x, weight, bias)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+def test_non_finite_values_give_eagers_result(device):
+    """A row with an Inf or a NaN: eager's NaN row, forward and backward, and NaN in the parameters' gradients."""
+    x = randn((4, 256), torch.float32, device)
+    x[1, 7], x[2, 100] = float("inf"), float("nan")
+    weight, bias = parameters_for(256, torch.float32, device)
+    torch.testing.assert_close(layer_norm(x, weight, bias), eager_layer_norm(x, weight, bias), equal_nan=True)
+    grad = randn(x.shape, torch.float32, device, seed=4)
+    got = gradients(layer_norm, x, weight, bias, grad, torch.float32)
+    expected = gradients(eager_layer_norm, x, weight, bias, grad, torch.float32)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, equal_nan=True, atol=gradient_atol(b.nan_to_num()), rtol=1e-5)
+
+
+def test_huge_and_offset_values_are_normalized(device):
+    """Rows near float32's largest values, and rows whose mean dwarfs their spread: the moments, in double from the
+    deviations, keep the float64 formula's result."""
+    weight, bias = parameters_for(512, torch.float32, device)
+    for x in (randn((8, 512), torch.float32, device) * 1e30, randn((8, 512), torch.float32, device, shift=1e4)):
+        y = layer_norm(x, weight, bias)
+        reference = eager_layer_norm(x.double(), weight.double(), bias.double())
+        assert relative_error(y, reference) <= max(relative_error(eager_layer_norm(x, weight, bias), reference), 1e-7)
+
+
+# ---- autograd, transforms, compile ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(3, 8), (2, 3, 5)])
+def test_gradcheck_float64(device, shape):
+    """First and second order and forward mode, of the op and of its backward op (the ATen formulas)."""
+    x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(shape[-1], dtype=torch.float64, device=device, requires_grad=True)
+    bias = torch.randn(shape[-1], dtype=torch.float64, device=device, requires_grad=True)
+    fn = lambda a, w, b: layer_norm(a, w, b, 0.1)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, weight, bias), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(fn, (x, weight, bias))
+    grad = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+    backward = lambda g, a, w: torch.ops.kernels.layer_norm_backward(g, a, w, 0.1)  # noqa: E731
+    assert torch.autograd.gradcheck(backward, (grad, x, weight), check_forward_ad=True)
+
+
+def test_double_backward_and_forward_mode_match_eager(device):
+    x = randn((6, 64), torch.float32, device, shift=0.5)
+    weight, bias = parameters_for(64, torch.float32, device)
+    cotangent, tangent = randn(x.shape, torch.float32, device, 5), randn(x.shape, torch.float32, device, 6)
+    results = []
+    for fn in (layer_norm, eager_layer_norm):
+        leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+        grads = torch.autograd.grad((fn(*leaves) * cotangent).sum(), leaves, create_graph=True)
+        second = torch.autograd.grad(sum((g * g).sum() for g in grads), leaves[:2])
+        _, jvp = torch.func.jvp(lambda a: fn(a, weight, bias), (x,), (tangent,))
+        results.append((*(g.detach() for g in grads), *second, jvp))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
+
+
+def test_graph_node(device):
+    x = torch.randn(3, 16, device=device, requires_grad=True)
+    weight, bias = torch.ones(16, device=device), torch.zeros(16, device=device)
+    assert layer_norm(x, weight, bias).grad_fn.name() == "kernels::LayerNormBackward"
+    with torch.no_grad():
+        assert layer_norm(x, weight, bias).grad_fn is None
+    assert layer_norm(x.detach(), weight, bias).grad_fn is None
+
+
+def test_vmap(device):
+    x = randn((4, 3, 32), torch.float32, device, shift=0.5)
+    weight, bias = parameters_for(32, torch.float32, device)
+    stacked = [torch.stack(t) for t in zip(*(parameters_for(32, torch.float32, device, seed) for seed in range(3)))]
+    got = torch.func.vmap(lambda a: layer_norm(a, weight, bias), in_dims=1)(x)
+    torch.testing.assert_close(got, eager_layer_norm(x.movedim(1, 0), weight, bias), atol=1e-6, rtol=1e-6)
+    got = torch.func.vmap(layer_norm, in_dims=(1, 0, 0))(x, *stacked)
+    expected = torch.stack([eager_layer_norm(x[:, i], stacked[0][i], stacked[1][i]) for i in range(3)])
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    # per-sample parameter gradients (torch.func.grad records the backward's graph: the ATen formulas)
+    per_sample = torch.func.vmap(torch.func.grad(lambda w, a: layer_norm(a, w, bias).square().sum()),
+                                 in_dims=(None, 0))
+    expected = torch.func.vmap(torch.func.grad(lambda w, a: eager_layer_norm(a, w, bias).square().sum()),
+                               in_dims=(None, 0))
+    torch.testing.assert_close(per_sample(weight, x), expected(weight, x), atol=1e-4, rtol=1e-4)
+    # the backward op batched: its rule, each member's parameter gradients over its own rows
+    grads = randn((3, 4, 32), torch.float32, device, seed=9)
+    backward = lambda g, a: torch.ops.kernels.layer_norm_backward(g, a, weight, EPS)  # noqa: E731
+    got = torch.func.vmap(backward, in_dims=(1, 1))(grads.movedim(0, 1), x)
+    for i in range(x.shape[1]):
+        for a, b in zip((t[i] for t in got), torch.ops.kernels.layer_norm_backward(grads[i], x[:, i], weight, EPS)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck(device):
+    """Contiguous and transposed inputs (the fakes' layout is the results' whatever the path), with and without
+    gradients; float64 takes the ATen formulas on either device."""
+    for dtype in (torch.float32, torch.float64):
+        weight, bias = torch.randn(48, device=device, dtype=dtype), torch.randn(48, device=device, dtype=dtype)
+        for x in (torch.randn(5, 48, device=device, dtype=dtype), torch.randn(48, 5, device=device, dtype=dtype).t()):
+            for requires_grad in (False, True):
+                torch.library.opcheck(torch.ops.kernels.layer_norm.default,
+                                      (x.clone().requires_grad_(requires_grad),
+                                       weight.clone().requires_grad_(requires_grad), bias, EPS))
+            grad = torch.randn_like(x).t().contiguous().t()  # the other layout than x's
+            torch.library.opcheck(torch.ops.kernels.layer_norm_backward.default, (grad, x, weight, EPS))
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def block(x, weight, bias, proj):
+        return layer_norm(x, weight, bias) @ proj
+
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(4, 9, 64, device=device, requires_grad=True)
+    weight = torch.randn(64, device=device, requires_grad=True)
+    bias = torch.randn(64, device=device, requires_grad=True)
+    proj = torch.randn(64, 32, device=device)
+    grad = torch.randn(4, 9, 32, device=device)
+    y = compiled(x, weight, bias, proj)
+    y_eager = eager_layer_norm(x, weight, bias) @ proj
+    torch.testing.assert_close(y, y_eager, atol=1e-4, rtol=1e-4)
+    for got, expected in zip(torch.autograd.grad(y, (x, weight, bias), grad),
+                             torch.autograd.grad(y_eager, (x, weight, bias), grad)):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
+
+
+@requires_cuda
+def test_same_bits_every_run():
+    x = randn((4096, 1024), torch.float32, "cuda", shift=1.0)
+    weight, bias = parameters_for(1024, torch.float32, "cuda")
+    grad = randn(x.shape, torch.float32, "cuda", seed=7)
+    first, second = (gradients(layer_norm, x, weight, bias, grad, torch.float32) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@requires_cuda
+def test_cuda_graph_replays_the_same_bits():
+    """Forward and backward captured in a CUDA graph (the backward's workspace from the graph's pool): a replay on new
+    inputs gives the eager calls' bits."""
+    x = randn((512, 1024), torch.float32, "cuda", scale=2.0).requires_grad_(True)
+    weight, bias = (t.requires_grad_(True) for t in parameters_for(1024, torch.float32, "cuda"))
+    grad = randn((512, 1024), torch.float32, "cuda", seed=3)
+
+    def step():
+        y = layer_norm(x, weight, bias)
+        return (y, *torch.autograd.grad(y, (x, weight, bias), grad))
+
+    assert_graph_replay_matches_eager(
+        step, lambda: x.copy_(randn(x.shape, torch.float32, "cuda", seed=11)))
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_bad_dtype_is_a_clear_error(device, dtype):
+    with pytest.raises(RuntimeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor, got"):
+        layer_norm(torch.ones(4, 4, device=device).to(dtype), torch.ones(4, device=device),
+                   torch.zeros(4, device=device))
+
+
+def test_bad_arguments_are_clear_errors(device):
+    x = torch.randn(3, 8, device=device)
+    ones, zeros = torch.ones(8, device=device), torch.zeros(8, device=device)
+    with pytest.raises(RuntimeError, match=r"weight must have shape \[8\] \(x's last dimension\), got \[7\]"):
+        layer_norm(x, torch.ones(7, device=device), zeros)
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[8\] \(x's last dimension\), got \[2, 8\]"):
+        layer_norm(x, ones, torch.zeros(2, 8, device=device))
+    with pytest.raises(RuntimeError, match=r"expected weight and x to have the same dtype"):
+        layer_norm(x, torch.ones(8, device=device, dtype=torch.float64), zeros)
+    with pytest.raises(RuntimeError, match=r"x must have at least 1 dimension"):
+        layer_norm(torch.tensor(1.0, device=device), torch.ones(1, device=device), torch.zeros(1, device=device))
+    with pytest.raises(RuntimeError, match=r"grad_y has shape \[3, 9\] but x has shape \[3, 8\]"):
+        torch.ops.kernels.layer_norm_backward(torch.randn(3, 9, device=device), x, ones, EPS)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        layer_norm(x, ones, None)
+
+
+@requires_cuda
+def test_mixed_devices_are_a_clear_error():
+    with pytest.raises(RuntimeError, match="same device"):
+        layer_norm(torch.randn(2, 8, device="cuda"), torch.ones(8, device="cuda"), torch.zeros(8))
+
+
+def test_meta_tensors_trace():
+    x = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16)
+    weight, bias = (torch.empty(64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    y = layer_norm(x, weight, bias)
+    assert y.device.type == "meta" and y.shape == x.shape and y.dtype == x.dtype
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[64\]"):
+        layer_norm(x, weight, torch.empty(63, device="meta", dtype=torch.bfloat16))
+
+
+@requires_cuda
+def test_runs_on_the_current_stream():
+    base = torch.randn(512, 1024, device="cuda")
+    weight, bias = parameters_for(1024, torch.float32, "cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # the input below is written only after this delay, on `stream`
+        x = base * 3.0
+        y = layer_norm(x, weight, bias)
+        expected = eager_layer_norm(x, weight, bias)
+    stream.synchronize()
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
