@@ -109,16 +109,16 @@ class _RMSNormPatch:
 class _LayerNormPatch:
     """nn.LayerNorm (and timm's LayerNorm, F.layer_norm where timm's fast norm is off) with a weight and a bias over
     one dimension, on kernels.layer_norm: one sweep over memory forward and one backward, at least as accurate (the
-    moments and each result in double), where x and the parameters are plain GPU tensors of one float dtype with rows
-    the kernels hold, outside autocast (whose float32 policy for layer_norm eager's forward follows); its own forward
-    otherwise."""
+    moments and each result in double), where x and the parameters are plain float32 GPU tensors with rows the kernels
+    hold, outside autocast (whose float32 policy for layer_norm eager's forward follows); its own forward otherwise
+    (float16 and bfloat16 too: the family's backward is slower than eager's there)."""
 
     def forward(self, input):
         weight, bias = self.weight, self.bias
         columns = input.shape[-1] if input.dim() else 0
         if (weight is not None and bias is not None and len(self.normalized_shape) == 1
                 and not getattr(self, "_fast_norm", False) and _plain(input, weight, bias)
-                and input.is_cuda and input.dtype in _KERNEL_DTYPES and weight.dtype == input.dtype
+                and input.is_cuda and input.dtype == torch.float32 and weight.dtype == input.dtype
                 and bias.dtype == input.dtype and weight.shape == (columns,) and bias.shape == (columns,)
                 and 0 < columns <= _LAYER_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0
                 and not torch.is_autocast_enabled("cuda")):

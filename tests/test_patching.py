@@ -364,7 +364,7 @@ def test_llama_rms_norm_patch(device):
 def test_layer_norm_patch(device):
     """nn.LayerNorm with a weight and a bias on layer_norm: eager's results within 1e-5, no less accurate against
     float64, gradients alike; without a bias or an affine transform, under autocast (whose float32 policy eager's
-    forward follows) and for a subclass with a forward of its own, the module's own forward."""
+    forward follows), in bfloat16 and for a subclass with a forward of its own, the module's own forward."""
     from kernels.precision import relative_error
 
     norm = nn.LayerNorm(256, eps=1e-5).to(device)
@@ -394,9 +394,11 @@ def test_layer_norm_patch(device):
                            other(x.detach().view(4, 33, *other.normalized_shape)))
     if device == "cuda":
         patched = kernels.patch(copy.deepcopy(norm))
+        half = x.detach().to(torch.bfloat16)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            half = x.detach().to(torch.bfloat16)
             assert torch.equal(patched(half), norm(half)) and patched(half).dtype == torch.float32
+        half_norm = copy.deepcopy(norm).to(torch.bfloat16)  # 16-bit norms: the module's own forward
+        assert torch.equal(kernels.patch(copy.deepcopy(half_norm))(half), half_norm(half))
 
     class OwnForward(nn.LayerNorm):
         def forward(self, input):

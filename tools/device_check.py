@@ -478,6 +478,45 @@ def rms_norm(args):
     return []
 
 
+def layer_norm(args):
+    """The LayerNorm family at ViT-B/16's rows (12608 x 768) and BERT-large's (8192 x 1024): forward, backward op and a
+    training step's autograd beside a copy of the bytes each moves and eager's F.layer_norm; then each one's error
+    against float64, per dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.functional import layer_norm as ours
+
+    eps, backward = 1e-5, torch.ops.kernels.layer_norm_backward
+
+    def eager(x, weight, bias):
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    print(torch.cuda.get_device_name())
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for rows, columns in ((12608, 768), (8192, 1024)):
+            x = (torch.randn(rows, columns, device="cuda") * 3 + 1).to(dtype)
+            weight = (torch.randn(columns, device="cuda") * 0.5 + 1).to(dtype)
+            bias = (torch.randn(columns, device="cuda") * 0.5).to(dtype)
+            grad = torch.randn(rows, columns, device="cuda").to(dtype)
+            size = x.nbytes
+            copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (2, 3)]
+            outs = [torch.empty_like(c) for c in copies]
+            print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, "
+                  f"backward {3 * size / 1e6:.0f} MB")
+            rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 2 * size),
+                       "forward": (lambda: ours(x, weight, bias, eps), 2 * size),
+                       "forward eager": (lambda: eager(x, weight, bias), 2 * size),
+                       "backward copy": (lambda: outs[1].copy_(copies[1]), 3 * size),
+                       "backward op": (lambda: backward(grad, x, weight, eps), 3 * size),
+                       "step (forward + backward)": (autograd_step(ours, (x, weight, bias), grad), 5 * size),
+                       "step eager": (autograd_step(eager, (x, weight, bias), grad), 5 * size)}, samples=30)
+            print_gradient_errors({"ours": ours, "eager": eager}, eager, (x, weight, bias), grad,
+                                  ("y", "grad_x", "grad_weight", "grad_bias"))
+            torch.cuda.empty_cache()
+    return []
+
+
 def silu_mul(args):
     """The SwiGLU gate family at the LLaMA-style model's MLP (4096 x 5632) and at 8192 x 14336: forward, backward op and
     a training step's autograd beside a copy of the bytes each moves and eager's F.silu(gate) * up; then each one's
@@ -573,6 +612,8 @@ def parse_arguments(argv):
     sub.add_argument("--shape", default="128,8,512,512", help="the scores' shape (128,8,512,512)")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("rms-norm", rms_norm, "the RMSNorm family against a copy's rate, eager's and F.rms_norm, and its error")
+    sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
+    sub = add("layer-norm", layer_norm, "the LayerNorm family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
