@@ -80,6 +80,7 @@ def _forward_compiles_to(cls, reference):
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # those the norms' and silu_mul's kernels take
 _RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kernels/rms_norm/rms_norm.h)
 _LAYER_NORM_MOST_COLUMNS = 4096  # the longest rows layer_norm's kernels hold (kernels/layer_norm/layer_norm.h)
+_LAYER_NORM_MOST_SINGLE_COLUMNS = 2048  # ... where a pointer is not 16-byte aligned (single elements a thread)
 _NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the norm kernels' vectorized path
 
 
@@ -121,9 +122,15 @@ class _LayerNormPatch:
                 and input.is_cuda and input.dtype == torch.float32 and weight.dtype == input.dtype
                 and bias.dtype == input.dtype and weight.shape == (columns,) and bias.shape == (columns,)
                 and 0 < columns <= _LAYER_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0
-                and not torch.is_autocast_enabled("cuda")):
+                and not torch.is_autocast_enabled("cuda")
+                and (columns <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(input, weight, bias))):
             return layer_norm(input, weight, bias, self.eps)
         return super().forward(input)
+
+
+def _aligned(*tensors):
+    """Whether every tensor's data starts on a 16-byte boundary (a contiguous view at an offset may not)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _is_plain_silu(module):

@@ -35,7 +35,8 @@ inline at::Tensor normalized64(const at::Tensor& x64, double eps) {
   return deviation.mul(deviation.square().mean(-1, true).add(eps).rsqrt());
 }
 
-// y = h weight + bias in double, rounded to x's type once; contiguous, as the kernels' results and the fakes' are.
+// y = h weight + bias in double, rounded to x's type (float16 and bfloat16 through float: rounding to nearest twice can
+// land an ulp from the kernels' single rounding); contiguous, as the kernels' results and the fakes' are.
 inline at::Tensor layer_norm_aten(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
   return normalized64(x.to(at::kDouble), eps)
       .mul(weight.to(at::kDouble))
@@ -44,8 +45,8 @@ inline at::Tensor layer_norm_aten(const at::Tensor& x, const at::Tensor& weight,
       .contiguous();
 }
 
-// grad_x = rstd (g w - mean(g w) - h mean(g w h)) in double, rounded once (contiguous); grad_weight = the sum over rows
-// of g h, grad_bias of g, in double.
+// grad_x = rstd (g w - mean(g w) - h mean(g w h)) in double, rounded as y is (contiguous); grad_weight = the sum over
+// rows of g h, grad_bias of g, in double.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_aten(const at::Tensor& grad_y,
                                                                                const at::Tensor& x,
                                                                                const at::Tensor& weight, double eps) {

@@ -44,7 +44,8 @@ inline at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& weight, d
   return weight.mul(x.to(compute_type(x)).mul(reciprocal_rms(x, eps)).to(x.scalar_type())).contiguous();
 }
 
-// grad_x = r (g w - x r^2 mean(g w x)) in double, rounded once (contiguous); grad_weight = the sum over rows of
+// grad_x = r (g w - x r^2 mean(g w x)) in double, rounded to x's type (float16 and bfloat16 through float: rounding to
+// nearest twice can land an ulp from the kernels' single rounding; contiguous); grad_weight = the sum over rows of
 // g (x r), in double.
 inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_y, const at::Tensor& x,
                                                                  const at::Tensor& weight, double eps) {

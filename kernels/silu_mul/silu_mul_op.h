@@ -32,13 +32,14 @@ inline const c10::TypedOperatorHandle<SiluMulBackward>& silu_mul_backward_op() {
 // sigma = 1 / (1 + exp(-gate)) in double (the kernels' arithmetic).
 inline at::Tensor sigma_of(const at::Tensor& gate) { return at::sigmoid(gate.to(at::kDouble)); }
 
-// y = gate sigma(gate) up, in double, rounded once; contiguous, as the kernels' results and the fakes' are.
+// y = gate sigma(gate) up, in double, rounded to gate's type (float16 and bfloat16 through float: rounding to nearest
+// twice can land an ulp from the kernels' single rounding); contiguous, as the kernels' results and the fakes' are.
 inline at::Tensor silu_mul_aten(const at::Tensor& gate, const at::Tensor& up) {
   const at::Tensor g = gate.to(at::kDouble);
   return g.mul(sigma_of(gate)).mul(up.to(at::kDouble)).to(gate.scalar_type()).contiguous();
 }
 
-// grad_gate = grad_y up sigma (1 + gate (1 - sigma)), grad_up = grad_y gate sigma, in double, each rounded once
+// grad_gate = grad_y up sigma (1 + gate (1 - sigma)), grad_up = grad_y gate sigma, in double, each rounded as y is
 // (contiguous).
 inline std::tuple<at::Tensor, at::Tensor> silu_mul_backward_aten(const at::Tensor& grad_y, const at::Tensor& gate,
                                                                  const at::Tensor& up) {
