@@ -137,7 +137,7 @@ def _is_plain_silu(module):
     """Whether `module` computes F.silu(x) and nothing else: nn.SiLU (not in place) or transformers' SiLUActivation."""
     if type(module) is nn.SiLU:
         return not module.inplace
-    return type(module) is _transformers_class("transformers.activations", "SiLUActivation")
+    return type(module) is _imported_class("transformers.activations", "SiLUActivation")
 
 
 class _GatedMLPPatch:
@@ -188,13 +188,14 @@ class _MultiheadAttentionPatch:
         return (output.transpose(1, 0) if self.batch_first and batched else output), weights
 
 
-def _transformers_class(module_name, name):
-    """A transformers (or timm) class where its package is already imported (it is never imported here), else None."""
+def _imported_class(module_name, name):
+    """A class of a package (transformers, timm) where that package is already imported (it is never imported here),
+    else None."""
     return getattr(sys.modules.get(module_name), name, None)
 
 
 def _conv1d_class():
-    return _transformers_class("transformers.pytorch_utils", "Conv1D")
+    return _imported_class("transformers.pytorch_utils", "Conv1D")
 
 
 def _base_for_class(cls):
@@ -211,7 +212,7 @@ def _base_for_class(cls):
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
                                     ("timm.layers.norm", "LayerNorm", _LayerNormPatch)):
-        original = _transformers_class(module_name, name)
+        original = _imported_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _llama_rms_norm_forward):

@@ -294,6 +294,15 @@ def rate_rows(calls, samples):
         print(f"  {label:28} {ms:8.4f} ms  {rate:7.0f} GB/s  {rate / copy_rate:6.1%} of the copy's rate")
 
 
+def copy_row(nbytes):
+    """A rate_rows entry: a device copy that moves `nbytes` (half read, half written), the rate a pass is held to."""
+    import torch
+
+    source = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return lambda: target.copy_(source), nbytes
+
+
 def print_errors(label, expected, results):
     """Each result's error against float64's `expected` (a pair: output, gradient)."""
     from kernels.precision import relative_error
@@ -374,14 +383,12 @@ def causal_softmax(args):
     def rates(scores, grad):
         # Forward: the unmasked scores read, y written; backward: y and dy unmasked read, dx written.
         forward_bytes, backward_bytes = ((n * visible + scores.numel()) * scores.element_size() for n in (1, 2))
-        copies = [torch.empty(n // 2, dtype=torch.uint8, device="cuda") for n in (forward_bytes, backward_bytes)]
-        outs = [torch.empty_like(c) for c in copies]
         y = ours(scores, scale)
         print(f"{scores.dtype}: forward moves {forward_bytes / 1e9:.3f} GB, backward {backward_bytes / 1e9:.3f} GB")
-        rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), forward_bytes),
+        rate_rows({"forward copy": copy_row(forward_bytes),
                    "forward": (lambda: ours(scores, scale), forward_bytes),
                    "forward eager": (lambda: eager(scores), forward_bytes),
-                   "backward copy": (lambda: outs[1].copy_(copies[1]), backward_bytes),
+                   "backward copy": copy_row(backward_bytes),
                    "backward op": (lambda: backward(grad, y, scale), backward_bytes),
                    "backward autograd": (gradients(lambda s: ours(s, scale), scores, grad)[1], backward_bytes),
                    "backward eager autograd": (gradients(eager, scores, grad)[1], backward_bytes)}, samples=20)
@@ -459,15 +466,13 @@ def rms_norm(args):
             weight = (torch.randn(columns, device="cuda") * 0.5 + 1).to(dtype)
             grad = torch.randn(rows, columns, device="cuda").to(dtype)
             size = x.nbytes
-            copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (2, 3)]
-            outs = [torch.empty_like(c) for c in copies]
             print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, "
                   f"backward {3 * size / 1e6:.0f} MB")
-            rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 2 * size),
+            rate_rows({"forward copy": copy_row(2 * size),
                        "forward": (lambda: ours(x, weight, eps), 2 * size),
                        "forward LlamaRMSNorm": (lambda: llama(x, weight), 2 * size),
                        "forward F.rms_norm": (lambda: fused(x, weight), 2 * size),
-                       "backward copy": (lambda: outs[1].copy_(copies[1]), 3 * size),
+                       "backward copy": copy_row(3 * size),
                        "backward op": (lambda: backward(grad, x, weight, eps), 3 * size),
                        "step (forward + backward)": (autograd_step(ours, (x, weight), grad), 5 * size),
                        "step LlamaRMSNorm": (autograd_step(llama, (x, weight), grad), 5 * size),
@@ -500,14 +505,12 @@ def layer_norm(args):
             bias = (torch.randn(columns, device="cuda") * 0.5).to(dtype)
             grad = torch.randn(rows, columns, device="cuda").to(dtype)
             size = x.nbytes
-            copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (2, 3)]
-            outs = [torch.empty_like(c) for c in copies]
             print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, "
                   f"backward {3 * size / 1e6:.0f} MB")
-            rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 2 * size),
+            rate_rows({"forward copy": copy_row(2 * size),
                        "forward": (lambda: ours(x, weight, bias, eps), 2 * size),
                        "forward eager": (lambda: eager(x, weight, bias), 2 * size),
-                       "backward copy": (lambda: outs[1].copy_(copies[1]), 3 * size),
+                       "backward copy": copy_row(3 * size),
                        "backward op": (lambda: backward(grad, x, weight, eps), 3 * size),
                        "step (forward + backward)": (autograd_step(ours, (x, weight, bias), grad), 5 * size),
                        "step eager": (autograd_step(eager, (x, weight, bias), grad), 5 * size)}, samples=30)
@@ -536,14 +539,12 @@ def silu_mul(args):
         for rows, columns in ((4096, 5632), (8192, 14336)):
             gate, up, grad = ((torch.randn(rows, columns, device="cuda") * 3).to(dtype) for _ in range(3))
             size = gate.nbytes
-            copies = [torch.empty(n * size // 2, dtype=torch.uint8, device="cuda") for n in (3, 5)]
-            outs = [torch.empty_like(c) for c in copies]
             print(f"{dtype}, {rows} x {columns}: forward moves {3 * size / 1e6:.0f} MB, "
                   f"backward {5 * size / 1e6:.0f} MB")
-            rate_rows({"forward copy": (lambda: outs[0].copy_(copies[0]), 3 * size),
+            rate_rows({"forward copy": copy_row(3 * size),
                        "forward": (lambda: ours(gate, up), 3 * size),
                        "forward eager": (lambda: eager(gate, up), 3 * size),
-                       "backward copy": (lambda: outs[1].copy_(copies[1]), 5 * size),
+                       "backward copy": copy_row(5 * size),
                        "backward op": (lambda: backward(grad, gate, up), 5 * size),
                        "step (forward + backward)": (autograd_step(ours, (gate, up), grad), 8 * size),
                        "step eager": (autograd_step(eager, (gate, up), grad), 8 * size)}, samples=30)

@@ -105,11 +105,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
           element_type(x.scalar_type()), g.const_data_ptr(), in.const_data_ptr(), w.const_data_ptr(),
           grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
           partials.mutable_data_ptr<double>(), blocks, rows, columns, eps, stream_of(x));
-      if (err != cudaErrorNotSupported) {  // else a GPU with too little shared memory: the ATen formulas below
-        TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
-                    cudaGetErrorString(err));
-        return {grad_x, grad_weight, grad_bias};
-      }
+      TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
+                  cudaGetErrorString(err));
+      return {grad_x, grad_weight, grad_bias};
     }
   }
 #endif

@@ -62,9 +62,11 @@ def layer_norm(x, weight, bias, eps=1e-5):
 
 
 def _normalized(x, eps):
-    """h = (x - mean) rstd over x's last dimension, in float64, as the kernels compute it."""
-    deviation = x.double() - x.double().mean(-1, keepdim=True)
-    return deviation * deviation.square().mean(-1, keepdim=True).add(eps).rsqrt()
+    """(h, rstd): h = (x - mean) rstd over x's last dimension (rstd kept), in float64, as the kernels compute them."""
+    x64 = x.double()
+    deviation = x64 - x64.mean(-1, keepdim=True)
+    rstd = deviation.square().mean(-1, keepdim=True).add(eps).rsqrt()
+    return deviation * rstd, rstd
 
 
 # ---- torch.func.vmap -------------------------------------------------------------------------------------------------
@@ -87,16 +89,15 @@ def _layer_norm_vmap(info, in_dims, x, weight, bias, eps):
     x = _batch_first(info, x, x_dim)
     weight, bias = (_member_parameter(info, _batch_first(info, t, d), x) for t, d in ((weight, weight_dim),
                                                                                       (bias, bias_dim)))
-    return (_normalized(x, eps) * weight.double() + bias.double()).to(x.dtype), 0
+    return (_normalized(x, eps)[0] * weight.double() + bias.double()).to(x.dtype), 0
 
 
 def _layer_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
     # The backward's closed form in plain ops (no autograd inside a transform), the parameter gradients summed over
     # each batch member's rows.
     grad_y, x, weight = (_batch_first(info, t, d) for t, d in zip((grad_y, x, weight), in_dims))
-    deviation = x.double() - x.double().mean(-1, keepdim=True)
-    rstd = deviation.square().mean(-1, keepdim=True).add(eps).rsqrt()
-    h, g64 = deviation * rstd, grad_y.double()
+    h, rstd = _normalized(x, eps)
+    g64 = grad_y.double()
     gw = g64 * _member_parameter(info, weight, x).double()
     grad_x = (rstd * (gw - gw.mean(-1, keepdim=True) - h * (gw * h).mean(-1, keepdim=True))).to(x.dtype)
     rows = (info.batch_size, -1, x.shape[-1])
