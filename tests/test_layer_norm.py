@@ -255,6 +255,28 @@ def test_torch_compile_fullgraph(device):
 
 
 @requires_cuda
+@pytest.mark.parametrize("shape", [(64, 768), (16, 4096), (9, 13)], ids=["768", "4096", "13"])
+def test_backward_refused_for_shared_memory_takes_the_aten_formulas(shape):
+    # A GPU whose blocks hold less shared memory than the rows' partial sums take (Turing: 64 KB in all) refuses the
+    # backward before any launch; a limit forced below every layout's sums runs that refusal here.
+    x = randn(shape, torch.float32, "cuda", scale=3.0, shift=1.5)
+    weight, bias = parameters_for(shape[-1], torch.float32, "cuda")
+    grad = randn(shape, torch.float32, "cuda", seed=2)
+    previous = torch.ops.kernels._layer_norm_force_backward_shared_limit(16)
+    try:
+        ours = gradients(layer_norm, x, weight, bias, grad, torch.float32)
+    finally:
+        torch.ops.kernels._layer_norm_force_backward_shared_limit(previous)
+    eager = gradients(eager_layer_norm, x, weight, bias, grad, torch.float32)
+    exact = gradients(eager_layer_norm, x, weight, bias, grad, torch.float64)
+    for name, got, expected, reference in zip(("grad_x", "grad_weight", "grad_bias"), ours, eager, exact):
+        check_accuracy(got, expected, reference, torch.float32, name,
+                       atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[torch.float32]))
+    with pytest.raises(RuntimeError, match="bytes must be >= 0"):
+        torch.ops.kernels._layer_norm_force_backward_shared_limit(-1)
+
+
+@requires_cuda
 def test_same_bits_every_run():
     x = randn((4096, 1024), torch.float32, "cuda", shift=1.0)
     weight, bias = parameters_for(1024, torch.float32, "cuda")

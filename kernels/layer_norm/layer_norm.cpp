@@ -12,6 +12,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -46,6 +47,16 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight)
   check_float_tensor(op, "x", x);
   TORCH_CHECK(x.dim() >= 1, "kernels.", op, ": x must have at least 1 dimension (..., normalized), got a scalar");
   check_parameter(op, "weight", weight, x);
+}
+
+// The most dynamic shared memory the backward's blocks may take (0: the device's); tests set it to run, on any GPU,
+// the refusal a GPU with less shared memory a block makes (the ATen formulas then).
+std::atomic<int64_t> forced_backward_shared_limit{0};
+
+int64_t force_backward_shared_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "kernels._layer_norm_force_backward_shared_limit: bytes must be >= 0 (0: the device's "
+              "limit), got ", std::to_string(bytes));
+  return forced_backward_shared_limit.exchange(bytes);
 }
 
 #ifdef KERNELS_WITH_CUDA
@@ -104,10 +115,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
       const cudaError_t err = launch_layer_norm_backward(
           element_type(x.scalar_type()), g.const_data_ptr(), in.const_data_ptr(), w.const_data_ptr(),
           grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
-          partials.mutable_data_ptr<double>(), blocks, rows, columns, eps, stream_of(x));
-      TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
-                  cudaGetErrorString(err));
-      return {grad_x, grad_weight, grad_bias};
+          partials.mutable_data_ptr<double>(), blocks, rows, columns, eps,
+          static_cast<std::size_t>(forced_backward_shared_limit.load()), stream_of(x));
+      if (err != cudaErrorNotSupported) {  // else a GPU with too little shared memory: the ATen formulas below
+        TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
+                    cudaGetErrorString(err));
+        return {grad_x, grad_weight, grad_bias};
+      }
     }
   }
 #endif
@@ -122,6 +136,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("_layer_norm_force_backward_shared_limit(int bytes) -> int");
+  m.impl("_layer_norm_force_backward_shared_limit",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                         &kernels::layer_norm::force_backward_shared_limit));
 }
 
 // The same functions serve both devices: each picks the CUDA kernels or the ATen formulas by the tensors' device,

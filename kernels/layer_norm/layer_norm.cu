@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <optional>
+
 #include "common/dependent_launch.cuh"
 #include "common/elementwise.cuh"
 #include "common/rows.cuh"
@@ -209,6 +211,20 @@ std::size_t backward_shared_bytes(std::int64_t columns) {
 }
 constexpr std::size_t kBackwardMostSharedBytes = std::size_t{kRowThreads} * kMaxElements * sizeof(double2);
 
+// The dynamic shared memory the backward may take on `device`: kBackwardMostSharedBytes, or what a block holds beside
+// the kernel's static part where that is less (a GPU whose blocks take 64 KB in all); 0 where the query fails.
+std::size_t backward_shared_limit(int device) {
+  return once_per_device(device, [](int d) -> std::optional<std::size_t> {
+    int block = 0;
+    if (cudaDeviceGetAttribute(&block, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query leaves no error for a later launch's check to report
+      return std::nullopt;
+    }
+    const std::size_t room = block > 1024 ? static_cast<std::size_t>(block) - 1024 : 0;  // the static part within 1 KB
+    return room < kBackwardMostSharedBytes ? room : kBackwardMostSharedBytes;
+  }).value_or(0);
+}
+
 // fn(width, packs, group) as integral constants for the row layout: kWidth = 16 bytes where the columns fill whole
 // packs and the pointers are 16-byte aligned, else 1; kShortGroup threads a row where the row fits them, else the
 // block; packs a thread: 1, 2, 4 or 8, at most kMaxElements elements.
@@ -260,12 +276,15 @@ cudaError_t forward_typed(const void* x, const void* weight, const void* bias, v
 template <typename T>
 cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight, void* grad_x, void* grad_weight,
                            void* grad_bias, double* partials, int blocks, std::int64_t rows, std::int64_t columns,
-                           double eps, cudaStream_t stream) {
+                           double eps, std::size_t shared_limit, cudaStream_t stream) {
   const cudaError_t err = with_layout<T>(
       columns, common::all_aligned({grad_y, x, weight, grad_x}), [&](auto width, auto packs, auto group) {
         constexpr auto kKernel = layer_norm_backward_kernel<T, width.value, packs.value, group.value>;
-        const cudaError_t raised =
-            raise_shared_memory_limit<kKernel>(common::current_device(), kBackwardMostSharedBytes);
+        const int device = common::current_device();
+        const std::size_t limit = backward_shared_limit(device);
+        const std::size_t usable = shared_limit != 0 && shared_limit < limit ? shared_limit : limit;
+        if (backward_shared_bytes<group.value>(columns) > usable) return cudaErrorNotSupported;
+        const cudaError_t raised = raise_shared_memory_limit<kKernel>(device, limit);
         if (raised != cudaSuccess) return raised;
         kKernel<<<blocks, kRowThreads, backward_shared_bytes<group.value>(columns), stream>>>(
             static_cast<const T*>(grad_y), static_cast<const T*>(x), static_cast<const T*>(weight),
@@ -304,18 +323,19 @@ cudaError_t launch_layer_norm(ElementType type, const void* x, const void* weigh
 
 cudaError_t launch_layer_norm_backward(ElementType type, const void* grad_y, const void* x, const void* weight,
                                        void* grad_x, void* grad_weight, void* grad_bias, double* partials, int blocks,
-                                       std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream) {
+                                       std::int64_t rows, std::int64_t columns, double eps, std::size_t shared_limit,
+                                       cudaStream_t stream) {
   if (rows <= 0 || columns <= 0) return cudaSuccess;
   switch (type) {
     case ElementType::kFloat32:
       return backward_typed<float>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows, columns,
-                                   eps, stream);
+                                   eps, shared_limit, stream);
     case ElementType::kFloat16:
       return backward_typed<__half>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows,
-                                    columns, eps, stream);
+                                    columns, eps, shared_limit, stream);
     case ElementType::kBFloat16:
       return backward_typed<__nv_bfloat16>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows,
-                                           columns, eps, stream);
+                                           columns, eps, shared_limit, stream);
     case ElementType::kFloat64: break;
   }
   return cudaErrorInvalidValue;

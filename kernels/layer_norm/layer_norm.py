@@ -6,6 +6,8 @@ Ops (schemas in layer_norm.cpp), over x's last dimension:
       result rounded to x's dtype once.
   layer_norm_backward(grad_y, x, weight, eps) -> (grad_x, grad_weight, grad_bias), each summed in double and rounded
       once.
+  _layer_norm_force_backward_shared_limit(bytes) -> previous: the most shared memory the backward's blocks may take
+      (0: the device's); where a row layout's sums need more, the backward takes the ATen formulas (tests).
 Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for a first-order backward, ATen's formulas
 (layer_norm_op.h) for higher orders and forward mode.
 """
