@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
-from kernels.gemm.gemm import FusedLinear, gemm_multiply_leaky_relu, linear
+from kernels.gemm.gemm import FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -283,7 +283,136 @@ def patch(model, layers=None):
             if base is FusedLinear:
                 module.cache_weight_split = True
                 module.clear_weight_split()
+    for module in model.modules():
+        _group_projections(module)
     return model
+
+
+# ---- sibling projections: the linear layers of one parent that read its input, as one product ------------------------
+
+# "auto": where the product of the group's weights side by side takes a split path; "always": wherever the group is
+# known (tests, on any device); "never".
+_fuse_projections = "auto"
+
+
+class _ProjectionGroup:
+    """The patched linear children of one parent module (BERT's query, key and value, LLaMA's q_proj, k_proj and
+    v_proj, besides the layers their forward calls on other tensors). Which of them read the parent's input is learned
+    on the parent's first training call (a call with autograd recording a weight), run as it is; from then on, where
+    two or more do, each training call computes their products as one product of their weights side by side (one
+    split of the input, one GEMM over all their outputs, one grad_x and one grad_W product backward) and gives each
+    layer its part when it is called on that same input within the parent's call. Nothing outlives the call."""
+
+    def __init__(self, names):
+        self.names = names  # the candidates: the parent's patched linear children
+        self.members = None  # learned: the candidates called on the parent's input, in call order
+        self.seen = None  # while learning: the names called so far
+        self.handles = ()
+
+
+def _group_projections(parent):
+    # Grouped already; a chain of layers reads no input twice; a gated MLP's gate and up products are wide already
+    # and silu_mul reads them whole.
+    if "_projection_group" in parent.__dict__ or isinstance(parent, (nn.Sequential, nn.ModuleList, nn.ModuleDict,
+                                                                      _GatedMLPPatch)):
+        return
+    names = tuple(name for name, child in parent.named_children() if isinstance(child, FusedLinear))
+    if len(names) < 2:
+        return
+    group = _ProjectionGroup(names)
+    parent.__dict__["_projection_group"] = group
+    group.handles = (parent.register_forward_pre_hook(_before_parent_call, with_kwargs=True),
+                     parent.register_forward_hook(_after_parent_call, with_kwargs=True, always_call=True))
+
+
+def _ungroup_projections(parent):
+    group = parent.__dict__.pop("_projection_group", None)
+    if group is not None:
+        for handle in group.handles:
+            handle.remove()
+        _clear_shared_products(parent, group)
+
+
+def _parent_input(args, kwargs):
+    x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x", kwargs.get("input")))
+    return x if type(x) is torch.Tensor else None
+
+
+def _training_call(x):
+    """Whether a parent's call on x is one the group learns from and fuses: eager float32 with autograd recording,
+    outside autocast and torch.func's transforms."""
+    return (x.dtype == torch.float32 and torch.is_grad_enabled() and not _is_compiling()
+            and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active())
+
+
+def _before_parent_call(parent, args, kwargs):
+    group = parent.__dict__.get("_projection_group")
+    x = _parent_input(args, kwargs)
+    if group is None or x is None or _fuse_projections == "never" or not _training_call(x):
+        return None
+    layers = parent._modules
+    if group.members is None:  # learn: each candidate records whether it is called on x
+        seen = group.seen = []
+        for name in group.names:
+            child = layers.get(name)
+            if isinstance(child, FusedLinear):
+                child.__dict__["_shared_product"] = (x, lambda layer, name=name: seen.append(name))
+        return None
+    members = [layers.get(name) for name in group.members]
+    weights = _fusable_weights(x, members)
+    if weights is None:
+        return None
+    biases = [member._parameters.get("bias") for member in members]
+    with_bias = biases[0] is not None
+    product = gemm_multiply_leaky_relu(x, torch.cat(weights), torch.cat(biases) if with_bias else None, 1.0, 1.0)
+    for member, part in zip(members, product.split([w.shape[0] for w in weights], -1)):
+        member.__dict__["_shared_product"] = (x, lambda layer, part=part: part)
+    return None
+
+
+def _fusable_weights(x, members):
+    """The members' weights where one product may stand for theirs: plain float32 tensors on x's device as the
+    members' own (no parametrization), one of them recorded by autograd, all with a bias or none, no hook that could
+    change a member's input; else None."""
+    weights = []
+    for member in members:
+        if not isinstance(member, FusedLinear) or member._forward_pre_hooks:
+            return None
+        weight, bias = member._parameters.get("weight"), member._parameters.get("bias", False)
+        if (weight is None or bias is False or not _plain(weight) or weight.dtype != torch.float32
+                or weight.device != x.device or weight.dim() != 2 or weight.shape[1] != x.shape[-1]
+                or (bias is not None and not (_plain(bias) and bias.dtype == torch.float32))):
+            return None
+        weights.append(weight)
+    if len({member._parameters["bias"] is None for member in members}) != 1:
+        return None
+    if not any(w.requires_grad for w in weights) or x.shape[-1] == 0:
+        return None
+    if _fuse_projections == "auto" and plain_product_suffices(x, sum(w.shape[0] for w in weights), x.shape[-1], True):
+        return None
+    return weights
+
+
+def _after_parent_call(parent, args, kwargs, output):
+    group = parent.__dict__.get("_projection_group")
+    if group is None:
+        return None
+    _clear_shared_products(parent, group)
+    if group.seen is not None:
+        members = tuple(dict.fromkeys(group.seen))
+        group.seen = None
+        group.members = members if len(members) >= 2 else ()
+        if not group.members:  # nothing to fuse here: the parent's calls go back to the plain module call
+            _ungroup_projections(parent)
+            parent.__dict__["_projection_group"] = group
+    return None
+
+
+def _clear_shared_products(parent, group):
+    for name in group.names:
+        child = parent._modules.get(name)
+        if child is not None:
+            child.__dict__.pop("_shared_product", None)
 
 
 def split_layer_names(model, *inputs):
@@ -331,6 +460,8 @@ def split_layer_names(model, *inputs):
 def unpatch(model):
     """Undoes patch(): every patched layer of `model` gets its own class back (and drops its kept split)."""
     originals = {patched: cls for cls, patched in _PATCHED_CLASSES.items()}
+    for module in model.modules():
+        _ungroup_projections(module)
     for module in model.modules():
         original = originals.get(type(module))
         if original is not None:

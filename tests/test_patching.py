@@ -2,9 +2,11 @@
 the same models unpatched (outputs, gradients, state_dicts, ties, pickling), the functional mode against eager, and
 the product shapes real models bring (transposed weights, short reductions) against float64."""
 
+import contextlib
 import copy
 import io
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -15,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import patching
 from conftest import HAS_CUDA, requires_cuda
-from kernels.gemm.gemm import (FusedLinear, gemm_path, kept_split_bytes, linear, plain_linear_suffices,
-                               set_kept_split_budget)
+from kernels.gemm.gemm import (FusedLinear, forced_gemm_path, gemm_path, kept_split_bytes, linear,
+                               plain_linear_suffices, set_kept_split_budget)
 from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol, relative_error
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -418,6 +421,82 @@ def graph_node_names(t):
         names.add(node.name())
         pending.extend(next_node for next_node, _ in node.next_functions)
     return names
+
+
+class TwoInputs(nn.Module):
+    """Linear children read different tensors (cross attention's pattern): no group."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, memory):
+        return self.query(x) + self.key(memory)
+
+
+def projection_groups(model):
+    return {name: m.__dict__["_projection_group"].members for name, m in model.named_modules()
+            if "_projection_group" in m.__dict__}
+
+
+@pytest.mark.parametrize("name,members", [("bert", ("query", "key", "value")), ("llama", ("q_proj", "k_proj", "v_proj"))])
+def test_sibling_projections_are_one_product_while_training(name, members, device, monkeypatch):
+    """The linear layers of one parent that read its input (BERT's query, key and value; LLaMA's q_proj, k_proj and
+    v_proj) are learned on the first training call and, from the next, computed by one product of their weights side
+    by side: one op call per attention layer (forced here at any size and on any device), outputs and every gradient
+    as the unpatched model's; nothing is left on the layers after a call."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    cls, config = tiny_transformers_models()[name]
+    torch.manual_seed(0)
+    model = cls(config).to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
+    patched(input_ids=ids)  # learns
+    groups = projection_groups(patched)
+    assert groups and set(groups.values()) == {members}, groups
+    layers = config.num_hidden_layers
+    with forced_gemm_path("cublas") if device == "cuda" else contextlib.nullcontext():
+        calls = ops_called(lambda: patched(input_ids=ids))
+    assert calls.count("kernels.gemm_multiply_leaky_relu.default") == layers, calls
+    out, out_patched = model(input_ids=ids).logits, patched(input_ids=ids).logits
+    torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
+    out.square().mean().backward()
+    out_patched.square().mean().backward()
+    for (p_name, p), q in zip(model.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=p_name)
+    assert not any("_shared_product" in m.__dict__ for m in patched.modules())
+    with torch.no_grad():  # no training call: each layer its own product (its kept split where it has one)
+        assert "kernels.gemm_multiply_leaky_relu.default" not in ops_called(lambda: patched(input_ids=ids))
+    kernels.unpatch(patched)
+    assert not projection_groups(patched)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in patched.modules())
+
+
+def test_sibling_projections_other_inputs_and_failed_calls(device, monkeypatch):
+    """Children that read different tensors form no group (the parent's hooks are removed); a call that raises leaves
+    nothing on the layers; the group follows deepcopy and pickling; patch() twice adds no second hook."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    torch.manual_seed(0)
+    two = kernels.patch(TwoInputs().to(device))
+    x, memory = torch.randn(3, 16, device=device), torch.randn(3, 16, device=device)
+    expected = TwoInputs().to(device)
+    expected.load_state_dict(two.state_dict())
+    torch.testing.assert_close(two(x, memory), expected(x, memory), atol=TOL, rtol=TOL)
+    assert projection_groups(two) == {"": ()} and not two._forward_pre_hooks and not two._forward_hooks
+    cls, config = tiny_transformers_models()["bert"]
+    bert = kernels.patch(kernels.patch(cls(config).to(device)))
+    attention = bert.bert.encoder.layer[0].attention.self
+    assert len(attention._forward_pre_hooks) == 1 and len(attention._forward_hooks) == 1
+    ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
+    bert(input_ids=ids)
+    failing = attention.value.register_forward_hook(lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bert(input_ids=ids)
+    failing.remove()
+    assert not any("_shared_product" in m.__dict__ for m in bert.modules())
+    for copied in (copy.deepcopy(bert), pickle.loads(pickle.dumps(bert))):
+        assert set(projection_groups(copied).values()) == {("query", "key", "value")}
+        torch.testing.assert_close(copied(input_ids=ids).logits, bert(input_ids=ids).logits, atol=TOL, rtol=TOL)
 
 
 def test_llama_mlp_patch(device):

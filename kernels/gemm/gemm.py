@@ -187,6 +187,15 @@ class FusedLinear(nn.Linear):
         self.clear_weight_split()
 
     def forward(self, x, multiplier=1.0, negative_slope=1.0):
+        # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
+        # call, (its input, a function giving this layer's part of that product or None) here for this layer's call
+        # on that same input.
+        shared = self.__dict__.get("_shared_product")
+        if shared is not None and shared[0] is x and multiplier == 1.0 and negative_slope == 1.0:
+            del self.__dict__["_shared_product"]
+            part = shared[1](self)
+            if part is not None:
+                return part
         # The parameters straight from their dict (a small layer's call is all host time); through the attributes
         # where something else provides them (torch.nn.utils.parametrize's properties).
         parameters = self._parameters
@@ -247,6 +256,7 @@ class FusedLinear(nn.Linear):
     def __getstate__(self):
         state = self.__dict__.copy()  # the split is not saved, pickled or copied: the copy makes its own
         state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=())
+        state.pop("_shared_product", None)
         return state
 
     def __setstate__(self, state):
