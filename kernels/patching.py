@@ -341,11 +341,13 @@ def _parent_input(args, kwargs):
 def _training_call(x):
     """Whether a parent's call on x is one the group learns from and fuses: eager float32 with autograd recording,
     outside autocast and torch.func's transforms."""
-    return (x.dtype == torch.float32 and torch.is_grad_enabled() and not _is_compiling()
+    return (x.dtype == torch.float32 and torch.is_grad_enabled()
             and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active())
 
 
 def _before_parent_call(parent, args, kwargs):
+    if _is_compiling():  # traced code computes each layer's own product
+        return None
     group = parent.__dict__.get("_projection_group")
     x = _parent_input(args, kwargs)
     if group is None or x is None or _fuse_projections == "never" or not _training_call(x):
@@ -394,7 +396,7 @@ def _fusable_weights(x, members):
 
 
 def _after_parent_call(parent, args, kwargs, output):
-    group = parent.__dict__.get("_projection_group")
+    group = None if _is_compiling() else parent.__dict__.get("_projection_group")
     if group is None:
         return None
     _clear_shared_products(parent, group)

@@ -465,6 +465,8 @@ def test_sibling_projections_are_one_product_while_training(name, members, devic
     for (p_name, p), q in zip(model.named_parameters(), patched.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=p_name)
     assert not any("_shared_product" in m.__dict__ for m in patched.modules())
+    compiled = torch.compile(patched, fullgraph=True, backend="eager")  # traced: each layer its own product
+    torch.testing.assert_close(compiled(input_ids=ids).logits, out, atol=TOL, rtol=TOL)
     with torch.no_grad():  # no training call: each layer its own product (its kept split where it has one)
         assert "kernels.gemm_multiply_leaky_relu.default" not in ops_called(lambda: patched(input_ids=ids))
     kernels.unpatch(patched)
