@@ -268,6 +268,17 @@ def tiny_transformers_models():
     }
 
 
+def check_logits_and_gradients(model, patched, ids):
+    """The patched model's logits and every parameter's gradient against the model's; returns the model's logits."""
+    out, out_patched = model(input_ids=ids).logits, patched(input_ids=ids).logits
+    torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
+    out.square().mean().backward()
+    out_patched.square().mean().backward()
+    for (p_name, p), q in zip(model.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=p_name)
+    return out
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_transformers_models_patch_round_trip(name, device):
     cls, config = tiny_transformers_models()[name]
@@ -292,12 +303,7 @@ def test_transformers_models_patch_round_trip(name, device):
         mlps = [m for m in patched.modules() if type(m).__name__ == "LlamaMLP"]
         assert len(mlps) == config.num_hidden_layers and all(kernels.is_patched(m) for m in mlps)
     ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
-    out, out_patched = model(input_ids=ids).logits, patched(input_ids=ids).logits
-    torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
-    out.square().mean().backward()
-    out_patched.square().mean().backward()
-    for (p_name, p), q in zip(model.named_parameters(), patched.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=p_name)
+    check_logits_and_gradients(model, patched, ids)
     model.load_state_dict(patched.state_dict())
     patched.load_state_dict(model.state_dict())
     kernels.unpatch(patched)
@@ -458,12 +464,7 @@ def test_sibling_projections_are_one_product_while_training(name, members, devic
     with forced_gemm_path("cublas") if device == "cuda" else contextlib.nullcontext():
         calls = ops_called(lambda: patched(input_ids=ids))
     assert calls.count("kernels.gemm_multiply_leaky_relu.default") == layers, calls
-    out, out_patched = model(input_ids=ids).logits, patched(input_ids=ids).logits
-    torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
-    out.square().mean().backward()
-    out_patched.square().mean().backward()
-    for (p_name, p), q in zip(model.named_parameters(), patched.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=p_name)
+    out = check_logits_and_gradients(model, patched, ids)
     assert not any("_shared_product" in m.__dict__ for m in patched.modules())
     compiled = torch.compile(patched, fullgraph=True, backend="eager")  # traced: each layer its own product
     torch.testing.assert_close(compiled(input_ids=ids).logits, out, atol=TOL, rtol=TOL)
