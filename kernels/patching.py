@@ -188,6 +188,73 @@ class _MultiheadAttentionPatch:
         return (output.transpose(1, 0) if self.batch_first and batched else output), weights
 
 
+class _PackedAttention(torch.autograd.Function):
+    """softmax(q k^T * scale) v without a mask or dropout for q, k and v packed in one (batch, tokens, 3, heads, head
+    dim) tensor (a fused qkv projection's output, viewed), on the kernels F.scaled_dot_product_attention runs for
+    float32 CUDA tensors (PyTorch's memory-efficient attention, called as it calls them, on the same values: the
+    same results). The output comes in (batch, tokens, heads, head dim), the layout the next projection reads, and
+    the gradient in the packed layout the projection's backward reads: no transposes, no stacking of q's, k's and v's
+    gradients."""
+
+    @staticmethod
+    def forward(ctx, packed, scale):
+        query, key, value = packed.unbind(2)
+        tokens = packed.shape[1]
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            query, key, value, None, None, None, tokens, tokens, 0.0, 0, ctx.needs_input_grad[0], scale=scale)
+        ctx.save_for_backward(packed, out, lse, seed, offset)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        packed, out, lse, seed, offset = ctx.saved_tensors
+        query, key, value = packed.unbind(2)
+        tokens = packed.shape[1]
+        grad_query, grad_key, grad_value = torch.ops.aten._efficient_attention_backward(
+            grad_out.contiguous(), query, key, value, None, out, None, None, tokens, tokens, lse, 0.0, seed, offset,
+            0, False, scale=ctx.scale)[:3]
+        # For q, k and v of one storage the kernel writes their gradients into one (batch, tokens, 3, heads, head dim)
+        # tensor: that tensor is the packed gradient.
+        chunk = grad_query._base
+        if (chunk is not None and chunk.shape == packed.shape and chunk.is_contiguous()
+                and grad_key._base is chunk and grad_value._base is chunk
+                and grad_key.data_ptr() - grad_query.data_ptr() == grad_query.shape[-1] * grad_query.shape[-2] * 4):
+            return chunk, None
+        return torch.stack((grad_query, grad_key, grad_value), 2), None
+
+
+def _packed_attention_takes(x, heads, head_dim):
+    """Whether _PackedAttention computes what F.scaled_dot_product_attention would for the qkv projection of x: eager
+    float32 CUDA tensors for which that function takes the memory-efficient kernels (it is enabled, head dims a
+    multiple of 8 up to 128), outside autocast and torch.func's transforms, on a GPU the library runs on."""
+    return (type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32 and x.dim() == 3 and x.shape[1] > 0
+            and head_dim % 8 == 0 and 0 < head_dim <= 128 and heads > 0
+            and torch.backends.cuda.mem_efficient_sdp_enabled() and not torch.is_autocast_enabled("cuda")
+            and not torch._C._are_functorch_transforms_active() and not _is_compiling()
+            and _attention_runs_on(x.device))
+
+
+class _TimmAttentionPatch:
+    """timm's Attention (ViT's) where it runs F.scaled_dot_product_attention without a mask, dropout, gate or
+    normalization: its qkv projection's output goes to _PackedAttention as it lies and the output to its proj layer
+    as it comes, with the results eager's attention computes; its own forward otherwise."""
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        heads, head_dim = self.num_heads, self.head_dim
+        if (attn_mask is None and not is_causal and self.fused_attn and getattr(self, "gate", None) is None
+                and (not self.training or self.attn_drop.p == 0.0)
+                and all(type(m) is nn.Identity and not _has_hooks(m) for m in (self.q_norm, self.k_norm, self.norm))
+                and _packed_attention_takes(x, heads, head_dim)):
+            batch, tokens, _ = x.shape
+            packed = self.qkv(x)
+            if packed.shape == (batch, tokens, 3 * heads * head_dim) and packed.is_contiguous():
+                out = _PackedAttention.apply(packed.view(batch, tokens, 3, heads, head_dim), head_dim ** -0.5)
+                return self.proj_drop(self.proj(out.reshape(batch, tokens, heads * head_dim)))
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+
+
 def _imported_class(module_name, name):
     """A class of a package (transformers, timm) where that package is already imported (it is never imported here),
     else None."""
@@ -211,7 +278,8 @@ def _base_for_class(cls):
         return _LayerNormPatch
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
-                                    ("timm.layers.norm", "LayerNorm", _LayerNormPatch)):
+                                    ("timm.layers.norm", "LayerNorm", _LayerNormPatch),
+                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch)):
         original = _imported_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base

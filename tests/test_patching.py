@@ -549,8 +549,12 @@ def test_timm_vit_patch_round_trip(device):
     patched = kernels.patch(copy.deepcopy(model))
     norms = [m for m in patched.modules() if isinstance(m, nn.LayerNorm)]  # timm's LayerNorm: on layer_norm
     assert norms and all(kernels.is_patched(m) for m in norms)
+    attentions = [m for m in patched.modules() if type(m).__name__ == "Attention"]  # on the packed attention
+    assert attentions and all(kernels.is_patched(m) for m in attentions)
     x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
     out, out_patched = model(x), patched(x)
+    if device == "cuda":
+        assert "_PackedAttentionBackward" in graph_node_names(out_patched)
     torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
     grad = torch.randn_like(out)
     for got, expected in zip(torch.autograd.grad(out_patched, (x, *patched.parameters()), grad),
@@ -559,6 +563,27 @@ def test_timm_vit_patch_round_trip(device):
     kernels.unpatch(patched)
     assert not any(kernels.is_patched(m) for m in patched.modules())
 
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch,tokens,heads,head_dim", [(3, 197, 12, 64), (2, 50, 4, 32), (1, 8, 2, 128)])
+def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
+    """_PackedAttention on a packed qkv tensor gives F.scaled_dot_product_attention's output and gradient bit for bit
+    (the same kernels on the same values), the gradient in the packed layout (no stacking)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    packed = torch.randn(batch, tokens, 3 * heads * head_dim, device="cuda", generator=g).requires_grad_()
+    view = packed.view(batch, tokens, 3, heads, head_dim)
+    out = patching._PackedAttention.apply(view, head_dim ** -0.5)
+    q, k, v = view.permute(2, 0, 3, 1, 4).unbind(0)
+    eager = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    assert out.shape == eager.shape and out.is_contiguous()
+    assert torch.equal(out, eager)
+    grad = torch.randn(out.shape, device="cuda", generator=g)
+    ours, = torch.autograd.grad(out, packed, grad)
+    theirs, = torch.autograd.grad(eager, packed, grad)
+    assert torch.equal(ours, theirs)
+    with torch.no_grad():
+        assert torch.equal(patching._PackedAttention.apply(view, head_dim ** -0.5), eager)
 
 # ---- the functional mode ---------------------------------------------------------------------------------------------
 
