@@ -215,13 +215,23 @@ class _PackedAttention(torch.autograd.Function):
             grad_out.contiguous(), query, key, value, None, out, None, None, tokens, tokens, lse, 0.0, seed, offset,
             0, False, scale=ctx.scale)[:3]
         # For q, k and v of one storage the kernel writes their gradients into one (batch, tokens, 3, heads, head dim)
-        # tensor: that tensor is the packed gradient.
-        chunk = grad_query._base
-        if (chunk is not None and chunk.shape == packed.shape and chunk.is_contiguous()
-                and grad_key._base is chunk and grad_value._base is chunk
-                and grad_key.data_ptr() - grad_query.data_ptr() == grad_query.shape[-1] * grad_query.shape[-2] * 4):
-            return chunk, None
+        # tensor (not marked as their base below autograd): where they lie so, that tensor is the packed gradient.
+        if _packed_in_one(packed, grad_query, grad_key, grad_value):
+            return grad_query.as_strided(packed.shape, packed.stride()), None
         return torch.stack((grad_query, grad_key, grad_value), 2), None
+
+
+def _packed_in_one(packed, query, key, value):
+    """Whether query, key and value are the three (batch, tokens, heads, head dim) parts of one contiguous tensor
+    laid out as `packed` (contiguous, (batch, tokens, 3, heads, head dim)), query's at its start."""
+    strides = packed.stride()
+    part = strides[2] * query.element_size()
+    return (packed.is_contiguous() and query.shape == key.shape == value.shape == packed.shape[:2] + packed.shape[3:]
+            and query.stride() == key.stride() == value.stride() == strides[:2] + strides[3:]
+            and key.data_ptr() == query.data_ptr() + part and value.data_ptr() == query.data_ptr() + 2 * part
+            and query.untyped_storage().data_ptr() == query.data_ptr()
+            and key.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() == query.data_ptr()
+            and query.untyped_storage().nbytes() >= packed.numel() * query.element_size())
 
 
 def _packed_attention_takes(x, heads, head_dim):

@@ -584,6 +584,13 @@ def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
     assert torch.equal(ours, theirs)
     with torch.no_grad():
         assert torch.equal(patching._PackedAttention.apply(view, head_dim ** -0.5), eager)
+    # The kernels' gradients lie packed, so the backward hands them on as one tensor (no stacking).
+    q, k, v = view.detach().unbind(2)
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, tokens, tokens, 0.0, 0, True, scale=head_dim ** -0.5)
+    grads = torch.ops.aten._efficient_attention_backward(
+        grad, q, k, v, None, out, None, None, tokens, tokens, lse, 0.0, seed, offset, 0, False, scale=head_dim ** -0.5)
+    assert patching._packed_in_one(view, *grads[:3])
 
 # ---- the functional mode ---------------------------------------------------------------------------------------------
 
