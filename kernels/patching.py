@@ -2,7 +2,8 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP
+    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP;
+                                  # timm's LayerNorm and Attention
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -343,7 +344,8 @@ def __getattr__(name):
 def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every transformers
     Conv1D, NewGELUActivation, LlamaRMSNorm and LlamaMLP (or a module with one of their forwards) and every timm
-    LayerNorm into the library's, in place, and returns `model`. Idempotent; subclasses with a forward of their own are
+    LayerNorm and Attention into the library's, in place, and returns `model`; a module's linear children that read its
+    input become one product while training (_ProjectionGroup). Idempotent; subclasses with a forward of their own are
     left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
     split_layer_names()'s; a name no such layer has raises ValueError."""
     if isinstance(layers, str):
