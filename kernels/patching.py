@@ -194,8 +194,8 @@ class _PackedAttention(torch.autograd.Function):
     dim) tensor (a fused qkv projection's output, viewed), on the kernels F.scaled_dot_product_attention runs for
     float32 CUDA tensors (PyTorch's memory-efficient attention, called as it calls them, on the same values: the
     same results). The output comes in (batch, tokens, heads, head dim), the layout the next projection reads, and
-    the gradient in the packed layout the projection's backward reads: no transposes, no stacking of q's, k's and v's
-    gradients."""
+    the gradient in the packed layout the projection's backward reads: no transposes, and q's, k's and v's gradients
+    copied once."""
 
     @staticmethod
     def forward(ctx, packed, scale):
@@ -215,24 +215,8 @@ class _PackedAttention(torch.autograd.Function):
         grad_query, grad_key, grad_value = torch.ops.aten._efficient_attention_backward(
             grad_out.contiguous(), query, key, value, None, out, None, None, tokens, tokens, lse, 0.0, seed, offset,
             0, False, scale=ctx.scale)[:3]
-        # For q, k and v of one storage the kernel writes their gradients into one (batch, tokens, 3, heads, head dim)
-        # tensor (not marked as their base below autograd): where they lie so, that tensor is the packed gradient.
-        if _packed_in_one(packed, grad_query, grad_key, grad_value):
-            return grad_query.as_strided(packed.shape, packed.stride()), None
+        # One copy into the projection's layout (eager stacks them, then copies the stack into that layout).
         return torch.stack((grad_query, grad_key, grad_value), 2), None
-
-
-def _packed_in_one(packed, query, key, value):
-    """Whether query, key and value are the three (batch, tokens, heads, head dim) parts of one contiguous tensor
-    laid out as `packed` (contiguous, (batch, tokens, 3, heads, head dim)), query's at its start."""
-    strides = packed.stride()
-    part = strides[2] * query.element_size()
-    return (packed.is_contiguous() and query.shape == key.shape == value.shape == packed.shape[:2] + packed.shape[3:]
-            and query.stride() == key.stride() == value.stride() == strides[:2] + strides[3:]
-            and key.data_ptr() == query.data_ptr() + part and value.data_ptr() == query.data_ptr() + 2 * part
-            and query.untyped_storage().data_ptr() == query.data_ptr()
-            and key.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() == query.data_ptr()
-            and query.untyped_storage().nbytes() >= packed.numel() * query.element_size())
 
 
 def _packed_attention_takes(x, heads, head_dim):
