@@ -223,10 +223,10 @@ def _packed_attention_takes(x, heads, head_dim):
     """Whether _PackedAttention computes what F.scaled_dot_product_attention would for the qkv projection of x: eager
     float32 CUDA tensors for which that function takes the memory-efficient kernels (it is enabled, head dims a
     multiple of 8 up to 128), outside autocast and torch.func's transforms, on a GPU the library runs on."""
-    return (type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32 and x.dim() == 3 and x.shape[1] > 0
-            and head_dim % 8 == 0 and 0 < head_dim <= 128 and heads > 0
-            and torch.backends.cuda.mem_efficient_sdp_enabled() and not torch.is_autocast_enabled("cuda")
-            and not torch._C._are_functorch_transforms_active() and not _is_compiling()
+    return (not _is_compiling() and type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32
+            and x.dim() == 3 and 0 < x.shape[0] < 65536 and x.shape[1] > 0 and head_dim % 8 == 0
+            and 0 < head_dim <= 128 and 0 < heads < 65536 and torch.backends.cuda.mem_efficient_sdp_enabled()
+            and not torch.is_autocast_enabled("cuda") and not torch._C._are_functorch_transforms_active()
             and _attention_runs_on(x.device))
 
 
@@ -235,19 +235,24 @@ class _TimmAttentionPatch:
     normalization: its qkv projection's output goes to _PackedAttention as it lies and the output to its proj layer
     as it comes, with the results eager's attention computes; its own forward otherwise."""
 
-    def forward(self, x, attn_mask=None, is_causal=False):
+    def forward(self, x, *args, **kwargs):
+        # (x, attn_mask=None, is_causal=False) in timm 1.0.26 on, (x, attn_mask=None) before.
+        attn_mask = args[0] if args else kwargs.get("attn_mask")
+        is_causal = args[1] if len(args) > 1 else kwargs.get("is_causal", False)
         heads, head_dim = self.num_heads, self.head_dim
-        if (attn_mask is None and not is_causal and self.fused_attn and getattr(self, "gate", None) is None
-                and (not self.training or self.attn_drop.p == 0.0)
-                and all(type(m) is nn.Identity and not _has_hooks(m) for m in (self.q_norm, self.k_norm, self.norm))
-                and _packed_attention_takes(x, heads, head_dim)):
+        if (attn_mask is None and is_causal is False and len(args) <= 2 and kwargs.keys() <= {"attn_mask", "is_causal"}
+                and _packed_attention_takes(x, heads, head_dim) and self.fused_attn
+                and getattr(self, "gate", None) is None and (not self.training or self.attn_drop.p == 0.0)
+                and all(type(m) is nn.Identity and not _has_hooks(m) for m in (self.q_norm, self.k_norm, self.norm))):
             batch, tokens, _ = x.shape
             packed = self.qkv(x)
             if packed.shape == (batch, tokens, 3 * heads * head_dim) and packed.is_contiguous():
                 out = _PackedAttention.apply(packed.view(batch, tokens, 3, heads, head_dim), head_dim ** -0.5)
-                return self.proj_drop(self.proj(out.reshape(batch, tokens, heads * head_dim)))
-            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
-        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+            else:  # eager's steps on the projection's output
+                q, k, v = packed.reshape(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+                out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+            return self.proj_drop(self.proj(out.reshape(batch, tokens, heads * head_dim)))
+        return super().forward(x, *args, **kwargs)
 
 
 def _imported_class(module_name, name):
@@ -360,33 +365,40 @@ _fuse_projections = "auto"
 
 
 class _ProjectionGroup:
-    """The patched linear children of one parent module (BERT's query, key and value, LLaMA's q_proj, k_proj and
-    v_proj, besides the layers their forward calls on other tensors). Which of them read the parent's input is learned
-    on the parent's first training call (a call with autograd recording a weight), run as it is; from then on, where
-    two or more do, each training call computes their products as one product of their weights side by side (one
-    split of the input, one GEMM over all their outputs, one grad_x and one grad_W product backward) and gives each
-    layer its part when it is called on that same input within the parent's call. Nothing outlives the call."""
+    """The query, key and value projections of one parent module (patched linear children named as transformers
+    names them: BERT's query, key, value; LLaMA's and most decoders' q_proj, k_proj, v_proj), whose forward reshapes
+    their outputs into heads. Which of them read the parent's input is learned on the parent's first training call (a
+    call with autograd recording a weight), run as it is; from then on, where two or more do, each training call
+    computes their products as one product of their weights side by side (one split of the input, one GEMM over all
+    their outputs, one grad_x and one grad_W product backward) and gives each layer its part, a column slice of that
+    product, when it is called on that same input, unchanged, in the same grad and autocast modes, within the
+    parent's call. Nothing outlives the call. A call in which a member's part goes unused (its weight then gets a
+    zero gradient where eager gives none) ends the grouping for later calls."""
 
     def __init__(self, names):
-        self.names = names  # the candidates: the parent's patched linear children
+        self.names = names  # the candidates: the parent's patched projection children
         self.members = None  # learned: the candidates called on the parent's input, in call order
         self.seen = None  # while learning: the names called so far
+        self.parts = ()  # within a call: the parts handed out (_SharedPart)
         self.handles = ()
 
 
+# Children's names of the projections a group takes: those whose outputs transformers' attention layers reshape into
+# heads (other layers' outputs may be flattened by a view, or changed in place, which a column slice does not allow).
+_PROJECTION_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
+
+
 def _group_projections(parent):
-    # Grouped already; a chain of layers reads no input twice; a gated MLP's gate and up products are wide already
-    # and silu_mul reads them whole.
-    if "_projection_group" in parent.__dict__ or isinstance(parent, (nn.Sequential, nn.ModuleList, nn.ModuleDict,
-                                                                      _GatedMLPPatch)):
+    if "_projection_group" in parent.__dict__:
         return
-    names = tuple(name for name, child in parent.named_children() if isinstance(child, FusedLinear))
-    if len(names) < 2:
-        return
-    group = _ProjectionGroup(names)
-    parent.__dict__["_projection_group"] = group
-    group.handles = (parent.register_forward_pre_hook(_before_parent_call, with_kwargs=True),
-                     parent.register_forward_hook(_after_parent_call, with_kwargs=True, always_call=True))
+    children = parent._modules
+    for names in _PROJECTION_NAMES:
+        if all(isinstance(children.get(name), FusedLinear) for name in names):
+            group = _ProjectionGroup(names)
+            parent.__dict__["_projection_group"] = group
+            group.handles = (parent.register_forward_pre_hook(_before_parent_call, with_kwargs=True),
+                             parent.register_forward_hook(_after_parent_call, with_kwargs=True, always_call=True))
+            return
 
 
 def _ungroup_projections(parent):
@@ -395,6 +407,7 @@ def _ungroup_projections(parent):
         for handle in group.handles:
             handle.remove()
         _clear_shared_products(parent, group)
+        group.parts = ()
 
 
 def _parent_input(args, kwargs):
@@ -402,11 +415,37 @@ def _parent_input(args, kwargs):
     return x if type(x) is torch.Tensor else None
 
 
+_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _training_call(x):
     """Whether a parent's call on x is one the group learns from and fuses: eager float32 with autograd recording,
-    outside autocast and torch.func's transforms."""
-    return (x.dtype == torch.float32 and torch.is_grad_enabled()
-            and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active())
+    outside autocast and torch.func's transforms, and outside activation checkpointing (its recomputation must save
+    what the first run saved; the run in a backward and saved-tensor hooks mark it)."""
+    return (x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active()
+            and _saved_tensors_hooks is not None and _saved_tensors_hooks(False) is None
+            and _graph_task_id is not None and _graph_task_id() == -1)
+
+
+class _SharedPart:
+    """What a parent's call leaves in a member's `_shared_product` slot (FusedLinear.forward): the input, its version
+    and the modes of the parent's call; the member's part of the product, or while learning the list its name goes
+    to. Called by the member with its input, it gives the part where the call is the one the part stands for."""
+
+    __slots__ = ("version", "part", "taken", "seen", "name")
+
+    def __init__(self, x, part=None, seen=None, name=None):
+        self.version, self.part, self.taken, self.seen, self.name = x._version, part, False, seen, name
+
+    def __call__(self, layer, x):
+        if x._version != self.version or not _training_call(x):
+            return None
+        if self.seen is not None:
+            self.seen.append(self.name)
+        self.taken = self.part is not None
+        return self.part
 
 
 def _before_parent_call(parent, args, kwargs):
@@ -422,18 +461,39 @@ def _before_parent_call(parent, args, kwargs):
         for name in group.names:
             child = layers.get(name)
             if isinstance(child, FusedLinear):
-                child.__dict__["_shared_product"] = (x, lambda layer, name=name: seen.append(name))
+                child.__dict__["_shared_product"] = (x, _SharedPart(x, seen=seen, name=name))
+        return None
+    if not group.members:
         return None
     members = [layers.get(name) for name in group.members]
     weights = _fusable_weights(x, members)
     if weights is None:
         return None
     biases = [member._parameters.get("bias") for member in members]
-    with_bias = biases[0] is not None
-    product = gemm_multiply_leaky_relu(x, torch.cat(weights), torch.cat(biases) if with_bias else None, 1.0, 1.0)
-    for member, part in zip(members, product.split([w.shape[0] for w in weights], -1)):
-        member.__dict__["_shared_product"] = (x, lambda layer, part=part: part)
+    shares = [_SharedPart(x) for _ in members]
+    weight = _SideBySide.apply(shares, *weights)
+    bias = _SideBySide.apply(shares, *biases) if biases[0] is not None else None
+    product = gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
+    for member, shared, part in zip(members, shares, product.split([w.shape[0] for w in weights], -1)):
+        shared.part = part
+        member.__dict__["_shared_product"] = (x, shared)
+    group.parts = shares
     return None
+
+
+class _SideBySide(torch.autograd.Function):
+    """torch.cat of the members' parameters, whose backward gives a member's parameter a gradient only where its part
+    of the product was taken (as eager gives none to a layer that was not called, or not in a recording mode)."""
+
+    @staticmethod
+    def forward(ctx, shares, *tensors):
+        ctx.shares, ctx.sizes = shares, [t.shape[0] for t in tensors]
+        return torch.cat(tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = grad.split(ctx.sizes)
+        return (None, *(part if shared.taken else None for part, shared in zip(parts, ctx.shares)))
 
 
 def _fusable_weights(x, members):
@@ -464,13 +524,17 @@ def _after_parent_call(parent, args, kwargs, output):
     if group is None:
         return None
     _clear_shared_products(parent, group)
+    unused = any(not shared.taken for shared in group.parts)
+    group.parts = ()
     if group.seen is not None:
         members = tuple(dict.fromkeys(group.seen))
         group.seen = None
         group.members = members if len(members) >= 2 else ()
-        if not group.members:  # nothing to fuse here: the parent's calls go back to the plain module call
-            _ungroup_projections(parent)
-            parent.__dict__["_projection_group"] = group
+    elif unused:
+        group.members = ()  # a member's part went unused: its calls vary, so each computes its own from now on
+    if group.members == ():  # nothing to fuse here: the parent's calls go back to the plain module call
+        _ungroup_projections(parent)
+        parent.__dict__["_projection_group"] = group
     return None
 
 

@@ -430,14 +430,33 @@ def graph_node_names(t):
 
 
 class TwoInputs(nn.Module):
-    """Linear children read different tensors (cross attention's pattern): no group."""
+    """Projections that read different tensors (cross attention's pattern): no group."""
 
     def __init__(self):
         super().__init__()
-        self.query, self.key = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.query, self.key, self.value = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
 
     def forward(self, x, memory):
-        return self.query(x) + self.key(memory)
+        return self.query(x) + self.key(memory) * self.value(memory)
+
+
+class Projections(nn.Module):
+    """q, k and v of one input, with ways for a call to differ from the one the group learned."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(16, 24)
+        self.scale_x_before_v, self.v_without_grad, self.skip_v = False, False, False
+
+    def forward(self, x):
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.scale_x_before_v:
+            x.mul_(2)
+        if self.skip_v:
+            return q * k
+        with torch.set_grad_enabled(not self.v_without_grad):
+            v = self.v_proj(x)
+        return q * k + v
 
 
 def projection_groups(model):
@@ -500,6 +519,52 @@ def test_sibling_projections_other_inputs_and_failed_calls(device, monkeypatch):
     for copied in (copy.deepcopy(bert), pickle.loads(pickle.dumps(bert))):
         assert set(projection_groups(copied).values()) == {("query", "key", "value")}
         torch.testing.assert_close(copied(input_ids=ids).logits, bert(input_ids=ids).logits, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("change", ["scale_x_before_v", "v_without_grad", "skip_v"])
+def test_sibling_projections_follow_the_call(change, device, monkeypatch):
+    """A member called on its input changed in place, or in another grad mode, or not called, computes its own
+    product or none: eager's results and gradients (none for a weight eager gives none); a call that leaves a
+    member's part unused ends the grouping."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    torch.manual_seed(0)
+    eager = Projections().to(device)
+    patched = kernels.patch(copy.deepcopy(eager))
+    x = torch.randn(5, 16, device=device)
+    patched(x.clone())  # learns
+    assert projection_groups(patched) == {"": ("q_proj", "k_proj", "v_proj")}
+    for step in range(2):
+        setattr(eager, change, True)
+        setattr(patched, change, True)
+        out, out_patched = eager(x.clone()), patched(x.clone())
+        torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
+        if change == "scale_x_before_v":  # q's and k's saved input changed: eager's backward raises too
+            continue
+        out.sum().backward()
+        out_patched.sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), patched.parameters()):
+            assert (q.grad is None) == (p.grad is None), (step, name)
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL, msg=name)
+        eager.zero_grad(set_to_none=False)
+        patched.zero_grad(set_to_none=False)
+    assert projection_groups(patched) == {"": ()} and not patched._forward_pre_hooks  # v's part unused: ungrouped
+
+
+def test_sibling_projections_under_activation_checkpointing(device, monkeypatch):
+    """Non-reentrant checkpointing recomputes a layer in the backward, which must save what its first run saved: no
+    learning or grouping in checkpointed calls, and eager's results and gradients."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    cls, config = tiny_transformers_models()["llama"]
+    torch.manual_seed(0)
+    model = cls(config).to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    for m in (model, patched):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
+    for _ in range(2):
+        check_logits_and_gradients(model, patched, ids)
 
 
 def test_llama_mlp_patch(device):

@@ -188,12 +188,11 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x, multiplier=1.0, negative_slope=1.0):
         # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
-        # call, (its input, a function giving this layer's part of that product or None) here for this layer's call
-        # on that same input.
-        shared = self.__dict__.get("_shared_product")
+        # call, (its input, a function of (this layer, x) giving this layer's part of that product or None) here for
+        # this layer's first call; the part stands for a call on that same input.
+        shared = self.__dict__.pop("_shared_product", None)
         if shared is not None and shared[0] is x and multiplier == 1.0 and negative_slope == 1.0:
-            del self.__dict__["_shared_product"]
-            part = shared[1](self)
+            part = shared[1](self, x)
             if part is not None:
                 return part
         # The parameters straight from their dict (a small layer's call is all host time); through the attributes
