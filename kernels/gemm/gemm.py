@@ -190,11 +190,13 @@ class FusedLinear(nn.Linear):
         # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
         # call, (its input, a function of (this layer, x) giving this layer's part of that product or None) here for
         # this layer's first call; the part stands for a call on that same input.
-        shared = self.__dict__.pop("_shared_product", None)
-        if shared is not None and shared[0] is x and multiplier == 1.0 and negative_slope == 1.0:
-            part = shared[1](self, x)
-            if part is not None:
-                return part
+        shared = self.__dict__.get("_shared_product")  # (a get, not a pop: Dynamo traces this line)
+        if shared is not None:
+            self.__dict__.pop("_shared_product", None)
+            if shared[0] is x and multiplier == 1.0 and negative_slope == 1.0:
+                part = shared[1](self, x)
+                if part is not None:
+                    return part
         # The parameters straight from their dict (a small layer's call is all host time); through the attributes
         # where something else provides them (torch.nn.utils.parametrize's properties).
         parameters = self._parameters
