@@ -239,11 +239,12 @@ class _TimmAttentionPatch:
         # (x, attn_mask=None, is_causal=False) in timm 1.0.26 on, (x, attn_mask=None) before.
         attn_mask = args[0] if args else kwargs.get("attn_mask")
         is_causal = args[1] if len(args) > 1 else kwargs.get("is_causal", False)
-        heads, head_dim = self.num_heads, self.head_dim
+        heads, head_dim = getattr(self, "num_heads", 0), getattr(self, "head_dim", 0)
         if (attn_mask is None and is_causal is False and len(args) <= 2 and kwargs.keys() <= {"attn_mask", "is_causal"}
-                and _packed_attention_takes(x, heads, head_dim) and self.fused_attn
+                and _packed_attention_takes(x, heads, head_dim) and getattr(self, "fused_attn", False)
                 and getattr(self, "gate", None) is None and (not self.training or self.attn_drop.p == 0.0)
-                and all(type(m) is nn.Identity and not _has_hooks(m) for m in (self.q_norm, self.k_norm, self.norm))):
+                and all(type(getattr(self, name, None)) is nn.Identity and not _has_hooks(getattr(self, name))
+                        for name in ("q_norm", "k_norm", "norm"))):
             batch, tokens, _ = x.shape
             packed = self.qkv(x)
             if packed.shape == (batch, tokens, 3 * heads * head_dim) and packed.is_contiguous():

@@ -630,6 +630,46 @@ def test_timm_vit_patch_round_trip(device):
 
 
 
+@pytest.mark.parametrize("signature", ["timm 1.0.26 on: (x, attn_mask, is_causal)", "before: (x, attn_mask)"])
+def test_timm_attention_patch_keeps_the_forwards_signature(signature, monkeypatch):
+    """Calls the patch does not take (here: CPU tensors) reach timm's own forward with the arguments given, whichever
+    signature the installed timm's Attention.forward has (a stand-in module for timm.layers.attention)."""
+    import types
+
+    seen = []
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+        if signature.startswith("before"):
+            def forward(self, x, attn_mask=None):
+                seen.append((attn_mask,))
+                return self.proj(x)
+        else:
+            def forward(self, x, attn_mask=None, is_causal=False):
+                seen.append((attn_mask, is_causal))
+                return self.proj(x)
+
+    module = types.ModuleType("timm.layers.attention")
+    module.Attention = Attention
+    monkeypatch.setitem(sys.modules, "timm.layers.attention", module)
+    attention = kernels.patch(Attention())
+    assert kernels.is_patched(attention)
+    x, mask = torch.randn(2, 5, 8), torch.zeros(5, 5)
+    attention(x)
+    attention(x, mask)
+    attention(x, attn_mask=mask)
+    expected = [(None,), (mask,), (mask,)]
+    if not signature.startswith("before"):
+        attention(x, None, True)
+        attention(x, is_causal=True)
+        expected = [(None, False), (mask, False), (mask, False), (None, True), (None, True)]
+    assert len(seen) == len(expected) and all(
+        all(a is b or a == b for a, b in zip(got, want)) for got, want in zip(seen, expected)), seen
+    kernels.unpatch(attention)
+
 @requires_cuda
 @pytest.mark.parametrize("batch,tokens,heads,head_dim", [(3, 197, 12, 64), (2, 50, 4, 32), (1, 8, 2, 128)])
 def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
