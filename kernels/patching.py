@@ -533,9 +533,9 @@ def _after_parent_call(parent, args, kwargs, output):
         group.members = members if len(members) >= 2 else ()
     elif unused:
         group.members = ()  # a member's part went unused: its calls vary, so each computes its own from now on
-    if group.members == ():  # nothing to fuse here: the parent's calls go back to the plain module call
-        _ungroup_projections(parent)
-        parent.__dict__["_projection_group"] = group
+    if group.members == ():  # nothing to fuse here (the group stays, as learned): back to the plain module call
+        for handle in group.handles:
+            handle.remove()
     return None
 
 
