@@ -2,12 +2,16 @@
 another stream's, kept only where autograd does not record the weight."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import poison_allocator
+from distributed_helpers import NO_NVLINK_MULTICAST
 from kernels.gemm.gemm import FusedLinear, forced_gemm_path
 from gemm_helpers import automatic_split_path, kept_split_expected, over_split_paths, slow_problem_shape
 
@@ -115,6 +119,71 @@ def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(dev
     linear(x)
     assert linear._weight_split is None and linear._weight_split_key is None
     copy.deepcopy(linear)  # copies and pickles hold no split
+
+
+# Run in a process of its own (fully_shard there marks the whole process): which weights may be rewritten uncounted,
+# then a FusedLinear under FSDP2 (one rank) called without a gradient between updates of its sharded weight, each
+# call against the op on the gathered weight. Prints "name: value" lines.
+SHARDED_WEIGHT_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from kernels.gemm.gemm import FusedLinear, _rewritten_uncounted
+
+device = sys.argv[1]
+flat = torch.randn(72)
+zero3 = torch.nn.Parameter(torch.randn(8, 4))
+zero3.ds_id = 0
+own = torch.nn.Parameter(torch.randn(8, 4))
+print("own weight:", _rewritten_uncounted(own))
+print("view at an offset:", _rewritten_uncounted(flat[8:40].view(8, 4)))
+print("view of a larger storage:", _rewritten_uncounted(flat[:32].view(8, 4)))
+print("ZeRO-3 parameter:", _rewritten_uncounted(zero3))
+torch.manual_seed(0)
+x = torch.randn(1024, 2048, device=device)  # 2^32 multiply-adds: kept where nothing is sharded
+linear = FusedLinear(2048, 2048).to(device)
+with torch.no_grad():
+    for _ in range(3):
+        linear(x)
+print("kept before sharding:", linear._weight_split is not None)
+dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+fully_shard(linear, mesh=init_device_mesh(device, (1,)))
+print("own weight once a module is sharded:", _rewritten_uncounted(own))
+stale = 0
+for update in range(3):
+    with torch.no_grad():
+        for call in range(3):
+            y = linear(x)  # the root keeps its gathered parameters after a call: the call's own
+            expected = torch.ops.kernels.gemm_multiply_leaky_relu(x, linear.weight, linear.bias, 1.0, 1.0, False)[0]
+            stale += not torch.equal(y, expected)
+        linear.reshard()  # the sharded parameters back, updated as an optimizer's step does: the next call gathers
+        for parameter in linear.parameters():
+            parameter.mul_(0.5)
+print("kept under FSDP2:", linear._weight_split is not None)
+print("calls unlike the gathered weight's:", stale)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_no_split_is_kept_for_weights_a_sharding_framework_rewrites_uncounted(device):
+    """FSDP2 gathers an updated weight into memory it freed, often at the same address, and its version counter does
+    not move: a split kept across no_grad calls would give the old weight's results. FSDP1's views of its flat
+    parameter and DeepSpeed ZeRO-3's parameters are refused alike."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **NO_NVLINK_MULTICAST, PYTHONPATH=root)
+    result = subprocess.run([sys.executable, "-c", SHARDED_WEIGHT_SCRIPT, device], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert lines["own weight"] == "False"
+    assert lines["view at an offset"] == lines["view of a larger storage"] == lines["ZeRO-3 parameter"] == "True"
+    assert lines["own weight once a module is sharded"] == "True"
+    assert lines["kept before sharding"] == str(device == "cuda" and automatic_split_path() is not None)
+    assert lines["kept under FSDP2"] == "False"
+    assert lines["calls unlike the gathered weight's"] == "0"
 
 
 def test_weight_split_list_not_from_gemm_weight_split_is_a_clear_error(device):

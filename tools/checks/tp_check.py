@@ -2,8 +2,9 @@
 
 Run by `python tools/device_check.py tp [--cpu]` (torchrun, 2 processes; GPUs over NCCL, or the CPU over gloo where
 TP_CHECK_DEVICE=cpu). Cases: ColwiseParallel and RowwiseParallel on `gemm`, a replicated weight with x sharded by rows
-and replicated, FSDP2 on the whole model and on `gemm` alone; at a small shape, and on GPUs one whose local products
-take the split path. Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end.
+and replicated, FSDP2 on the whole model and on `gemm` alone (training steps, then no_grad calls between weight
+updates); at a small shape, and on GPUs one whose local products take the split path.
+Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end.
 """
 
 import os
@@ -121,6 +122,18 @@ def fsdp2(target, shape, mesh, device, rank, world):
         fully_shard(model.gemm if target == "gemm" else model, mesh=mesh)
     g = torch.Generator(device).manual_seed(10 + rank)  # data parallel: each rank its own batch
     same_after_steps(new, reference, [torch.randn(m, k, device=device, generator=g) for _ in range(3)])
+    # Evaluation between weight updates: FSDP2 gathers an updated weight into memory it freed, often at the same
+    # address, without moving its version counter, so a split kept across no_grad calls (FusedLinear) would go stale.
+    x = torch.randn(m, k, device=device, generator=g)
+    sharded = [model.gemm if target == "gemm" else model for model in (reference, new)]
+    for update in range(2):
+        with torch.no_grad():
+            for call in range(3):  # on a GPU the weight is seen, then its split would be made, then read
+                same(f"no_grad y, update {update}, call {call}", new(x), reference(x))
+            for module in sharded:
+                module.reshard()  # the root keeps its gathered parameters after a call: sharded again, the next gathers
+                for parameter in module.parameters():  # the sharded parameters, as an optimizer's step writes them
+                    parameter.mul_(0.5)
 
 
 def main():
