@@ -121,9 +121,9 @@ def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(dev
     copy.deepcopy(linear)  # copies and pickles hold no split
 
 
-# Run in a process of its own (fully_shard there marks the whole process): which weights may be rewritten uncounted,
-# then a FusedLinear under FSDP2 (one rank) called without a gradient between updates of its sharded weight, each
-# call against the op on the gathered weight. Prints "name: value" lines.
+# Run in a process of its own (its process group stops kept splits there): a FusedLinear keeps its weight's split,
+# then, once a process group exists, drops it and keeps none under FSDP2 (one rank), called without a gradient between
+# updates of its sharded weight, each call against the op on the gathered weight. Prints "name: value" lines.
 SHARDED_WEIGHT_SCRIPT = """
 import sys
 import torch
@@ -133,24 +133,20 @@ from torch.distributed.fsdp import fully_shard
 from kernels.gemm.gemm import FusedLinear, _rewritten_uncounted
 
 device = sys.argv[1]
-flat = torch.randn(72)
-zero3 = torch.nn.Parameter(torch.randn(8, 4))
-zero3.ds_id = 0
-own = torch.nn.Parameter(torch.randn(8, 4))
-print("own weight:", _rewritten_uncounted(own))
-print("view at an offset:", _rewritten_uncounted(flat[8:40].view(8, 4)))
-print("view of a larger storage:", _rewritten_uncounted(flat[:32].view(8, 4)))
-print("ZeRO-3 parameter:", _rewritten_uncounted(zero3))
 torch.manual_seed(0)
-x = torch.randn(1024, 2048, device=device)  # 2^32 multiply-adds: kept where nothing is sharded
+x = torch.randn(1024, 2048, device=device)  # 2^32 multiply-adds: kept
 linear = FusedLinear(2048, 2048).to(device)
 with torch.no_grad():
     for _ in range(3):
         linear(x)
-print("kept before sharding:", linear._weight_split is not None)
+print("rewritten uncounted, no process group:", _rewritten_uncounted())
+print("kept without a process group:", linear._weight_split is not None)
 dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+print("rewritten uncounted, a process group:", _rewritten_uncounted())
+with torch.no_grad():
+    linear(x)
+print("kept once a process group exists:", linear._weight_split is not None)
 fully_shard(linear, mesh=init_device_mesh(device, (1,)))
-print("own weight once a module is sharded:", _rewritten_uncounted(own))
 stale = 0
 for update in range(3):
     with torch.no_grad():
@@ -168,21 +164,21 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_no_split_is_kept_for_weights_a_sharding_framework_rewrites_uncounted(device):
-    """FSDP2 gathers an updated weight into memory it freed, often at the same address, and its version counter does
-    not move: a split kept across no_grad calls would give the old weight's results. FSDP1's views of its flat
-    parameter and DeepSpeed ZeRO-3's parameters are refused alike."""
+def test_no_split_is_kept_where_collectives_may_rewrite_weights_uncounted(device):
+    """A process group's collectives write tensors without moving their version counters: FSDP2 gathers an updated
+    weight into memory it freed, often at the same address, so a split kept across no_grad calls would give the old
+    weight's results; a broadcast of weights likewise."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, **NO_NVLINK_MULTICAST, PYTHONPATH=root)
     result = subprocess.run([sys.executable, "-c", SHARDED_WEIGHT_SCRIPT, device], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
-    assert lines["own weight"] == "False"
-    assert lines["view at an offset"] == lines["view of a larger storage"] == lines["ZeRO-3 parameter"] == "True"
-    assert lines["own weight once a module is sharded"] == "True"
-    assert lines["kept before sharding"] == str(device == "cuda" and automatic_split_path() is not None)
-    assert lines["kept under FSDP2"] == "False"
+    kept_here = device == "cuda" and automatic_split_path() is not None
+    assert lines["rewritten uncounted, no process group"] == "False"
+    assert lines["kept without a process group"] == str(kept_here)
+    assert lines["rewritten uncounted, a process group"] == "True"
+    assert lines["kept once a process group exists"] == lines["kept under FSDP2"] == "False"
     assert lines["calls unlike the gathered weight's"] == "0"
 
 

@@ -178,8 +178,8 @@ class FusedLinear(nn.Linear):
     products of KEPT_SPLIT_MIN_PRODUCTS or more) is kept and given to the op; results are bitwise the same. Kept only
     in eager calls that do not record the weight's gradient, keyed on the tensor, its address and version counter
     (the op checks the stamp again). Changes PyTorch does not count (`.data`, foreign writes) are not seen: call
-    clear_weight_split(). None is kept where a sharding framework may rewrite the weight uncounted
-    (_rewritten_uncounted: FSDP, DeepSpeed ZeRO-3). Memory: ~4 bytes per weight element, within kept_split_budget()
+    clear_weight_split(). None is kept in a process with a torch.distributed process group, whose collectives
+    (FSDP's gathers, a broadcast of weights) write uncounted. Memory: ~4 bytes per weight element, within kept_split_budget()
     per GPU, LRU dropped first.
     """
 
@@ -225,7 +225,7 @@ class FusedLinear(nn.Linear):
     def _weight_split_for(self, x, weight):
         if x.numel() * weight.shape[0] < KEPT_SPLIT_MIN_PRODUCTS:  # none is made: the call stays host-bound and lean
             return None
-        if not (self.cache_weight_split and _split_may_be_kept(x, weight)):
+        if not (self.cache_weight_split and _split_may_be_kept(x, weight)) or _rewritten_uncounted():
             if self._weight_split_key is not None:
                 self.clear_weight_split()
             return None
@@ -238,7 +238,7 @@ class FusedLinear(nn.Linear):
             return None
         if self._weight_split is None:
             rows = x.numel() // max(x.shape[-1], 1)
-            if rows in self._weight_split_refused_rows or _rewritten_uncounted(weight):
+            if rows in self._weight_split_refused_rows:
                 return None
             split_bytes = _kept_splits.split_bytes(weight)
             if not _kept_splits.make_room(weight.device, split_bytes):
@@ -380,19 +380,13 @@ def _split_may_be_kept(x, weight):
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _rewritten_uncounted(weight):
-    """Whether `weight`'s memory may be rewritten between calls without its version counter moving, so that a split
-    kept across calls could go stale: in a process where FSDP2 has sharded a module (fully_shard: it gathers each
-    parameter anew into memory it freed, often at the same address, and counts no version), a parameter of DeepSpeed
-    ZeRO-3 (ds_id: its data swapped between calls), and a weight that is part of a larger storage (FSDP1's parameters
-    are views of its flat parameter, which it gathers the same way)."""
-    if hasattr(weight, "ds_id"):
-        return True
-    if weight.storage_offset() != 0 or weight.untyped_storage().nbytes() != weight.numel() * weight.element_size():
-        return True
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    sharded_module = getattr(fsdp, "FSDPModule", None)  # fully_shard gives each module it shards a subclass of it
-    return sharded_module is not None and len(sharded_module.__subclasses__()) > 0
+def _rewritten_uncounted():
+    """Whether weights may be rewritten between calls without their version counters moving, so that a split kept
+    across calls could go stale: in a process with a torch.distributed process group, whose collectives write tensors
+    uncounted (a broadcast or all-reduce into a weight, FSDP's gathers into memory it freed, often at the same address,
+    DeepSpeed ZeRO-3's)."""
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()
 
 
 # ---- tensor parallelism (DTensor) ----------------------------------------------------------------------------------
