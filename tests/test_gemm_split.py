@@ -270,6 +270,11 @@ EPILOGUE_CASES = {  # name: (m, k, n)
     "two_chunks": (2048, 128, 2560),
     # grad_W of 1000 x 520 (40 tiles) over 4096 rows: K split (split_gemm_k_slices), the partials by either epilogue.
     "split_k": (4096, 520, 1000),
+    # Rows of y that are not 16-byte multiples (n % 4 != 0: plain stores either way): n % 4 = 3 and m % 4 = 1; the
+    # kept split's kernel with n % 4 = 2; a forward over few rows with K split (16 tiles over 64 chunks).
+    "odd_columns": (557, 1040, 523),
+    "odd_columns_kept_split": (1100, 4000, 1062),
+    "odd_columns_split_k": (128, 4096, 2046),
 }
 
 
@@ -305,8 +310,8 @@ torch.save(results, sys.argv[1])
 def test_split_fp16_epilogue_by_tma_and_by_plain_stores_agree_bit_for_bit(tmp_path):
     """The Hopper kernel's TMA epilogue (outputs made in the staging buffer, then TMA stores) and its plain-stores
     epilogue (KERNELS_GEMM_PLAIN_STORES=1, what the sanitizer's initcheck runs) give the same outputs, masks and
-    gradients bit for bit: forward, the forward from a kept split, grad_x and grad_W, on shapes with tails and with
-    K of one and two chunks. The plain-stores run also launches every kernel plainly (KERNELS_DEPENDENT_LAUNCH=0),
+    gradients bit for bit: forward, the forward from a kept split, grad_x and grad_W, on shapes with tails, with
+    K of one and two chunks, and with rows of y that are not 16-byte multiples. The plain-stores run also launches every kernel plainly (KERNELS_DEPENDENT_LAUNCH=0),
     so the dependent launches are held to the same bits."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = {}

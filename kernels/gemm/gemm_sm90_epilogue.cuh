@@ -4,8 +4,9 @@
 // the partials' workspace, slice s's plain outputs in its rows s * slice_rows .. s * slice_rows + m - 1.
 //
 // The consumers write their totals into shared memory, make the outputs there, and TMA stores them (y's rows 16-byte
-// aligned; plain stores else), so that a consumer goes on to the next tile's products without waiting on global
-// stores. TMA stores and the plain stores' guards write nothing outside y. A non-finite w value was split as 0 and
+// aligned), so that a consumer goes on to the next tile's products without waiting on global stores; else (a
+// vocabulary's 50257 or 30522 columns) each warp makes a row's 32 outputs of a box from shared memory at a time and
+// stores them as 128 consecutive bytes. TMA stores and the plain stores' guards write nothing outside y. A non-finite w value was split as 0 and
 // its row flagged (gemm_sm90_w_split.cuh); the CTAs of x's first tile write the flags to w_flags, and
 // launch_nonfinite_outputs then writes the outputs it reaches.
 #pragma once
@@ -56,7 +57,6 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row
   // 8 j + 2 t + c.
   const bool flags_writer = tile_x == 0 && arguments.w_flags != nullptr;
-  float column_bias[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     bool bad = non_finite[half];
@@ -65,35 +65,46 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     const int column = tile_w * kBlockW + tile_row + half * row_step;
     if (flags_writer && t == 0 && column < n && (bad || !arguments.w_flags_set_only))
       arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
-    column_bias[half] = bias && column < n ? bias[column] : 0.0f;
   }
-  // The output of total[j * 4 + half * 2 + c]; row: its x row's factors. The plain stores' path (the TMA path makes
-  // its outputs in the staging buffer, below).
-  const auto output = [&](int j, int half, int c, RowUnscale row) {
-    return epilogue(unscale(total[j * 4 + half * 2 + c], row), column_bias[half], multiplier, negative_slope);
-  };
-  if (arguments.y_by_tma) {
-    // Through this consumer's staging buffer, 64 rows of y at a time, and TMA stores that run on while the consumer
-    // moves to the next tile. The buffer holds two 32-column boxes in the 128-byte swizzle (16-byte unit u of box row r
-    // at u ^ (r % 8)). Per part, threads write their totals there as they are, then one loop pass makes the outputs, 4
-    // at a time, each thread unscaling and activating a 16-byte unit of 8 rows: a small loop body instead of a large
-    // straight-line block (kernels/gemm/NOTES.md, Decisions, "The epilogue: totals staged as they are").
-    const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
-    const int thread_index = threadIdx.x % 128;
-    const bool store_thread = thread_index == 0;
-    // The thread's totals of row c, half `half` of a part's first 8 rows (jj = 0); of row jj, 8 jj rows (1 KB)
-    // further: the swizzle depends on the row only through row % 8.
-    std::uint32_t total_address[2][2];
+  // Both ways go through this consumer's staging buffer, 64 rows of y (a part) at a time. The buffer holds two
+  // 32-column boxes in the 128-byte swizzle (16-byte unit u of box row r at u ^ (r % 8)). Per part, threads write
+  // their totals there as they are, then make the outputs from there.
+  const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
+  const int thread_index = threadIdx.x % 128;
+  // The thread's totals of row c, half `half` of a part's first 8 rows (jj = 0); of row jj, 8 jj rows (1 KB)
+  // further: the swizzle depends on the row only through row % 8.
+  std::uint32_t total_address[2][2];
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < 2; ++c) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63: the consumer's columns
-        const int box = local_column / kBoxK, box_column = local_column % kBoxK, box_row = 2 * t + c;
-        total_address[c][half] = staging + box * kOutBoxBytes + box_row * 128 +
-                                 ((box_column / 4) ^ (box_row % 8)) * 16 + (box_column % 4) * 4;
+    for (int half = 0; half < 2; ++half) {
+      const int local_column = tile_row + half * row_step - consumer * 64;  // 0 .. 63: the consumer's columns
+      const int box = local_column / kBoxK, box_column = local_column % kBoxK, box_row = 2 * t + c;
+      total_address[c][half] = staging + box * kOutBoxBytes + box_row * 128 +
+                               ((box_column / 4) ^ (box_row % 8)) * 16 + (box_column % 4) * 4;
+    }
+  }
+  const auto stage_totals = [&](int part) {
+#pragma unroll
+    for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
+      const int j = part * (kOutBoxRows / 8) + jj;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          store_shared_float(total_address[c][half] + jj * 8 * 128, total[j * 4 + half * 2 + c]);
       }
     }
+  };
+  // A plain product (the backward's: no bias, multiplier and slope 1, no mask): each output by plain_product_output,
+  // epilogue()'s value bit for bit in fewer instructions (kernels/gemm/NOTES.md, Decisions, "The plain product's
+  // epilogue").
+  const bool plain_product = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
+  if (arguments.y_by_tma) {
+    // TMA stores that run on while the consumer moves to the next tile. One loop pass makes a part's outputs, 4 at a
+    // time, each thread unscaling and activating a 16-byte unit of 8 rows: a small loop body instead of a large
+    // straight-line block (kernels/gemm/NOTES.md, Decisions, "The epilogue: totals staged as they are").
+    const bool store_thread = thread_index == 0;
     // The pass's unit: unit `unit` of box `box` of rows first_row + 8 i (i = 0 .. 7), columns first_column .. + 3.
     const int unit = thread_index % 8, box = (thread_index / 8) % 2, first_row = thread_index / 16;
     const std::uint32_t unit_address = staging + box * kOutBoxBytes + first_row * 128 + (unit ^ first_row) * 16;
@@ -103,24 +114,11 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
     for (int q = 0; q < 4; ++q) unit_bias[q] = bias && columns_inside ? bias[first_column + q] : 0.0f;
     const bool mask_words = reinterpret_cast<std::uintptr_t>(positive) % 4 == 0;  // n % 4 == 0: rows stay aligned
-    // A plain product (the backward's: no bias, multiplier and slope 1, no mask): each output by plain_product_output,
-    // epilogue()'s value bit for bit in fewer instructions (kernels/gemm/NOTES.md, Decisions, "The plain product's
-    // epilogue").
-    const bool plain_product = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
 #pragma unroll
     for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
       if (store_thread) tma_store_wait_read<0>();  // the buffer's previous stores have read it
       named_barrier_sync(kStagingBarrier + consumer, 128);
-#pragma unroll
-      for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
-        const int j = part * (kOutBoxRows / 8) + jj;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            store_shared_float(total_address[c][half] + jj * 8 * 128, total[j * 4 + half * 2 + c]);
-        }
-      }
+      stage_totals(part);
       named_barrier_sync(kStagingBarrier + consumer, 128);
       // The exponents of the thread's 8 rows of the part, loaded together: one global latency per part.
       const int part_row = tile_x * kBlockX + part * kOutBoxRows + first_row;
@@ -171,20 +169,45 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
       }
     }
   } else {
+    // Plain stores (y's rows not 16-byte aligned, or KERNELS_GEMM_PLAIN_STORES): warp w makes the part's rows
+    // w + 4 i (i = 0 .. 15) of both boxes, lane l column l of a box: each store writes 128 consecutive bytes of a row.
+    const int warp = thread_index / 32, lane = thread.lane;
+    const std::int64_t out_row0 = static_cast<std::int64_t>(slice) * arguments.slice_rows;
+    int column[2];
+    float lane_bias[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int column = tile_w * kBlockW + tile_row + half * row_step;
-      if (column >= n) continue;
+    for (int b = 0; b < 2; ++b) {
+      column[b] = tile_w * kBlockW + consumer * 64 + b * kBoxK + lane;
+      lane_bias[b] = bias && column[b] < n ? bias[column[b]] : 0.0f;
+    }
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+    for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
+      named_barrier_sync(kStagingBarrier + consumer, 128);  // the buffer's previous outputs have been read
+      stage_totals(part);
+      named_barrier_sync(kStagingBarrier + consumer, 128);
+      // Lane l (< 16) loads the exponent of the warp's row l; each row's is taken from its lane by a shuffle.
+      const int part_first_row = tile_x * kBlockX + part * kOutBoxRows;
+      const int lane_row = part_first_row + warp + 4 * (lane % 16);
+      const int lane_exponent = lane_row < m ? x_exponent[lane_row] : 0;
+#pragma unroll 4
+      for (int i = 0; i < kOutBoxRows / 4; ++i) {
+        const int local_row = warp + 4 * i, row = part_first_row + local_row;
+        const RowUnscale factors = row_unscale(__shfl_sync(0xffffffffu, lane_exponent, i));
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int row = tile_x * kBlockX + 8 * j + 2 * t + c;
-          if (row >= m) continue;
-          const Activated out = output(j, half, c, row_unscale(x_exponent[row]));
-          const std::int64_t at = (static_cast<std::int64_t>(slice) * arguments.slice_rows + row) * n + column;
-          y[at] = out.value;
-          if (positive) positive[at] = out.positive;
+        for (int b = 0; b < 2; ++b) {
+          const float product = unscale(
+              load_shared_float(staging + b * kOutBoxBytes + local_row * 128 + (((lane / 4) ^ (local_row % 8)) << 4) +
+                                (lane % 4) * 4),
+              factors);
+          if (row >= m || column[b] >= n) continue;
+          const std::int64_t at = (out_row0 + row) * n + column[b];
+          if (plain_product) {
+            y[at] = plain_product_output(product);
+          } else {
+            const Activated out = epilogue(product, lane_bias[b], multiplier, negative_slope);
+            y[at] = out.value;
+            if (positive) positive[at] = out.positive;
+          }
         }
       }
     }

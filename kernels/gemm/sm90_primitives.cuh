@@ -137,6 +137,14 @@ __device__ __forceinline__ float4 load_shared_float4(std::uint32_t address) {
   return v;
 }
 
+__device__ __forceinline__ float load_shared_float(std::uint32_t address) {
+  float v = 0.0f;
+#if KERNELS_SM90A_DEVICE
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+#endif
+  return v;
+}
+
 __device__ __forceinline__ float2 load_shared_float2(std::uint32_t address) {
   float2 v = make_float2(0.0f, 0.0f);
 #if KERNELS_SM90A_DEVICE
