@@ -172,8 +172,9 @@ class RmsNormCase:
     def run(fn, inputs, dtype):
         outputs = {}
         for name in ("packs", "odd"):
-            leaf = inputs[name].to(dtype).requires_grad_(True)
-            weight = inputs[f"{name} weight"].to(dtype).requires_grad_(True)
+            # Fresh leaves: a float32 .to() would return the input itself and mark it for the next call.
+            leaf = inputs[name].to(dtype, copy=True).requires_grad_(True)
+            weight = inputs[f"{name} weight"].to(dtype, copy=True).requires_grad_(True)
             y = fn(leaf, weight)
             y.backward(inputs[f"{name} grad"].to(dtype))
             outputs.update({name: y.detach().float(), f"{name} grad": leaf.grad.float(),
@@ -226,7 +227,8 @@ class LayerNormCase:
     def run(fn, inputs, dtype):
         outputs = {}
         for name in ("packs", "odd", "long"):
-            leaves = [inputs[key].to(dtype).requires_grad_(True) for key in (name, f"{name} weight", f"{name} bias")]
+            leaves = [inputs[key].to(dtype, copy=True).requires_grad_(True)  # fresh leaves, as RMSNormCase's
+                      for key in (name, f"{name} weight", f"{name} bias")]
             y = fn(*leaves)
             y.backward(inputs[f"{name} grad"].to(dtype))
             outputs.update({name: y.detach().float(), f"{name} grad": leaves[0].grad.float(),
