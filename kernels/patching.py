@@ -374,7 +374,8 @@ class _ProjectionGroup:
     their outputs, one grad_x and one grad_W product backward) and gives each layer its part, a column slice of that
     product, when it is called on that same input, unchanged, in the same grad and autocast modes, within the
     parent's call. Nothing outlives the call. A call in which a member's part goes unused (its weight then gets a
-    zero gradient where eager gives none) ends the grouping for later calls."""
+    zero gradient where eager gives none) ends the grouping for later calls. A call without a gradient to compute runs
+    the parent's scaled-dot-product attention on the split kernels where they are faster (_SplitAttention)."""
 
     def __init__(self, names):
         self.names = names  # the candidates: the parent's patched projection children
@@ -382,6 +383,7 @@ class _ProjectionGroup:
         self.seen = None  # while learning: the names called so far
         self.parts = ()  # within a call: the parts handed out (_SharedPart)
         self.handles = ()
+        self.attention_modes = []  # within a call without a gradient: the _SplitAttention entered for it
 
 
 # Children's names of the projections a group takes: those whose outputs transformers' attention layers reshape into
@@ -454,6 +456,11 @@ def _before_parent_call(parent, args, kwargs):
         return None
     group = parent.__dict__.get("_projection_group")
     x = _parent_input(args, kwargs)
+    if group is not None and x is not None and _attention_may_split(parent, x):
+        mode = _SplitAttention()
+        mode.__enter__()
+        group.attention_modes.append(mode)
+        return None
     if group is None or x is None or _fuse_projections == "never" or not _training_call(x):
         return None
     layers = parent._modules
@@ -480,6 +487,31 @@ def _before_parent_call(parent, args, kwargs):
         member.__dict__["_shared_product"] = (x, shared)
     group.parts = shares
     return None
+
+
+class _SplitAttention(TorchFunctionMode):
+    """F.scaled_dot_product_attention through fp32_gemm()'s route (the split kernels where they are faster), every other
+    function as it is: entered for an attention parent's call without a gradient to compute (_attention_may_split)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            result = _attention_route(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*args, **kwargs)
+
+
+def _attention_may_split(parent, x):
+    """Whether a parent's call on x (batch, tokens, features) may have its attention taken by the split kernels: float32
+    CUDA without a gradient to compute, outside torch.func's transforms, heads of 64 (the parent's head_dim or
+    attention_head_size) and enough tokens for keys (a causal parent's more); _attention_route decides per call. The
+    shape is checked first, so that small calls pay no more host time than that."""
+    head_dim = parent.__dict__.get("head_dim", parent.__dict__.get("attention_head_size"))
+    return (head_dim == 64 and x.dim() == 3 and
+            x.shape[1] >= (_CAUSAL_ATTENTION_MIN_KEYS if parent.__dict__.get("is_causal") else _ATTENTION_MIN_KEYS)
+            and not torch.is_grad_enabled() and x.is_cuda and x.dtype == torch.float32
+            and not torch._C._are_functorch_transforms_active() and _attention_runs_on(x.device))
 
 
 class _SideBySide(torch.autograd.Function):
@@ -523,6 +555,9 @@ def _fusable_weights(x, members):
 def _after_parent_call(parent, args, kwargs, output):
     group = None if _is_compiling() else parent.__dict__.get("_projection_group")
     if group is None:
+        return None
+    if group.attention_modes:
+        group.attention_modes.pop().__exit__(None, None, None)
         return None
     _clear_shared_products(parent, group)
     unused = any(not shared.taken for shared in group.parts)

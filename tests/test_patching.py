@@ -494,6 +494,59 @@ def test_sibling_projections_are_one_product_while_training(name, members, devic
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in patched.modules())
 
 
+def _bert_with_heads_of_64(device):
+    t = _transformers()
+    config = t.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                          vocab_size=97, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return t.BertForMaskedLM(config).to(device).eval(), config
+
+
+def test_attention_without_a_gradient_takes_the_split_kernels(device, monkeypatch):
+    """A BERT self-attention call without a gradient to compute (no_grad, inference_mode), heads of 64 over 512 tokens,
+    runs its scaled-dot-product attention through fp32_gemm()'s route within the call: on a GPU the split kernels, the
+    logits within the contract against the unpatched model's and float64; a call that trains, a short call and a call
+    on the CPU stay eager's; no mode is left behind."""
+    model, config = _bert_with_heads_of_64(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    calls = []
+    attention = patching.attention
+    monkeypatch.setattr(patching, "attention", lambda *args: calls.append(args[0].shape) or attention(*args))
+    ids = torch.randint(0, config.vocab_size, (2, 512), device=device)
+    on_split = device == "cuda" and patching._attention_runs_on(ids.device)
+    with torch.no_grad():
+        y64 = copy.deepcopy(model).double()(input_ids=ids).logits
+    for mode in (torch.no_grad, torch.inference_mode):
+        calls.clear()
+        with mode():
+            eager, ours = model(input_ids=ids).logits, patched(input_ids=ids).logits
+        assert len(calls) == (config.num_hidden_layers if on_split else 0), calls
+        assert torch._C._len_torch_function_stack() == 0
+        check_close_to_float64(ours, eager, y64)
+    calls.clear()
+    patched(input_ids=ids).logits.sum().backward()  # a call that trains: eager's attention
+    with torch.no_grad():
+        patched(input_ids=ids[:, :64])  # too few keys
+    assert not calls and torch._C._len_torch_function_stack() == 0
+
+
+def test_attention_mode_is_left_after_each_call(monkeypatch):
+    """The mode an attention parent's call enters (forced here on the CPU, where the route leaves every call to eager)
+    is left when the call returns and when it raises, and the outputs are the unpatched model's."""
+    monkeypatch.setattr(patching, "_attention_may_split", lambda parent, x: True)
+    model, config = _bert_with_heads_of_64("cpu")
+    patched = kernels.patch(copy.deepcopy(model))
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, atol=TOL, rtol=TOL)
+        assert torch._C._len_torch_function_stack() == 0
+        attention = patched.bert.encoder.layer[0].attention.self
+        with pytest.raises(RuntimeError):
+            attention(torch.randn(2, 24, config.hidden_size + 1))
+        assert torch._C._len_torch_function_stack() == 0
+        assert not attention.__dict__["_projection_group"].attention_modes
+
+
 def test_sibling_projections_other_inputs_and_failed_calls(device, monkeypatch):
     """Children that read different tensors form no group (the parent's hooks are removed); a call that raises leaves
     nothing on the layers; the group follows deepcopy and pickling; patch() twice adds no second hook."""
