@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.functional import causal_softmax, leaky_relu
-from kernels.gemm.gemm import FusedLinear
+from kernels.gemm.gemm import FusedLinear, _rewritten_uncounted
 from kernels.nn import GELUTanh
 
 
@@ -93,7 +93,8 @@ class CausalSelfAttentionNew(nn.Module):
 
     def _mask_is_causal(self):
         seen = self._causal_mask_seen
-        if seen is not None and seen[0] is self.bias and seen[1] == self.bias._version:
+        # Collectives write buffers uncounted (DDP broadcasts them each call): with a process group, checked each call.
+        if seen is not None and seen[0] is self.bias and seen[1] == self.bias._version and not _rewritten_uncounted():
             return True
         size = self.bias.shape[-1]
         causal = self.bias.shape == (1, 1, size, size) and bool(torch.equal(

@@ -282,6 +282,7 @@ EPILOGUE_CASES_SCRIPT = r"""
 import ast
 import sys
 import torch
+import torch.nn.functional as F
 from kernels.gemm.gemm import forced_gemm_path
 
 cases = ast.literal_eval(sys.argv[2])  # EPILOGUE_CASES
@@ -300,6 +301,13 @@ for name, (m, k, n) in cases.items():
                                                                     True)
     # The kept split's results are the in-register split's, bit for bit (whichever epilogue).
     assert torch.equal(y.view(torch.int32), y_kept.view(torch.int32)) and torch.equal(mask, mask_kept), name
+    if n % 4:  # y's rows not 16-byte multiples: the same columns of the product padded to n % 4 == 0 (y by TMA there)
+        pad = 4 - n % 4
+        with forced_gemm_path("split_fp16"), torch.no_grad():
+            y_pad, mask_pad = torch.ops.kernels.gemm_multiply_leaky_relu(
+                x, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)), -1.5, -0.2, True)
+        assert torch.equal(y.view(torch.int32), y_pad[:, :n].view(torch.int32)), name
+        assert torch.equal(mask, mask_pad[:, :n]), name
     results[name] = [t.cpu() for t in (y, mask, y_kept, mask_kept, *grads)] + [len(split)]
 torch.save(results, sys.argv[1])
 """
@@ -311,8 +319,10 @@ def test_split_fp16_epilogue_by_tma_and_by_plain_stores_agree_bit_for_bit(tmp_pa
     """The Hopper kernel's TMA epilogue (outputs made in the staging buffer, then TMA stores) and its plain-stores
     epilogue (KERNELS_GEMM_PLAIN_STORES=1, what the sanitizer's initcheck runs) give the same outputs, masks and
     gradients bit for bit: forward, the forward from a kept split, grad_x and grad_W, on shapes with tails, with
-    K of one and two chunks, and with rows of y that are not 16-byte multiples. The plain-stores run also launches every kernel plainly (KERNELS_DEPENDENT_LAUNCH=0),
-    so the dependent launches are held to the same bits."""
+    K of one and two chunks, and with rows of y that are not 16-byte multiples (plain stores in both runs: the script
+    holds each to the forward with w and the bias padded by zero rows to a multiple of 4, whose y takes TMA). The
+    plain-stores run also launches every kernel plainly (KERNELS_DEPENDENT_LAUNCH=0), so the dependent launches are
+    held to the same bits."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = {}
     for plain in ("0", "1"):

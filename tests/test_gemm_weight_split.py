@@ -165,9 +165,9 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_no_split_is_kept_where_collectives_may_rewrite_weights_uncounted(device):
-    """A process group's collectives write tensors without moving their version counters: FSDP2 gathers an updated
-    weight into memory it freed, often at the same address, so a split kept across no_grad calls would give the old
-    weight's results; a broadcast of weights likewise."""
+    """A process group's collectives write tensors without moving their version counters (FSDP2 gathers an updated
+    weight into memory it freed, often at the same address; a broadcast into a weight writes it in place), so a split
+    kept across no_grad calls would give the old weight's results: with a process group none is kept."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, **NO_NVLINK_MULTICAST, PYTHONPATH=root)
     result = subprocess.run([sys.executable, "-c", SHARDED_WEIGHT_SCRIPT, device], cwd=root, env=env,

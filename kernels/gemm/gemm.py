@@ -179,8 +179,8 @@ class FusedLinear(nn.Linear):
     in eager calls that do not record the weight's gradient, keyed on the tensor, its address and version counter
     (the op checks the stamp again). Changes PyTorch does not count (`.data`, foreign writes) are not seen: call
     clear_weight_split(). None is kept in a process with a torch.distributed process group, whose collectives
-    (FSDP's gathers, a broadcast of weights) write uncounted. Memory: ~4 bytes per weight element, within kept_split_budget()
-    per GPU, LRU dropped first.
+    (FSDP's gathers, a broadcast of weights) write uncounted. Memory: ~4 bytes per weight element, within
+    kept_split_budget() per GPU, LRU dropped first.
     """
 
     def __init__(self, *args, cache_weight_split=True, **kwargs):
@@ -228,6 +228,8 @@ class FusedLinear(nn.Linear):
         if not (self.cache_weight_split and _split_may_be_kept(x, weight)) or _rewritten_uncounted():
             if self._weight_split_key is not None:
                 self.clear_weight_split()
+            if _kept_splits.entries and _rewritten_uncounted():  # splits kept before the process group: none is read
+                _kept_splits.drop_all()
             return None
         key = (weight, weight._version, weight.data_ptr(), _forced_path)
         seen = self._weight_split_key

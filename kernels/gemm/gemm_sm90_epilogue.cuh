@@ -6,9 +6,9 @@
 // The consumers write their totals into shared memory, make the outputs there, and TMA stores them (y's rows 16-byte
 // aligned), so that a consumer goes on to the next tile's products without waiting on global stores; else (a
 // vocabulary's 50257 or 30522 columns) each warp makes a row's 32 outputs of a box from shared memory at a time and
-// stores them as 128 consecutive bytes. TMA stores and the plain stores' guards write nothing outside y. A non-finite w value was split as 0 and
-// its row flagged (gemm_sm90_w_split.cuh); the CTAs of x's first tile write the flags to w_flags, and
-// launch_nonfinite_outputs then writes the outputs it reaches.
+// stores them as 128 consecutive bytes. TMA stores and the plain stores' guards write nothing outside y. A non-finite
+// w value was split as 0 and its row flagged (gemm_sm90_w_split.cuh); the CTAs of x's first tile write the flags to
+// w_flags, and launch_nonfinite_outputs then writes the outputs it reaches.
 #pragma once
 
 #include "gemm_sm90_layout.cuh"
@@ -185,7 +185,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
       named_barrier_sync(kStagingBarrier + consumer, 128);  // the buffer's previous outputs have been read
       stage_totals(part);
       named_barrier_sync(kStagingBarrier + consumer, 128);
-      // Lane l (< 16) loads the exponent of the warp's row l; each row's is taken from its lane by a shuffle.
+      // Lane l loads the exponent of the warp's row l % 16; each row's is taken from its lane by a shuffle.
       const int part_first_row = tile_x * kBlockX + part * kOutBoxRows;
       const int lane_row = part_first_row + warp + 4 * (lane % 16);
       const int lane_exponent = lane_row < m ? x_exponent[lane_row] : 0;
