@@ -14,7 +14,7 @@ _LAZY = {"patch": "kernels.patching", "unpatch": "kernels.patching", "is_patched
          "split_layer_names": "kernels.patching",
          "fp32_gemm": "kernels.patching", "nn": "kernels.nn", "functional": "kernels.functional",
          "kept_split_budget": "kernels.gemm.gemm", "set_kept_split_budget": "kernels.gemm.gemm",
-         "kept_split_bytes": "kernels.gemm.gemm"}
+         "kept_split_bytes": "kernels.gemm.gemm", "clear_kept_splits": "kernels.gemm.gemm"}
 
 
 def __getattr__(name):

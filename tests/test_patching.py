@@ -1175,6 +1175,14 @@ def test_kept_splits_stay_within_the_budget():
             y = layers[0](x)  # its split again (from its second call after the drop): layers[1] goes
         assert layers[1]._weight_split is None and layers[0]._weight_split is not None
         torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)
+        with torch.no_grad():
+            layers[0].weight.data.mul_(0.5)  # uncounted (as PEFT's merge writes): the kept split is not told
+            kernels.clear_kept_splits()
+            assert kept_split_bytes() == 0 and all(layer._weight_split is None for layer in layers)
+            expected = torch.ops.kernels.gemm_multiply_leaky_relu(x, layers[0].weight, layers[0].bias, 1.0, 1.0, False)
+            ys = [layers[0](x) for _ in range(3)]  # seen, split anew and kept, read
+        assert layers[0]._weight_split is not None
+        assert all(torch.equal(y, expected[0]) for y in ys)
         set_kept_split_budget(0)
         assert kept_split_bytes() == 0 and all(layer._weight_split is None for layer in layers)
         with torch.no_grad():

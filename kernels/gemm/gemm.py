@@ -365,6 +365,13 @@ def kept_split_bytes(device="cuda"):
     return _kept_splits.device_bytes[_gpu(device)]
 
 
+def clear_kept_splits(device=None):
+    """Drops every kept weight split (of `device`'s GPU where given): after weights were written in a way their version
+    counters do not count (through `.data`, as PEFT's LoRA merge and unmerge write; by another process), so that the
+    next calls split them anew."""
+    _kept_splits.drop_all(None if device is None else _gpu(device))
+
+
 # The multiply-adds (rows x in_features x out_features) from which kernels::gemm_weight_split makes a split to keep
 # (gemm_weight_split.cpp, kKeptSplitMinProducts): below, a call's time is mostly the host's, which a kept split
 # would lengthen.
