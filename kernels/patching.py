@@ -489,19 +489,6 @@ def _before_parent_call(parent, args, kwargs):
     return None
 
 
-class _SplitAttention(TorchFunctionMode):
-    """F.scaled_dot_product_attention through fp32_gemm()'s route (the split kernels where they are faster), every other
-    function as it is: entered for an attention parent's call without a gradient to compute (_attention_may_split)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            result = _attention_route(*args, **kwargs)
-            if result is not NotImplemented:
-                return result
-        return func(*args, **kwargs)
-
-
 def _attention_may_split(parent, x):
     """Whether a parent's call on x (batch, tokens, features) may have its attention taken by the split kernels: float32
     CUDA without a gradient to compute, outside torch.func's transforms, heads of 64 (the parent's head_dim or
@@ -885,14 +872,23 @@ class fp32_gemm(TorchFunctionMode):
     attention; everything else, batched products included (bmm, matmul of two batched tensors), runs as without the
     mode."""
 
+    routes = _ROUTES  # function -> its route, which returns NotImplemented for calls it leaves as they are
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        route = _ROUTES.get(func)
+        route = self.routes.get(func)
         if route is not None and "out" not in kwargs:
             result = route(*args, **kwargs)
             if result is not NotImplemented:
                 return result
         return func(*args, **kwargs)
+
+
+class _SplitAttention(fp32_gemm):
+    """fp32_gemm() with only F.scaled_dot_product_attention's route: entered for an attention parent's call without a
+    gradient to compute (_attention_may_split)."""
+
+    routes = {F.scaled_dot_product_attention: _attention_route}
 
 
 __all__ = ["patch", "unpatch", "is_patched", "fp32_gemm"]

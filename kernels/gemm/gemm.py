@@ -225,10 +225,11 @@ class FusedLinear(nn.Linear):
     def _weight_split_for(self, x, weight):
         if x.numel() * weight.shape[0] < KEPT_SPLIT_MIN_PRODUCTS:  # none is made: the call stays host-bound and lean
             return None
-        if not (self.cache_weight_split and _split_may_be_kept(x, weight)) or _rewritten_uncounted():
+        rewritten = _rewritten_uncounted()
+        if rewritten or not (self.cache_weight_split and _split_may_be_kept(x, weight)):
             if self._weight_split_key is not None:
                 self.clear_weight_split()
-            if _kept_splits.entries and _rewritten_uncounted():  # splits kept before the process group: none is read
+            if rewritten and _kept_splits.entries:  # splits kept before the process group: none is read
                 _kept_splits.drop_all()
             return None
         key = (weight, weight._version, weight.data_ptr(), _forced_path)
