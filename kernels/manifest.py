@@ -37,20 +37,21 @@ FAMILIES = (
         cpu_loop_sources=("leaky_relu/leaky_relu_cpu_loops.cpp",),
     ),
     Family(
-        name="gemm",
-        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm_path.cpp", "gemm/gemm_products.cpp",
-                     "gemm/gemm_weight_split.cpp", "gemm/gemm.cpp"),
-        cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu", "gemm/gemm_sm80.cu"),
-        python_module="kernels.gemm.gemm",
-        requires=("leaky_relu",),  # its cuBLAS path's epilogue and its backward are LeakyReLU ops
-        autograd_sources=("gemm/gemm_autograd.cpp",),
-    ),
-    Family(
         name="gelu_tanh",
         cpp_sources=("gelu_tanh/gelu_tanh.cpp",),  # its CPU loop too: a plain loop over gelu_tanh_math.h's formula
         cuda_sources=("gelu_tanh/gelu_tanh.cu",),
         python_module="kernels.gelu_tanh.gelu_tanh",
         autograd_sources=("gelu_tanh/gelu_tanh_autograd.cpp",),
+    ),
+    Family(
+        name="gemm",
+        cpp_sources=("gemm/gemm_cublas_bf16x9.cpp", "gemm/gemm_path.cpp", "gemm/gemm_products.cpp",
+                     "gemm/gemm_weight_split.cpp", "gemm/gemm.cpp"),
+        cuda_sources=("gemm/gemm_split.cu", "gemm/gemm_sm90.cu", "gemm/gemm_sm80.cu"),
+        python_module="kernels.gemm.gemm",
+        # its cuBLAS path's epilogue and its backward are LeakyReLU ops; gemm_gelu's activation off the split paths
+        requires=("leaky_relu", "gelu_tanh"),
+        autograd_sources=("gemm/gemm_autograd.cpp",),
     ),
     Family(
         name="causal_softmax",

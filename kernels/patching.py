@@ -2,8 +2,8 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP;
-                                  # timm's LayerNorm and Attention
+    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP,
+                                  # BERT's and GPT-2's MLPs; timm's LayerNorm, Attention and Mlp
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
-from kernels.gemm.gemm import FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
+from kernels.gemm.gemm import FusedLinear, _gelu_of, _is_compiling, gemm_gelu, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -44,6 +44,15 @@ class _Conv1DPatch:
         if plain_product_suffices(x, n, k, weight.requires_grad):
             return super().forward(x)
         return gemm_multiply_leaky_relu(x, weight.t(), self.bias, 1.0, 1.0)
+
+
+    def forward_gelu(self, x, approximate="none"):
+        """FusedLinear.forward_gelu's counterpart: F.gelu of this layer's output in one op where a split takes it."""
+        weight = self.weight
+        k, n = weight.shape
+        if plain_product_suffices(x, n, k, weight.requires_grad):
+            return _gelu_of(super().forward(x), approximate)
+        return gemm_gelu(x, weight.t(), self.bias, approximate)
 
 
 class _NewGELUPatch:
@@ -159,6 +168,77 @@ class _GatedMLPPatch:
         return self.down_proj(self.act_fn(gate) * up)
 
 
+def _is_plain_gelu(act):
+    """Whether `act` computes F.gelu(x) (the erf form) and nothing else, with no hook to see its call: nn.GELU(),
+    transformers' GELUActivation on F.gelu, timm's GELU. The tanh form stays two ops: in the GEMM's epilogue it costs
+    the GEMM what the separate pass costs (kernels/gemm/NOTES.md, Decisions)."""
+    if _has_hooks(act):
+        return False
+    cls = type(act)
+    if cls is nn.GELU:
+        return act.approximate == "none"
+    if cls is _imported_class("transformers.activations", "GELUActivation"):
+        return getattr(act, "act", None) is F.gelu
+    return cls is _imported_class("timm.layers.activations", "GELU")
+
+
+def _linear_gelu(linear, act, x):
+    """act(linear(x)) as one op (forward_gelu: the GELU in the GEMM's epilogue) where `linear` is the library's layer
+    with no hooks and `act` a plain GELU; None else."""
+    if not (type(linear) is FusedLinear or is_patched(linear)) or not hasattr(linear, "forward_gelu") or (
+            _has_hooks(linear)) or not _is_plain_gelu(act):
+        return None
+    return linear.forward_gelu(x)
+
+
+class _GeluMLPPatch:
+    """timm's Mlp (ViT's: fc1, act, drop1, norm, fc2, drop2) with nn.GELU: fc1 and its activation in one op
+    (_linear_gelu); its own forward otherwise."""
+
+    def forward(self, x):
+        hidden = _linear_gelu(self.fc1, self.act, x)
+        if hidden is None:
+            return super().forward(x)
+        return self.drop2(self.fc2(self.norm(self.drop1(hidden))))
+
+
+def _bert_intermediate_forward(self, hidden_states):
+    # transformers' BertIntermediate.forward, token for token (RoBERTa's, ELECTRA's and others are copies of it).
+    hidden_states = self.dense(hidden_states)
+    hidden_states = self.intermediate_act_fn(hidden_states)
+    return hidden_states
+
+
+class _GeluIntermediatePatch:
+    """transformers' BertIntermediate and the modules whose forward is its code, with F.gelu: dense and its
+    activation in one op (_linear_gelu); its own forward otherwise."""
+
+    def forward(self, hidden_states):
+        hidden = _linear_gelu(self.dense, self.intermediate_act_fn, hidden_states)
+        return super().forward(hidden_states) if hidden is None else hidden
+
+
+def _gpt2_mlp_forward(self, hidden_states):
+    # transformers' GPT2MLP.forward, token for token.
+    hidden_states = self.c_fc(hidden_states)
+    hidden_states = self.act(hidden_states)
+    hidden_states = self.c_proj(hidden_states)
+    hidden_states = self.dropout(hidden_states)
+    return hidden_states
+
+
+class _GeluConv1DMLPPatch:
+    """transformers' GPT2MLP and the modules whose forward is its code (Conv1D layers), with F.gelu (activation_function
+    "gelu"; GPT-2's own "gelu_new" stays two ops): c_fc and its activation in one op (_linear_gelu); its own forward
+    otherwise."""
+
+    def forward(self, hidden_states):
+        hidden = _linear_gelu(self.c_fc, self.act, hidden_states)
+        if hidden is None:
+            return super().forward(hidden_states)
+        return self.dropout(self.c_proj(hidden))
+
+
 class _MultiheadAttentionPatch:
     """nn.MultiheadAttention with its projections on the library's GEMM where a split takes its in-projection: the
     forward F.multi_head_attention_forward computes, as fp32_gemm() computes it (_multi_head_attention_route); its own
@@ -268,9 +348,9 @@ def _conv1d_class():
 
 def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm,
-    transformers' Conv1D and NewGELUActivation, timm's LayerNorm and the subclasses that keep their forward (a subclass
-    with a forward of its own computes something else), and the modules whose forward is LlamaRMSNorm's or LlamaMLP's
-    code."""
+    transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and Mlp and the subclasses that keep their
+    forward (a subclass with a forward of its own computes something else), and the modules whose forward is
+    LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or GPT2MLP's code."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
@@ -280,7 +360,8 @@ def _base_for_class(cls):
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
                                     ("timm.layers.norm", "LayerNorm", _LayerNormPatch),
-                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch)):
+                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch),
+                                    ("timm.layers.mlp", "Mlp", _GeluMLPPatch)):
         original = _imported_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
@@ -288,6 +369,10 @@ def _base_for_class(cls):
         return _RMSNormPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _llama_mlp_forward):
         return _GatedMLPPatch
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_intermediate_forward):
+        return _GeluIntermediatePatch
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _gpt2_mlp_forward):
+        return _GeluConv1DMLPPatch
     return None
 
 
@@ -333,9 +418,10 @@ def __getattr__(name):
 
 def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every transformers
-    Conv1D, NewGELUActivation, LlamaRMSNorm and LlamaMLP (or a module with one of their forwards) and every timm
-    LayerNorm and Attention into the library's, in place, and returns `model`; a module's linear children that read its
-    input become one product while training (_ProjectionGroup). Idempotent; subclasses with a forward of their own are
+    Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and GPT2MLP (or a module with one of their
+    forwards) and every timm LayerNorm, Attention and Mlp into the library's, in place, and returns `model`; a module's
+    linear children that read its input become one product while training (_ProjectionGroup), and an MLP's first
+    layer and its GELU (the erf form) one op (_linear_gelu). Idempotent; subclasses with a forward of their own are
     left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
     split_layer_names()'s; a name no such layer has raises ValueError."""
     if isinstance(layers, str):

@@ -281,7 +281,7 @@ def test_model_new_called_with_the_wrong_dtype_raises_as_the_reference(problem):
 # ---- the messages' arguments ----------------------------------------------------------------------------------------
 
 # Arguments of a TORCH_CHECK message that are strings: names of the ops and arguments the checks pass around.
-STRING_NAMES = {"op", "name", "ref_name", "kOp", "what", "refusal", "path", "sweep"}
+STRING_NAMES = {"op", "name", "ref_name", "kOp", "what", "refusal", "path", "sweep", "approximate"}
 STRING_CALLS = re.compile(r"(_str|to_string|toString|path_name|cudaGetErrorString|cublasGetStatusString)\(|\.str\(\)|"
                           r"scalar_type\(\)$")
 

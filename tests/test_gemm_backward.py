@@ -12,8 +12,8 @@ from kernels.functional import gemm_multiply_leaky_relu
 from kernels.gemm.gemm import forced_gemm_path, gemm_path
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
-from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, make_pair, over_split_paths, slow_problem_shape,
-                          special_inputs)
+from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, forced_k_slices, make_pair, over_split_paths,
+                          slow_problem_shape, special_inputs)
 
 
 def float64_gradients(x, weight, grad_y, positive, multiplier, slope):
@@ -114,20 +114,6 @@ def weight_gradient(grad_pre, x, n):
     with forced_gemm_path("split_fp16"):
         return torch.ops.kernels.gemm_multiply_leaky_relu_backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True,
                                                                    False)[1]
-
-
-class forced_k_slices:
-    """with forced_k_slices(s): every split_fp16 product in the block splits K into at most s slices."""
-
-    def __init__(self, slices):
-        self.slices, self.previous = slices, None
-
-    def __enter__(self):
-        self.previous = torch.ops.kernels._gemm_force_k_slices(self.slices)
-
-    def __exit__(self, *exc_info):
-        torch.ops.kernels._gemm_force_k_slices(self.previous)
-        return False
 
 
 SPLIT_K_SHAPES = {  # name: (out_features n, in_features k, batch rows m): grad_W is n x k, its reduction m

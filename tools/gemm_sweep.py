@@ -244,6 +244,43 @@ def variants(args):
                 print(f"=== {name}: the command exited with status {status}", flush=True)
 
 
+# The MLPs' first layers with a GELU (m, k, n, weight stored transposed): BERT-large and ViT-B/16 at bench.py's batches
+# (nn.Linear), GPT-2-medium (Conv1D, (in, out)).
+GELU_SHAPES = ((8192, 1024, 4096, False), (12608, 768, 3072, False), (4096, 1024, 4096, True))
+
+
+def gelu(args):
+    """An MLP's first layer and its GELU without a gradient (the weight's split kept, as FusedLinear keeps it):
+    eager's nn.Linear then nn.GELU, the library's product then the GELU's op, and gemm_gelu (the GELU in the
+    epilogue): times and errors against float64."""
+    from kernels.functional import gemm_gelu, gemm_multiply_leaky_relu
+    from kernels.gemm.gemm import _gelu_of
+    from kernels.precision import relative_error
+    from kernels.timing import time_each_ms
+
+    print(f"{'m':>6} {'k':>5} {'n':>5} {'W':>4} {'approx':>6} {'eager':>7} {'two ops':>7} {'fused':>7} {'vs eager':>8} "
+          f"{'vs two':>6} {'eager err':>9} {'fused err':>9}")
+    for m, k, n, transposed in GELU_SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda")
+        stored = torch.randn(k, n, device="cuda") if transposed else torch.randn(n, k, device="cuda")
+        weight, bias = (stored.t() if transposed else stored) / k ** 0.5, torch.randn(n, device="cuda")
+        approximate = "tanh" if transposed else "none"  # GPT-2's NewGELU, BERT's and ViT's nn.GELU
+        split = [] if transposed else torch.ops.kernels.gemm_weight_split(x, weight)
+        with torch.no_grad():
+            calls = [lambda: F.gelu(F.linear(x, weight, bias), approximate=approximate),
+                     lambda: _gelu_of(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0, split or None),
+                                      approximate),
+                     lambda: gemm_gelu(x, weight, bias, approximate, split or None)]
+            times = time_each_ms(calls)
+            y64 = F.gelu(F.linear(x.double(), weight.double(), bias.double()), approximate=approximate)
+            errors = [relative_error(call(), y64) for call in (calls[0], calls[2])]
+        print(f"{m:>6} {k:>5} {n:>5} {'k n' if transposed else 'n k':>4} {approximate:>6} "
+              + " ".join(f"{t:7.4f}" for t in times)
+              + f" {times[0] / times[2]:7.3f}x {times[1] / times[2]:5.3f}x {errors[0]:9.3e} {errors[1]:9.3e}",
+              flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -265,6 +302,7 @@ def main():
         sub.add_argument("--ks", metavar="K[,K...]", help="these K instead")
     add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
+    add("gelu", gelu, "an MLP's first layer and GELU without a gradient: eager, two ops, gemm_gelu")
     sub = add("variants", variants, "versions of kernel files, each built in a copy of the repository, timed")
     sub.add_argument("--file", required=True, action="append", help="a file the versions replace (repo-relative)")
     sub.add_argument("--command", help="run in each copy instead of this tool at the problem's size")

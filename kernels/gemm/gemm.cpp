@@ -1,8 +1,9 @@
-// The torch side of the GEMM family: gemm_multiply_leaky_relu's schemas, checks, forward and backward (each product on
-// the path gemm_path.cpp chooses, computed by gemm_products.cpp), the Autocast kernels and the registrations (fakes and
-// Python functions: gemm.py; autograd: gemm_autograd.cpp).
+// The torch side of the GEMM family: gemm_multiply_leaky_relu's and gemm_gelu's schemas, checks, forward and
+// backward (each product on the path gemm_path.cpp chooses, computed by gemm_products.cpp), the Autocast kernels and
+// the registrations (fakes and Python functions: gemm.py; autograd: gemm_autograd.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -14,6 +15,7 @@
 #include "common/torch_checks.h"
 #include "gemm_internal.h"
 #include "gemm_op.h"
+#include "gelu_tanh/gelu_tanh_op.h"
 #include "leaky_relu/leaky_relu_op.h"
 
 namespace kernels::gemm {
@@ -56,7 +58,10 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
   const Path path = choose_path(x, linear_shape(x, weight));
   const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
   if (is_split(path))
-    return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b, multiplier, negative_slope, return_mask,
+    return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b,
+                                               Epilogue{static_cast<float>(multiplier),
+                                                        static_cast<float>(negative_slope)},
+                                               return_mask,
                                                w_split.has_value() ? &*w_split : nullptr);
   if (path == Path::kCublasBf16x9) {
     const int64_t m = gemm_rows(x, weight), k = weight.size(1);
@@ -70,6 +75,39 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
   (void)usable_weight_split(weight_split, Path::kCublas, x, weight);  // a malformed list raises here too
 #endif
   return cublas_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
+}
+
+// gemm_gelu's activation where its epilogue does not apply it: at::gelu ("none"), kernels::gelu_tanh ("tanh").
+at::Tensor gelu_of(const at::Tensor& pre, c10::string_view approximate) {
+  return approximate == "tanh" ? gelu_tanh::gelu_tanh_op().call(pre) : at::gelu(pre, "none");
+}
+
+void check_approximate(c10::string_view approximate) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh",
+              "kernels.gemm_gelu: approximate must be 'none' or 'tanh', got '", approximate, "'");
+}
+
+// y = gelu(x @ weight^T + bias): approximate "none" is nn.GELU()'s function, "tanh" kernels.gelu_tanh's formula. On a
+// split path the GEMM's epilogue applies it (the pre-activation is never written); else the product as
+// gemm_multiply_leaky_relu computes it, then the activation's op. weight_split as there.
+at::Tensor gemm_gelu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     c10::string_view approximate, const std::optional<at::TensorList>& weight_split) {
+  check_gemm_arguments("gemm_gelu", x, weight, bias);
+  check_approximate(approximate);
+#ifdef KERNELS_WITH_CUDA
+  const Path path = choose_path(x, linear_shape(x, weight));
+  if (is_split(path)) {
+    const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
+    const Epilogue epilogue{1.0f, 1.0f, approximate == "tanh" ? Activation::kGeluTanh : Activation::kGeluErf};
+    return std::get<0>(split_fp16_gemm_multiply_leaky_relu(path, x, weight,
+                                                           bias.has_value() ? *bias : at::Tensor(), epilogue,
+                                                           /*return_mask=*/false,
+                                                           w_split.has_value() ? &*w_split : nullptr));
+  }
+#endif
+  return gelu_of(std::get<0>(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0, /*return_mask=*/false,
+                                                      weight_split)),
+                 approximate);
 }
 
 // The gradients of gemm_multiply_leaky_relu, each where asked for (else empty): with grad_pre = leaky_relu'(pre) *
@@ -102,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
 #ifdef KERNELS_WITH_CUDA
     if (is_split(path) && w_view) {
       grad_x = at::empty({m, k}, x.options());
-      split_fp16_product(path, grad_pre, /*x_transposed=*/false, weight.t(), /*w_transposed=*/false, at::Tensor(), 1.0,
-                         1.0, grad_x, nullptr);
+      split_fp16_product(path, grad_pre, /*x_transposed=*/false, weight.t(), /*w_transposed=*/false, at::Tensor(),
+                         Epilogue{}, grad_x, nullptr);
     } else
 #endif
     {
@@ -166,12 +204,25 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autocast(const at::T
                                             return_mask, weight_split);
 }
 
+// gemm_gelu under torch.autocast, by the same policy: the product in the autocast dtype, the activation in its dtype.
+template <c10::DeviceType kDevice, c10::DispatchKey kAutocastKey>
+at::Tensor gemm_gelu_autocast(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              c10::string_view approximate, const std::optional<at::TensorList>& weight_split) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [&](const at::Tensor& t) { return at::autocast::cached_cast(dtype, t, kDevice); };
+  const std::optional<at::Tensor> cast_bias =
+      bias.has_value() && bias->defined() ? std::optional<at::Tensor>(cast(*bias)) : bias;
+  return gemm_gelu_op().call(cast(x), cast(weight), cast_bias, approximate, weight_split);
+}
+
 }  // namespace
 }  // namespace kernels::gemm
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_multiply_leaky_relu(Tensor x, Tensor weight, Tensor? bias, float multiplier, float negative_slope, "
         "bool return_mask, Tensor[]? weight_split=None) -> (Tensor, Tensor)");
+  m.def("gemm_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate, Tensor[]? weight_split=None) -> Tensor");
   m.def("gemm_weight_split(Tensor x, Tensor weight) -> Tensor[]");
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
@@ -195,6 +246,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 
 #define KERNELS_GEMM_IMPLS(m)                                                                     \
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu);                   \
+  m.impl("gemm_gelu", &kernels::gemm::gemm_gelu);                                                 \
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
   m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal);                               \
@@ -204,10 +256,12 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 TORCH_LIBRARY_IMPL(kernels, AutocastCPU, m) {
   m.impl("gemm_multiply_leaky_relu",
          &kernels::gemm::gemm_multiply_leaky_relu_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  m.impl("gemm_gelu", &kernels::gemm::gemm_gelu_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
   m.impl("gemm_multiply_leaky_relu",
          &kernels::gemm::gemm_multiply_leaky_relu_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("gemm_gelu", &kernels::gemm::gemm_gelu_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_GEMM_IMPLS(m); }

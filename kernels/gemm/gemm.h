@@ -19,6 +19,28 @@ constexpr std::int32_t kNonFiniteRow = 1 << 20;
 #define KERNELS_GEMM_HOST_DEVICE
 #endif
 
+// The activation of the GEMM's fused epilogue, applied to v = (product + bias) * multiplier (split_numerics.cuh,
+// apply_epilogue).
+enum class Activation : std::int32_t {
+  kLeakyReLU,  // v where v > 0, else v * negative_slope; `positive` (the backward's mask) gets v > 0
+  kGeluErf,    // v * Phi(v), nn.GELU()'s function, as eager computes it: v * 0.5 * (1 + erf(v / sqrt(2)))
+  kGeluTanh,   // the tanh approximation, kernels/gelu_tanh's formula (gelu_tanh_math.h)
+};
+
+// The fused epilogue's parameters: y = activation((product + bias) * multiplier). The GELU activations are for
+// forwards whose gradient is not taken: no launcher writes a mask for them.
+struct Epilogue {
+  float multiplier = 1.0f;
+  float negative_slope = 1.0f;
+  Activation activation = Activation::kLeakyReLU;
+};
+
+// Whether the epilogue leaves (product + bias) as it is: a plain linear layer's.
+KERNELS_GEMM_HOST_DEVICE constexpr bool is_identity_epilogue(const Epilogue& epilogue) {
+  return epilogue.activation == Activation::kLeakyReLU && epilogue.multiplier == 1.0f &&
+         epilogue.negative_slope == 1.0f;
+}
+
 // The split GEMM's unit along K: w is scaled per row and chunk of kSplitChunk, the accumulator promoted once a chunk.
 constexpr int kSplitChunk = 64;
 
@@ -75,7 +97,7 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
                                 bool transposed, bool natural_order, void* hi, void* lo, std::int32_t* chunk_exponent,
                                 std::int32_t* flags, cudaStream_t stream);
 
-// y[i, j] = leaky_relu((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier, negative_slope), acc = sum over k of
+// y[i, j] = activation((acc[i, j] * 2^-x_exponent[i] + bias[j]) * multiplier) (Epilogue), acc = sum over k of
 // x[i, k] w[j, k], from x's split (launch_split_rows) and the float32 w, which the kernel splits itself with a power
 // of two per row and chunk of 64 of k: three fp16 tensor-core products (lo_w hi_x + hi_w lo_x + hi_w hi_x), added
 // into fp32 registers every 64 of k. w is (n x k) with rows w_stride floats apart, or, where w_transposed, given as
@@ -83,12 +105,13 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
 // w 16-byte aligned. w_flags[j] gets kNonFiniteRow where row j of w holds an infinity or NaN, else 0 (for
 // launch_nonfinite_outputs). bias may be null (no bias); positive, if not null, gets 1 where the value before the
 // activation is > 0, else 0. y and positive are dense (m x n). Returns cudaErrorNotSupported where
-// split_gemm_supported() is false.
+// split_gemm_supported() is false, and for a GELU where w is not transposed (the kernel that splits w in its registers
+// has no room for the GELUs: w's split made ahead takes them, launch_split_gemm_presplit_multiply_leaky_relu).
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                   const float* w, std::int64_t w_stride, bool w_transposed,
                                                   std::int32_t* w_flags, const float* bias, float* y,
                                                   std::uint8_t* positive, std::int64_t m, std::int64_t n,
-                                                  std::int64_t k, float multiplier, float negative_slope,
+                                                  std::int64_t k, Epilogue epilogue,
                                                   cudaStream_t stream);
 
 // The signature of the launchers that take both operands' splits (x's from launch_split_rows, w's from
@@ -97,7 +120,7 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
 using SplitGemmFromSplits = cudaError_t(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                         const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                         const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                        std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                        std::int64_t n, std::int64_t k, Epilogue epilogue,
                                         cudaStream_t stream);
 
 // The same product and epilogue as launch_split_gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix,
@@ -124,13 +147,13 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
                                      std::int64_t w_element_stride, const std::int32_t* x_exponent,
                                      const std::int32_t* w_exponent, const float* bias, float* y,
                                      std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
-                                     float multiplier, float negative_slope, cudaStream_t stream);
+                                     Epilogue epilogue, cudaStream_t stream);
 
-// y (m x n, dense) = leaky_relu((product_t^T + bias) * multiplier, negative_slope), from product_t (n x m, dense),
+// y (m x n, dense) = activation((product_t^T + bias) * multiplier) (Epilogue), from product_t (n x m, dense),
 // a product computed transposed; bias may be null; positive, if not null, gets 1 where the value before the
 // activation is > 0, else 0. The epilogue of split_numerics.cuh, as the GEMM kernels' own.
 cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
-                                      std::int64_t m, std::int64_t n, float multiplier, float negative_slope,
+                                      std::int64_t m, std::int64_t n, Epilogue epilogue,
                                       cudaStream_t stream);
 
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
@@ -154,7 +177,7 @@ bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, s
 // over k_slices slices of K's chunks of kSplitChunk by as many CTAs, each with the kernel's per-chunk promotion, and
 // its plain outputs (scaled back by x's row power of two: a true partial of y) written to a workspace; a second kernel
 // then adds the slices' partials in slice order (0, 1, ...) into y, so that every run gives the same bits, and applies
-// the epilogue (bias, multiplier, LeakyReLU, mask) to the sum. launch_nonfinite_outputs runs after it as after the
+// the epilogue (bias, multiplier, activation, mask) to the sum. launch_nonfinite_outputs runs after it as after the
 // other launchers. With k_slices 1 these launchers are the launchers above, bit for bit.
 
 // The slices the Hopper GEMM's (m x n) product of reduction k takes on `device` (1: K not split): the count from 1 to
@@ -175,15 +198,15 @@ std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                       const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
                                       const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                      std::int64_t n, std::int64_t k, Epilogue epilogue,
                                       int k_slices, float* workspace, cudaStream_t stream);
 
 // launch_split_gemm_presplit_multiply_leaky_relu, K split as launch_split_gemm_split_k splits it.
 cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                                const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                               std::int64_t n, std::int64_t k, float multiplier,
-                                               float negative_slope, int k_slices, float* workspace,
+                                               std::int64_t n, std::int64_t k, Epilogue epilogue,
+                                                int k_slices, float* workspace,
                                                cudaStream_t stream);
 
 }  // namespace kernels::gemm

@@ -1,6 +1,8 @@
-"""The GEMM family's Python side: fakes and batching rules of its ops, gemm_multiply_leaky_relu(), linear() and
-FusedLinear. The op's autograd (reverse and forward mode, to any order) is C++ (gemm_autograd.cpp); schemas in gemm.cpp:
+"""The GEMM family's Python side: fakes and batching rules of its ops, gemm_multiply_leaky_relu(), gemm_gelu(),
+linear() and FusedLinear. The ops' autograd (reverse and forward mode, to any order) is C++ (gemm_autograd.cpp);
+schemas in gemm.cpp:
   gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, return_mask, weight_split=None) -> (y, mask)
+  gemm_gelu(x, weight, bias, approximate, weight_split=None) -> gelu(x @ weight.T + bias), the GELU in the epilogue
   gemm_weight_split(x, weight) -> the weight's split for x's split path, made ahead ([] where that path takes none)
   gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, ...) -> (grad_x, grad_weight, grad_bias), empty if unasked
 Underscored ops are for tests and tools: the path a call takes (_gemm_multiply_leaky_relu_path), why a fast path
@@ -34,6 +36,12 @@ def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, 
     return y, mask
 
 
+def _gemm_gelu_fake(x, weight, bias, approximate, weight_split=None):
+    _check_same_device(x, weight, bias)
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "x's last dimension must equal weight.shape[1]")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def _gemm_multiply_leaky_relu_backward_fake(grad_y, x, weight, saved, multiplier, negative_slope, x_grad,
                                             weight_grad, bias_grad):
     _check_same_device(grad_y, x, weight, saved)
@@ -64,6 +72,31 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
     if _is_compiling():
         return torch.ops.kernels.gemm_multiply_leaky_relu.default(x, weight, bias, multiplier, negative_slope, False)[0]
     return _gemm_handle(x, weight, bias, multiplier, negative_slope, False, weight_split)[0]
+
+
+def gemm_gelu(x, weight, bias=None, approximate="none", weight_split=None):
+    """F.gelu(x @ weight.T + bias) in one op: on a split path the GELU runs in the GEMM's epilogue and the
+    pre-activation is never written. approximate "none" is nn.GELU()'s function; "tanh" is gelu_tanh()'s formula (the
+    tanh approximation, rounded once). Where autograd records a gradient the op runs as its two steps, each with its
+    own backward. DTensors: the product shard by shard, then the activation. weight_split as
+    gemm_multiply_leaky_relu's."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and
+            (bias is None or isinstance(bias, torch.Tensor))):
+        raise TypeError("kernels.gemm_gelu: x, weight and bias must be torch.Tensors (bias may be None), "
+                        f"got {type(x).__name__}, {type(weight).__name__}, {type(bias).__name__}")
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"kernels.gemm_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    if _is_compiling():
+        return torch.ops.kernels.gemm_gelu.default(x, weight, bias, approximate)
+    dtensor = _dtensor_type()
+    if dtensor is not None and any(isinstance(t, dtensor) for t in (x, weight, bias)):
+        return _gelu_of(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0), approximate)
+    return _gemm_gelu_handle(x, weight, bias, approximate, weight_split)
+
+
+def _gelu_of(pre, approximate):
+    """gemm_gelu's activation alone: F.gelu, or kernels.gelu_tanh for "tanh"."""
+    return F.gelu(pre) if approximate == "none" else torch.ops.kernels.gelu_tanh.default(pre)
 
 
 def linear(x, weight, bias=None):
@@ -124,6 +157,7 @@ _forced_path = "auto"
 
 
 _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
+_gemm_gelu_handle = torch.ops.kernels.gemm_gelu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
 
 
@@ -211,6 +245,20 @@ class FusedLinear(nn.Linear):
         # Under tracing (torch.compile, export) nothing is kept: the traced graph splits the weight on each call.
         weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x, weight)
         return gemm_multiply_leaky_relu(x, weight, bias, multiplier, negative_slope, weight_split)
+
+    def forward_gelu(self, x, approximate="none"):
+        """F.gelu(self.forward(x), approximate=approximate) (gelu_tanh()'s formula for "tanh") as one op, gemm_gelu,
+        with the kept weight split as forward() keeps it; F.linear and the activation where no split path can take
+        the call. This layer's hooks do not run: its callers (kernels.patch's MLPs) take it only where it has none."""
+        parameters = self._parameters
+        weight = parameters.get("weight")
+        if weight is None:
+            weight = self.weight
+        bias = parameters["bias"] if "bias" in parameters else self.bias
+        if plain_linear_suffices(x, weight):
+            return _gelu_of(F.linear(x, weight, bias), approximate)
+        weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x, weight)
+        return gemm_gelu(x, weight, bias, approximate, weight_split)
 
     def clear_weight_split(self):
         """Drops the kept split of the weight (the next calls split it again)."""
@@ -492,6 +540,16 @@ def _gemm_multiply_leaky_relu_vmap(info, in_dims, x, weight, bias, multiplier, n
     return (y, torch.stack([m for _, m in outputs]) if return_mask else outputs[0][1]), (0, 0 if return_mask else None)
 
 
+def _gemm_gelu_vmap(info, in_dims, x, weight, bias, approximate, weight_split=None):
+    x_dim, weight_dim, bias_dim = in_dims[:3]
+    if weight_dim is None and bias_dim is None:  # more rows of x, one call
+        return torch.ops.kernels.gemm_gelu(_batch_first(x, x_dim, info.batch_size), weight, bias, approximate,
+                                           weight_split), 0
+    return torch.stack([torch.ops.kernels.gemm_gelu(_member(x, x_dim, i), _member(weight, weight_dim, i),
+                                                    _member(bias, bias_dim, i), approximate)
+                        for i in range(info.batch_size)]), 0
+
+
 def _gemm_multiply_leaky_relu_backward_vmap(info, in_dims, grad_y, x, weight, saved, multiplier, negative_slope,
                                             x_grad, weight_grad, bias_grad):
     # One backward per member: each member's gradients of the weight are sums over its own rows. (jacrev maps this
@@ -507,6 +565,8 @@ def _register_fakes_and_batching_rules():
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_fake)
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_vmap)
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_vmap)
+    torch.library.register_fake("kernels::gemm_gelu", _gemm_gelu_fake)
+    torch.library.register_vmap("kernels::gemm_gelu", _gemm_gelu_vmap)
 
 
 loader.register_once("gemm", _register_fakes_and_batching_rules)

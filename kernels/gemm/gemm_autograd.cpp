@@ -1,5 +1,5 @@
-// The autograd of the GEMM family: the Autograd kernel of kernels::gemm_multiply_leaky_relu (defined in gemm.cpp,
-// which this file is joined after: kernels/loader.py) and
+// The autograd of the GEMM family: the Autograd kernels of kernels::gemm_multiply_leaky_relu and kernels::gemm_gelu
+// (defined in gemm.cpp, which this file is joined after: kernels/loader.py) and
 // the graph node it records: reverse mode (the backward op, or differentiable ops where the backward is itself
 // recorded, for a double backward) and forward mode. Recording in C++ keeps a training step's host time below eager's
 // three ops (a Python autograd.Function costs tens of us a step, which a host-bound step pays in GPU idle time). It
@@ -126,9 +126,29 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   return {y, mask};
 }
 
+// gemm_gelu where a gradient can flow or a tangent is given: its two steps, each recorded by its own op (the product
+// by gemm_multiply_leaky_relu's graph node, the activation by at::gelu's or kernels::gelu_tanh's), so every mode of
+// autograd holds as for the unfused layers; else the op below autograd (the activation in the GEMM's epilogue).
+at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias, c10::string_view approximate,
+                              const std::optional<at::TensorList>& weight_split) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool needs_grad = c10::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
+  const bool has_tangent = x._fw_grad(/*level=*/0).defined() || weight._fw_grad(/*level=*/0).defined() ||
+                           (has_bias && bias->_fw_grad(/*level=*/0).defined());
+  if (!needs_grad && !has_tangent)
+    return common::redispatch_below_autograd(gemm_gelu_op(), keys, x, weight, bias, approximate, weight_split);
+  check_approximate(approximate);  // gemm.cpp
+  const at::Tensor pre =
+      std::get<0>(gemm_multiply_leaky_relu_op().call(x, weight, bias, 1.0, 1.0, /*return_mask=*/false, weight_split));
+  return gelu_of(pre, approximate);  // gemm.cpp
+}
+
 }  // namespace
 }  // namespace kernels::gemm
 
 TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu_autograd);
+  m.impl("gemm_gelu", &kernels::gemm::gemm_gelu_autograd);
 }

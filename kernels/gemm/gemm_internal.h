@@ -13,6 +13,8 @@
 
 #ifdef KERNELS_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "gemm.h"
 #endif
 
 namespace kernels::gemm {
@@ -66,14 +68,14 @@ at::Tensor split_operand(const at::Tensor& t);
 WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
                            cudaStream_t stream);
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
-                        const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
+                        const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
                         const WeightSplit* w_split = nullptr);
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k);
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
-                                                                       const at::Tensor& bias, double multiplier,
-                                                                       double negative_slope, bool return_mask,
+                                                                       const at::Tensor& bias,
+                                                                       const Epilogue& epilogue, bool return_mask,
                                                                        const WeightSplit* w_split);
 #endif
 

@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <c10/util/string_view.h>
+
 #include <optional>
 #include <tuple>
 
@@ -27,6 +29,15 @@ inline const c10::TypedOperatorHandle<GemmMultiplyLeakyReLU>& gemm_multiply_leak
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("kernels::gemm_multiply_leaky_relu", "")
                              .typed<GemmMultiplyLeakyReLU>();
+  return op;
+}
+
+using GemmGelu = at::Tensor(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            c10::string_view approximate, const std::optional<at::TensorList>& weight_split);
+
+// kernels::gemm_gelu, looked up once.
+inline const c10::TypedOperatorHandle<GemmGelu>& gemm_gelu_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kernels::gemm_gelu", "").typed<GemmGelu>();
   return op;
 }
 

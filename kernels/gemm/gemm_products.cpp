@@ -126,7 +126,7 @@ struct TemporariesLayout {
 // Temporary memory: ~4 bytes per element of x and of any w split by a pass, plus K slices' partials (4 per output
 // each).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
-                        const at::Tensor& bias, double multiplier, double negative_slope, at::Tensor& y,
+                        const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums, const WeightSplit* w_split) {
   TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -137,13 +137,16 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
   WeightSplit w_split_made;
-  if (w_split == nullptr && splits_w_ahead(path, m, n, k, w_transposed)) {
+  // A GELU on split_fp16 takes w's split made ahead where w is not transposed (the kernel that splits w itself has no
+  // GELU epilogue: launch_split_gemm_multiply_leaky_relu).
+  const bool gelu_needs_w_split = path == Path::kSplitFp16 && !w_transposed &&
+                                  epilogue.activation != Activation::kLeakyReLU;
+  if (w_split == nullptr && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split)) {
     w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
     w_split = &w_split_made;
   }
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  const float multiplier_f = static_cast<float>(multiplier), slope_f = static_cast<float>(negative_slope);
   // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
   // reduction is the batch; a forward over few rows).
   const int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
@@ -175,10 +178,10 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                      ? launch_split_gemm_presplit_split_k(
                            x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
                            w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(),
-                           positive, m, n, k, multiplier_f, slope_f, k_slices, partials, stream)
+                           positive, m, n, k, epilogue, k_slices, partials, stream)
                      : launch_split_gemm_split_k(x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), w2.stride(0),
                                                  w_transposed, w_flags, bias_data, y.mutable_data_ptr<float>(),
-                                                 positive, m, n, k, multiplier_f, slope_f, k_slices, partials,
+                                                 positive, m, n, k, epilogue, k_slices, partials,
                                                  stream),
                  "split GEMM (K split)");
   } else if (w_split != nullptr) {
@@ -186,12 +189,12 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                                                                  : launch_split_gemm_sm80_multiply_leaky_relu;
     check_launch(launch(x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
                         w_split->exponent.const_data_ptr<int32_t>(), bias_data, y.mutable_data_ptr<float>(), positive,
-                        m, n, k, multiplier_f, slope_f, stream),
+                        m, n, k, epilogue, stream),
                  "split GEMM (w's split given)");
   } else {
     check_launch(launch_split_gemm_multiply_leaky_relu(x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), w2.stride(0),
                                                        w_transposed, w_flags, bias_data, y.mutable_data_ptr<float>(),
-                                                       positive, m, n, k, multiplier_f, slope_f, stream),
+                                                       positive, m, n, k, epilogue, stream),
                  "split GEMM");
   }
   // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
@@ -199,8 +202,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
   check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x_row_stride, x_element_stride,
                                         w2.const_data_ptr<float>(), w_row_stride, w_element_stride,
-                                        x_exponent, w_flags, bias_data, y.mutable_data_ptr<float>(), positive, m, n, k, multiplier_f,
-                                        slope_f, stream),
+                                        x_exponent, w_flags, bias_data, y.mutable_data_ptr<float>(), positive, m, n, k,
+                                        epilogue, stream),
                "non-finite outputs");
 }
 
@@ -216,8 +219,8 @@ bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
 // each).
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
-                                                                       const at::Tensor& bias, double multiplier,
-                                                                       double negative_slope, bool return_mask,
+                                                                       const at::Tensor& bias,
+                                                                       const Epilogue& epilogue, bool return_mask,
                                                                        const WeightSplit* w_split) {
   const int64_t m = gemm_rows(x, weight), k = weight.size(1), n = weight.size(0);
   std::vector<int64_t> out_shape = x.sizes().vec();
@@ -227,25 +230,24 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
   std::uint8_t* positive = return_mask ? static_cast<std::uint8_t*>(mask.mutable_data_ptr()) : nullptr;
   if (is_transposed_weight(weight)) {  // read as the (k x n) matrix it is a view of, without a copy
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight.t(), /*w_transposed=*/true, bias,
-                       multiplier, negative_slope, y, positive);
+                       epilogue, y, positive);
     return {y, mask};
   }
   if (!split_product_transposed(path, m, n, k)) {
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
-                       multiplier, negative_slope, y, positive, /*x_column_sums=*/nullptr, w_split);
+                       epilogue, y, positive, /*x_column_sums=*/nullptr, w_split);
     return {y, mask};
   }
   // y^T = w x^T as the plain product (no bias, multiplier 1, slope 1: the non-finite fix-up writes its raw values),
   // then the epilogue on the way back to y.
   at::Tensor product_t = at::empty({n, m}, x.options());
   split_fp16_product(path, weight, /*x_transposed=*/false, x.reshape({m, k}), /*w_transposed=*/false, at::Tensor(),
-                     1.0, 1.0, product_t, nullptr);
+                     Epilogue{}, product_t, nullptr);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   check_launch(launch_transposed_epilogue(product_t.const_data_ptr<float>(),
                                           b.defined() ? b.const_data_ptr<float>() : nullptr,
-                                          y.mutable_data_ptr<float>(), positive, m, n, static_cast<float>(multiplier),
-                                          static_cast<float>(negative_slope),
+                                          y.mutable_data_ptr<float>(), positive, m, n, epilogue,
                                           c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
                "transposed epilogue");
   return {y, mask};
@@ -257,7 +259,7 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
 at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, const at::Tensor& b,
                              float* a_column_sums) {
   at::Tensor y = at::empty({a.size(a_transposed ? 1 : 0), b.size(1)}, a.options());
-  split_fp16_product(path, a, a_transposed, b, /*w_transposed=*/true, at::Tensor(), 1.0, 1.0, y, nullptr,
+  split_fp16_product(path, a, a_transposed, b, /*w_transposed=*/true, at::Tensor(), Epilogue{}, y, nullptr,
                      a_column_sums);
   return y;
 }

@@ -147,7 +147,7 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
                        const std::int32_t* __restrict__ x_exponent, const __half* __restrict__ w_hi,
                        const __half* __restrict__ w_lo, const std::int32_t* __restrict__ w_exponent,
                        const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive,
-                       int m, int n, int k, float multiplier, float negative_slope) {
+                       int m, int n, int k, Epilogue epilogue) {
 #if KERNELS_SM80_DEVICE
   wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
   allow_next_grid();
@@ -329,39 +329,43 @@ split_gemm_sm80_kernel(const __half* __restrict__ x_hi, const __half* __restrict
       column_bias[j][c] = bias && column < n ? bias[column] : 0.0f;
     }
   const bool pairs = n % 2 == 0;  // then (row * n + even column) is 8-byte aligned
+  // Each activation's loop compiled apart: LeakyReLU's carries none of the GELUs' code.
+  with_activation(epilogue.activation, [&](auto activation) {
+    constexpr Activation kActivation = decltype(activation)::value;
 #pragma unroll
-  for (int i = 0; i < kFragsX; ++i) {
+    for (int i = 0; i < kFragsX; ++i) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = first_x_row + warp_x * kWarpRowsX + i * 16 + g + 8 * half;
-      if (row >= m) continue;
-      const int e = x_exponent[row];
+      for (int half = 0; half < 2; ++half) {
+        const int row = first_x_row + warp_x * kWarpRowsX + i * 16 + g + 8 * half;
+        if (row >= m) continue;
+        const int e = x_exponent[row];
 #pragma unroll
-      for (int j = 0; j < kFragsW; ++j) {
-        const int column = first_w_row + warp_w * kWarpRowsW + j * 8 + 2 * t;
-        if (column >= n) continue;
-        const Activated first = epilogue(unscale(total[i][j][2 * half], e), column_bias[j][0], multiplier,
-                                         negative_slope);
-        const Activated second = epilogue(unscale(total[i][j][2 * half + 1], e), column_bias[j][1], multiplier,
-                                          negative_slope);
-        const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
-        if (pairs) {
-          *reinterpret_cast<float2*>(y + at) = make_float2(first.value, second.value);
-          if (positive) {
-            positive[at] = first.positive;
-            positive[at + 1] = second.positive;
-          }
-        } else {
-          y[at] = first.value;
-          if (positive) positive[at] = first.positive;
-          if (column + 1 < n) {
-            y[at + 1] = second.value;
-            if (positive) positive[at + 1] = second.positive;
+        for (int j = 0; j < kFragsW; ++j) {
+          const int column = first_w_row + warp_w * kWarpRowsW + j * 8 + 2 * t;
+          if (column >= n) continue;
+          const Activated first =
+              apply_epilogue<kActivation>(unscale(total[i][j][2 * half], e), column_bias[j][0], epilogue);
+          const Activated second =
+              apply_epilogue<kActivation>(unscale(total[i][j][2 * half + 1], e), column_bias[j][1], epilogue);
+          const std::int64_t at = static_cast<std::int64_t>(row) * n + column;
+          if (pairs) {
+            *reinterpret_cast<float2*>(y + at) = make_float2(first.value, second.value);
+            if (positive) {
+              positive[at] = first.positive;
+              positive[at + 1] = second.positive;
+            }
+          } else {
+            y[at] = first.value;
+            if (positive) positive[at] = first.positive;
+            if (column + 1 < n) {
+              y[at + 1] = second.value;
+              if (positive) positive[at + 1] = second.positive;
+            }
           }
         }
       }
     }
-  }
+  });
 #endif
 }
 
@@ -426,7 +430,7 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
                                                        const void* w_lo, const std::int32_t* w_exponent,
                                                        const float* bias, float* y, std::uint8_t* positive,
                                                        std::int64_t m, std::int64_t n, std::int64_t k,
-                                                       float multiplier, float negative_slope, cudaStream_t stream) {
+                                                       Epilogue epilogue, cudaStream_t stream) {
   using namespace sm80;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -445,8 +449,7 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
   return launch_dependent(kernel, dim3(static_cast<unsigned>(tiles)), dim3(sm80::kThreads), shared_bytes(stages),
                           stream, static_cast<const __half*>(x_hi), static_cast<const __half*>(x_lo), x_exponent,
                           static_cast<const __half*>(w_hi), static_cast<const __half*>(w_lo), w_exponent, bias, y,
-                          positive, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), multiplier,
-                          negative_slope);
+                          positive, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), epilogue);
 }
 
 }  // namespace kernels::gemm

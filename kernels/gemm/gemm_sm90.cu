@@ -1,5 +1,5 @@
 // The fp32-accurate GEMM of gemm_multiply_leaky_relu on Hopper tensor cores (gemm.h,
-// launch_split_gemm_multiply_leaky_relu): y = leaky_relu((x w^T + b) * multiplier) from x's fp16 split (gemm_split.cu)
+// launch_split_gemm_multiply_leaky_relu): y = activation((x w^T + b) * multiplier) from x's fp16 split (gemm_split.cu)
 // and the float32 w, split in registers (or read pre-split: launch_split_gemm_presplit_multiply_leaky_relu, bitwise the
 // same); three fp16 products per K step, fp32 promotion, fused epilogue. Computes y^T = w x^T so w, wgmma's A, may come
 // from registers. Roles: gemm_sm90_layout.cuh (tiles, shared memory, barriers, registers), gemm_sm90_tile_scheduler.cuh
@@ -41,7 +41,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
                   const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
                   bool y_by_tma, const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
-                  int n, int k, float multiplier, float negative_slope, int slices, int slice_chunks,
+                  int n, int k, Epilogue epilogue, int slices, int slice_chunks,
                   int slice_rows) {
 #if KERNELS_SM90A_DEVICE
   using namespace sm90;
@@ -81,7 +81,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   const ConsumerThread thread(warpgroup, /*paired_rows=*/kTransposed);
   const std::uint32_t shared_base = smem_address(shared);
   const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, x_exponent, w_flags, /*w_flags_set_only=*/slices > 1,
-                                             bias, y, positive, m, n, slice_rows, multiplier, negative_slope};
+                                             bias, y, positive, m, n, slice_rows, epilogue};
   float accumulator[64], total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) accumulator[i] = 0.0f;
@@ -100,7 +100,10 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     // store_tile's scratch for a part's x exponents, declared in the kernel: where the array is declared sets the
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
     int row_exponents[kOutBoxRows / 8];
-    store_tile(epilogue_arguments, thread, shared_base, tile_x, tile_w, slice, total, non_finite, row_exponents);
+    // The GELUs' epilogue loops are left out of the kernel that splits w in its registers (ptxas would spill there):
+    // launch_kernel gives it no GELU.
+    store_tile<kTransposed || kPresplit>(epilogue_arguments, thread, shared_base, tile_x, tile_w, slice, total,
+                                         non_finite, row_exponents);
   }
   finish_stores(epilogue_arguments);
 #endif
@@ -185,7 +188,7 @@ int multiprocessor_count(int device) {
 cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool presplit, const void* x_hi,
                           const void* x_lo, const std::int32_t* x_exponent, std::int32_t* w_flags, const float* bias,
                           float* y, std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
-                          float multiplier, float negative_slope, int device, cudaStream_t stream,
+                          Epilogue epilogue, int device, cudaStream_t stream,
                           const KSlices& k_slices = KSlices{}) {
   if (reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
     return cudaErrorInvalidValue;
@@ -194,6 +197,9 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
       !make_tile_map(&maps[4], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
     return cudaErrorInvalidValue;
   const bool split = k_slices.slices > 1;
+  // A GELU takes the kernels that read w's split or w transposed, or K split (the sum applies it).
+  if (epilogue.activation != Activation::kLeakyReLU && !w_transposed && !presplit && !split)
+    return cudaErrorNotSupported;
   // The kernel's outputs: y, or the slices' partials, slice after slice.
   float* const out = split ? k_slices.workspace : y;
   const std::int64_t out_rows = split ? k_slices.slices * k_slices.slice_rows : m;
@@ -229,22 +235,23 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
                          maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags,
                          split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
-                         static_cast<int>(n), static_cast<int>(k), split ? 1.0f : multiplier,
-                         split ? 1.0f : negative_slope, k_slices.slices, slice_chunks,
+                         static_cast<int>(n), static_cast<int>(k), split ? Epilogue{} : epilogue,
+                         k_slices.slices, slice_chunks,
                          static_cast<int>(k_slices.slice_rows));
   if (err != cudaSuccess || !split) return err;
   const std::int64_t count = m * n, slice_stride = k_slices.slice_rows * n;
-  const bool plain = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
+  const bool plain = bias == nullptr && is_identity_epilogue(epilogue) && positive == nullptr;
   const bool vectors = count % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
                        reinterpret_cast<std::uintptr_t>(out) % 16 == 0 &&  // slice_stride: whole tiles of rows
-                       (plain || (n % 4 == 0 && reinterpret_cast<std::uintptr_t>(positive) % 4 == 0));
+                       (plain || (n % 4 == 0 && reinterpret_cast<std::uintptr_t>(positive) % 4 == 0 &&
+                                  epilogue.activation == Activation::kLeakyReLU));
   const std::int64_t needed = ((vectors ? count / 4 : count) + kSplitKSumThreads - 1) / kSplitKSumThreads;
   const std::int64_t most = static_cast<std::int64_t>(processors) * kSplitKSumBlocksPerProcessor;
   const unsigned blocks = static_cast<unsigned>(needed < most ? needed : most);
   const auto sum = plain ? (vectors ? split_k_sum_kernel<true, false> : split_k_sum_kernel<false, false>)
                          : (vectors ? split_k_sum_kernel<true, true> : split_k_sum_kernel<false, true>);
   return launch_dependent(sum, dim3(blocks), dim3(kSplitKSumThreads), 0, stream, out, slice_stride, k_slices.slices, y,
-                          count, SplitKEpilogue{bias, multiplier, negative_slope, positive, n});
+                          count, SplitKEpilogue{bias, epilogue, positive, n});
 }
 
 // Whether ptxas gave `kernel` registers enough for the roles' budgets (gemm_sm90_layout.cuh,
@@ -298,8 +305,8 @@ namespace {
 // launch_split_gemm_multiply_leaky_relu, K split where k_slices says so.
 cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const float* w,
                           std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags, const float* bias, float* y,
-                          std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k, float multiplier,
-                          float negative_slope, cudaStream_t stream, const KSlices& k_slices) {
+                          std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k, Epilogue epilogue,
+                          cudaStream_t stream, const KSlices& k_slices) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -312,14 +319,14 @@ cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t
                          : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
   if (!w_map) return cudaErrorInvalidValue;
   return launch_kernel(maps, w_transposed, /*presplit=*/false, x_hi, x_lo, x_exponent, w_flags, bias, y, positive, m,
-                       n, k, multiplier, negative_slope, device, stream, k_slices);
+                       n, k, epilogue, device, stream, k_slices);
 }
 
 // launch_split_gemm_presplit_multiply_leaky_relu, K split where k_slices says so.
 cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const void* w_hi,
                                 const void* w_lo, const std::int32_t* w_exponent, const float* bias, float* y,
                                 std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
-                                float multiplier, float negative_slope, cudaStream_t stream,
+                                Epilogue epilogue, cudaStream_t stream,
                                 const KSlices& k_slices) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
@@ -335,7 +342,7 @@ cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::i
       !make_exponent_map(&maps[2], w_exponent, row / kSplitChunk, n))
     return cudaErrorInvalidValue;
   return launch_kernel(maps, /*w_transposed=*/false, /*presplit=*/true, x_hi, x_lo, x_exponent, /*w_flags=*/nullptr,
-                       bias, y, positive, m, n, k, multiplier, negative_slope, device, stream, k_slices);
+                       bias, y, positive, m, n, k, epilogue, device, stream, k_slices);
 }
 
 // The slices of a split-K launch, checked: k_slices >= 1, a workspace 16-byte aligned where K is split, and the
@@ -370,10 +377,10 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   const float* w, std::int64_t w_stride, bool w_transposed,
                                                   std::int32_t* w_flags, const float* bias, float* y,
                                                   std::uint8_t* positive, std::int64_t m, std::int64_t n,
-                                                  std::int64_t k, float multiplier, float negative_slope,
+                                                  std::int64_t k, Epilogue epilogue,
                                                   cudaStream_t stream) {
   return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
-                       multiplier, negative_slope, stream, KSlices{});
+                       epilogue, stream, KSlices{});
 }
 
 bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
@@ -386,10 +393,10 @@ cudaError_t launch_split_gemm_presplit_multiply_leaky_relu(const void* x_hi, con
                                                            const void* w_lo, const std::int32_t* w_exponent,
                                                            const float* bias, float* y, std::uint8_t* positive,
                                                            std::int64_t m, std::int64_t n, std::int64_t k,
-                                                           float multiplier, float negative_slope,
+                                                           Epilogue epilogue,
                                                            cudaStream_t stream) {
-  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
-                             negative_slope, stream, KSlices{});
+  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, epilogue,
+                             stream, KSlices{});
 }
 
 int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t k) {
@@ -415,24 +422,24 @@ std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                       const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
                                       const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                      std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                      std::int64_t n, std::int64_t k, Epilogue epilogue,
                                       int k_slices, float* workspace, cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
   return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
-                       multiplier, negative_slope, stream, split);
+                       epilogue, stream, split);
 }
 
 cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                                const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                               std::int64_t n, std::int64_t k, float multiplier,
-                                               float negative_slope, int k_slices, float* workspace,
+                                               std::int64_t n, std::int64_t k, Epilogue epilogue,
+                                               int k_slices, float* workspace,
                                                cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
-  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, multiplier,
-                             negative_slope, stream, split);
+  return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, epilogue,
+                             stream, split);
 }
 
 }  // namespace kernels::gemm

@@ -1,7 +1,8 @@
 // The Hopper GEMM's epilogue (gemm_sm90.cu): a consumer's outputs of a tile, y[x row, w row] =
-// leaky_relu((total 2^-e + bias) * multiplier), e the x row's exponent (split_numerics.cuh: unscale, epilogue), and
-// `positive` beside them; and w's non-finite row flags. Where K is split (gemm.h, launch_split_gemm_split_k), y is
-// the partials' workspace, slice s's plain outputs in its rows s * slice_rows .. s * slice_rows + m - 1.
+// activation((total 2^-e + bias) * multiplier), e the x row's exponent (split_numerics.cuh: unscale,
+// apply_epilogue), and `positive` beside them; and w's non-finite row flags. Where K is split (gemm.h,
+// launch_split_gemm_split_k), y is the partials' workspace, slice s's plain outputs in its rows s * slice_rows ..
+// s * slice_rows + m - 1.
 //
 // The consumers write their totals into shared memory, make the outputs there, and TMA stores them (y's rows 16-byte
 // aligned), so that a consumer goes on to the next tile's products without waiting on global stores; else (a
@@ -34,13 +35,14 @@ struct EpilogueArguments {
   std::uint8_t* positive;
   int m, n;
   int slice_rows;  // y's rows per slice of K (a multiple of kBlockX), where K is split
-  float multiplier, negative_slope;
+  Epilogue epilogue;
 };
 
 // Writes the tile's outputs from this consumer thread's totals (ConsumerThread's layout) and, from the CTAs of x's
 // first tile, its rows' flags; `slice`: the unit's slice of K (0 where K is not split). shared_base is the CTA's
 // shared memory (its shared-window address); row_exponents holds the x exponents of the rows a thread makes outputs
-// of in one part, on the TMA path.
+// of in one part, on the TMA path. kGelus: whether the GELU activations are compiled in (LeakyReLU's alone else).
+template <bool kGelus>
 __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, const ConsumerThread& thread,
                                            std::uint32_t shared_base, int tile_x, int tile_w, int slice,
                                            const float (&total)[64], const bool (&non_finite)[2],
@@ -52,7 +54,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   float* const y = arguments.y;
   std::uint8_t* const positive = arguments.positive;
   const int m = arguments.m, n = arguments.n;
-  const float multiplier = arguments.multiplier, negative_slope = arguments.negative_slope;
+  const Epilogue& epilogue = arguments.epilogue;
   const int consumer = thread.consumer, t = thread.t, tile_row = thread.tile_row, row_step = thread.row_step;
   // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row
   // 8 j + 2 t + c.
@@ -97,9 +99,9 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
     }
   };
   // A plain product (the backward's: no bias, multiplier and slope 1, no mask): each output by plain_product_output,
-  // epilogue()'s value bit for bit in fewer instructions (kernels/gemm/NOTES.md, Decisions, "The plain product's
+  // apply_epilogue()'s value bit for bit in fewer instructions (kernels/gemm/NOTES.md, Decisions, "The plain product's
   // epilogue").
-  const bool plain_product = bias == nullptr && multiplier == 1.0f && negative_slope == 1.0f && positive == nullptr;
+  const bool plain_product = bias == nullptr && is_identity_epilogue(epilogue) && positive == nullptr;
   if (arguments.y_by_tma) {
     // TMA stores that run on while the consumer moves to the next tile. One loop pass makes a part's outputs, 4 at a
     // time, each thread unscaling and activating a 16-byte unit of 8 rows: a small loop body instead of a large
@@ -125,39 +127,43 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
       for (int i = 0; i < kOutBoxRows / 8; ++i)
         row_exponents[i] = part_row + 8 * i < m ? x_exponent[part_row + 8 * i] : 0;
+      // Each activation's loop compiled apart (with_activation): LeakyReLU's carries none of the GELUs' code.
+      with_activation<kGelus>(epilogue.activation, [&](auto activation) {
+        constexpr Activation kActivation = decltype(activation)::value;
 #pragma unroll 1
-      for (int i = 0; i < kOutBoxRows / 8; ++i) {
-        const int row = part_row + 8 * i;
-        const std::uint32_t address = unit_address + i * 8 * 128;
-        const float4 totals = load_shared_float4(address);
-        const RowUnscale factors = row_unscale(row_exponents[0]);
-        // The next row's exponent into place (the rolled loop reads one register).
+        for (int i = 0; i < kOutBoxRows / 8; ++i) {
+          const int row = part_row + 8 * i;
+          const std::uint32_t address = unit_address + i * 8 * 128;
+          const float4 totals = load_shared_float4(address);
+          const RowUnscale factors = row_unscale(row_exponents[0]);
+          // The next row's exponent into place (the rolled loop reads one register).
 #pragma unroll
-        for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
-        if (plain_product) {
-          store_shared_float4(address, make_float4(plain_product_output(unscale(totals.x, factors)),
-                                                   plain_product_output(unscale(totals.y, factors)),
-                                                   plain_product_output(unscale(totals.z, factors)),
-                                                   plain_product_output(unscale(totals.w, factors))));
-          continue;
-        }
-        const Activated out[4] = {epilogue(unscale(totals.x, factors), unit_bias[0], multiplier, negative_slope),
-                                  epilogue(unscale(totals.y, factors), unit_bias[1], multiplier, negative_slope),
-                                  epilogue(unscale(totals.z, factors), unit_bias[2], multiplier, negative_slope),
-                                  epilogue(unscale(totals.w, factors), unit_bias[3], multiplier, negative_slope)};
-        store_shared_float4(address, make_float4(out[0].value, out[1].value, out[2].value, out[3].value));
-        if (positive && row < m && columns_inside) {
-          std::uint8_t* const at = positive + static_cast<std::int64_t>(row) * n + first_column;
-          if (mask_words) {
-            *reinterpret_cast<std::uint32_t*>(at) =
-                std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
-                std::uint32_t{out[2].positive} << 16 | std::uint32_t{out[3].positive} << 24;
-          } else {
+          for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
+          if (plain_product) {
+            store_shared_float4(address, make_float4(plain_product_output(unscale(totals.x, factors)),
+                                                     plain_product_output(unscale(totals.y, factors)),
+                                                     plain_product_output(unscale(totals.z, factors)),
+                                                     plain_product_output(unscale(totals.w, factors))));
+            continue;
+          }
+          const Activated out[4] = {apply_epilogue<kActivation>(unscale(totals.x, factors), unit_bias[0], epilogue),
+                                    apply_epilogue<kActivation>(unscale(totals.y, factors), unit_bias[1], epilogue),
+                                    apply_epilogue<kActivation>(unscale(totals.z, factors), unit_bias[2], epilogue),
+                                    apply_epilogue<kActivation>(unscale(totals.w, factors), unit_bias[3], epilogue)};
+          store_shared_float4(address, make_float4(out[0].value, out[1].value, out[2].value, out[3].value));
+          if (positive && row < m && columns_inside) {
+            std::uint8_t* const at = positive + static_cast<std::int64_t>(row) * n + first_column;
+            if (mask_words) {
+              *reinterpret_cast<std::uint32_t*>(at) =
+                  std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
+                  std::uint32_t{out[2].positive} << 16 | std::uint32_t{out[3].positive} << 24;
+            } else {
 #pragma unroll
-            for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
+              for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
+            }
           }
         }
-      }
+      });
       fence_async_shared();
       named_barrier_sync(kStagingBarrier + consumer, 128);
       if (store_thread) {
@@ -189,27 +195,30 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
       const int part_first_row = tile_x * kBlockX + part * kOutBoxRows;
       const int lane_row = part_first_row + warp + 4 * (lane % 16);
       const int lane_exponent = lane_row < m ? x_exponent[lane_row] : 0;
+      with_activation<kGelus>(epilogue.activation, [&](auto activation) {
+        constexpr Activation kActivation = decltype(activation)::value;
 #pragma unroll 4
-      for (int i = 0; i < kOutBoxRows / 4; ++i) {
-        const int local_row = warp + 4 * i, row = part_first_row + local_row;
-        const RowUnscale factors = row_unscale(__shfl_sync(0xffffffffu, lane_exponent, i));
+        for (int i = 0; i < kOutBoxRows / 4; ++i) {
+          const int local_row = warp + 4 * i, row = part_first_row + local_row;
+          const RowUnscale factors = row_unscale(__shfl_sync(0xffffffffu, lane_exponent, i));
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          const float product = unscale(
-              load_shared_float(staging + b * kOutBoxBytes + local_row * 128 + (((lane / 4) ^ (local_row % 8)) << 4) +
-                                (lane % 4) * 4),
-              factors);
-          if (row >= m || column[b] >= n) continue;
-          const std::int64_t at = (out_row0 + row) * n + column[b];
-          if (plain_product) {
-            y[at] = plain_product_output(product);
-          } else {
-            const Activated out = epilogue(product, lane_bias[b], multiplier, negative_slope);
-            y[at] = out.value;
-            if (positive) positive[at] = out.positive;
+          for (int b = 0; b < 2; ++b) {
+            const float product = unscale(
+                load_shared_float(staging + b * kOutBoxBytes + local_row * 128 + (((lane / 4) ^ (local_row % 8)) << 4) +
+                                  (lane % 4) * 4),
+                factors);
+            if (row >= m || column[b] >= n) continue;
+            const std::int64_t at = (out_row0 + row) * n + column[b];
+            if (plain_product) {
+              y[at] = plain_product_output(product);
+            } else {
+              const Activated out = apply_epilogue<kActivation>(product, lane_bias[b], epilogue);
+              y[at] = out.value;
+              if (positive) positive[at] = out.positive;
+            }
           }
         }
-      }
+      });
     }
   }
 }

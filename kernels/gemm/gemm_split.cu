@@ -26,24 +26,24 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
                                      std::int64_t w_element_stride, const std::int32_t* x_exponent,
                                      const std::int32_t* w_exponent,
                                      const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                     std::int64_t n, std::int64_t k, float multiplier, float negative_slope,
+                                     std::int64_t n, std::int64_t k, Epilogue epilogue,
                                      cudaStream_t stream) {
   if (m <= 0 || n <= 0) return cudaSuccess;
   const std::int64_t blocks = (m + n + kFixupRowsPerBlock - 1) / kFixupRowsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   return launch_dependent(nonfinite_outputs_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kFixupThreads), 0,
                           stream, x, x_stride, x_element_stride, w, w_stride, w_element_stride, x_exponent, w_exponent,
-                          bias, y, positive, m, n, k, multiplier, negative_slope);
+                          bias, y, positive, m, n, k, epilogue);
 }
 
 cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
-                                      std::int64_t m, std::int64_t n, float multiplier, float negative_slope,
+                                      std::int64_t m, std::int64_t n, Epilogue epilogue,
                                       cudaStream_t stream) {
   if (m <= 0 || n <= 0) return cudaSuccess;
   const std::int64_t tiles = ((m + kTransposeTile - 1) / kTransposeTile) * ((n + kTransposeTile - 1) / kTransposeTile);
   const unsigned blocks = static_cast<unsigned>(tiles < (1 << 20) ? tiles : (1 << 20));
   return launch_dependent(transposed_epilogue_kernel, dim3(blocks), dim3(kTransposeThreads), 0, stream, product_t,
-                          bias, y, positive, m, n, multiplier, negative_slope);
+                          bias, y, positive, m, n, epilogue);
 }
 
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols) {

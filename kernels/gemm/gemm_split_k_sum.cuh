@@ -15,23 +15,22 @@ namespace {
 constexpr int kSplitKSumThreads = 256;
 constexpr int kSplitKSumBlocksPerProcessor = 8;  // a grid-stride loop over enough blocks to keep the loads in flight
 
-// The epilogue a forward's sum applies, epilogue()'s: bias (null: none), multiplier, slope, the mask (null: none); n:
+// The epilogue a forward's sum applies, apply_epilogue()'s: bias (null: none), the epilogue, the mask (null: none); n:
 // y's columns, the bias's index.
 struct SplitKEpilogue {
   const float* bias;
-  float multiplier;
-  float negative_slope;
+  Epilogue epilogue;
   std::uint8_t* positive;
   std::int64_t n;
 };
 
-// One output of the sum: the sum itself for a plain product, else epilogue()'s value, and its mask byte.
-template <bool kEpilogue>
+// One output of the sum: the sum itself for a plain product, else apply_epilogue()'s value, and its mask byte.
+template <bool kEpilogue, Activation kActivation>
 __device__ __forceinline__ float split_k_output(float sum, std::int64_t i, const SplitKEpilogue& e) {
   if constexpr (!kEpilogue) {
     return sum;
   } else {
-    const Activated out = epilogue(sum, e.bias ? e.bias[i % e.n] : 0.0f, e.multiplier, e.negative_slope);
+    const Activated out = apply_epilogue<kActivation>(sum, e.bias ? e.bias[i % e.n] : 0.0f, e.epilogue);
     if (e.positive) e.positive[i] = out.positive;
     return out.value;
   }
@@ -39,8 +38,8 @@ __device__ __forceinline__ float split_k_output(float sum, std::int64_t i, const
 
 // y[i] = output of ((partials[i] + partials[stride + i]) + partials[2 stride + i]) + ..., for i < count: slice s's
 // partial at partials + s * stride; the output is the sum itself for a plain product (kEpilogue false), else
-// epilogue()'s. kVectors: 4 floats at a time (count, stride and both pointers in whole 16-byte units; with kEpilogue,
-// n too, and the mask 4-byte aligned).
+// apply_epilogue()'s. kVectors: 4 floats at a time (count, stride and both pointers in whole 16-byte units; with
+// kEpilogue, n too, the mask 4-byte aligned and the activation LeakyReLU).
 template <bool kVectors, bool kEpilogue>
 __global__ void __launch_bounds__(kSplitKSumThreads)
 split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int slices, float* __restrict__ y,
@@ -66,10 +65,13 @@ split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int 
         const std::int64_t column = i * 4 % e.n;
         const float b[4] = {e.bias ? e.bias[column] : 0.0f, e.bias ? e.bias[column + 1] : 0.0f,
                             e.bias ? e.bias[column + 2] : 0.0f, e.bias ? e.bias[column + 3] : 0.0f};
-        const Activated a[4] = {epilogue(sum.x, b[0], e.multiplier, e.negative_slope),
-                                epilogue(sum.y, b[1], e.multiplier, e.negative_slope),
-                                epilogue(sum.z, b[2], e.multiplier, e.negative_slope),
-                                epilogue(sum.w, b[3], e.multiplier, e.negative_slope)};
+        // LeakyReLU's only: the launcher gives GELUs to the scalar kernel (their IEEE divisions' slow paths would
+        // need a stack frame in this one).
+        constexpr Activation kLeaky = Activation::kLeakyReLU;
+        const Activated a[4] = {apply_epilogue<kLeaky>(sum.x, b[0], e.epilogue),
+                                apply_epilogue<kLeaky>(sum.y, b[1], e.epilogue),
+                                apply_epilogue<kLeaky>(sum.z, b[2], e.epilogue),
+                                apply_epilogue<kLeaky>(sum.w, b[3], e.epilogue)};
         if (e.positive)
           reinterpret_cast<std::uint32_t*>(e.positive)[i] =
               std::uint32_t{a[0].positive} | std::uint32_t{a[1].positive} << 8 |
@@ -79,12 +81,14 @@ split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int 
       out[i] = sum;
     }
   } else {
-    for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kSplitKSumThreads) + threadIdx.x; i < count;
-         i += step) {
-      float sum = __ldcs(partials + i);
-      for (int s = 1; s < slices; ++s) sum += __ldcs(partials + s * stride + i);
-      y[i] = split_k_output<kEpilogue>(sum, i, e);
-    }
+    with_activation(e.epilogue.activation, [&](auto activation) {
+      for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kSplitKSumThreads) + threadIdx.x; i < count;
+           i += step) {
+        float sum = __ldcs(partials + i);
+        for (int s = 1; s < slices; ++s) sum += __ldcs(partials + s * stride + i);
+        y[i] = split_k_output<kEpilogue, decltype(activation)::value>(sum, i, e);
+      }
+    });
   }
 }
 

@@ -28,7 +28,7 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, std
                          const std::int32_t* __restrict__ x_exponent,
                          const std::int32_t* __restrict__ w_exponent, const float* __restrict__ bias,
                          float* __restrict__ y, std::uint8_t* __restrict__ positive, std::int64_t m, std::int64_t n,
-                         std::int64_t k, float multiplier, float negative_slope) {
+                         std::int64_t k, Epilogue epilogue) {
   wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
   allow_next_grid();
   __shared__ std::int32_t positions[kListedPositions];
@@ -72,7 +72,7 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, std
         }
       }
       const std::int64_t i = x_row ? row : other, j = x_row ? other : row;
-      const Activated out = epilogue(sum, bias ? bias[j] : 0.0f, multiplier, negative_slope);
+      const Activated out = apply_epilogue_non_finite(sum, bias ? bias[j] : 0.0f, epilogue);  // sum is +-inf or NaN
       y[i * n + j] = out.value;
       if (positive) positive[i * n + j] = out.positive;
     }

@@ -9,8 +9,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <cuda_fp16.h>
 
+#include "gelu_tanh/gelu_tanh_math.h"
 #include "gemm.h"
 
 namespace kernels::gemm {
@@ -107,20 +109,68 @@ KERNELS_GEMM_HOST_DEVICE __forceinline__ float unscale(float total, RowUnscale r
 
 KERNELS_GEMM_HOST_DEVICE __forceinline__ float unscale(float total, int e) { return unscale(total, row_unscale(e)); }
 
-// The fused epilogue, eager's order of operations: v = (product + bias) * multiplier, then LeakyReLU. `positive`
-// (the mask the backward reads where the slope is negative) is v > 0.
+// The fused epilogue (gemm.h, Epilogue), eager's order of operations: v = (product + bias) * multiplier, then the
+// activation. `positive` (the mask the backward reads where LeakyReLU's slope is negative) is v > 0.
 struct Activated {
   float value;
   bool positive;
 };
 
-__device__ __forceinline__ Activated epilogue(float product, float bias, float multiplier, float negative_slope) {
-  const float v = (product + bias) * multiplier;
-  const bool positive = v > 0.0f;
-  return {positive ? v : v * negative_slope, positive};
+// nn.GELU()'s v * Phi(v) in eager's CUDA kernel's operations and order, v * 0.5 * (1 + erf(v / sqrt(2))) in float:
+// the bits F.gelu gives for the same v (erfc would avoid the cancellation where v < 0, at about twice the instructions
+// in an epilogue that the tensor cores wait on).
+__device__ __forceinline__ float gelu_erf(float v) { return v * 0.5f * (1.0f + erff(v * 0.70710678118654752f)); }
+
+// The activation of v = (product + bias) * multiplier, chosen at compile time: a loop over outputs carries only its
+// own activation's instructions (with_activation picks the instantiation once per loop).
+template <Activation kActivation>
+__device__ __forceinline__ float activate(float v, float negative_slope) {
+  if constexpr (kActivation == Activation::kGeluErf) {
+    return gelu_erf(v);
+  } else if constexpr (kActivation == Activation::kGeluTanh) {
+    return gelu_tanh::gelu_tanh_element<float>(v);
+  } else {
+    return v > 0.0f ? v : v * negative_slope;
+  }
 }
 
-// epilogue()'s value for a plain product (bias 0, multiplier and slope 1: the backward's products), in one add:
+template <Activation kActivation>
+__device__ __forceinline__ Activated apply_epilogue(float product, float bias, const Epilogue& epilogue) {
+  const float v = (product + bias) * epilogue.multiplier;
+  return {activate<kActivation>(v, epilogue.negative_slope), v > 0.0f};
+}
+
+// body(std::integral_constant<Activation, a>{}) for a = `activation`: the loop in body compiled once per activation.
+// kGelus false: LeakyReLU's alone (a kernel whose launcher takes no GELU).
+template <bool kGelus = true, typename Body>
+__device__ __forceinline__ void with_activation(Activation activation, Body&& body) {
+  if constexpr (!kGelus) {
+    body(std::integral_constant<Activation, Activation::kLeakyReLU>{});
+    return;
+  }
+  switch (activation) {
+    case Activation::kGeluErf:
+      body(std::integral_constant<Activation, Activation::kGeluErf>{});
+      return;
+    case Activation::kGeluTanh:
+      body(std::integral_constant<Activation, Activation::kGeluTanh>{});
+      return;
+    default:
+      body(std::integral_constant<Activation, Activation::kLeakyReLU>{});
+      return;
+  }
+}
+
+// apply_epilogue's result for a product that is +-inf or NaN (the non-finite fix-up's outputs), without the GELUs'
+// arithmetic: both give +inf for +inf and NaN for -inf (-inf * 0) and NaN, as their formulas do.
+__device__ __forceinline__ Activated apply_epilogue_non_finite(float product, float bias, const Epilogue& epilogue) {
+  const float v = (product + bias) * epilogue.multiplier;
+  if (epilogue.activation == Activation::kLeakyReLU)
+    return apply_epilogue<Activation::kLeakyReLU>(product, bias, epilogue);
+  return {v > 0.0f ? v : __int_as_float(0x7fffffff), v > 0.0f};
+}
+
+// apply_epilogue()'s value for a plain product (bias 0, multiplier and slope 1: the backward's products), in one add:
 // (product + 0) * 1 either way, so -0 becomes +0 here too.
 __device__ __forceinline__ float plain_product_output(float product) { return product + 0.0f; }
 

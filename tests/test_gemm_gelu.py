@@ -1,0 +1,269 @@
+"""gemm_gelu: gelu(x @ weight.T + bias) in one op, the GELU in the split GEMM's epilogue. Each kernel variant (the
+Hopper kernel's TMA and plain stores, w split in the kernel, ahead or kept, w transposed, the product computed
+transposed, K split; the sm_80 kernel) against eager's two ops and float64, with randn and rand inputs and non-finite
+values; its autograd (the two steps, recorded); the patched MLPs of real architectures; the CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from conftest import HAS_CUDA, poison_allocator, requires_cuda
+from gemm_helpers import SPLIT_KERNELS, forced_k_slices
+from kernels.functional import gemm_gelu, gemm_multiply_leaky_relu, gelu_tanh
+from kernels.gemm.gemm import FusedLinear, forced_gemm_path
+from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, gradient_atol, relative_error
+
+APPROXIMATIONS = ["none", "tanh"]
+PATHS = ["cublas", *SPLIT_KERNELS]
+
+
+def operands(m, k, n, kind="randn", device="cuda", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    draw = torch.rand if kind == "rand" else torch.randn
+    x = draw(m, k, generator=g)
+    w = draw(n, k, generator=g) / k ** 0.5
+    b = draw(n, generator=g)
+    return x.to(device), w.to(device), b.to(device)
+
+
+def unfused(x, w, b, approximate):
+    """The layers gemm_gelu stands for, in eager PyTorch: nn.Linear, then nn.GELU(approximate)."""
+    return F.gelu(F.linear(x, w, b), approximate=approximate)
+
+
+def check(x, w, b, approximate, path, **options):
+    """gemm_gelu on `path`: bit for bit the library's product on that path followed by the activation eager's layer
+    applies (F.gelu; gelu_tanh() for "tanh"), so the epilogue's GELU and its wiring (bias, layouts, K slices, stores)
+    are exact; and within the contract against eager's two ops (allclose; an error against float64 no larger than
+    theirs, or than the split's floor where a test forces it on a product below its range)."""
+    poison_allocator((*x.shape[:-1], w.shape[0]), x.dtype, x.device)
+    with torch.no_grad(), forced_gemm_path(path):
+        y = gemm_gelu(x, w, b, approximate, **options)
+        product = gemm_multiply_leaky_relu(x, w, b, 1.0, 1.0)
+    two_ops = F.gelu(product) if approximate == "none" else gelu_tanh(product)
+    torch.testing.assert_close(y, two_ops, rtol=0, atol=0, equal_nan=True)
+    eager = unfused(x, w, b, approximate)
+    y64 = unfused(x.double(), w.double(), None if b is None else b.double(), approximate)
+    assert y.shape == eager.shape and y.dtype == eager.dtype
+    assert allclose(y, eager), (y - eager).abs().nan_to_num().max()
+    # The bound: eager's product through the same activation formula ("tanh" is gelu_tanh()'s, whose own tests hold
+    # it to eager's formulas over whole tensors; on a few dozen outputs either may be the closer one).
+    bound = relative_error(eager if approximate == "none" else gelu_tanh(F.linear(x, w, b)), y64)
+    floor = SPLIT_FP16_ERROR_FLOOR if path in SPLIT_KERNELS else 0.0
+    assert relative_error(y, y64) <= max(bound, floor), (relative_error(y, y64), bound)
+    return y
+
+
+# (m, k, n): what each takes on split_fp16 (gemm_products.cpp).
+SHAPES = {
+    "w split in the kernel": (300, 136, 200),
+    "w split ahead": (2100, 264, 520),
+    "computed transposed": (2000, 520, 40),
+    "plain stores (n % 4 = 3)": (300, 136, 203),
+    "one row": (1, 72, 40),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gemm_gelu_against_eager_and_float64(shape, kind, approximate, path):
+    x, w, b = operands(*SHAPES[shape], kind)
+    check(x, w, b, approximate, path)
+    check(x, w, None, approximate, path)
+
+
+@requires_cuda
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+@pytest.mark.parametrize("n", [128, 130])  # the sum's vector and scalar kernels; GELUs take the scalar one
+def test_gemm_gelu_with_k_split(approximate, n):
+    x, w, b = operands(64, 4096, n)
+    for slices in (4, 1):
+        with forced_k_slices(slices):
+            check(x, w, b, approximate, "split_fp16")
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_gemm_gelu_transposed_weight_view(approximate, path):
+    # transformers' Conv1D stores W as (in, out): its transposed view is read without a copy.
+    x, w, b = operands(300, 136, 200)
+    w_t = w.t().contiguous()
+    check(x, w_t.t(), b, approximate, path)
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", SPLIT_KERNELS or [pytest.param(None, marks=pytest.mark.skip("no split kernel"))])
+def test_gemm_gelu_with_the_kept_weight_split(path):
+    layer = FusedLinear(2048, 2048).cuda()
+    x = torch.randn(1024, 2048, device="cuda")
+    with torch.no_grad(), forced_gemm_path(path):
+        first = layer.forward_gelu(x)
+        second = layer.forward_gelu(x)  # the weight's split kept at the first call, read from the second
+        assert layer._weight_split is not None
+    assert torch.equal(first, second)
+    check(x, layer.weight, layer.bias, "none", path)
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+@pytest.mark.parametrize("rows,features", [(24, 40), (600, 24)])  # the second computed transposed on split_fp16
+def test_gemm_gelu_propagates_nan_and_inf_like_eager(path, approximate, rows, features):
+    x, w, b = operands(rows, features, 36)
+    x[1, 3], x[4, 0], x[5, :] = float("inf"), float("nan"), -float("inf")
+    w[7, 2] = -float("inf")
+    check(x, w, b, approximate, path)
+
+
+def test_gemm_gelu_on_the_cublas_path(device):
+    x, w, b = operands(40, 72, 24, device=device)
+    for approximate in APPROXIMATIONS:
+        check(x, w, b, approximate, "cublas")
+
+
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_gemm_gelu_gradients_are_the_two_steps(approximate, device):
+    paths = ["cublas", *SPLIT_KERNELS] if device == "cuda" else ["cublas"]
+    for path in paths:
+        x, w, b = (t.requires_grad_() for t in operands(300, 136, 200, device=device))
+        with forced_gemm_path(path):
+            y = gemm_gelu(x, w, b, approximate)
+        grad = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, w, b), grad)
+        x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        expected = torch.autograd.grad(unfused(x2, w2, b2, approximate), (x2, w2, b2), grad)
+        for got, want in zip(grads, expected):
+            atol = gradient_atol(want)
+            assert torch.allclose(got, want, atol=atol, rtol=1e-4), (path, (got - want).abs().max())
+
+
+def test_gemm_gelu_under_vmap_compile_and_autocast(device):
+    x, w, b = operands(6, 16, 8, device=device)
+    batched = torch.stack([x, 2 * x])
+    assert torch.allclose(torch.func.vmap(lambda t: gemm_gelu(t, w, b))(batched), unfused(batched, w, b, "none"),
+                          atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(lambda t: gemm_gelu(t, w, b, "tanh"), backend="aot_eager", fullgraph=True)
+    assert torch.allclose(compiled(x), gemm_gelu(x, w, b, "tanh"))
+    dtype = torch.bfloat16
+    with torch.autocast(device, dtype=dtype):
+        y, eager = gemm_gelu(x, w, b), unfused(x, w, b, "none")
+    assert y.dtype == eager.dtype == dtype
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda x, w: gemm_gelu(x, w, None, "exact"), "approximate must be 'none' or 'tanh'"),
+    (lambda x, w: torch.ops.kernels.gemm_gelu(x, w, None, "exact"), "approximate must be 'none' or 'tanh'"),
+    (lambda x, w: gemm_gelu(x, w.double()), "weight"),
+    (lambda x, w: gemm_gelu(x, w[:, :5]), "in_features"),
+    (lambda x, w: gemm_gelu(x.tolist(), w), "must be torch.Tensors"),
+])
+def test_gemm_gelu_bad_inputs(call, error, device):
+    x, w, _ = operands(4, 8, 6, device=device)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=error):
+        call(x, w)
+
+
+# ---- patched MLPs ------------------------------------------------------------------------------------------------
+
+def _count_forward_gelu(monkeypatch):
+    calls = []
+    original = FusedLinear.forward_gelu
+
+    def counting(self, x, approximate="none"):
+        calls.append(approximate)
+        return original(self, x, approximate)
+
+    monkeypatch.setattr(FusedLinear, "forward_gelu", counting)
+    return calls
+
+
+def test_patched_mlp_runs_its_first_layer_and_gelu_as_one_op(device, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, vocab_size=100)
+    eager = transformers.BertModel(config).to(device).eval()
+    patched = kernels.patch(transformers.BertModel(config).to(device).eval())
+    patched.load_state_dict(eager.state_dict())
+    calls = _count_forward_gelu(monkeypatch)
+    ids = torch.randint(0, 100, (2, 16), device=device)
+    with torch.no_grad():
+        assert torch.allclose(patched(ids).last_hidden_state, eager(ids).last_hidden_state, atol=1e-5, rtol=1e-5)
+    assert calls == ["none", "none"]
+    # A hook on the activation sees its call: the MLP then runs its own forward.
+    seen = []
+    patched.encoder.layer[0].intermediate.intermediate_act_fn.register_forward_hook(lambda *args: seen.append(1))
+    with torch.no_grad():
+        patched(ids)
+    assert seen == [1] and len(calls) == 3
+    kernels.unpatch(patched)
+    assert type(patched.encoder.layer[0].intermediate) is transformers.models.bert.modeling_bert.BertIntermediate
+
+
+@pytest.mark.parametrize("activation,fused", [("gelu", True), ("gelu_new", False)])
+def test_patched_gpt2_mlp_fuses_the_erf_gelu_only(activation, fused, device, monkeypatch):
+    # GPT-2's own "gelu_new" (the tanh form) stays two ops: fused, it costs the GEMM what the pass costs.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0,
+                                     activation_function=activation)
+    eager = transformers.GPT2Model(config).to(device).eval()
+    patched = kernels.patch(transformers.GPT2Model(config).to(device).eval())
+    patched.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 100, (2, 16), device=device)
+    calls = []
+    c_fc = patched.h[0].mlp.c_fc
+    original = c_fc.forward_gelu
+    monkeypatch.setattr(c_fc, "forward_gelu", lambda x, approximate="none": calls.append(1) or original(x))
+    with torch.no_grad():
+        assert torch.allclose(patched(ids).last_hidden_state, eager(ids).last_hidden_state, atol=1e-5, rtol=1e-5)
+    assert calls == ([1] if fused else [])
+
+
+def test_plain_gelus_only_are_fused():
+    from kernels.patching import _is_plain_gelu
+
+    assert _is_plain_gelu(nn.GELU())
+    assert not _is_plain_gelu(nn.GELU(approximate="tanh"))
+    assert not _is_plain_gelu(nn.ReLU())
+
+    class SubclassedGELU(nn.GELU):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert not _is_plain_gelu(SubclassedGELU())
+    hooked = nn.GELU()
+    hooked.register_forward_hook(lambda *args: None)
+    assert not _is_plain_gelu(hooked)
+    transformers = pytest.importorskip("transformers")
+    assert _is_plain_gelu(transformers.activations.GELUActivation())
+    assert not _is_plain_gelu(transformers.activations.GELUActivation(use_gelu_python=True))
+    assert not _is_plain_gelu(transformers.activations.NewGELUActivation())
+
+
+@requires_cuda
+@pytest.mark.skipif(not SPLIT_KERNELS, reason="needs a split kernel")
+def test_patched_bert_mlp_on_the_split_path_within_the_contract(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=1024, num_hidden_layers=1, num_attention_heads=16,
+                                     intermediate_size=4096, vocab_size=1000)
+    eager = transformers.BertModel(config).cuda().eval()
+    patched = kernels.patch(transformers.BertModel(config).cuda().eval())
+    patched.load_state_dict(eager.state_dict())
+    calls = _count_forward_gelu(monkeypatch)
+    ids = torch.randint(0, 1000, (4, 512), device="cuda")
+    with torch.no_grad():
+        ours = patched(ids).last_hidden_state
+        theirs = eager(ids).last_hidden_state
+        y64 = eager.double()(ids).last_hidden_state
+    assert calls == ["none"]
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert relative_error(ours, y64) <= relative_error(theirs, y64)
