@@ -543,6 +543,10 @@ def _before_parent_call(parent, args, kwargs):
     group = parent.__dict__.get("_projection_group")
     x = _parent_input(args, kwargs)
     if group is not None and x is not None and _attention_may_split(parent, x):
+        for name in group.names:  # their calls on x run outside the mode (_projection_outside_modes)
+            child = parent._modules.get(name)
+            if isinstance(child, FusedLinear):
+                child.__dict__["_shared_product"] = (x, _projection_outside_modes)
         mode = _SplitAttention()
         mode.__enter__()
         group.attention_modes.append(mode)
@@ -573,6 +577,20 @@ def _before_parent_call(parent, args, kwargs):
         member.__dict__["_shared_product"] = (x, shared)
     group.parts = shares
     return None
+
+
+def _projection_outside_modes(layer, x):
+    """A projection's call on the parent's input inside _SplitAttention's mode, run with torch function handling off:
+    the mode would intercept each tensor call of the layer's own host work (the parent's attention is the mode's only
+    route). Plain tensors only, for which nothing else handles those calls; None (the layer's own call) else."""
+    weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
+    if weight is None or not _plain(x, weight) or (bias is not None and not _plain(bias)):
+        return None
+    with _torch_function_off():
+        return layer.forward(x)
+
+
+_torch_function_off = torch._C.DisableTorchFunction
 
 
 def _attention_may_split(parent, x):
@@ -631,6 +649,7 @@ def _after_parent_call(parent, args, kwargs, output):
         return None
     if group.attention_modes:
         group.attention_modes.pop().__exit__(None, None, None)
+        _clear_shared_products(parent, group)
         return None
     _clear_shared_products(parent, group)
     unused = any(not shared.taken for shared in group.parts)

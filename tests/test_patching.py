@@ -532,14 +532,25 @@ def test_attention_without_a_gradient_takes_the_split_kernels(device, monkeypatc
 
 def test_attention_mode_is_left_after_each_call(monkeypatch):
     """The mode an attention parent's call enters (forced here on the CPU, where the route leaves every call to eager)
-    is left when the call returns and when it raises, and the outputs are the unpatched model's."""
+    is left when the call returns and when it raises, and the outputs are the unpatched model's; the projections'
+    calls on the parent's input run outside it (the mode sees none of their tensor calls)."""
     monkeypatch.setattr(patching, "_attention_may_split", lambda parent, x: True)
+    seen = []
+    route = patching._SplitAttention.__torch_function__
+
+    def recording(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return route(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(patching._SplitAttention, "__torch_function__", recording)
     model, config = _bert_with_heads_of_64("cpu")
     patched = kernels.patch(copy.deepcopy(model))
     ids = torch.randint(0, config.vocab_size, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, atol=TOL, rtol=TOL)
         assert torch._C._len_torch_function_stack() == 0
+    assert F.scaled_dot_product_attention in seen and F.linear not in seen
+    with torch.no_grad():
         attention = patched.bert.encoder.layer[0].attention.self
         with pytest.raises(RuntimeError):
             attention(torch.randn(2, 24, config.hidden_size + 1))
