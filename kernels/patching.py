@@ -171,7 +171,7 @@ class _GatedMLPPatch:
 def _is_plain_gelu(act):
     """Whether `act` computes F.gelu(x) (the erf form) and nothing else, with no hook to see its call: nn.GELU(),
     transformers' GELUActivation on F.gelu, timm's GELU. The tanh form stays two ops: in the GEMM's epilogue it costs
-    the GEMM what the separate pass costs (kernels/gemm/NOTES.md, Decisions)."""
+    the GEMM what its own sweep over memory costs (kernels/gemm/NOTES.md, Decisions)."""
     if _has_hooks(act):
         return False
     cls = type(act)

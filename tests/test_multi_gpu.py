@@ -25,7 +25,8 @@ from conftest import assert_bitwise_equal, run_on_two_processes
 from kernels import loader
 from kernels.attention.attention import attention
 from kernels.causal_softmax.causal_softmax import causal_softmax
-from kernels.gemm.gemm import KEPT_SPLIT_MIN_PRODUCTS, SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
+from kernels.gemm.gemm import (KEPT_SPLIT_MIN_PRODUCTS, SPLIT_PATHS, FusedLinear, forced_gemm_path, gemm_path,
+                               gemm_paths)
 from kernels.manifest import FAMILIES
 from kernels.precision import (ALLCLOSE_TOLERANCE, CUBLAS_BF16X9_ERROR_RATIO_LIMIT, SPLIT_FP16_ERROR_FLOOR,
                                gradient_atol, relative_error)
@@ -498,11 +499,60 @@ class SplitSweepCase:
             torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0, msg=name)
 
 
+class GemmGeluCase:
+    """gemm_gelu on one path: the op (both GELUs; a transposed weight view, as Conv1D's) and FusedLinear.forward_gelu
+    with the weight's split kept from its second call, against eager's nn.Linear then GELU at 1e-4."""
+
+    family = "gemm"
+    ops = {"gemm_gelu"}
+
+    def __init__(self, path):
+        self.path = path
+        self.layer = None
+
+    def __str__(self):
+        return f"gemm_gelu path={self.path}"
+
+    def build(self, device):
+        _, k, n = SPLIT_SIZED
+        torch.manual_seed(0)
+        self.layer = FusedLinear(k, n).to(device)
+
+    def draw(self, device, generator):
+        m, k, _ = SPLIT_SIZED
+        return {"x": torch.randn(m, k, device=device, generator=generator)}
+
+    def ours(self, x):
+        from kernels.functional import gemm_gelu
+
+        weight, bias = self.layer.weight, self.layer.bias
+        stored_transposed = weight.detach().t().contiguous()
+        with forced_gemm_path(self.path), torch.no_grad():
+            outputs = {"erf": gemm_gelu(x, weight, bias), "tanh": gemm_gelu(x, weight, bias, "tanh"),
+                       "transposed view": gemm_gelu(x, stored_transposed.t(), bias)}
+            for _ in range(3):  # on a split path, the third call reads the split kept by the second
+                outputs["module, weight split kept"] = self.layer.forward_gelu(x)
+        return outputs
+
+    def eager(self, x):
+        with torch.no_grad():
+            product = F.linear(x, self.layer.weight, self.layer.bias)
+            erf = F.gelu(product)
+            return {"erf": erf, "tanh": F.gelu(product, approximate="tanh"), "transposed view": erf,
+                    "module, weight split kept": erf}
+
+    def check(self, got, expected, inputs):
+        tol = ALLCLOSE_TOLERANCE[torch.float32]
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=tol, rtol=tol, msg=name)
+
+
 GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
               for path in PATHS_ON_SECOND
               for shape, multiplier, slope in [((40, 136, 72), -1.5, -0.2), ((40, 136, 72), 2.0, 0.1),
                                                (SPLIT_SIZED, 2.0, 0.1)]]
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
+GEMM_CASES += [GemmGeluCase(path) for path in PATHS_ON_SECOND]
 CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), RmsNormCase(),
                                                           LayerNormCase(), SiluMulCase(), AttentionCase()]
 
