@@ -584,9 +584,9 @@ def _projection_outside_modes(layer, x):
     the mode would intercept each tensor call of the layer's own host work (the parent's attention is the mode's only
     route). Plain tensors only, for which nothing else handles those calls; None (the layer's own call) else."""
     weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
-    if weight is None or not _plain(x, weight) or (bias is not None and not _plain(bias)):
-        return None
-    with _torch_function_off():
+    with _torch_function_off():  # the checks too: the mode would see their tensor calls
+        if weight is None or not _plain(x, weight) or (bias is not None and not _plain(bias)):
+            return None
         return layer.forward(x)
 
 
