@@ -45,7 +45,6 @@ class _Conv1DPatch:
             return super().forward(x)
         return gemm_multiply_leaky_relu(x, weight.t(), self.bias, 1.0, 1.0)
 
-
     def forward_gelu(self, x, approximate="none"):
         """FusedLinear.forward_gelu's counterpart: F.gelu of this layer's output in one op where a split takes it."""
         weight = self.weight
@@ -172,7 +171,7 @@ def _is_plain_gelu(act):
     """Whether `act` computes F.gelu(x) (the erf form) and nothing else, with no hook to see its call: nn.GELU(),
     transformers' GELUActivation on F.gelu, timm's GELU. The tanh form stays two ops: in the GEMM's epilogue it costs
     the GEMM what its own sweep over memory costs (kernels/gemm/NOTES.md, Decisions)."""
-    if _has_hooks(act):
+    if not isinstance(act, nn.Module) or _called_otherwise(act):  # a function (a config's hidden_act) included
         return False
     cls = type(act)
     if cls is nn.GELU:
@@ -182,11 +181,18 @@ def _is_plain_gelu(act):
     return cls is _imported_class("timm.layers.activations", "GELU")
 
 
+def _called_otherwise(module):
+    """Whether a call of `module` does more than its class's forward: a hook would see it, or something replaced the
+    instance's forward (accelerate's offload and device-map hooks) or compiled its call (module.compile())."""
+    return (_has_hooks(module) or "forward" in module.__dict__
+            or getattr(module, "_compiled_call_impl", None) is not None)
+
+
 def _linear_gelu(linear, act, x):
     """act(linear(x)) as one op (forward_gelu: the GELU in the GEMM's epilogue) where `linear` is the library's layer
-    with no hooks and `act` a plain GELU; None else."""
+    and `act` a plain GELU, neither called otherwise than by its class's forward; None else."""
     if not (type(linear) is FusedLinear or is_patched(linear)) or not hasattr(linear, "forward_gelu") or (
-            _has_hooks(linear)) or not _is_plain_gelu(act):
+            _called_otherwise(linear)) or not _is_plain_gelu(act):
         return None
     return linear.forward_gelu(x)
 
@@ -543,10 +549,12 @@ def _before_parent_call(parent, args, kwargs):
     group = parent.__dict__.get("_projection_group")
     x = _parent_input(args, kwargs)
     if group is not None and x is not None and _attention_may_split(parent, x):
-        for name in group.names:  # their calls on x run outside the mode (_projection_outside_modes)
-            child = parent._modules.get(name)
-            if isinstance(child, FusedLinear):
-                child.__dict__["_shared_product"] = (x, _projection_outside_modes)
+        # Their calls on x run outside the mode (_projection_outside_modes), where no other mode would miss them.
+        if torch._C._len_torch_function_stack() == 0:
+            for name in group.names:
+                child = parent._modules.get(name)
+                if isinstance(child, FusedLinear):
+                    child.__dict__["_shared_product"] = (x, _projection_outside_modes)
         mode = _SplitAttention()
         mode.__enter__()
         group.attention_modes.append(mode)
@@ -580,9 +588,10 @@ def _before_parent_call(parent, args, kwargs):
 
 
 def _projection_outside_modes(layer, x):
-    """A projection's call on the parent's input inside _SplitAttention's mode, run with torch function handling off:
-    the mode would intercept each tensor call of the layer's own host work (the parent's attention is the mode's only
-    route). Plain tensors only, for which nothing else handles those calls; None (the layer's own call) else."""
+    """A projection's call on the parent's input inside _SplitAttention's mode (the only mode on the stack), run with
+    torch function handling off: the mode would intercept each tensor call of the layer's own host work (the parent's
+    attention is its only route). Plain tensors only, for which nothing else handles those calls; None (the layer's
+    own call) else."""
     weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
     with _torch_function_off():  # the checks too: the mode would see their tensor calls
         if weight is None or not _plain(x, weight) or (bias is not None and not _plain(bias)):

@@ -1,6 +1,6 @@
 """gemm_gelu: gelu(x @ weight.T + bias) in one op, the GELU in the split GEMM's epilogue. Each kernel variant (the
-Hopper kernel's TMA and plain stores, w split in the kernel, ahead or kept, w transposed, the product computed
-transposed, K split; the sm_80 kernel) against eager's two ops and float64, with randn and rand inputs and non-finite
+Hopper kernel's TMA and plain stores, w split ahead or kept, w transposed, the product computed transposed, K split;
+the sm_80 kernel) against eager's two ops and float64, with randn and rand inputs and non-finite
 values; its autograd (the two steps, recorded); the patched MLPs of real architectures; the CPU."""
 
 import pytest
@@ -56,10 +56,10 @@ def check(x, w, b, approximate, path, **options):
     return y
 
 
-# (m, k, n): what each takes on split_fp16 (gemm_products.cpp).
+# (m, k, n): what each takes on split_fp16 (gemm_products.cpp; a GELU's w is split by a pass ahead of the kernel).
 SHAPES = {
-    "w split in the kernel": (300, 136, 200),
-    "w split ahead": (2100, 264, 520),
+    "a few tiles": (300, 136, 200),
+    "2048 rows or more": (2100, 264, 520),
     "computed transposed": (2000, 520, 40),
     "plain stores (n % 4 = 3)": (300, 136, 203),
     "one row": (1, 72, 40),
@@ -80,9 +80,8 @@ def test_gemm_gelu_against_eager_and_float64(shape, kind, approximate, path):
 @requires_cuda
 @pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)
-@pytest.mark.parametrize("n", [128, 130])  # the sum's vector and scalar kernels; GELUs take the scalar one
-def test_gemm_gelu_with_k_split(approximate, n):
-    x, w, b = operands(64, 4096, n)
+def test_gemm_gelu_with_k_split(approximate):
+    x, w, b = operands(64, 4096, 128)  # the sum applies the GELU (its scalar kernel)
     for slices in (4, 1):
         with forced_k_slices(slices):
             check(x, w, b, approximate, "split_fp16")
@@ -105,7 +104,7 @@ def test_gemm_gelu_with_the_kept_weight_split(path):
     x = torch.randn(1024, 2048, device="cuda")
     with torch.no_grad(), forced_gemm_path(path):
         first = layer.forward_gelu(x)
-        second = layer.forward_gelu(x)  # the weight's split kept at the first call, read from the second
+        second = layer.forward_gelu(x)  # the first call records the weight; the second makes its split and reads it
         assert layer._weight_split is not None
     assert torch.equal(first, second)
     check(x, layer.weight, layer.bias, "none", path)
@@ -116,7 +115,7 @@ def test_gemm_gelu_with_the_kept_weight_split(path):
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)
 @pytest.mark.parametrize("rows,features", [(24, 40), (600, 24)])  # the second computed transposed on split_fp16
 def test_gemm_gelu_propagates_nan_and_inf_like_eager(path, approximate, rows, features):
-    x, w, b = operands(rows, features, 36)
+    x, w, b = operands(rows, features, 20)  # m k > n k + m n at 600 x 24 -> 20
     x[1, 3], x[4, 0], x[5, :] = float("inf"), float("nan"), -float("inf")
     w[7, 2] = -float("inf")
     check(x, w, b, approximate, path)
@@ -227,12 +226,46 @@ def test_patched_gpt2_mlp_fuses_the_erf_gelu_only(activation, fused, device, mon
     assert calls == ([1] if fused else [])
 
 
+def test_mlps_called_otherwise_keep_their_own_forward(device, monkeypatch):
+    """A function as the activation (a config's hidden_act), a layer whose instance forward was replaced (accelerate's
+    offload hooks do so) or whose call was compiled: the MLP's own forward, with the unpatched model's results."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=256, vocab_size=100)
+    eager = transformers.BertModel(config).to(device).eval()
+    patched = kernels.patch(transformers.BertModel(config).to(device).eval())
+    patched.load_state_dict(eager.state_dict())
+    for model in (eager, patched):  # a config's hidden_act given as a function is used as it is
+        intermediate = model.encoder.layer[0].intermediate
+        del intermediate.intermediate_act_fn
+        intermediate.intermediate_act_fn = F.gelu
+    calls = _count_forward_gelu(monkeypatch)
+    ids = torch.randint(0, 100, (2, 16), device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).last_hidden_state, eager(ids).last_hidden_state)
+        assert calls == []  # F.gelu itself: not a module, so not recognized
+        intermediate = patched.encoder.layer[0].intermediate
+        intermediate.intermediate_act_fn = nn.GELU()
+        patched(ids)
+        assert calls == ["none"]
+        dense = intermediate.dense
+        dense.forward = lambda x: FusedLinear.forward(dense, x)  # an instance forward, as accelerate installs
+        patched(ids)
+        assert calls == ["none"]
+        del dense.forward
+        dense.compile(backend="eager")
+        patched(ids)
+        assert calls == ["none"]
+
+
 def test_plain_gelus_only_are_fused():
     from kernels.patching import _is_plain_gelu
 
     assert _is_plain_gelu(nn.GELU())
     assert not _is_plain_gelu(nn.GELU(approximate="tanh"))
     assert not _is_plain_gelu(nn.ReLU())
+    assert not _is_plain_gelu(F.gelu)
 
     class SubclassedGELU(nn.GELU):
         def forward(self, x):

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import kernels
 from kernels import patching
@@ -550,6 +551,21 @@ def test_attention_mode_is_left_after_each_call(monkeypatch):
         torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, atol=TOL, rtol=TOL)
         assert torch._C._len_torch_function_stack() == 0
     assert F.scaled_dot_product_attention in seen and F.linear not in seen
+    # Under a mode of the caller's, the projections' calls stay where that mode sees them, as in eager.
+    counts = {}
+
+    class CountLinear(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            counts[self] = counts.get(self, 0) + (func is F.linear)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        eager_mode, patched_mode = CountLinear(), CountLinear()
+        with eager_mode:
+            model(input_ids=ids)
+        with patched_mode:
+            patched(input_ids=ids)
+    assert counts[patched_mode] == counts[eager_mode] > 0
     with torch.no_grad():
         attention = patched.bert.encoder.layer[0].attention.self
         with pytest.raises(RuntimeError):

@@ -43,7 +43,7 @@ def test_forward_runs_the_hooks_of_gemm():
 
 
 CASES = ("ColwiseParallel", "RowwiseParallel", "replicated weight, rows of x", "replicated weight, replicated x",
-         "fully_shard(model)", "fully_shard(gemm)")
+         "fully_shard(model)", "fully_shard(gemm)", "gemm_gelu sharded", "gemm_gelu sharded, tanh")
 
 
 def run_tp_check(device_env):

@@ -58,11 +58,9 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
   const Path path = choose_path(x, linear_shape(x, weight));
   const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
   if (is_split(path))
-    return split_fp16_gemm_multiply_leaky_relu(path, x, weight, b,
-                                               Epilogue{static_cast<float>(multiplier),
-                                                        static_cast<float>(negative_slope)},
-                                               return_mask,
-                                               w_split.has_value() ? &*w_split : nullptr);
+    return split_fp16_gemm_multiply_leaky_relu(
+        path, x, weight, b, Epilogue{static_cast<float>(multiplier), static_cast<float>(negative_slope)}, return_mask,
+        w_split.has_value() ? &*w_split : nullptr);
   if (path == Path::kCublasBf16x9) {
     const int64_t m = gemm_rows(x, weight), k = weight.size(1);
     std::vector<int64_t> out_shape = x.sizes().vec();

@@ -105,14 +105,14 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
 // w 16-byte aligned. w_flags[j] gets kNonFiniteRow where row j of w holds an infinity or NaN, else 0 (for
 // launch_nonfinite_outputs). bias may be null (no bias); positive, if not null, gets 1 where the value before the
 // activation is > 0, else 0. y and positive are dense (m x n). Returns cudaErrorNotSupported where
-// split_gemm_supported() is false, and for a GELU where w is not transposed (the kernel that splits w in its registers
-// has no room for the GELUs: w's split made ahead takes them, launch_split_gemm_presplit_multiply_leaky_relu).
+// split_gemm_supported() is false, and for a GELU where w is not transposed (the kernel that reads
+// the float32 w untransposed has no room for the GELUs: w's split made ahead takes them,
+// launch_split_gemm_presplit_multiply_leaky_relu).
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                   const float* w, std::int64_t w_stride, bool w_transposed,
                                                   std::int32_t* w_flags, const float* bias, float* y,
                                                   std::uint8_t* positive, std::int64_t m, std::int64_t n,
-                                                  std::int64_t k, Epilogue epilogue,
-                                                  cudaStream_t stream);
+                                                  std::int64_t k, Epilogue epilogue, cudaStream_t stream);
 
 // The signature of the launchers that take both operands' splits (x's from launch_split_rows, w's from
 // launch_split_chunks: w_hi, w_lo and w_exponent its chunk_exponent): one for sm_80 instructions and one for Hopper's,
@@ -120,8 +120,7 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
 using SplitGemmFromSplits = cudaError_t(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                         const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                         const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                        std::int64_t n, std::int64_t k, Epilogue epilogue,
-                                        cudaStream_t stream);
+                                        std::int64_t n, std::int64_t k, Epilogue epilogue, cudaStream_t stream);
 
 // The same product and epilogue as launch_split_gemm_multiply_leaky_relu on sm_80 instructions (mma.sync, ldmatrix,
 // cp.async), for GPUs from sm_80 on whose blocks may take 129 KB of shared memory (A100, A30, Orin, Hopper, datacenter
@@ -205,8 +204,7 @@ cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const 
 cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                                const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                               std::int64_t n, std::int64_t k, Epilogue epilogue,
-                                                int k_slices, float* workspace,
-                                               cudaStream_t stream);
+                                               std::int64_t n, std::int64_t k, Epilogue epilogue, int k_slices,
+                                               float* workspace, cudaStream_t stream);
 
 }  // namespace kernels::gemm

@@ -90,7 +90,12 @@ def gemm_gelu(x, weight, bias=None, approximate="none", weight_split=None):
         return torch.ops.kernels.gemm_gelu.default(x, weight, bias, approximate)
     dtensor = _dtensor_type()
     if dtensor is not None and any(isinstance(t, dtensor) for t in (x, weight, bias)):
-        return _gelu_of(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0), approximate)
+        pre = gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)  # Shard or Replicate (_tensor_parallel)
+        if approximate == "none":
+            return F.gelu(pre)
+        # gelu_tanh has no sharding rule; element-wise, it runs on each rank's part as it lies.
+        return dtensor.from_local(_gelu_of(pre.to_local(), approximate), pre.device_mesh, pre.placements,
+                                  run_check=False, shape=pre.shape, stride=pre.stride())
     return _gemm_gelu_handle(x, weight, bias, approximate, weight_split)
 
 

@@ -137,8 +137,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
   WeightSplit w_split_made;
-  // A GELU on split_fp16 takes w's split made ahead where w is not transposed (the kernel that splits w itself has no
-  // GELU epilogue: launch_split_gemm_multiply_leaky_relu).
+  // A GELU on split_fp16 takes w's split made ahead where w is not transposed (the kernel that reads the float32 w
+  // untransposed has no GELU epilogue: launch_split_gemm_multiply_leaky_relu).
   const bool gelu_needs_w_split = path == Path::kSplitFp16 && !w_transposed &&
                                   epilogue.activation != Activation::kLeakyReLU;
   if (w_split == nullptr && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split)) {

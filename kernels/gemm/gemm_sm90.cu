@@ -100,8 +100,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     // store_tile's scratch for a part's x exponents, declared in the kernel: where the array is declared sets the
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
     int row_exponents[kOutBoxRows / 8];
-    // The GELUs' epilogue loops are left out of the kernel that splits w in its registers (ptxas would spill there):
-    // launch_kernel gives it no GELU.
+    // The GELUs' epilogue loops are left out of the kernel that reads the float32 w untransposed and splits it in its
+    // registers (<false, false>: ptxas would spill there); launch_kernel gives it no GELU.
     store_tile<kTransposed || kPresplit>(epilogue_arguments, thread, shared_base, tile_x, tile_w, slice, total,
                                          non_finite, row_exponents);
   }
@@ -433,9 +433,8 @@ cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const 
 cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                const void* w_hi, const void* w_lo, const std::int32_t* w_exponent,
                                                const float* bias, float* y, std::uint8_t* positive, std::int64_t m,
-                                               std::int64_t n, std::int64_t k, Epilogue epilogue,
-                                               int k_slices, float* workspace,
-                                               cudaStream_t stream) {
+                                               std::int64_t n, std::int64_t k, Epilogue epilogue, int k_slices,
+                                               float* workspace, cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
   return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, epilogue,

@@ -57,10 +57,27 @@ def gemm_cases():
                 # that read it.
                 split = torch.ops.kernels.gemm_weight_split(x, weight)
                 y_split, _ = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -2.0, -0.1, True, split)
+                # The GELUs in the epilogue (w's split made ahead on split_fp16; the transposed epilogue's at
+                # 300 x 136 -> 20; plain stores where n % 4 != 0).
+                y_gelu = {a: torch.ops.kernels.gemm_gelu(x, weight, bias, a) for a in ("none", "tanh")}
+            for approximate, got in y_gelu.items():
+                check(f"gemm_gelu {approximate} {path} {m}x{k}->{n}", got,
+                      F.gelu(F.linear(x, weight, bias), approximate=approximate))
             pre = F.linear(x, weight, bias) * -2.0
             check(f"gemm {path} {m}x{k}->{n}", y, F.leaky_relu(pre, -0.1))
             assert torch.equal(y_split.view(torch.int32), y.view(torch.int32)), f"gemm {path} with the weight's split"
             assert bool(((mask == (pre > 0)) | (pre.abs() < 1e-4)).all()), f"gemm {path} mask"
+        # A GELU where K is split (the sum applies it), and on a transposed weight view.
+        x = torch.randn(64, 3072, device="cuda")
+        weight, bias = torch.randn(136, 3072, device="cuda") / 3072 ** 0.5, torch.randn(136, device="cuda")
+        stored = torch.randn(136, 200, device="cuda") / 136 ** 0.5
+        with forced_gemm_path(path):
+            previous = torch.ops.kernels._gemm_force_k_slices(3)
+            y = torch.ops.kernels.gemm_gelu(x, weight, bias, "none")
+            torch.ops.kernels._gemm_force_k_slices(previous)
+            y_view = torch.ops.kernels.gemm_gelu(x[:, :136], stored.t(), None, "tanh")
+        check(f"gemm_gelu {path} K split", y, F.gelu(F.linear(x, weight, bias)))
+        check(f"gemm_gelu {path} transposed weight", y_view, F.gelu(x[:, :136] @ stored, approximate="tanh"))
         # The backward's products (on the split path: w and x read transposed by the kernel), slope 1 so that no
         # branch flip can move a gradient.
         m, k, n = 132, 264, 72

@@ -3,7 +3,8 @@
 Run by `python tools/device_check.py tp [--cpu]` (torchrun, 2 processes; GPUs over NCCL, or the CPU over gloo where
 TP_CHECK_DEVICE=cpu). Cases: ColwiseParallel and RowwiseParallel on `gemm`, a replicated weight with x sharded by rows
 and replicated, FSDP2 on the whole model and on `gemm` alone (training steps, then no_grad calls between weight
-updates); at a small shape, and on GPUs one whose local products take the split path.
+updates), gemm_gelu on sharded DTensors (both GELUs); at a small shape, and on GPUs one whose local products take the
+split path.
 Prints "tp_check rank R: <case>: ok" per case and "tp_check rank R: ok" at the end.
 """
 
@@ -14,13 +15,14 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
-from kernels.gemm.gemm import gemm_path  # noqa: E402
+from kernels.gemm.gemm import gemm_gelu, gemm_path  # noqa: E402
 from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol  # noqa: E402
 from model_new import GemmMultiplyLeakyReLUModelNew  # noqa: E402
 from reference import GemmMultiplyLeakyReLUModel  # noqa: E402
@@ -97,6 +99,26 @@ def tensor_parallel(plan_name, shape, mesh, device, rank, world):
             raise AssertionError("a plain x with DTensor weights did not raise")
 
 
+def gemm_gelu_sharded(approximate, shape, mesh, device, rank, world):
+    """gemm_gelu on DTensors (x replicated, the weight and bias sharded by rows, as ColwiseParallel places them)
+    against eager's two ops on the full tensors, DTensor for DTensor: the output and the gradients."""
+    m, k, n = shape
+    g = torch.Generator(device).manual_seed(1)  # the same draws on every rank
+    x, weight, bias = (torch.randn(*size, device=device, generator=g) for size in ((m, k), (n, k), (n,)))
+    placed = [distribute_tensor(t, mesh, placement).requires_grad_(True)
+              for t, placement in ((x, [Replicate()]), (weight, [Shard(0)]), (bias, [Shard(0)]))]
+    expected = [distribute_tensor(t, mesh, t_placed.placements).requires_grad_(True)
+                for t, t_placed in zip((x, weight, bias), placed)]
+    y = gemm_gelu(*placed, approximate)
+    y_ref = F.gelu(F.linear(*expected), approximate=approximate)
+    same("y", y, y_ref)
+    grad = torch.randn(y_ref.shape, device=device, generator=g)
+    y.backward(distribute_tensor(grad, mesh, y.placements))
+    y_ref.backward(distribute_tensor(grad, mesh, y_ref.placements))
+    for name, got, want in zip(("x", "weight", "bias"), placed, expected):
+        same(f"{name} grad", got.grad, want.grad, gradient=True)
+
+
 def replicated_weight(x_placement, shape, mesh, device, rank, world):
     m, k, _ = shape
     reference, new = build(shape, device)
@@ -154,7 +176,9 @@ def main():
                                    ("RowwiseParallel", tensor_parallel, "rowwise"),
                                    ("replicated weight, rows of x", replicated_weight, "rows"),
                                    ("replicated weight, replicated x", replicated_weight, "replicated"),
-                                   ("fully_shard(model)", fsdp2, "model"), ("fully_shard(gemm)", fsdp2, "gemm")):
+                                   ("fully_shard(model)", fsdp2, "model"), ("fully_shard(gemm)", fsdp2, "gemm"),
+                                   ("gemm_gelu sharded", gemm_gelu_sharded, "none"),
+                                   ("gemm_gelu sharded, tanh", gemm_gelu_sharded, "tanh")):
             case = f"{name} {shape[0]}x{shape[1]}->{shape[2]}"
             try:
                 run(variant, shape, mesh, device, rank, world)
