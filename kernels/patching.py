@@ -197,9 +197,20 @@ def _linear_gelu(linear, act, x):
     return linear.forward_gelu(x)
 
 
+def _timm_mlp_forward(self, x):
+    # timm's Mlp.forward, token for token (ViT's MLP; other timm MLPs add a gate or a response norm).
+    x = self.fc1(x)
+    x = self.act(x)
+    x = self.drop1(x)
+    x = self.norm(x)
+    x = self.fc2(x)
+    x = self.drop2(x)
+    return x
+
+
 class _GeluMLPPatch:
-    """timm's Mlp (ViT's: fc1, act, drop1, norm, fc2, drop2) with nn.GELU: fc1 and its activation in one op
-    (_linear_gelu); its own forward otherwise."""
+    """timm's Mlp (ViT's: fc1, act, drop1, norm, fc2, drop2) and the modules whose forward is its code, with nn.GELU:
+    fc1 and its activation in one op (_linear_gelu); its own forward otherwise."""
 
     def forward(self, x):
         hidden = _linear_gelu(self.fc1, self.act, x)
@@ -354,9 +365,9 @@ def _conv1d_class():
 
 def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm,
-    transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and Mlp and the subclasses that keep their
+    transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
     forward (a subclass with a forward of its own computes something else), and the modules whose forward is
-    LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or GPT2MLP's code."""
+    LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, GPT2MLP's or timm's Mlp's code."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
@@ -366,8 +377,7 @@ def _base_for_class(cls):
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
                                     ("timm.layers.norm", "LayerNorm", _LayerNormPatch),
-                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch),
-                                    ("timm.layers.mlp", "Mlp", _GeluMLPPatch)):
+                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch)):
         original = _imported_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
@@ -375,6 +385,8 @@ def _base_for_class(cls):
         return _RMSNormPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _llama_mlp_forward):
         return _GatedMLPPatch
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _timm_mlp_forward):
+        return _GeluMLPPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_intermediate_forward):
         return _GeluIntermediatePatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _gpt2_mlp_forward):

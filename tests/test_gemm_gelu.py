@@ -259,6 +259,47 @@ def test_mlps_called_otherwise_keep_their_own_forward(device, monkeypatch):
         assert calls == ["none"]
 
 
+class TimmStyleMlp(nn.Module):
+    """timm's Mlp (timm/layers/mlp.py) as it is written, for machines without timm: patch() knows it by its forward's
+    code."""
+
+    def __init__(self, features, hidden, act_layer=nn.GELU):
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.act = act_layer()
+        self.drop1 = nn.Dropout(0.0)
+        self.norm = nn.Identity()
+        self.fc2 = nn.Linear(hidden, features)
+        self.drop2 = nn.Dropout(0.0)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        x = self.act(x)
+        x = self.drop1(x)
+        x = self.norm(x)
+        x = self.fc2(x)
+        x = self.drop2(x)
+        return x
+
+
+@pytest.mark.parametrize("act_layer,fused", [(nn.GELU, True), (nn.ReLU, False)])
+def test_timm_style_mlp_fuses_its_gelu(act_layer, fused, device, monkeypatch):
+    torch.manual_seed(0)
+    eager = TimmStyleMlp(64, 256, act_layer).to(device)
+    patched = kernels.patch(TimmStyleMlp(64, 256, act_layer).to(device))
+    patched.load_state_dict(eager.state_dict())
+    assert kernels.is_patched(patched)
+    calls = _count_forward_gelu(monkeypatch)
+    x = torch.randn(3, 10, 64, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(x), eager(x))
+    assert calls == (["none"] if fused else [])
+    x.requires_grad_(True)  # a training call: the two steps, each with its backward
+    patched(x).sum().backward()
+    kernels.unpatch(patched)
+    assert type(patched) is TimmStyleMlp
+
+
 def test_plain_gelus_only_are_fused():
     from kernels.patching import _is_plain_gelu
 
