@@ -3,7 +3,7 @@ and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, m
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP,
-                                  # BERT's and GPT-2's MLPs; timm's LayerNorm, Attention and Mlp
+                                  # BERT's MLP; timm's LayerNorm, Attention and Mlp
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
-from kernels.gemm.gemm import FusedLinear, _gelu_of, _is_compiling, gemm_gelu, gemm_multiply_leaky_relu, linear
+from kernels.gemm.gemm import FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -44,14 +44,6 @@ class _Conv1DPatch:
         if plain_product_suffices(x, n, k, weight.requires_grad):
             return super().forward(x)
         return gemm_multiply_leaky_relu(x, weight.t(), self.bias, 1.0, 1.0)
-
-    def forward_gelu(self, x, approximate="none"):
-        """FusedLinear.forward_gelu's counterpart: F.gelu of this layer's output in one op where a split takes it."""
-        weight = self.weight
-        k, n = weight.shape
-        if plain_product_suffices(x, n, k, weight.requires_grad):
-            return _gelu_of(super().forward(x), approximate)
-        return gemm_gelu(x, weight.t(), self.bias, approximate)
 
 
 class _NewGELUPatch:
@@ -170,7 +162,8 @@ class _GatedMLPPatch:
 def _is_plain_gelu(act):
     """Whether `act` computes F.gelu(x) (the erf form) and nothing else, with no hook to see its call: nn.GELU(),
     transformers' GELUActivation on F.gelu, timm's GELU. The tanh form stays two ops: in the GEMM's epilogue it costs
-    the GEMM what its own sweep over memory costs (kernels/gemm/NOTES.md, Decisions)."""
+    the GEMM what its own sweep over memory costs (kernels/gemm/NOTES.md, Decisions), so GPT-2's MLP is left as it
+    is."""
     if not isinstance(act, nn.Module) or _called_otherwise(act):  # a function (a config's hidden_act) included
         return False
     cls = type(act)
@@ -233,27 +226,6 @@ class _GeluIntermediatePatch:
     def forward(self, hidden_states):
         hidden = _linear_gelu(self.dense, self.intermediate_act_fn, hidden_states)
         return super().forward(hidden_states) if hidden is None else hidden
-
-
-def _gpt2_mlp_forward(self, hidden_states):
-    # transformers' GPT2MLP.forward, token for token.
-    hidden_states = self.c_fc(hidden_states)
-    hidden_states = self.act(hidden_states)
-    hidden_states = self.c_proj(hidden_states)
-    hidden_states = self.dropout(hidden_states)
-    return hidden_states
-
-
-class _GeluConv1DMLPPatch:
-    """transformers' GPT2MLP and the modules whose forward is its code (Conv1D layers), with F.gelu (activation_function
-    "gelu"; GPT-2's own "gelu_new" stays two ops): c_fc and its activation in one op (_linear_gelu); its own forward
-    otherwise."""
-
-    def forward(self, hidden_states):
-        hidden = _linear_gelu(self.c_fc, self.act, hidden_states)
-        if hidden is None:
-            return super().forward(hidden_states)
-        return self.dropout(self.c_proj(hidden))
 
 
 class _MultiheadAttentionPatch:
@@ -367,7 +339,7 @@ def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm,
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
     forward (a subclass with a forward of its own computes something else), and the modules whose forward is
-    LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, GPT2MLP's or timm's Mlp's code."""
+    LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or timm's Mlp's code."""
     if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
@@ -389,8 +361,6 @@ def _base_for_class(cls):
         return _GeluMLPPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_intermediate_forward):
         return _GeluIntermediatePatch
-    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _gpt2_mlp_forward):
-        return _GeluConv1DMLPPatch
     return None
 
 
@@ -436,11 +406,11 @@ def __getattr__(name):
 
 def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every transformers
-    Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and GPT2MLP (or a module with one of their
-    forwards) and every timm LayerNorm, Attention and Mlp into the library's, in place, and returns `model`; a module's
-    linear children that read its input become one product while training (_ProjectionGroup), and an MLP's first
-    layer and its GELU (the erf form) one op (_linear_gelu). Idempotent; subclasses with a forward of their own are
-    left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
+    Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP and BertIntermediate (or a module with one of their forwards) and
+    every timm LayerNorm, Attention and Mlp (by its forward) into the library's, in place, and returns `model`; a
+    module's linear children that read its input become one product while training (_ProjectionGroup), and an MLP's
+    first layer and its GELU (the erf form) one op (_linear_gelu). Idempotent; subclasses with a forward of their own
+    are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
     split_layer_names()'s; a name no such layer has raises ValueError."""
     if isinstance(layers, str):
         raise TypeError("patch: layers must be a collection of layer names, not one string")
