@@ -184,8 +184,8 @@ def _called_otherwise(module):
 def _linear_gelu(linear, act, x):
     """act(linear(x)) as one op (forward_gelu: the GELU in the GEMM's epilogue) where `linear` is the library's layer
     and `act` a plain GELU, neither called otherwise than by its class's forward; None else."""
-    if not (type(linear) is FusedLinear or is_patched(linear)) or not hasattr(linear, "forward_gelu") or (
-            _called_otherwise(linear)) or not _is_plain_gelu(act):
+    # FusedLinear or patch()'s nn.Linear (whose forward is FusedLinear's), not a subclass with a forward of its own.
+    if type(linear).forward is not FusedLinear.forward or _called_otherwise(linear) or not _is_plain_gelu(act):
         return None
     return linear.forward_gelu(x)
 
