@@ -264,7 +264,7 @@ class _PackedAttention(torch.autograd.Function):
     float32 CUDA tensors (PyTorch's memory-efficient attention, called as it calls them, on the same values: the
     same results). The output comes in (batch, tokens, heads, head dim), the layout the next projection reads, and
     the gradient in the packed layout the projection's backward reads: no transposes, and q's, k's and v's gradients
-    copied once."""
+    written there by the backward kernel itself."""
 
     @staticmethod
     def forward(ctx, packed, scale):
@@ -281,11 +281,28 @@ class _PackedAttention(torch.autograd.Function):
         packed, out, lse, seed, offset = ctx.saved_tensors
         query, key, value = packed.unbind(2)
         tokens = packed.shape[1]
-        grad_query, grad_key, grad_value = torch.ops.aten._efficient_attention_backward(
+        # shared_storage_dqdkdv: the kernel writes the three gradients into one (batch, tokens, 3, heads, head dim)
+        # buffer, the packed layout, so no copy gathers them (eager stacks them, then copies the stack into it).
+        grads = torch.ops.aten._efficient_attention_backward(
             grad_out.contiguous(), query, key, value, None, out, None, None, tokens, tokens, lse, 0.0, seed, offset,
-            0, False, scale=ctx.scale)[:3]
-        # One copy into the projection's layout (eager stacks them, then copies the stack into that layout).
-        return torch.stack((grad_query, grad_key, grad_value), 2), None
+            0, False, scale=ctx.scale, shared_storage_dqdkdv=True)[:3]
+        return _packed_gradient(grads, packed), None
+
+
+def _packed_gradient(grads, packed):
+    """q's, k's and v's gradients as one tensor laid out as `packed` (contiguous): the buffer they already share
+    where the backward kernel wrote them there, else a copy."""
+    first = grads[0]
+    item = first.element_size()
+    part_strides = packed.stride()[:2] + packed.stride()[3:]  # those of packed[:, :, part]
+    lies_packed = all(
+        grad.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and grad.stride() == part_strides
+        and grad.data_ptr() == first.data_ptr() + part * packed.stride(2) * item
+        for part, grad in enumerate(grads)) and first.untyped_storage().nbytes() >= (
+            first.storage_offset() + packed.numel()) * item
+    if lies_packed:
+        return first.as_strided(packed.shape, packed.stride(), first.storage_offset())
+    return torch.stack(grads, 2)
 
 
 def _packed_attention_takes(x, heads, head_dim):

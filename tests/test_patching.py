@@ -10,6 +10,7 @@ import pickle
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -764,11 +765,30 @@ def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
     assert out.shape == eager.shape and out.is_contiguous()
     assert torch.equal(out, eager)
     grad = torch.randn(out.shape, device="cuda", generator=g)
-    ours, = torch.autograd.grad(out, packed, grad)
+    # The backward kernel writes the gradients in the packed layout itself: nothing stacks them.
+    with mock.patch.object(torch, "stack", side_effect=AssertionError("q's, k's and v's gradients copied")):
+        ours, = torch.autograd.grad(out, packed, grad)
     theirs, = torch.autograd.grad(eager, packed, grad)
     assert torch.equal(ours, theirs)
     with torch.no_grad():
         assert torch.equal(patching._PackedAttention.apply(view, head_dim ** -0.5), eager)
+
+
+def test_packed_gradient_takes_the_shared_buffer_as_it_lies():
+    """_packed_gradient returns the buffer q's, k's and v's gradients share where they lie in the packed layout (no
+    copy), and stacks them otherwise: apart, at another offset or with other strides."""
+    packed = torch.empty(2, 5, 3, 4, 8)
+    buffer = torch.randn(packed.shape)
+    got = patching._packed_gradient(buffer.unbind(2), packed)
+    assert got.data_ptr() == buffer.data_ptr() and got.stride() == packed.stride() and torch.equal(got, buffer)
+    apart = [part.clone() for part in buffer.unbind(2)]
+    got = patching._packed_gradient(apart, packed)
+    assert got.data_ptr() not in [part.data_ptr() for part in apart] and torch.equal(got, buffer)
+    swapped = [buffer[:, :, 1], buffer[:, :, 0], buffer[:, :, 2]]
+    assert torch.equal(patching._packed_gradient(swapped, packed), torch.stack(swapped, 2))
+    heads_first = torch.randn(2, 5, 4, 3, 8)  # q, k, v interleaved per head: other strides
+    parts = heads_first.unbind(3)
+    assert torch.equal(patching._packed_gradient(parts, packed), torch.stack(parts, 2))
 
 # ---- the functional mode ---------------------------------------------------------------------------------------------
 
