@@ -136,10 +136,14 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor w2 = split_operand(w);
   const int64_t split_k = split_row_length(k);
+  // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
+  // reduction is the batch; a forward over few rows).
+  const int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
   WeightSplit w_split_made;
-  // A GELU on split_fp16 takes w's split made ahead where w is not transposed (the kernel that reads the float32 w
-  // untransposed has no GELU epilogue: launch_split_gemm_multiply_leaky_relu).
-  const bool gelu_needs_w_split = path == Path::kSplitFp16 && !w_transposed &&
+  // A GELU on split_fp16 takes w's split made ahead where w is not transposed and K is whole (the kernel that reads
+  // the float32 w untransposed has no GELU epilogue: launch_split_gemm_multiply_leaky_relu; with K split the sum
+  // applies it).
+  const bool gelu_needs_w_split = path == Path::kSplitFp16 && !w_transposed && k_slices == 1 &&
                                   epilogue.activation != Activation::kLeakyReLU;
   if (w_split == nullptr && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split)) {
     w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
@@ -147,9 +151,6 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   }
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   const float* bias_data = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
-  // reduction is the batch; a forward over few rows).
-  const int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
   // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split, w's
   // row flags where no split of w holds them, the column split's counters and sums, K slices' partials.
   TemporariesLayout layout;

@@ -164,9 +164,9 @@ __device__ __forceinline__ void with_activation(Activation activation, Body&& bo
 // apply_epilogue's result for a product that is +-inf or NaN (the non-finite fix-up's outputs), without the GELUs'
 // arithmetic: both give +inf for +inf and NaN for -inf (-inf * 0) and NaN, as their formulas do.
 __device__ __forceinline__ Activated apply_epilogue_non_finite(float product, float bias, const Epilogue& epilogue) {
-  const float v = (product + bias) * epilogue.multiplier;
   if (epilogue.activation == Activation::kLeakyReLU)
     return apply_epilogue<Activation::kLeakyReLU>(product, bias, epilogue);
+  const float v = (product + bias) * epilogue.multiplier;
   return {v > 0.0f ? v : __int_as_float(0x7fffffff), v > 0.0f};
 }
 
