@@ -291,15 +291,14 @@ class _PackedAttention(torch.autograd.Function):
 
 def _packed_gradient(grads, packed):
     """q's, k's and v's gradients as one tensor laid out as `packed` (contiguous): the buffer they already share
-    where the backward kernel wrote them there, else a copy."""
+    where the backward kernel wrote them there, else a copy. Three parts that lie so span the whole buffer."""
     first = grads[0]
     item = first.element_size()
     part_strides = packed.stride()[:2] + packed.stride()[3:]  # those of packed[:, :, part]
     lies_packed = all(
         grad.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and grad.stride() == part_strides
         and grad.data_ptr() == first.data_ptr() + part * packed.stride(2) * item
-        for part, grad in enumerate(grads)) and first.untyped_storage().nbytes() >= (
-            first.storage_offset() + packed.numel()) * item
+        for part, grad in enumerate(grads))
     if lies_packed:
         return first.as_strided(packed.shape, packed.stride(), first.storage_offset())
     return torch.stack(grads, 2)
