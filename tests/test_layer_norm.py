@@ -28,6 +28,8 @@ SHAPES = {
     "4104 (ATen)": (3, 4104),
     "2051 single elements (ATen)": (3, 2051),
     "many rows": (3000, 256),
+    "many rows of 768": (2600, 768),
+    "many rows of 4096": (600, 4096),
 }
 
 

@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/dependent_launch.cuh"
 #include "common/elementwise.cuh"
 #include "common/once_per_device.h"
 
@@ -58,13 +59,18 @@ struct Rows {
 
   // The sum of one value per thread over its row's threads, the same bits in each: a warp's by shuffles (both lanes
   // of each add compute the same sum), then the row's warps in order through `slots` (kRowWarps of them). Successive
-  // sums alternate between two sets of slots, so one __syncthreads a sum suffices. Every thread of the block calls it.
+  // sums alternate between two sets of slots, so one barrier a sum suffices: the row group's own (named barrier
+  // 1 + group), so that a block's rows do not wait for each other. Every thread of the group calls it.
   template <typename V>
   __device__ static V sum(V value, V* slots) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) value = value + shuffle_xor(value, offset);
     if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = value;
-    __syncthreads();
+    if constexpr (kRows == 1) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(group() + 1), "n"(kGroup) : "memory");
+    }
     const int first = group() * kGroupWarps;
     V total = slots[first];
 #pragma unroll
@@ -111,6 +117,8 @@ __global__ void __launch_bounds__(kRowThreads)
 column_partials_sum_kernel(const double* __restrict__ partials, int blocks, std::int64_t columns, T* __restrict__ out0,
                            T* __restrict__ out1) {
   __shared__ double slice_sums[kColumnSumSlices][kColumnSumColumns];
+  wait_for_previous_grid();  // launched by launch_dependent: the partials are the previous grid's
+  allow_next_grid();
   const int lane = threadIdx.x % kColumnSumColumns, slice = threadIdx.x / kColumnSumColumns;
   const std::int64_t column = blockIdx.x * std::int64_t{kColumnSumColumns} + lane;
   const std::int64_t row_length = gridDim.y * columns, offset = blockIdx.y * columns;
@@ -136,8 +144,8 @@ cudaError_t launch_column_partials_sum(const double* partials, int blocks, std::
                                        T* out1, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>((columns + kColumnSumColumns - 1) / kColumnSumColumns),
                   static_cast<unsigned int>(vectors));
-  column_partials_sum_kernel<T><<<grid, kRowThreads, 0, stream>>>(partials, blocks, columns, out0, out1);
-  return cudaGetLastError();
+  return launch_dependent(column_partials_sum_kernel<T>, grid, dim3(kRowThreads), 0, stream, partials, blocks, columns,
+                          out0, out1);
 }
 
 inline int multiprocessors(int device) {

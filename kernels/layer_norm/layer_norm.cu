@@ -4,8 +4,9 @@
 // added in a fixed order (a thread's packs in order, the warps' shuffles, then the warps in order), the mean first and
 // then the squares of the deviations from it (two sums of the registers, no cancellation): the same inputs give the
 // same bits every run, and the forward and the backward compute the same mean and rstd bit for bit where they take the
-// same layout. The backward adds each block's g h and g into per-column doubles, written to its row of partials; a
-// second kernel adds those rows in order.
+// same layout. The backward copies each row's next row into shared memory while it computes (cp.async, sm_80 on), adds
+// each block's g h and g into per-column doubles, written to its row of partials; a second kernel adds those rows in
+// order.
 #include "layer_norm.h"
 
 #include <cuda_bf16.h>
@@ -16,6 +17,7 @@
 
 #include "common/dependent_launch.cuh"
 #include "common/elementwise.cuh"
+#include "common/mma_sm80.cuh"
 #include "common/rows.cuh"
 
 namespace kernels::layer_norm {
@@ -119,6 +121,12 @@ layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T
   }
 }
 
+// Whether the backward stages rows in shared memory: rows in 16-byte packs, where its code has cp.async (sm_80 on).
+template <typename T, int kWidth>
+__host__ __device__ constexpr bool backward_stages_rows() {
+  return sizeof(Pack<T, kWidth>) == 16;
+}
+
 template <typename T, int kWidth, int kPacks, int kGroup>
 __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 4 ? kBackwardBlocksPerProcessor : 1)
 layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, const T* __restrict__ weight,
@@ -127,45 +135,90 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
   using P = Pack<T, kWidth>;
   using R = Rows<kGroup>;
   __shared__ DoublePair slots[2][kRowWarps];
-  // Each row group's sums of g h and g per column, in shared memory (registers hold the rows): the group's columns
-  // at [group][column].
+  // Each row group's sums of g h and g per column, in shared memory (registers hold the rows): a thread's element j
+  // of pack i at [group][j][i], so that a warp's threads touch consecutive slots (no bank conflicts).
   extern __shared__ double2 parameter_grads[];
   double2* const own_grads = parameter_grads + R::group() * columns;
   const std::int64_t packs = columns / kWidth;
+  // Staged rows, after the sums: each thread copies its own packs of its group's next row (x, then g) while this
+  // row is computed, and reads them back itself, so no barrier guards them.
+  constexpr bool kStaged = backward_stages_rows<T, kWidth>() && KERNELS_SM80_DEVICE;
+  P* const staged = reinterpret_cast<P*>(parameter_grads + R::kRows * columns) + R::group() * 2 * packs;
+  const auto stage = [&](std::int64_t row) {
+    if constexpr (kStaged) {
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const std::int64_t i = R::pack(p);
+        if (row >= rows || i >= packs) continue;
+        common::sm80::copy_16_async(common::sm80::shared_address(staged + i),
+                                    reinterpret_cast<const P*>(x + row * columns) + i, true);
+        common::sm80::copy_16_async(common::sm80::shared_address(staged + packs + i),
+                                    reinterpret_cast<const P*>(grad_y + row * columns) + i, true);
+      }
+      common::sm80::commit_copies();
+    }
+  };
   for (std::int64_t c = threadIdx.x; c < R::kRows * columns; c += kRowThreads)
     parameter_grads[c] = make_double2(0.0, 0.0);
   __syncthreads();
-  for (std::int64_t first = blockIdx.x * std::int64_t{R::kRows}; first < rows; first += gridDim.x * R::kRows) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  const std::int64_t stride = gridDim.x * std::int64_t{R::kRows};
+  stage(blockIdx.x * std::int64_t{R::kRows} + R::group());
+  for (std::int64_t first = blockIdx.x * std::int64_t{R::kRows}; first < rows; first += stride) {
     const std::int64_t row = first + R::group();
     const bool inside = row < rows;
     P v[kPacks], g[kPacks];
-    R::template load_row<T, kWidth, kPacks>(x + (inside ? row : 0) * columns, inside, packs, v);
-    R::template load_row<T, kWidth, kPacks>(grad_y + (inside ? row : 0) * columns, inside, packs, g);
-    float w[kPacks][kWidth];  // read from L1 each row: registers go to the partial sums
-    R::template load_parameter<T, kWidth, kPacks>(weight, packs, w);
+    if constexpr (kStaged) {
+      common::sm80::wait_copies<0>();
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const std::int64_t i = R::pack(p);
+        if (!inside || i >= packs) continue;
+        v[p] = staged[i];
+        g[p] = staged[packs + i];
+      }
+    } else {
+      R::template load_row<T, kWidth, kPacks>(x + (inside ? row : 0) * columns, inside, packs, v);
+      R::template load_row<T, kWidth, kPacks>(grad_y + (inside ? row : 0) * columns, inside, packs, g);
+    }
+    // The weight's packs, from L1: once a row into registers, or in each sweep where a thread holds a block-wide
+    // row's most elements (registers held for the weight there would spill).
+    constexpr bool kHoldWeight = !(R::kRows == 1 && kPacks * kWidth == kMaxElements);
+    float held[kHoldWeight ? kPacks : 1][kWidth];
+    if constexpr (kHoldWeight) R::template load_parameter<T, kWidth, kPacks>(weight, packs, held);
+    const auto weight_pack = [&](int p, float (&w)[kWidth]) {
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) w[j] = held[kHoldWeight ? p : 0][j];
+      if constexpr (!kHoldWeight) load_parameter_pack<T, kWidth>(weight, R::pack(p), w);
+    };
     // The mean as the forward sums it (the same mean and rstd), with sum(g w); then the deviations' squares, with
     // sum(g w (x - mean)).
     DoublePair sums{0.0, 0.0};
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       if (!inside || R::pack(p) >= packs) continue;
+      float w[kWidth];
+      weight_pack(p, w);
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         sums.first += to_opmath(v[p].v[j]);
-        sums.second += static_cast<double>(to_opmath(g[p].v[j])) * w[p][j];
+        sums.second += static_cast<double>(to_opmath(g[p].v[j])) * w[j];
       }
     }
     sums = R::sum(sums, slots[0]);
+    stage(row + stride);  // the staged packs are in registers and used: their slots take the next row
     const double mean = sums.first * inverse_columns, mean_gw = sums.second * inverse_columns;
     DoublePair deviations{0.0, 0.0};
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
       if (!inside || R::pack(p) >= packs) continue;
+      float w[kWidth];
+      weight_pack(p, w);
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         const double deviation = to_opmath(v[p].v[j]) - mean;
         deviations.first += deviation * deviation;
-        deviations.second += static_cast<double>(to_opmath(g[p].v[j])) * w[p][j] * deviation;
+        deviations.second += static_cast<double>(to_opmath(g[p].v[j])) * w[j] * deviation;
       }
     }
     deviations = R::sum(deviations, slots[1]);
@@ -177,25 +230,31 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
     for (int p = 0; p < kPacks; ++p) {
       const std::int64_t i = R::pack(p);
       if (i >= packs) continue;
+      float w[kWidth];
+      weight_pack(p, w);
       P result;
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         const double h = (to_opmath(v[p].v[j]) - mean) * rstd, grad = to_opmath(g[p].v[j]);
-        result.v[j] = from_double<T>(rstd * (grad * w[p][j] - mean_gw - h * mean_gwh));
-        double2& sums_of_column = own_grads[i * kWidth + j];  // this thread's own: no other thread touches it
+        result.v[j] = from_double<T>(rstd * (grad * w[j] - mean_gw - h * mean_gwh));
+        // This thread's own (no other thread touches it); 32-bit offsets: a row has at most 4096 columns.
+        double2& sums_of_column = own_grads[j * static_cast<int>(packs) + static_cast<int>(i)];
         sums_of_column = make_double2(sums_of_column.x + grad * h, sums_of_column.y + grad);
       }
       out[i] = result;
     }
   }
+  allow_next_grid();  // the partials' sum may launch; it waits for this grid's end
   // The block's row of partials: its row groups' sums added in group order (the same bits every run).
   __syncthreads();
   double* const weight_partials = partials + blockIdx.x * 2 * columns;
+#pragma unroll 1
   for (std::int64_t c = threadIdx.x; c < columns; c += kRowThreads) {
-    double2 total = parameter_grads[c];
+    const std::int64_t slot = c % kWidth * packs + c / kWidth;  // column c is element c % kWidth of pack c / kWidth
+    double2 total = parameter_grads[slot];
 #pragma unroll
     for (int group = 1; group < R::kRows; ++group) {
-      const double2 part = parameter_grads[group * columns + c];
+      const double2 part = parameter_grads[group * columns + slot];
       total = make_double2(total.x + part.x, total.y + part.y);
     }
     weight_partials[c] = total.x;
@@ -203,13 +262,34 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
   }
 }
 
-// The dynamic shared memory of layer_norm_backward_kernel: two doubles per column for each of a block's row groups,
-// at most kMaxElements a thread.
-template <int kGroup>
-std::size_t backward_shared_bytes(std::int64_t columns) {
-  return static_cast<std::size_t>(Rows<kGroup>::kRows * columns) * sizeof(double2);
+// Whether layer_norm_backward_kernel stages rows on `device`, the current one: rows in 16-byte packs, and its code for
+// the device built for sm_80 or later (its own KERNELS_SM80_DEVICE). Asked once per device; where the query fails,
+// true (room for staged rows that go unused is harmless).
+template <typename T, int kWidth, int kPacks, int kGroup>
+bool backward_stages_rows_on(int device) {
+  if constexpr (!backward_stages_rows<T, kWidth>()) {
+    return false;
+  } else {
+    return once_per_device(device, [](int) -> std::optional<bool> {
+      cudaFuncAttributes attributes;
+      if (cudaFuncGetAttributes(&attributes, layer_norm_backward_kernel<T, kWidth, kPacks, kGroup>) != cudaSuccess) {
+        (void)cudaGetLastError();  // reported here, not again by a later launch's check
+        return std::nullopt;
+      }
+      return attributes.binaryVersion >= 80;
+    }).value_or(true);
+  }
 }
-constexpr std::size_t kBackwardMostSharedBytes = std::size_t{kRowThreads} * kMaxElements * sizeof(double2);
+
+// The dynamic shared memory of layer_norm_backward_kernel: two doubles per column for each of a block's row groups,
+// and where it stages rows, x's and g's of each; at most kMaxElements a thread.
+template <typename T, int kGroup>
+std::size_t backward_shared_bytes(std::int64_t columns, bool staged) {
+  const std::size_t per_column = sizeof(double2) + (staged ? 2 * sizeof(T) : 0);
+  return static_cast<std::size_t>(Rows<kGroup>::kRows * columns) * per_column;
+}
+constexpr std::size_t kBackwardMostSharedBytes =
+    std::size_t{kRowThreads} * kMaxElements * (sizeof(double2) + 2 * sizeof(float));
 
 // The dynamic shared memory the backward may take on `device`: kBackwardMostSharedBytes, or what a block holds beside
 // the kernel's static part where that is less (a GPU whose blocks take 64 KB in all); 0 where the query fails.
@@ -283,13 +363,15 @@ cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight
         const int device = common::current_device();
         const std::size_t limit = backward_shared_limit(device);
         const std::size_t usable = shared_limit != 0 && shared_limit < limit ? shared_limit : limit;
-        if (backward_shared_bytes<group.value>(columns) > usable) return cudaErrorNotSupported;
+        const std::size_t shared_bytes = backward_shared_bytes<T, group.value>(
+            columns, backward_stages_rows_on<T, width.value, packs.value, group.value>(device));
+        if (shared_bytes > usable) return cudaErrorNotSupported;
         const cudaError_t raised = raise_shared_memory_limit<kKernel>(device, limit);
         if (raised != cudaSuccess) return raised;
-        kKernel<<<blocks, kRowThreads, backward_shared_bytes<group.value>(columns), stream>>>(
-            static_cast<const T*>(grad_y), static_cast<const T*>(x), static_cast<const T*>(weight),
-            static_cast<T*>(grad_x), partials, rows, columns, 1.0 / static_cast<double>(columns), eps);
-        return cudaGetLastError();
+        return launch_dependent(kKernel, dim3(static_cast<unsigned int>(blocks)), dim3(kRowThreads), shared_bytes,
+                                stream, static_cast<const T*>(grad_y), static_cast<const T*>(x),
+                                static_cast<const T*>(weight), static_cast<T*>(grad_x), partials, rows, columns,
+                                1.0 / static_cast<double>(columns), eps);
       });
   if (err != cudaSuccess) return err;
   return common::launch_column_partials_sum<T>(partials, blocks, columns, 2, static_cast<T*>(grad_weight),

@@ -33,8 +33,8 @@ int layer_norm_backward_blocks(int device, std::int64_t rows);
 // once; grad_weight = the sum over rows of g h, grad_bias = the sum over rows of g: each block's rows summed in double
 // into its row of `partials` (layer_norm_backward_blocks(device, rows) rows of 2 x columns doubles: g h, then g), then
 // those rows added in order: the same bits every run. cudaErrorNotSupported, before any launch, where the rows'
-// partial sums take more shared memory than a block of the device holds, or than shared_limit where that is not 0
-// (tests: the refusal on any GPU); the torch side then takes the ATen formulas.
+// partial sums and staged rows take more shared memory than a block of the device holds, or than shared_limit where
+// that is not 0 (tests: the refusal on any GPU); the torch side then takes the ATen formulas.
 cudaError_t launch_layer_norm_backward(ElementType type, const void* grad_y, const void* x, const void* weight,
                                        void* grad_x, void* grad_weight, void* grad_bias, double* partials, int blocks,
                                        std::int64_t rows, std::int64_t columns, double eps, std::size_t shared_limit,
