@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import torch.nn.functional as F
 
-from kernels.functional import causal_softmax, gelu_tanh, gemm_multiply_leaky_relu, leaky_relu
+from kernels.functional import causal_softmax, gelu_tanh, gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm
 from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
@@ -128,9 +128,39 @@ def causal_softmax_cases():
                       torch.ops.kernels.causal_softmax_backward(grad, y, 0.3), expected, tol=1e-2)
 
 
+def row_norm_cases():
+    # LayerNorm and RMSNorm, forward and backward: rows to a group of threads (256 columns) and to the block (4096),
+    # more rows than the backward's blocks take at once (its staged next rows), 16-byte packs and single elements (13
+    # columns, a view at an offset), each dtype; against eager's formulas in float64.
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, columns in [(1200, 256), (300, 4096), (50, 13)]:
+            base = torch.randn(rows * columns + 1, device="cuda", dtype=dtype)
+            weight = torch.randn(columns, device="cuda", dtype=dtype) * 0.5 + 1
+            bias = torch.randn(columns, device="cuda", dtype=dtype) * 0.5
+            grad = torch.randn(rows, columns, device="cuda", dtype=dtype)
+            tol = 1e-4 if dtype == torch.float32 else 5e-2
+            for name, x in {"aligned": base[:-1].view(rows, columns), "offset": base[1:].view(rows, columns)}.items():
+                label = f"{dtype} {rows}x{columns} {name}"
+                x64, w64, b64 = (t.double().requires_grad_(True) for t in (x, weight, bias))
+                y64 = F.layer_norm(x64, (columns,), w64, b64, 1e-5)
+                check(f"layer_norm {label}", layer_norm(x, weight, bias, 1e-5), y64, tol=tol)
+                ours = torch.ops.kernels.layer_norm_backward(grad, x, weight, 1e-5)
+                eager = torch.autograd.grad(y64, (x64, w64, b64), grad.double())
+                for part, got, expected in zip(("grad x", "grad weight", "grad bias"), ours, eager):
+                    check(f"layer_norm_backward {label} {part}", got, expected, tol=tol * max(1, rows / 100))
+                x64, w64 = (t.double().requires_grad_(True) for t in (x, weight))
+                y64 = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+                check(f"rms_norm {label}", rms_norm(x, weight, 1e-6), y64, tol=tol)
+                ours = torch.ops.kernels.rms_norm_backward(grad, x, weight, 1e-6)
+                eager = torch.autograd.grad(y64, (x64, w64), grad.double())
+                for part, got, expected in zip(("grad x", "grad weight"), ours, eager):
+                    check(f"rms_norm_backward {label} {part}", got, expected, tol=tol * max(1, rows / 100))
+
+
 if __name__ == "__main__":
     elementwise_cases()
     gemm_cases()
     causal_softmax_cases()
+    row_norm_cases()
     torch.cuda.synchronize()
     print(f"sanitize_cases: every kernel ran and matched eager (GEMM paths: {', '.join(gemm_paths('cuda'))})")
