@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import torch.nn.functional as F
 
-from kernels.functional import causal_softmax, gelu_tanh, gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm
+from kernels.functional import (attention, causal_softmax, gelu_tanh, gemm_multiply_leaky_relu, layer_norm, leaky_relu,
+                                rms_norm, silu_mul)
 from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
@@ -157,10 +158,51 @@ def row_norm_cases():
                     check(f"rms_norm_backward {label} {part}", got, expected, tol=tol * max(1, rows / 100))
 
 
+def silu_mul_cases():
+    # The SwiGLU gate, forward and backward: whole packs, a tail, a view at an offset (single elements), each dtype.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        base = torch.randn(2, 4099, device="cuda", dtype=dtype) * 3
+        for name, (gate, up) in {"aligned": (base[0, :4096], base[1, :4096]), "tail": (base[0], base[1]),
+                                 "offset": (base[0, 1:], base[1, 1:])}.items():
+            tol = 1e-4 if dtype == torch.float32 else 1e-2
+            gate64, up64 = (t.double().requires_grad_(True) for t in (gate, up))
+            y64 = F.silu(gate64) * up64
+            check(f"silu_mul {dtype} {name}", silu_mul(gate, up), y64, tol=tol)
+            grad = torch.randn_like(gate)
+            eager = torch.autograd.grad(y64, (gate64, up64), grad.double())
+            for part, got, expected in zip(("grad gate", "grad up"), torch.ops.kernels.silu_mul_backward(grad, gate, up),
+                                           eager):
+                check(f"silu_mul_backward {dtype} {name} {part}", got, expected, tol=tol)
+
+
+def attention_cases():
+    # The split attention (head dim 64, float32): rows and keys off the tile (padding), causal or not, fewer key and
+    # value heads than query heads, and the plain kernel forced; its gradients through autograd. Against float64.
+    previous = torch.ops.kernels._attention_force_plain(False)
+    for plain in (False, True):
+        torch.ops.kernels._attention_force_plain(plain)
+        for heads, kv_heads, rows, keys, causal in [(4, 4, 100, 100, True), (4, 2, 70, 130, False), (2, 1, 64, 64, True)]:
+            query = torch.randn(2, heads, rows, 64, device="cuda", requires_grad=True)
+            key, value = (torch.randn(2, kv_heads, keys, 64, device="cuda", requires_grad=True) for _ in range(2))
+            y = attention(query, key, value, is_causal=causal)
+            expanded = [t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (key, value)]
+            y64 = F.scaled_dot_product_attention(query.double(), *expanded, is_causal=causal)
+            label = f"attention {'plain' if plain else 'split'} {heads}/{kv_heads} heads {rows}x{keys}"
+            check(label, y, y64)
+            grad = torch.randn_like(y)
+            ours = torch.autograd.grad(y, (query, key, value), grad)
+            exact = torch.autograd.grad(y64, (query, key, value), grad.double())
+            for part, got, expected in zip(("grad query", "grad key", "grad value"), ours, exact):
+                check(f"{label} {part}", got, expected, tol=1e-3)
+    torch.ops.kernels._attention_force_plain(previous)
+
+
 if __name__ == "__main__":
     elementwise_cases()
     gemm_cases()
     causal_softmax_cases()
     row_norm_cases()
+    silu_mul_cases()
+    attention_cases()
     torch.cuda.synchronize()
     print(f"sanitize_cases: every kernel ran and matched eager (GEMM paths: {', '.join(gemm_paths('cuda'))})")
