@@ -654,11 +654,10 @@ def _after_parent_call(parent, args, kwargs, output):
     group = None if _is_compiling() else parent.__dict__.get("_projection_group")
     if group is None:
         return None
+    _clear_shared_products(parent, group)
     if group.attention_modes:
         group.attention_modes.pop().__exit__(None, None, None)
-        _clear_shared_products(parent, group)
         return None
-    _clear_shared_products(parent, group)
     unused = any(not shared.taken for shared in group.parts)
     group.parts = ()
     if group.seen is not None:
