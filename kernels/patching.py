@@ -442,6 +442,7 @@ def patch(model, layers=None):
             module.__class__ = _patched_class(type(module), base)
             if base is FusedLinear:
                 module.cache_weight_split = True
+                module._plain_numel_below = (None, 0)
                 module.clear_weight_split()
     for module in model.modules():
         _group_projections(module)
@@ -732,7 +733,7 @@ def unpatch(model):
             if isinstance(module, FusedLinear):
                 module.clear_weight_split()
                 for name in ("cache_weight_split", "_weight_split_key", "_weight_split",
-                             "_weight_split_refused_rows"):
+                             "_weight_split_refused_rows", "_plain_numel_below"):
                     module.__dict__.pop(name, None)
             module.__class__ = original
     return model

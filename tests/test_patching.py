@@ -1185,6 +1185,37 @@ def test_plain_small_layer_is_f_linear(device):
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("n,k", [(512, 512), (1024, 1024), (3072, 768), (768, 3072), (50257, 1024), (48, 64)])
+def test_plain_bound_agrees_with_the_full_check(n, k):
+    """FusedLinear's kept bound (rows_below_any_split) stands for plain_linear_suffices: below it every call is plain,
+    with or without gradients; at it some product of a training call may split."""
+    from kernels.gemm.gemm import rows_below_any_split, split_may_pay
+
+    bound = rows_below_any_split(n, k)
+    for m in {1, bound // 2, bound - 1} - {0}:
+        if m < (1 << 40):
+            assert not (split_may_pay(m, n, k) or split_may_pay(m, k, n) or split_may_pay(n, k, m)), m
+    if bound < (1 << 40):
+        assert split_may_pay(bound, n, k) or split_may_pay(bound, k, n) or split_may_pay(n, k, bound)
+
+
+def test_plain_bound_follows_the_weight(device):
+    """The bound is kept per weight object: a layer given a new weight of another shape (a Parameter set anew) checks
+    again, and calls that may split leave the plain path (the op is called on the GPU)."""
+    layer = FusedLinear(64, 48).to(device)
+    x = torch.randn(10, 64, device=device)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer._plain_numel_below[0] is layer.weight
+    layer.weight = nn.Parameter(torch.randn(1024, 1024, device=device))
+    layer.bias = nn.Parameter(torch.randn(1024, device=device))
+    x = torch.randn(2048, 1024, device=device)
+    names = ops_called(lambda: layer(x))
+    assert layer._plain_numel_below[0] is layer.weight
+    assert layer._plain_numel_below[1] <= x.numel()
+    assert any("kernels." in name for name in names) == (device == "cuda"), names
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=TOL, rtol=TOL)
+
+
 @requires_cuda
 def test_identity_epilogue_keeps_no_output():
     """The identity epilogue's backward needs nothing of the output: the graph keeps x and the weight only."""

@@ -12,6 +12,7 @@ sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep rows).
 """
 
 import collections
+import functools
 import math
 import sys
 import weakref
@@ -187,6 +188,25 @@ def plain_linear_suffices(x, weight):
     return plain_product_suffices(x, n, k, weight.requires_grad)
 
 
+@functools.lru_cache(maxsize=1024)  # per weight shape: a parametrized weight is a new tensor on every call
+def rows_below_any_split(n, k):
+    """The fewest rows m of x (m x k, against a weight of n x k) at which some product of a linear call or of its
+    backward may split: split_may_pay grows with each of its sizes, so below this count F.linear always suffices."""
+    def any_may_pay(m):
+        return split_may_pay(m, n, k) or split_may_pay(m, k, n) or split_may_pay(n, k, m)
+
+    low, high = 0, 1 << 62  # any_may_pay(high) or none pays at all
+    if not any_may_pay(high):
+        return high
+    while low < high:
+        middle = (low + high) // 2
+        if any_may_pay(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def plain_product_suffices(x, n, k, weight_requires_grad):
     """plain_linear_suffices for a weight of n x k (out x in) elements, given or not as its transpose."""
     if type(x) is not torch.Tensor or _forced_path != "auto":
@@ -225,6 +245,7 @@ class FusedLinear(nn.Linear):
     def __init__(self, *args, cache_weight_split=True, **kwargs):
         super().__init__(*args, **kwargs)
         self.cache_weight_split = cache_weight_split
+        self._plain_numel_below = (None, 0)  # (the weight, the element count of x below which no product splits)
         self.clear_weight_split()
 
     def forward(self, x, multiplier=1.0, negative_slope=1.0):
@@ -245,6 +266,14 @@ class FusedLinear(nn.Linear):
         if weight is None:
             weight = self.weight
         bias = parameters["bias"] if "bias" in parameters else self.bias
+        # A host-bound layer's plain call: x has fewer elements than any split needs (the bound kept per weight object;
+        # a shape changed through .data leaves it stale, which costs speed only: F.linear is always right).
+        plain_below = self._plain_numel_below
+        if (plain_below[0] is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
+                and _forced_path == "auto" and multiplier == 1.0 and negative_slope == 1.0):
+            return F.linear(x, weight, bias)
+        if plain_below[0] is not weight:
+            self._note_plain_bound(weight)
         if multiplier == 1.0 and negative_slope == 1.0 and plain_linear_suffices(x, weight):
             return F.linear(x, weight, bias)
         # Under tracing (torch.compile, export) nothing is kept: the traced graph splits the weight on each call.
@@ -260,10 +289,23 @@ class FusedLinear(nn.Linear):
         if weight is None:
             weight = self.weight
         bias = parameters["bias"] if "bias" in parameters else self.bias
+        plain_below = self._plain_numel_below  # as in forward()
+        if (plain_below[0] is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
+                and _forced_path == "auto"):
+            return _gelu_of(F.linear(x, weight, bias), approximate)
+        if plain_below[0] is not weight:
+            self._note_plain_bound(weight)
         if plain_linear_suffices(x, weight):
             return _gelu_of(F.linear(x, weight, bias), approximate)
         weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x, weight)
         return gemm_gelu(x, weight, bias, approximate, weight_split)
+
+    def _note_plain_bound(self, weight):
+        """Keeps, for this weight object, the element count of x below which F.linear suffices (not while tracing: a
+        compiled graph checks the sizes itself)."""
+        if not _is_compiling():
+            n, k = weight.shape
+            self._plain_numel_below = (weight, rows_below_any_split(n, k) * k)
 
     def clear_weight_split(self):
         """Drops the kept split of the weight (the next calls split it again)."""
@@ -314,7 +356,8 @@ class FusedLinear(nn.Linear):
 
     def __getstate__(self):
         state = self.__dict__.copy()  # the split is not saved, pickled or copied: the copy makes its own
-        state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=())
+        state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=(),
+                     _plain_numel_below=(None, 0))
         state.pop("_shared_product", None)
         return state
 
@@ -323,6 +366,8 @@ class FusedLinear(nn.Linear):
         if "cache_weight_split" not in state:  # a pickle without cache_weight_split (an older FusedLinear)
             self.cache_weight_split = True
             self.clear_weight_split()
+        if "_plain_numel_below" not in state:
+            self._plain_numel_below = (None, 0)
 
 
 class _KeptSplits:
