@@ -26,7 +26,7 @@ from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
-from kernels.layer_norm.layer_norm import layer_norm
+from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
 from kernels.silu_mul.silu_mul import silu_mul
 
@@ -116,17 +116,30 @@ class _LayerNormPatch:
     (float16 and bfloat16 too: the family's backward is slower than eager's there)."""
 
     def forward(self, input):
-        weight, bias = self.weight, self.bias
-        columns = input.shape[-1] if input.dim() else 0
-        if (weight is not None and bias is not None and len(self.normalized_shape) == 1
-                and not getattr(self, "_fast_norm", False) and _plain(input, weight, bias)
-                and input.is_cuda and input.dtype == torch.float32 and weight.dtype == input.dtype
-                and bias.dtype == input.dtype and weight.shape == (columns,) and bias.shape == (columns,)
-                and 0 < columns <= _LAYER_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0
-                and not torch.is_autocast_enabled("cuda")
-                and (columns <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(input, weight, bias))):
-            return layer_norm(input, weight, bias, self.eps)
+        if _layer_norm_takes(self, input):
+            return layer_norm(input, self.weight, self.bias, self.eps)
         return super().forward(input)
+
+
+def _layer_norm_takes(norm, input):
+    """Whether a patched LayerNorm `norm` runs kernels.layer_norm on `input` (else its own forward)."""
+    weight, bias = norm.weight, norm.bias
+    columns = input.shape[-1] if input.dim() else 0
+    return (weight is not None and bias is not None and len(norm.normalized_shape) == 1
+            and not getattr(norm, "_fast_norm", False) and _plain(input, weight, bias)
+            and input.is_cuda and input.dtype == torch.float32 and weight.dtype == input.dtype
+            and bias.dtype == input.dtype and weight.shape == (columns,) and bias.shape == (columns,)
+            and 0 < columns <= _LAYER_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0
+            and not torch.is_autocast_enabled("cuda")
+            and (columns <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(input, weight, bias)))
+
+
+def _add_layer_norm_takes(norm, x, residual):
+    """Whether x + residual followed by the patched LayerNorm `norm` may run as one kernels.add_layer_norm: the norm
+    takes the kernel, with no hooks (its call is not made), and the residual matches x (no broadcasting)."""
+    return (isinstance(norm, _LayerNormPatch) and not _has_hooks(norm) and _plain(residual)
+            and residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+            and _layer_norm_takes(norm, x) and (x.shape[-1] <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(residual)))
 
 
 def _aligned(*tensors):
@@ -341,6 +354,62 @@ class _TimmAttentionPatch:
         return super().forward(x, *args, **kwargs)
 
 
+class _TimmBlockPatch:
+    """timm's ViT Block (pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x))) where its norms take
+    kernels.layer_norm: the first residual add and norm2 run as one add_layer_norm; the second add, where patch() found
+    this block followed by another in an nn.Sequential, runs with the next block's norm1 (its result handed to that
+    block's call, which takes it where its input is this block's output). The block's own forward otherwise."""
+
+    def forward(self, x, *args, **kwargs):
+        # (this block's input, its version, norm1 of it) from the block before (a get, not a pop: Dynamo traces this)
+        pending = self.__dict__.get("_pending_norm1")
+        if pending is not None:
+            self.__dict__.pop("_pending_norm1", None)
+        # (x, attn_mask=None, is_causal=False) in recent timm, fewer before: the defaults alone take this path.
+        if (args or kwargs.get("attn_mask") is not None or kwargs.get("is_causal", False) is not False
+                or kwargs.keys() - {"attn_mask", "is_causal"}):
+            return super().forward(x, *args, **kwargs)
+        if pending is not None and pending[0] is x and pending[1] == x._version:
+            normed = pending[2]
+        else:
+            normed = self.norm1(x)
+        branch = self.drop_path1(self.ls1(self.attn(normed)))
+        if not _add_layer_norm_takes(self.norm2, x, branch):
+            x = x + branch
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        norm2 = self.norm2
+        x, normed = add_layer_norm(x, branch, norm2.weight, norm2.bias, norm2.eps)
+        branch = self.drop_path2(self.ls2(self.mlp(normed)))
+        following = self.__dict__.get("_next_block")
+        if (following is None or _is_compiling() or _has_hooks(following)
+                or not _add_layer_norm_takes(following.norm1, x, branch)):
+            return x + branch
+        norm1 = following.norm1
+        out, normed = add_layer_norm(x, branch, norm1.weight, norm1.bias, norm1.eps)
+        following.__dict__["_pending_norm1"] = (out, out._version, normed)
+        return out
+
+    def __getstate__(self):
+        state = self.__dict__.copy()  # a result handed to the next block is not pickled or copied
+        state.pop("_pending_norm1", None)
+        return state
+
+
+def _timm_block_class():
+    return _imported_class("timm.models.vision_transformer", "Block")
+
+
+def _link_blocks(parent):
+    """Each patched timm Block of an nn.Sequential that the next child, also one, follows: that block, kept outside
+    the module tree (not a child: no state_dict keys, no second registration)."""
+    if type(parent) is not nn.Sequential:
+        return
+    children = list(parent.children())
+    for block, following in zip(children, children[1:]):
+        if isinstance(block, _TimmBlockPatch) and isinstance(following, _TimmBlockPatch):
+            block.__dict__["_next_block"] = following
+
+
 def _imported_class(module_name, name):
     """A class of a package (transformers, timm) where that package is already imported (it is never imported here),
     else None."""
@@ -365,7 +434,8 @@ def _base_for_class(cls):
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
                                     ("timm.layers.norm", "LayerNorm", _LayerNormPatch),
-                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch)):
+                                    ("timm.layers.attention", "Attention", _TimmAttentionPatch),
+                                    ("timm.models.vision_transformer", "Block", _TimmBlockPatch)):
         original = _imported_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
             return base
@@ -446,6 +516,7 @@ def patch(model, layers=None):
                 module.clear_weight_split()
     for module in model.modules():
         _group_projections(module)
+        _link_blocks(module)
     return model
 
 
@@ -729,6 +800,8 @@ def unpatch(model):
         _ungroup_projections(module)
     for module in model.modules():
         original = originals.get(type(module))
+        for name in ("_next_block", "_pending_norm1"):
+            module.__dict__.pop(name, None)
         if original is not None:
             if isinstance(module, FusedLinear):
                 module.clear_weight_split()

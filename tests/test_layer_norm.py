@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
-from kernels.functional import layer_norm
+from kernels.functional import add_layer_norm, layer_norm
 from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -100,6 +100,111 @@ def test_backward_matches_eager(device, dtype, shape):
         assert got.dtype == dtype and got.shape == expected.shape, name
         assert not got.isnan().any(), f"{name}: an element was not written"
         check_accuracy(got, expected, reference, dtype, name, atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+
+
+# ---- add_layer_norm: a residual add and the norm after it -------------------------------------------------------
+
+def eager_add_layer_norm(x, residual, weight, bias, eps=EPS):
+    total = x + residual
+    return total, eager_layer_norm(total, weight, bias, eps)
+
+
+ADD_SHAPES = {name: SHAPES[name] for name in ("2-D, 64", "odd columns 13", "768", "4096", "4104 (ATen)",
+                                               "many rows of 768", "many rows of 4096")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", ADD_SHAPES.values(), ids=ADD_SHAPES.keys())
+def test_add_layer_norm_matches_eager(device, dtype, shape):
+    """The sum bit for bit eager's add, y as layer_norm of it; gradients with both outputs used (the sum's gradient
+    added to the norm's grad_x in the kernel), with the norm's alone and with the sum's alone, against eager's and
+    float64."""
+    x = randn(shape, dtype, device, scale=3.0, shift=1.5)
+    residual = randn(shape, dtype, device, seed=3)
+    weight, bias = parameters_for(shape[-1], dtype, device)
+    poison_allocator(shape, dtype, device)
+    total, y = add_layer_norm(x, residual, weight, bias, EPS)
+    expected_total, expected_y = eager_add_layer_norm(x, residual, weight, bias)
+    assert torch.equal(total, expected_total)
+    assert not y.isnan().any(), "an element was not written"
+    check_accuracy(y, expected_y, eager_layer_norm(expected_total.double(), weight.double(), bias.double()), dtype,
+                   "forward")
+    grad_total, grad_y = randn(shape, dtype, device, seed=4), randn(shape, dtype, device, seed=2)
+    for used in ("both", "y", "sum"):
+        def loss(fn, *inputs):
+            out_total, out_y = fn(*inputs)
+            return {"both": (out_total * grad_total.to(out_total.dtype)).sum() + (out_y * grad_y.to(out_y.dtype)).sum(),
+                    "y": (out_y * grad_y.to(out_y.dtype)).sum(),
+                    "sum": (out_total * grad_total.to(out_total.dtype)).sum()}[used]
+
+        def grads(fn, as_dtype):
+            leaves = [t.detach().to(as_dtype).requires_grad_(True) for t in (x, residual, weight, bias)]
+            return torch.autograd.grad(loss(fn, *leaves), leaves, allow_unused=True)
+
+        ours = grads(add_layer_norm, dtype)
+        eager, exact = grads(eager_add_layer_norm, dtype), grads(eager_add_layer_norm, torch.float64)
+        assert torch.equal(ours[0], ours[1]), "x and the residual get the same gradient"
+        for name, got, expected, reference in zip(("grad_x", "grad_residual", "grad_weight", "grad_bias"), ours,
+                                                  eager, exact):
+            if used == "sum" and name in ("grad_weight", "grad_bias"):
+                assert got is None or not got.any(), name
+                continue
+            assert got.dtype == dtype and got.shape == expected.shape, name
+            check_accuracy(got, expected, reference, dtype, f"{used}: {name}",
+                           atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_layer_norm_backward_adds_grad_residual(device, offset):
+    """layer_norm_backward's grad_residual, given directly (aligned and at an element's offset: the staged and the
+    unstaged kernels), is added to grad_x before its rounding: within one rounding of the float64 sum."""
+    shape = (300, 768)
+    x = randn(shape, torch.float32, device, scale=3.0, shift=1.5)
+    weight, _ = parameters_for(768, torch.float32, device)
+    grad = randn(shape, torch.float32, device, seed=2)
+    other = randn((shape[0] * shape[1] + offset,), torch.float32, device, seed=5)[offset:].view(shape)
+    plain = torch.ops.kernels.layer_norm_backward(grad, x, weight, EPS)
+    added = torch.ops.kernels.layer_norm_backward(grad, x, weight, EPS, other)
+    reference = torch.ops.kernels.layer_norm_backward(grad.double(), x.double(), weight.double(), EPS, other.double())
+    torch.testing.assert_close(added[0], reference[0].float(), atol=1e-6, rtol=1e-6)
+    assert relative_error(added[0], reference[0]) <= relative_error(plain[0] + other, reference[0])
+    assert torch.equal(added[1], plain[1]) and torch.equal(added[2], plain[2])
+    with pytest.raises(RuntimeError, match="grad_residual has shape"):
+        torch.ops.kernels.layer_norm_backward(grad, x, weight, EPS, other[:10])
+
+
+def test_add_layer_norm_gradcheck_and_errors(device):
+    x, residual = (torch.randn(3, 8, device=device, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight, bias = (torch.randn(8, device=device, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda *a: add_layer_norm(*a, EPS), (x, residual, weight, bias))
+    assert torch.autograd.gradgradcheck(lambda *a: add_layer_norm(*a, EPS), (x, residual, weight, bias))
+    total, y = add_layer_norm(x, residual, weight, bias, EPS)
+    assert total.grad_fn is y.grad_fn and "AddLayerNorm" in y.grad_fn.name()
+    for args in ((x.float(), residual, weight, bias), (x, residual[:, :4], weight, bias)):
+        with pytest.raises(RuntimeError, match="kernels.add_layer_norm: .*(dtype|shape)"):
+            add_layer_norm(*args, EPS)
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        add_layer_norm(x, 1.0, weight, bias, EPS)
+    for args in ((torch.randn(5, 48, device=device), torch.randn(5, 48, device=device)),
+                 (torch.randn(48, 5, device=device).t(), torch.randn(5, 48, device=device))):
+        w, b = torch.randn(48, device=device), torch.randn(48, device=device)
+        torch.library.opcheck(torch.ops.kernels.add_layer_norm.default, (*args, w, b, EPS))
+        grad = torch.randn(5, 48, device=device)
+        torch.library.opcheck(torch.ops.kernels.layer_norm_backward.default, (grad, args[0], w, EPS, grad))
+
+
+def test_add_layer_norm_vmap(device):
+    x, residual = torch.randn(3, 4, 16, device=device), torch.randn(3, 4, 16, device=device)
+    weight, bias = torch.randn(16, device=device), torch.randn(16, device=device)
+    total, y = torch.func.vmap(lambda a, r: add_layer_norm(a, r, weight, bias, EPS))(x, residual)
+    expected_total, expected_y = eager_add_layer_norm(x, residual, weight, bias)
+    assert torch.equal(total, expected_total)
+    torch.testing.assert_close(y, expected_y, atol=1e-5, rtol=1e-5)
+    grads = torch.func.vmap(torch.func.grad(lambda a, r: add_layer_norm(a, r, weight, bias, EPS)[1].square().sum()))(
+        x, residual)
+    expected = torch.func.vmap(torch.func.grad(lambda a: eager_layer_norm(a, weight, bias).square().sum()))(
+        x + residual)
+    torch.testing.assert_close(grads, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -202,10 +202,11 @@ class RmsNormCase:
 class LayerNormCase:
     """The LayerNorm family: the function forward and backward (its C++ node calls the backward op), against the
     formula in float64 (rows of 16-byte packs in groups of rows, odd rows of single elements, rows the block takes, a
-    row with an Inf)."""
+    row with an Inf), and add_layer_norm on the packed rows with a residual (both outputs used: the backward adds the
+    sum's gradient)."""
 
     family = "layer_norm"
-    ops = {"layer_norm", "layer_norm_backward"}
+    ops = {"layer_norm", "add_layer_norm", "layer_norm_backward"}
     eps = 1e-5
 
     def __str__(self):
@@ -222,10 +223,12 @@ class LayerNormCase:
             draws[f"{name} bias"] = torch.randn(shape[-1], device=device, generator=generator) * 0.5
             draws[f"{name} grad"] = torch.randn(*shape, device=device, generator=generator)
         draws["packs"][5, 3] = float("inf")
+        draws["residual"] = torch.randn(64, 768, device=device, generator=generator)
+        draws["sum grad"] = torch.randn(64, 768, device=device, generator=generator)
         return draws
 
     @staticmethod
-    def run(fn, inputs, dtype):
+    def run(fn, add_fn, inputs, dtype):
         outputs = {}
         for name in ("packs", "odd", "long"):
             leaves = [inputs[key].to(dtype, copy=True).requires_grad_(True)  # fresh leaves, as RMSNormCase's
@@ -234,16 +237,30 @@ class LayerNormCase:
             y.backward(inputs[f"{name} grad"].to(dtype))
             outputs.update({name: y.detach().float(), f"{name} grad": leaves[0].grad.float(),
                             f"{name} weight grad": leaves[1].grad.float(), f"{name} bias grad": leaves[2].grad.float()})
+        # x: the residual's rows in reverse (finite rows of 768)
+        leaves = [t.to(dtype, copy=True).requires_grad_(True) for t in (
+            inputs["residual"].flip(0), inputs["residual"], inputs["packs weight"], inputs["packs bias"])]
+        total, y = add_fn(*leaves)
+        torch.autograd.backward((total, y), (inputs["sum grad"].to(dtype), inputs["packs grad"].to(dtype)))
+        outputs.update({"add sum": total.detach().float(), "add y": y.detach().float(),
+                        "add x grad": leaves[0].grad.float(), "add residual grad": leaves[1].grad.float(),
+                        "add weight grad": leaves[2].grad.float()})
         return outputs
 
     def ours(self, **inputs):
-        from kernels.functional import layer_norm
+        from kernels.functional import add_layer_norm, layer_norm
 
-        return self.run(lambda x, weight, bias: layer_norm(x, weight, bias, self.eps), inputs, torch.float32)
+        return self.run(lambda x, weight, bias: layer_norm(x, weight, bias, self.eps),
+                        lambda x, residual, weight, bias: add_layer_norm(x, residual, weight, bias, self.eps),
+                        inputs, torch.float32)
 
     def eager(self, **inputs):
-        return self.run(lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, self.eps), inputs,
-                        torch.float64)
+        def add_norm(x, residual, weight, bias):
+            total = x + residual
+            return total, F.layer_norm(total, total.shape[-1:], weight, bias, self.eps)
+
+        return self.run(lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, self.eps), add_norm,
+                        inputs, torch.float64)
 
     def check(self, got, expected, inputs):
         for name in expected:

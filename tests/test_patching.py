@@ -697,17 +697,41 @@ def test_timm_vit_patch_round_trip(device):
     assert norms and all(kernels.is_patched(m) for m in norms)
     attentions = [m for m in patched.modules() if type(m).__name__ == "Attention"]  # on the packed attention
     assert attentions and all(kernels.is_patched(m) for m in attentions)
+    blocks = list(patched.blocks)  # each block's adds with the norms after them: add_layer_norm
+    assert all(kernels.is_patched(b) for b in blocks)
+    assert all(a.__dict__["_next_block"] is b for a, b in zip(blocks, blocks[1:]))
+    assert "_next_block" not in blocks[-1].__dict__ and "_next_block" not in patched.state_dict()
+    hooked = []  # a norm with a hook is called: the block before it leaves it its own call
+    hook = blocks[3].norm1.register_forward_hook(lambda module, args, out: hooked.append(out.shape))
     x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
     out, out_patched = model(x), patched(x)
+    assert len(hooked) == 1
     if device == "cuda":
         assert "_PackedAttentionBackward" in graph_node_names(out_patched)
+        # Each block's first add with its norm2; its second with the next block's norm1 (not block 2's: block 3's
+        # norm1 has a hook); the last block's second add stays an add.
+        fused, pending, seen = 0, [out_patched.grad_fn], set()
+        while pending:
+            node = pending.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                fused += "AddLayerNormBackward" in node.name()
+                pending.extend(next_node for next_node, _ in node.next_functions)
+        assert fused == 2 * len(blocks) - 2
+    assert not any("_pending_norm1" in b.__dict__ for b in blocks)  # every handed result was taken
     torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
     grad = torch.randn_like(out)
     for got, expected in zip(torch.autograd.grad(out_patched, (x, *patched.parameters()), grad),
                              torch.autograd.grad(out, (x, *model.parameters()), grad)):
         torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(x), model(x), atol=TOL, rtol=TOL)
+    hook.remove()  # (a local function does not pickle)
+    copied = pickle.loads(pickle.dumps(patched))
+    assert all(a.__dict__["_next_block"] is b for a, b in zip(copied.blocks, list(copied.blocks)[1:]))
     kernels.unpatch(patched)
     assert not any(kernels.is_patched(m) for m in patched.modules())
+    assert not any("_next_block" in b.__dict__ for b in patched.blocks)
 
 
 

@@ -4,8 +4,9 @@
 // layer_norm.py; the Autograd kernels are in layer_norm_autograd.cpp, joined after this file.
 //
 // Ops, over x's last dimension: layer_norm(x, weight, bias, eps) = (x - mean) / sqrt(var + eps) * weight + bias
-// (nn.LayerNorm's formula, the variance biased); layer_norm_backward(grad_y, x, weight, eps) = (grad_x, grad_weight,
-// grad_bias).
+// (nn.LayerNorm's formula, the variance biased); add_layer_norm(x, residual, weight, bias, eps) = (x + residual,
+// layer_norm of that sum); layer_norm_backward(grad_y, x, weight, eps, grad_residual=None) = (grad_x + grad_residual,
+// grad_weight, grad_bias).
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <optional>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -71,41 +73,76 @@ cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDASt
 
 // ---- ops --------------------------------------------------------------------------------------------------------
 
-at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  check_inputs("layer_norm", x, weight);
-  check_parameter("layer_norm", "bias", bias, x);
+// y = layer_norm(x), or with a residual (sum, y) = (x + residual, layer_norm(sum)); `sum` is given where it is asked.
+at::Tensor layer_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                           const at::Tensor& bias, double eps, at::Tensor* sum) {
 #ifdef KERNELS_WITH_CUDA
   if (takes_kernel(x)) {
     // The kernels read rows of contiguous memory.
     const at::Tensor in = x.contiguous(), w = weight.contiguous(), b = bias.contiguous();
+    const at::Tensor other = residual != nullptr ? residual->contiguous() : at::Tensor();
     const int64_t columns = x.size(-1);
-    if (layer_norm_fits(element_type(x.scalar_type()), columns, aligned(in) && aligned(w) && aligned(b))) {
+    const bool all_aligned = aligned(in) && aligned(w) && aligned(b) && (residual == nullptr || aligned(other));
+    if (layer_norm_fits(element_type(x.scalar_type()), columns, all_aligned)) {
       const c10::cuda::CUDAGuard guard(x.device());
       at::Tensor y = at::empty(x.sizes(), x.options());
-      const cudaError_t err =
-          launch_layer_norm(element_type(x.scalar_type()), in.const_data_ptr(), w.const_data_ptr(),
-                            b.const_data_ptr(), y.mutable_data_ptr(), x.numel() / columns, columns, eps, stream_of(x));
+      if (residual != nullptr) *sum = at::empty(x.sizes(), x.options());
+      const cudaError_t err = launch_layer_norm(
+          element_type(x.scalar_type()), in.const_data_ptr(), residual != nullptr ? other.const_data_ptr() : nullptr,
+          w.const_data_ptr(), b.const_data_ptr(), residual != nullptr ? sum->mutable_data_ptr() : nullptr,
+          y.mutable_data_ptr(), x.numel() / columns, columns, eps, stream_of(x));
       TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm kernel failed to launch: ", cudaGetErrorString(err));
       return y;
     }
   }
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm: no implementation for tensors on ", x.device().str());
-  return layer_norm_aten(x, weight, bias, eps);
+  if (residual == nullptr) return layer_norm_aten(x, weight, bias, eps);
+  *sum = x.add(*residual).contiguous();
+  return layer_norm_aten(*sum, weight, bias, eps);
+}
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  check_inputs("layer_norm", x, weight);
+  check_parameter("layer_norm", "bias", bias, x);
+  return layer_norm_into(x, nullptr, weight, bias, eps, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                  const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  check_inputs("add_layer_norm", x, weight);
+  check_parameter("add_layer_norm", "bias", bias, x);
+  check_float_tensor("add_layer_norm", "residual", residual);
+  check_same("add_layer_norm", "residual", residual, "x", x);
+  TORCH_CHECK(residual.sizes() == x.sizes(), "kernels.add_layer_norm: residual has shape ",
+              shape_str(residual.sizes()), " but x has shape ", shape_str(x.sizes()), " (no broadcasting)");
+  at::Tensor sum;
+  at::Tensor y = layer_norm_into(x, &residual, weight, bias, eps, &sum);
+  return {sum, y};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                   const at::Tensor& weight, double eps) {
+                                                                   const at::Tensor& weight, double eps,
+                                                                   const std::optional<at::Tensor>& grad_residual) {
   check_inputs("layer_norm_backward", x, weight);
   check_float_tensor("layer_norm_backward", "grad_y", grad_y);
   check_same("layer_norm_backward", "grad_y", grad_y, "x", x);
   TORCH_CHECK(grad_y.sizes() == x.sizes(), "kernels.layer_norm_backward: grad_y has shape ",
               shape_str(grad_y.sizes()), " but x has shape ", shape_str(x.sizes()));
+  const bool with_residual = grad_residual.has_value() && grad_residual->defined();
+  if (with_residual) {
+    check_float_tensor("layer_norm_backward", "grad_residual", *grad_residual);
+    check_same("layer_norm_backward", "grad_residual", *grad_residual, "x", x);
+    TORCH_CHECK(grad_residual->sizes() == x.sizes(), "kernels.layer_norm_backward: grad_residual has shape ",
+                shape_str(grad_residual->sizes()), " but x has shape ", shape_str(x.sizes()));
+  }
 #ifdef KERNELS_WITH_CUDA
   if (takes_kernel(x)) {
     const at::Tensor g = grad_y.contiguous(), in = x.contiguous(), w = weight.contiguous();
+    const at::Tensor other = with_residual ? grad_residual->contiguous() : at::Tensor();
     const int64_t columns = x.size(-1), rows = x.numel() / columns;
-    if (layer_norm_fits(element_type(x.scalar_type()), columns, aligned(g) && aligned(in) && aligned(w))) {
+    const bool all_aligned = aligned(g) && aligned(in) && aligned(w) && (!with_residual || aligned(other));
+    if (layer_norm_fits(element_type(x.scalar_type()), columns, all_aligned)) {
       const c10::cuda::CUDAGuard guard(x.device());
       const int blocks = layer_norm_backward_blocks(x.device().index(), rows);
       at::Tensor grad_x = at::empty(x.sizes(), x.options());
@@ -114,8 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
       at::Tensor partials = at::empty({blocks, 2, columns}, x.options().dtype(at::kDouble));
       const cudaError_t err = launch_layer_norm_backward(
           element_type(x.scalar_type()), g.const_data_ptr(), in.const_data_ptr(), w.const_data_ptr(),
-          grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
-          partials.mutable_data_ptr<double>(), blocks, rows, columns, eps,
+          with_residual ? other.const_data_ptr() : nullptr, grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
+          grad_bias.mutable_data_ptr(), partials.mutable_data_ptr<double>(), blocks, rows, columns, eps,
           static_cast<std::size_t>(forced_backward_shared_limit.load()), stream_of(x));
       if (err != cudaErrorNotSupported) {  // else a GPU with too little shared memory: the ATen formulas below
         TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
@@ -127,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm_backward: no implementation for tensors on ",
               x.device().str());
-  return layer_norm_backward_aten(grad_y, x, weight, eps);
+  return layer_norm_backward_aten(grad_y, x, weight, eps, with_residual ? *grad_residual : at::Tensor());
 }
 
 }  // namespace
@@ -135,7 +172,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
-  m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor)");
+  m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor weight, float eps, Tensor? grad_residual=None) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("_layer_norm_force_backward_shared_limit(int bytes) -> int");
   m.impl("_layer_norm_force_backward_shared_limit",
          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
@@ -146,6 +185,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // dtype and row length.
 #define KERNELS_LAYER_NORM_IMPLS(m)                                    \
   m.impl("layer_norm", &kernels::layer_norm::layer_norm);              \
+  m.impl("add_layer_norm", &kernels::layer_norm::add_layer_norm);      \
   m.impl("layer_norm_backward", &kernels::layer_norm::layer_norm_backward)
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_LAYER_NORM_IMPLS(m); }

@@ -6,7 +6,8 @@
 // same bits every run, and the forward and the backward compute the same mean and rstd bit for bit where they take the
 // same layout. The backward copies each row's next row into shared memory while it computes (cp.async, sm_80 on), adds
 // each block's g h and g into per-column doubles, written to its row of partials; a second kernel adds those rows in
-// order.
+// order. The residual forms: the forward adds a residual to x first (writing the sum it normalizes), the backward adds
+// the gradient of x's other uses to grad_x before rounding it.
 #include "layer_norm.h"
 
 #include <cuda_bf16.h>
@@ -14,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "common/dependent_launch.cuh"
 #include "common/elementwise.cuh"
@@ -24,6 +26,7 @@ namespace kernels::layer_norm {
 namespace {
 
 using common::from_double;
+using common::from_opmath;
 using common::kRowThreads;
 using common::kRowWarps;
 using common::Pack;
@@ -61,11 +64,19 @@ __device__ __forceinline__ void load_parameter_pack(const T* __restrict__ parame
   for (int j = 0; j < kWidth; ++j) out[j] = to_opmath(v.v[j]);
 }
 
-template <typename T, int kWidth, int kPacks, int kGroup>
-__global__ void
-__launch_bounds__(kRowThreads, kWidth == 1 ? kForwardBlocksPerProcessor - 1 : kForwardBlocksPerProcessor)
-layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
-                  T* __restrict__ y, std::int64_t rows, std::int64_t columns, double inverse_columns, double eps) {
+// The forward's blocks a multiprocessor holds: kForwardBlocksPerProcessor, one fewer for single elements (whose wider
+// index arithmetic would spill) and for the residual's sum (its next row held too).
+template <int kWidth, bool kAdd>
+constexpr int forward_blocks_per_processor() {
+  return kForwardBlocksPerProcessor - (kWidth == 1 ? 1 : 0) - (kAdd ? 1 : 0);
+}
+
+// y = LayerNorm(x), or with kAdd: sum = x + residual (rounded to T, as eager's add), written, and y = LayerNorm(sum).
+template <typename T, int kWidth, int kPacks, int kGroup, bool kAdd>
+__global__ void __launch_bounds__(kRowThreads, (forward_blocks_per_processor<kWidth, kAdd>()))
+layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
+                  const T* __restrict__ bias, T* __restrict__ sum_out, T* __restrict__ y, std::int64_t rows,
+                  std::int64_t columns, double inverse_columns, double eps) {
   using P = Pack<T, kWidth>;
   using R = Rows<kGroup>;
   __shared__ double slots[2][kRowWarps];
@@ -74,16 +85,35 @@ layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T
   // next row's loads are issued before this row's sums, so that they are in flight meanwhile.
   const std::int64_t group_rows = rows + R::group();  // the loop runs while the block's first row is a row
   std::int64_t row = blockIdx.x * std::int64_t{R::kRows} + R::group();
-  P next[kPacks];
-  R::template load_row<T, kWidth, kPacks>(x + (row < rows ? row : 0) * columns, row < rows, packs, next);
+  P next[kPacks], next_residual[kAdd ? kPacks : 1];
+  const auto load_next = [&](std::int64_t r) {
+    R::template load_row<T, kWidth, kPacks>(x + (r < rows ? r : 0) * columns, r < rows, packs, next);
+    if constexpr (kAdd)
+      R::template load_row<T, kWidth, kPacks>(residual + (r < rows ? r : 0) * columns, r < rows, packs,
+                                              next_residual);
+  };
+  load_next(row);
   for (; row < group_rows; row += stride) {
     const bool inside = row < rows;
     P v[kPacks];
 #pragma unroll
-    for (int p = 0; p < kPacks; ++p) v[p] = next[p];
-    const std::int64_t following = row + stride;
-    R::template load_row<T, kWidth, kPacks>(x + (following < rows ? following : 0) * columns, following < rows,
-                                            packs, next);
+    for (int p = 0; p < kPacks; ++p) {
+      v[p] = next[p];
+      if constexpr (kAdd) {
+#pragma unroll
+        for (int j = 0; j < kWidth; ++j)
+          v[p].v[j] = from_opmath<T>(to_opmath(v[p].v[j]) + to_opmath(next_residual[p].v[j]));
+      }
+    }
+    load_next(row + stride);
+    if constexpr (kAdd) {
+      if (inside) {
+        P* out = reinterpret_cast<P*>(sum_out + row * columns);
+#pragma unroll
+        for (int p = 0; p < kPacks; ++p)
+          if (R::pack(p) < packs) out[R::pack(p)] = v[p];
+      }
+    }
     double sum = 0.0;
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
@@ -127,11 +157,14 @@ __host__ __device__ constexpr bool backward_stages_rows() {
   return sizeof(Pack<T, kWidth>) == 16;
 }
 
-template <typename T, int kWidth, int kPacks, int kGroup>
+// With kAddGrad, grad_residual (the gradient x receives through its other uses: a residual connection) is added to
+// each grad_x in double before the one rounding.
+template <typename T, int kWidth, int kPacks, int kGroup, bool kAddGrad>
 __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 4 ? kBackwardBlocksPerProcessor : 1)
 layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x, const T* __restrict__ weight,
-                           T* __restrict__ grad_x, double* __restrict__ partials, std::int64_t rows,
-                           std::int64_t columns, double inverse_columns, double eps) {
+                           const T* __restrict__ grad_residual, T* __restrict__ grad_x,
+                           double* __restrict__ partials, std::int64_t rows, std::int64_t columns,
+                           double inverse_columns, double eps) {
   using P = Pack<T, kWidth>;
   using R = Rows<kGroup>;
   __shared__ DoublePair slots[2][kRowWarps];
@@ -140,10 +173,11 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
   extern __shared__ double2 parameter_grads[];
   double2* const own_grads = parameter_grads + R::group() * columns;
   const std::int64_t packs = columns / kWidth;
-  // Staged rows, after the sums: each thread copies its own packs of its group's next row (x, then g) while this
-  // row is computed, and reads them back itself, so no barrier guards them.
+  // Staged rows, after the sums: each thread copies its own packs of its group's next row (x, then g, then the
+  // residual's gradient) while this row is computed, and reads them back itself, so no barrier guards them.
   constexpr bool kStaged = backward_stages_rows<T, kWidth>() && KERNELS_SM80_DEVICE;
-  P* const staged = reinterpret_cast<P*>(parameter_grads + R::kRows * columns) + R::group() * 2 * packs;
+  constexpr int kStagedRows = kAddGrad ? 3 : 2;
+  P* const staged = reinterpret_cast<P*>(parameter_grads + R::kRows * columns) + R::group() * kStagedRows * packs;
   const auto stage = [&](std::int64_t row) {
     if constexpr (kStaged) {
 #pragma unroll
@@ -158,18 +192,42 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
       common::sm80::commit_copies();
     }
   };
+  // The residual gradient's row, staged apart: copied once this row's grad_x is written (its slots free), and needed
+  // only when the next row's grad_x is, so that the copy is in flight through that row's sums. Its own group of
+  // copies: x's and g's wait for theirs alone (one group may stay in flight), grad_x for the residual's.
+  const auto stage_residual = [&](std::int64_t row) {
+    if constexpr (kStaged && kAddGrad) {
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const std::int64_t i = R::pack(p);
+        if (row >= rows || i >= packs) continue;
+        common::sm80::copy_16_async(common::sm80::shared_address(staged + 2 * packs + i),
+                                    reinterpret_cast<const P*>(grad_residual + row * columns) + i, true);
+      }
+      common::sm80::commit_copies();
+    }
+  };
   for (std::int64_t c = threadIdx.x; c < R::kRows * columns; c += kRowThreads)
     parameter_grads[c] = make_double2(0.0, 0.0);
   __syncthreads();
   wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
   const std::int64_t stride = gridDim.x * std::int64_t{R::kRows};
   stage(blockIdx.x * std::int64_t{R::kRows} + R::group());
+  stage_residual(blockIdx.x * std::int64_t{R::kRows} + R::group());
   for (std::int64_t first = blockIdx.x * std::int64_t{R::kRows}; first < rows; first += stride) {
     const std::int64_t row = first + R::group();
     const bool inside = row < rows;
     P v[kPacks], g[kPacks];
+    // This row's residual gradient, pack i (read where grad_x is written: staged, or from memory).
+    const auto residual_pack = [&](std::int64_t i) {
+      if constexpr (kStaged) {
+        return staged[2 * packs + i];
+      } else {
+        return reinterpret_cast<const P*>(grad_residual + row * columns)[i];
+      }
+    };
     if constexpr (kStaged) {
-      common::sm80::wait_copies<0>();
+      common::sm80::wait_copies<kAddGrad ? 1 : 0>();
 #pragma unroll
       for (int p = 0; p < kPacks; ++p) {
         const std::int64_t i = R::pack(p);
@@ -225,6 +283,7 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
     if (!inside) continue;
     const double rstd = common::reciprocal_sqrt(deviations.first * inverse_columns + eps);
     const double mean_gwh = deviations.second * rstd * inverse_columns;
+    if constexpr (kStaged && kAddGrad) common::sm80::wait_copies<1>();  // all but the next row's x and g
     P* out = reinterpret_cast<P*>(grad_x + row * columns);
 #pragma unroll
     for (int p = 0; p < kPacks; ++p) {
@@ -232,17 +291,21 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
       if (i >= packs) continue;
       float w[kWidth];
       weight_pack(p, w);
-      P result;
+      P result, residual;
+      if constexpr (kAddGrad) residual = residual_pack(i);
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
         const double h = (to_opmath(v[p].v[j]) - mean) * rstd, grad = to_opmath(g[p].v[j]);
-        result.v[j] = from_double<T>(rstd * (grad * w[j] - mean_gw - h * mean_gwh));
+        double grad_input = rstd * (grad * w[j] - mean_gw - h * mean_gwh);
+        if constexpr (kAddGrad) grad_input += to_opmath(residual.v[j]);
+        result.v[j] = from_double<T>(grad_input);
         // This thread's own (no other thread touches it); 32-bit offsets: a row has at most 4096 columns.
         double2& sums_of_column = own_grads[j * static_cast<int>(packs) + static_cast<int>(i)];
         sums_of_column = make_double2(sums_of_column.x + grad * h, sums_of_column.y + grad);
       }
       out[i] = result;
     }
+    stage_residual(row + stride);
   }
   allow_next_grid();  // the partials' sum may launch; it waits for this grid's end
   // The block's row of partials: its row groups' sums added in group order (the same bits every run).
@@ -265,14 +328,15 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
 // Whether layer_norm_backward_kernel stages rows on `device`, the current one: rows in 16-byte packs, and its code for
 // the device built for sm_80 or later (its own KERNELS_SM80_DEVICE). Asked once per device; where the query fails,
 // true (room for staged rows that go unused is harmless).
-template <typename T, int kWidth, int kPacks, int kGroup>
+template <typename T, int kWidth, int kPacks, int kGroup, bool kAddGrad>
 bool backward_stages_rows_on(int device) {
   if constexpr (!backward_stages_rows<T, kWidth>()) {
     return false;
   } else {
     return once_per_device(device, [](int) -> std::optional<bool> {
       cudaFuncAttributes attributes;
-      if (cudaFuncGetAttributes(&attributes, layer_norm_backward_kernel<T, kWidth, kPacks, kGroup>) != cudaSuccess) {
+      if (cudaFuncGetAttributes(&attributes, layer_norm_backward_kernel<T, kWidth, kPacks, kGroup, kAddGrad>) !=
+          cudaSuccess) {
         (void)cudaGetLastError();  // reported here, not again by a later launch's check
         return std::nullopt;
       }
@@ -282,14 +346,14 @@ bool backward_stages_rows_on(int device) {
 }
 
 // The dynamic shared memory of layer_norm_backward_kernel: two doubles per column for each of a block's row groups,
-// and where it stages rows, x's and g's of each; at most kMaxElements a thread.
-template <typename T, int kGroup>
+// and where it stages rows, x's and g's of each (and the residual gradient's); at most kMaxElements a thread.
+template <typename T, int kGroup, bool kAddGrad>
 std::size_t backward_shared_bytes(std::int64_t columns, bool staged) {
-  const std::size_t per_column = sizeof(double2) + (staged ? 2 * sizeof(T) : 0);
+  const std::size_t per_column = sizeof(double2) + (staged ? (kAddGrad ? 3 : 2) * sizeof(T) : 0);
   return static_cast<std::size_t>(Rows<kGroup>::kRows * columns) * per_column;
 }
 constexpr std::size_t kBackwardMostSharedBytes =
-    std::size_t{kRowThreads} * kMaxElements * (sizeof(double2) + 2 * sizeof(float));
+    std::size_t{kRowThreads} * kMaxElements * (sizeof(double2) + 3 * sizeof(float));
 
 // The dynamic shared memory the backward may take on `device`: kBackwardMostSharedBytes, or what a block holds beside
 // the kernel's static part where that is less (a GPU whose blocks take 64 KB in all); 0 where the query fails.
@@ -339,40 +403,54 @@ cudaError_t with_layout(std::int64_t columns, bool aligned, const Fn& fn) {
   return with_width(integral_constant<int, 1>{});
 }
 
+// fn(std::bool_constant<flag>{}): a kernel's template flag from a run-time one.
+template <typename Fn>
+cudaError_t with_flag(bool flag, const Fn& fn) {
+  return flag ? fn(std::true_type{}) : fn(std::false_type{});
+}
+
 template <typename T>
-cudaError_t forward_typed(const void* x, const void* weight, const void* bias, void* y, std::int64_t rows,
-                          std::int64_t columns, double eps, cudaStream_t stream) {
-  return with_layout<T>(columns, common::all_aligned({x, weight, bias, y}), [&](auto width, auto packs, auto group) {
-    constexpr int kRows = Rows<decltype(group)::value>::kRows;
-    const unsigned int blocks =
-        static_cast<unsigned int>(common::row_blocks(common::current_device(), (rows + kRows - 1) / kRows));
-    layer_norm_kernel<T, width.value, packs.value, group.value><<<blocks, kRowThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const T*>(bias), static_cast<T*>(y), rows,
-        columns, 1.0 / static_cast<double>(columns), eps);
-    return cudaGetLastError();
+cudaError_t forward_typed(const void* x, const void* residual, const void* weight, const void* bias, void* sum,
+                          void* y, std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream) {
+  const bool aligned = common::all_aligned({x, residual, weight, bias, sum, y});  // (nullptr is aligned)
+  return with_flag(residual != nullptr, [&](auto add) {
+    return with_layout<T>(columns, aligned, [&](auto width, auto packs, auto group) {
+      constexpr int kRows = Rows<decltype(group)::value>::kRows;
+      const unsigned int blocks =
+          static_cast<unsigned int>(common::row_blocks(common::current_device(), (rows + kRows - 1) / kRows));
+      layer_norm_kernel<T, width.value, packs.value, group.value, add.value><<<blocks, kRowThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
+          static_cast<const T*>(bias), static_cast<T*>(sum), static_cast<T*>(y), rows, columns,
+          1.0 / static_cast<double>(columns), eps);
+      return cudaGetLastError();
+    });
   });
 }
 
 template <typename T>
-cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight, void* grad_x, void* grad_weight,
-                           void* grad_bias, double* partials, int blocks, std::int64_t rows, std::int64_t columns,
-                           double eps, std::size_t shared_limit, cudaStream_t stream) {
-  const cudaError_t err = with_layout<T>(
-      columns, common::all_aligned({grad_y, x, weight, grad_x}), [&](auto width, auto packs, auto group) {
-        constexpr auto kKernel = layer_norm_backward_kernel<T, width.value, packs.value, group.value>;
-        const int device = common::current_device();
-        const std::size_t limit = backward_shared_limit(device);
-        const std::size_t usable = shared_limit != 0 && shared_limit < limit ? shared_limit : limit;
-        const std::size_t shared_bytes = backward_shared_bytes<T, group.value>(
-            columns, backward_stages_rows_on<T, width.value, packs.value, group.value>(device));
-        if (shared_bytes > usable) return cudaErrorNotSupported;
-        const cudaError_t raised = raise_shared_memory_limit<kKernel>(device, limit);
-        if (raised != cudaSuccess) return raised;
-        return launch_dependent(kKernel, dim3(static_cast<unsigned int>(blocks)), dim3(kRowThreads), shared_bytes,
-                                stream, static_cast<const T*>(grad_y), static_cast<const T*>(x),
-                                static_cast<const T*>(weight), static_cast<T*>(grad_x), partials, rows, columns,
-                                1.0 / static_cast<double>(columns), eps);
-      });
+cudaError_t backward_typed(const void* grad_y, const void* x, const void* weight, const void* grad_residual,
+                           void* grad_x, void* grad_weight, void* grad_bias, double* partials, int blocks,
+                           std::int64_t rows, std::int64_t columns, double eps, std::size_t shared_limit,
+                           cudaStream_t stream) {
+  const bool aligned = common::all_aligned({grad_y, x, weight, grad_residual, grad_x});
+  const cudaError_t err = with_flag(grad_residual != nullptr, [&](auto add_grad) {
+    return with_layout<T>(columns, aligned, [&](auto width, auto packs, auto group) {
+      constexpr auto kKernel = layer_norm_backward_kernel<T, width.value, packs.value, group.value, add_grad.value>;
+      const int device = common::current_device();
+      const std::size_t limit = backward_shared_limit(device);
+      const std::size_t usable = shared_limit != 0 && shared_limit < limit ? shared_limit : limit;
+      const std::size_t shared_bytes = backward_shared_bytes<T, group.value, add_grad.value>(
+          columns, backward_stages_rows_on<T, width.value, packs.value, group.value, add_grad.value>(device));
+      if (shared_bytes > usable) return cudaErrorNotSupported;
+      const cudaError_t raised = raise_shared_memory_limit<kKernel>(device, limit);
+      if (raised != cudaSuccess) return raised;
+      return launch_dependent(kKernel, dim3(static_cast<unsigned int>(blocks)), dim3(kRowThreads), shared_bytes,
+                              stream, static_cast<const T*>(grad_y), static_cast<const T*>(x),
+                              static_cast<const T*>(weight), static_cast<const T*>(grad_residual),
+                              static_cast<T*>(grad_x), partials, rows, columns, 1.0 / static_cast<double>(columns),
+                              eps);
+    });
+  });
   if (err != cudaSuccess) return err;
   return common::launch_column_partials_sum<T>(partials, blocks, columns, 2, static_cast<T*>(grad_weight),
                                                static_cast<T*>(grad_bias), stream);
@@ -390,34 +468,38 @@ int layer_norm_backward_blocks(int device, std::int64_t rows) {
   return static_cast<int>(rows < most ? (rows > 0 ? rows : 1) : most);
 }
 
-cudaError_t launch_layer_norm(ElementType type, const void* x, const void* weight, const void* bias, void* y,
-                              std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream) {
+cudaError_t launch_layer_norm(ElementType type, const void* x, const void* residual, const void* weight,
+                              const void* bias, void* sum, void* y, std::int64_t rows, std::int64_t columns,
+                              double eps, cudaStream_t stream) {
   if (rows <= 0 || columns <= 0) return cudaSuccess;
+  if ((residual == nullptr) != (sum == nullptr)) return cudaErrorInvalidValue;
   switch (type) {
-    case ElementType::kFloat32: return forward_typed<float>(x, weight, bias, y, rows, columns, eps, stream);
-    case ElementType::kFloat16: return forward_typed<__half>(x, weight, bias, y, rows, columns, eps, stream);
+    case ElementType::kFloat32:
+      return forward_typed<float>(x, residual, weight, bias, sum, y, rows, columns, eps, stream);
+    case ElementType::kFloat16:
+      return forward_typed<__half>(x, residual, weight, bias, sum, y, rows, columns, eps, stream);
     case ElementType::kBFloat16:
-      return forward_typed<__nv_bfloat16>(x, weight, bias, y, rows, columns, eps, stream);
+      return forward_typed<__nv_bfloat16>(x, residual, weight, bias, sum, y, rows, columns, eps, stream);
     case ElementType::kFloat64: break;
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_layer_norm_backward(ElementType type, const void* grad_y, const void* x, const void* weight,
-                                       void* grad_x, void* grad_weight, void* grad_bias, double* partials, int blocks,
-                                       std::int64_t rows, std::int64_t columns, double eps, std::size_t shared_limit,
-                                       cudaStream_t stream) {
+                                       const void* grad_residual, void* grad_x, void* grad_weight, void* grad_bias,
+                                       double* partials, int blocks, std::int64_t rows, std::int64_t columns,
+                                       double eps, std::size_t shared_limit, cudaStream_t stream) {
   if (rows <= 0 || columns <= 0) return cudaSuccess;
   switch (type) {
     case ElementType::kFloat32:
-      return backward_typed<float>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows, columns,
-                                   eps, shared_limit, stream);
+      return backward_typed<float>(grad_y, x, weight, grad_residual, grad_x, grad_weight, grad_bias, partials, blocks,
+                                   rows, columns, eps, shared_limit, stream);
     case ElementType::kFloat16:
-      return backward_typed<__half>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows,
-                                    columns, eps, shared_limit, stream);
+      return backward_typed<__half>(grad_y, x, weight, grad_residual, grad_x, grad_weight, grad_bias, partials,
+                                    blocks, rows, columns, eps, shared_limit, stream);
     case ElementType::kBFloat16:
-      return backward_typed<__nv_bfloat16>(grad_y, x, weight, grad_x, grad_weight, grad_bias, partials, blocks, rows,
-                                           columns, eps, shared_limit, stream);
+      return backward_typed<__nv_bfloat16>(grad_y, x, weight, grad_residual, grad_x, grad_weight, grad_bias, partials,
+                                           blocks, rows, columns, eps, shared_limit, stream);
     case ElementType::kFloat64: break;
   }
   return cudaErrorInvalidValue;

@@ -22,9 +22,11 @@ using common::ElementType;
 // columns are a multiple of 16 bytes and every pointer 16-byte aligned (`aligned`), else 2048.
 bool layer_norm_fits(ElementType type, std::int64_t columns, bool aligned);
 
-// y = (x - mean) rstd weight + bias per row, as above.
-cudaError_t launch_layer_norm(ElementType type, const void* x, const void* weight, const void* bias, void* y,
-                              std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream);
+// y = (x - mean) rstd weight + bias per row, as above. With a residual (else both nullptr): sum = x + residual,
+// rounded to x's type as an elementwise add rounds it, is written, and y is the LayerNorm of sum.
+cudaError_t launch_layer_norm(ElementType type, const void* x, const void* residual, const void* weight,
+                              const void* bias, void* sum, void* y, std::int64_t rows, std::int64_t columns,
+                              double eps, cudaStream_t stream);
 
 // The blocks of launch_layer_norm_backward on `device`: each writes one row of `partials`, 2 x columns doubles.
 int layer_norm_backward_blocks(int device, std::int64_t rows);
@@ -32,12 +34,14 @@ int layer_norm_backward_blocks(int device, std::int64_t rows);
 // With g = grad_y, h = (x - mean) rstd: grad_x = rstd (g w - mean(g w) - h mean(g w h)) per row, in double and rounded
 // once; grad_weight = the sum over rows of g h, grad_bias = the sum over rows of g: each block's rows summed in double
 // into its row of `partials` (layer_norm_backward_blocks(device, rows) rows of 2 x columns doubles: g h, then g), then
-// those rows added in order: the same bits every run. cudaErrorNotSupported, before any launch, where the rows'
-// partial sums and staged rows take more shared memory than a block of the device holds, or than shared_limit where
-// that is not 0 (tests: the refusal on any GPU); the torch side then takes the ATen formulas.
+// those rows added in order: the same bits every run. Where grad_residual is not nullptr (the gradient x gets through
+// its other uses, a residual connection), it is added to grad_x in double before the one rounding.
+// cudaErrorNotSupported, before any launch, where the rows' partial sums and staged rows take more shared memory than
+// a block of the device holds, or than shared_limit where that is not 0 (tests: the refusal on any GPU); the torch
+// side then takes the ATen formulas.
 cudaError_t launch_layer_norm_backward(ElementType type, const void* grad_y, const void* x, const void* weight,
-                                       void* grad_x, void* grad_weight, void* grad_bias, double* partials, int blocks,
-                                       std::int64_t rows, std::int64_t columns, double eps, std::size_t shared_limit,
-                                       cudaStream_t stream);
+                                       const void* grad_residual, void* grad_x, void* grad_weight, void* grad_bias,
+                                       double* partials, int blocks, std::int64_t rows, std::int64_t columns,
+                                       double eps, std::size_t shared_limit, cudaStream_t stream);
 
 }  // namespace kernels::layer_norm

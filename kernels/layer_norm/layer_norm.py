@@ -4,8 +4,11 @@ Ops (schemas in layer_norm.cpp), over x's last dimension:
   layer_norm(x, weight, bias, eps) -> (x - mean) / sqrt(var + eps) * weight + bias (nn.LayerNorm's formula, the
       variance biased); the mean, the variance (from the deviations from the mean) and each result in double, each
       result rounded to x's dtype once.
-  layer_norm_backward(grad_y, x, weight, eps) -> (grad_x, grad_weight, grad_bias), each summed in double and rounded
-      once.
+  add_layer_norm(x, residual, weight, bias, eps) -> (sum, y): sum = x + residual (rounded as torch.add rounds it),
+      y = layer_norm(sum); a pre-norm block's residual add and the next norm in one sweep, whose backward adds the
+      sum's own gradient to the norm's grad_x (no separate add of a residual's two gradients).
+  layer_norm_backward(grad_y, x, weight, eps, grad_residual=None) -> (grad_x, grad_weight, grad_bias), each summed in
+      double and rounded once; grad_residual, where given, added to grad_x before that rounding.
   _layer_norm_force_backward_shared_limit(bytes) -> previous: the most shared memory the backward's blocks may take
       (0: the device's); where a row layout's sums need more, the backward takes the ATen formulas (tests).
 Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for a first-order backward, ATen's formulas
@@ -43,12 +46,24 @@ def _layer_norm_fake(x, weight, bias, eps):
     return x.new_empty(x.shape)
 
 
-def _layer_norm_backward_fake(grad_y, x, weight, eps):
+def _check_matches_x(op, name, t, x):
+    torch._prims_common.check_same_device(t, x, allow_cpu_scalar_tensors=False)
+    torch._check(t.dtype == x.dtype and t.shape == x.shape,
+                 lambda: f"kernels.{op}: {name} must match x (shape {list(x.shape)}, {x.dtype}), got shape "
+                         f"{list(t.shape)}, {t.dtype}")
+
+
+def _add_layer_norm_fake(x, residual, weight, bias, eps):
+    _check_inputs("add_layer_norm", x, weight, bias)
+    _check_matches_x("add_layer_norm", "residual", residual, x)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _layer_norm_backward_fake(grad_y, x, weight, eps, grad_residual=None):
     _check_inputs("layer_norm_backward", x, weight)
-    torch._prims_common.check_same_device(grad_y, x, allow_cpu_scalar_tensors=False)
-    torch._check(grad_y.dtype == x.dtype and grad_y.shape == x.shape,
-                 lambda: f"kernels.layer_norm_backward: grad_y must match x (shape {list(x.shape)}, {x.dtype}), got "
-                         f"shape {list(grad_y.shape)}, {grad_y.dtype}")
+    _check_matches_x("layer_norm_backward", "grad_y", grad_y, x)
+    if grad_residual is not None:
+        _check_matches_x("layer_norm_backward", "grad_residual", grad_residual, x)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
@@ -61,6 +76,17 @@ def layer_norm(x, weight, bias, eps=1e-5):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.layer_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
     return torch.ops.kernels.layer_norm.default(x, weight, bias, float(eps))
+
+
+def add_layer_norm(x, residual, weight, bias, eps=1e-5):
+    """(x + residual, layer_norm(x + residual, weight, bias, eps)) in one sweep over memory forward and one backward:
+    a pre-norm transformer's residual add and the norm that follows it. x and residual have one shape and dtype (no
+    broadcasting). The sum is rounded as torch.add rounds it; the gradient that reaches the sum from its own uses is
+    added to the norm's input gradient in double before one rounding."""
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kernels.add_layer_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return torch.ops.kernels.add_layer_norm.default(x, residual, weight, bias, float(eps))
 
 
 def _normalized(x, eps):
@@ -94,14 +120,24 @@ def _layer_norm_vmap(info, in_dims, x, weight, bias, eps):
     return (_normalized(x, eps)[0] * weight.double() + bias.double()).to(x.dtype), 0
 
 
-def _layer_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
+def _add_layer_norm_vmap(info, in_dims, x, residual, weight, bias, eps):
+    x_dim, residual_dim = in_dims[0], in_dims[1]
+    total = (_batch_first(info, x, x_dim) + _batch_first(info, residual, residual_dim)).to(x.dtype)
+    y, y_dim = _layer_norm_vmap(info, (0, *in_dims[2:]), total, weight, bias, eps)
+    return (total, y), (0, y_dim)
+
+
+def _layer_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps, grad_residual=None):
     # The backward's closed form in plain ops (no autograd inside a transform), the parameter gradients summed over
     # each batch member's rows.
     grad_y, x, weight = (_batch_first(info, t, d) for t, d in zip((grad_y, x, weight), in_dims))
     h, rstd = _normalized(x, eps)
     g64 = grad_y.double()
     gw = g64 * _member_parameter(info, weight, x).double()
-    grad_x = (rstd * (gw - gw.mean(-1, keepdim=True) - h * (gw * h).mean(-1, keepdim=True))).to(x.dtype)
+    grad_x = rstd * (gw - gw.mean(-1, keepdim=True) - h * (gw * h).mean(-1, keepdim=True))
+    if grad_residual is not None:
+        grad_x = grad_x + _batch_first(info, grad_residual, in_dims[4]).double()
+    grad_x = grad_x.to(x.dtype)
     rows = (info.batch_size, -1, x.shape[-1])
     grad_weight = (g64 * h).reshape(rows).sum(1).to(weight.dtype)
     grad_bias = g64.reshape(rows).sum(1).to(weight.dtype)
@@ -110,8 +146,10 @@ def _layer_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps):
 
 def _register_fakes_and_batching_rules():
     torch.library.register_fake("kernels::layer_norm", _layer_norm_fake)
+    torch.library.register_fake("kernels::add_layer_norm", _add_layer_norm_fake)
     torch.library.register_fake("kernels::layer_norm_backward", _layer_norm_backward_fake)
     torch.library.register_vmap("kernels::layer_norm", _layer_norm_vmap)
+    torch.library.register_vmap("kernels::add_layer_norm", _add_layer_norm_vmap)
     torch.library.register_vmap("kernels::layer_norm_backward", _layer_norm_backward_vmap)
 
 

@@ -6,18 +6,29 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <optional>
 #include <tuple>
 
 namespace kernels::layer_norm {
 
 using LayerNorm = at::Tensor(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps);
-using LayerNormBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                         const at::Tensor& weight, double eps);
+using AddLayerNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& residual,
+                                                         const at::Tensor& weight, const at::Tensor& bias, double eps);
+using LayerNormBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, double eps,
+    const std::optional<at::Tensor>& grad_residual);
 
 // kernels::layer_norm, looked up once.
 inline const c10::TypedOperatorHandle<LayerNorm>& layer_norm_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("kernels::layer_norm", "").typed<LayerNorm>();
+  return op;
+}
+
+// kernels::add_layer_norm, looked up once.
+inline const c10::TypedOperatorHandle<AddLayerNorm>& add_layer_norm_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::add_layer_norm", "").typed<AddLayerNorm>();
   return op;
 }
 
@@ -45,17 +56,18 @@ inline at::Tensor layer_norm_aten(const at::Tensor& x, const at::Tensor& weight,
       .contiguous();
 }
 
-// grad_x = rstd (g w - mean(g w) - h mean(g w h)) in double, rounded as y is (contiguous); grad_weight = the sum over
-// rows of g h, grad_bias of g, in double.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_aten(const at::Tensor& grad_y,
-                                                                               const at::Tensor& x,
-                                                                               const at::Tensor& weight, double eps) {
+// grad_x = rstd (g w - mean(g w) - h mean(g w h)) in double, plus grad_residual where it is defined, rounded as y is
+// (contiguous); grad_weight = the sum over rows of g h, grad_bias of g, in double.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_aten(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, double eps,
+    const at::Tensor& grad_residual = at::Tensor()) {
   const at::Tensor x64 = x.to(at::kDouble), g64 = grad_y.to(at::kDouble);
   const at::Tensor deviation = x64.sub(x64.mean(-1, true));
   const at::Tensor rstd = deviation.square().mean(-1, true).add(eps).rsqrt();
   const at::Tensor h = deviation.mul(rstd), gw = g64.mul(weight.to(at::kDouble));
-  const at::Tensor grad_x =
-      rstd.mul(gw.sub(gw.mean(-1, true)).sub(h.mul(gw.mul(h).mean(-1, true)))).to(x.scalar_type()).contiguous();
+  at::Tensor grad_x64 = rstd.mul(gw.sub(gw.mean(-1, true)).sub(h.mul(gw.mul(h).mean(-1, true))));
+  if (grad_residual.defined()) grad_x64 = grad_x64.add(grad_residual.to(at::kDouble));
+  const at::Tensor grad_x = grad_x64.to(x.scalar_type()).contiguous();
   const int64_t columns = x.size(-1);
   const at::Tensor grad_weight = g64.mul(h).reshape({-1, columns}).sum(0).to(weight.scalar_type());
   const at::Tensor grad_bias = g64.reshape({-1, columns}).sum(0).to(weight.scalar_type());

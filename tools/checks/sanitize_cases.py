@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import torch.nn.functional as F
 
-from kernels.functional import (attention, causal_softmax, gelu_tanh, gemm_multiply_leaky_relu, layer_norm, leaky_relu,
-                                rms_norm, silu_mul)
+from kernels.functional import (add_layer_norm, attention, causal_softmax, gelu_tanh, gemm_multiply_leaky_relu,
+                                layer_norm, leaky_relu, rms_norm, silu_mul)
 from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
@@ -149,6 +149,15 @@ def row_norm_cases():
                 eager = torch.autograd.grad(y64, (x64, w64, b64), grad.double())
                 for part, got, expected in zip(("grad x", "grad weight", "grad bias"), ours, eager):
                     check(f"layer_norm_backward {label} {part}", got, expected, tol=tol * max(1, rows / 100))
+                # The residual forms: add_layer_norm (x plus a residual, then the norm) and the backward that adds
+                # the sum's own gradient to grad_x (its third staged row).
+                residual = grad.flip(0)
+                total, y = add_layer_norm(x, residual, weight, bias, 1e-5)
+                check(f"add_layer_norm {label} sum", total, x.double() + residual.double(), tol=tol)
+                check(f"add_layer_norm {label}", y, F.layer_norm(total.double(), (columns,), w64, b64, 1e-5), tol=tol)
+                ours = torch.ops.kernels.layer_norm_backward(grad, x, weight, 1e-5, residual)
+                check(f"layer_norm_backward {label} grad x + residual", ours[0], eager[0] + residual.double(),
+                      tol=tol * max(1, rows / 100))
                 x64, w64 = (t.double().requires_grad_(True) for t in (x, weight))
                 y64 = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
                 check(f"rms_norm {label}", rms_norm(x, weight, 1e-6), y64, tol=tol)
