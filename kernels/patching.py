@@ -3,7 +3,7 @@ and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, m
 projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP,
-                                  # BERT's MLP; timm's LayerNorm, Attention and Mlp
+                                  # BERT's MLP; timm's LayerNorm, Attention, Mlp and Block
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -493,9 +493,10 @@ def __getattr__(name):
 def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every transformers
     Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP and BertIntermediate (or a module with one of their forwards) and
-    every timm LayerNorm, Attention and Mlp (by its forward) into the library's, in place, and returns `model`; a
-    module's linear children that read its input become one product while training (_ProjectionGroup), and an MLP's
-    first layer and its GELU (the erf form) one op (_linear_gelu). Idempotent; subclasses with a forward of their own
+    every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's, in place, and returns
+    `model`; a module's linear children that read its input become one product while training (_ProjectionGroup), an
+    MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's residual adds one op each
+    with the norm after them (_TimmBlockPatch, the blocks of an nn.Sequential linked). Idempotent; subclasses with a forward of their own
     are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
     split_layer_names()'s; a name no such layer has raises ValueError."""
     if isinstance(layers, str):

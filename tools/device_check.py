@@ -485,11 +485,13 @@ def rms_norm(args):
 
 def layer_norm(args):
     """The LayerNorm family at ViT-B/16's rows (12608 x 768) and BERT-large's (8192 x 1024): forward, backward op and a
-    training step's autograd beside a copy of the bytes each moves and eager's F.layer_norm; then each one's error
-    against float64, per dtype."""
+    training step's autograd beside a copy of the bytes each moves and eager's F.layer_norm, and the residual forms
+    (add_layer_norm; the backward with grad_residual) beside eager's add and norm; then each one's error against
+    float64, per dtype."""
     import torch
     import torch.nn.functional as F
 
+    from kernels.functional import add_layer_norm
     from kernels.functional import layer_norm as ours
 
     eps, backward = 1e-5, torch.ops.kernels.layer_norm_backward
@@ -504,16 +506,24 @@ def layer_norm(args):
             weight = (torch.randn(columns, device="cuda") * 0.5 + 1).to(dtype)
             bias = (torch.randn(columns, device="cuda") * 0.5).to(dtype)
             grad = torch.randn(rows, columns, device="cuda").to(dtype)
+            residual = torch.randn(rows, columns, device="cuda").to(dtype)
             size = x.nbytes
             print(f"{dtype}, {rows} x {columns}: forward moves {2 * size / 1e6:.0f} MB, "
-                  f"backward {3 * size / 1e6:.0f} MB")
+                  f"backward {3 * size / 1e6:.0f} MB; the residual forms {4 * size / 1e6:.0f} MB each")
             rate_rows({"forward copy": copy_row(2 * size),
                        "forward": (lambda: ours(x, weight, bias, eps), 2 * size),
                        "forward eager": (lambda: eager(x, weight, bias), 2 * size),
                        "backward copy": copy_row(3 * size),
                        "backward op": (lambda: backward(grad, x, weight, eps), 3 * size),
                        "step (forward + backward)": (autograd_step(ours, (x, weight, bias), grad), 5 * size),
-                       "step eager": (autograd_step(eager, (x, weight, bias), grad), 5 * size)}, samples=30)
+                       "step eager": (autograd_step(eager, (x, weight, bias), grad), 5 * size),
+                       "residual forms' copy": copy_row(4 * size),
+                       "add_layer_norm": (lambda: add_layer_norm(x, residual, weight, bias, eps), 4 * size),
+                       "add, then layer_norm": (lambda: ours(x + residual, weight, bias, eps), 4 * size),
+                       "eager's add and norm": (lambda: eager(x + residual, weight, bias), 4 * size),
+                       "backward op with grad_residual": (lambda: backward(grad, x, weight, eps, residual), 4 * size),
+                       "backward op, then the add": (lambda: backward(grad, x, weight, eps)[0] + residual, 4 * size)},
+                      samples=30)
             print_gradient_errors({"ours": ours, "eager": eager}, eager, (x, weight, bias), grad,
                                   ("y", "grad_x", "grad_weight", "grad_bias"))
             torch.cuda.empty_cache()
