@@ -566,6 +566,43 @@ def silu_mul(args):
     return []
 
 
+def linear_host(args):
+    """Host time alone of a host-bound linear layer's call (bench.py's host-bound sizes): nn.Linear, a second
+    nn.Linear with the same weights, kernels.nn.Linear and F.linear, forward, while the GPU is kept busy (the calls'
+    kernels queue behind a sleep), the four interleaved call by call; medians over rounds."""
+    import statistics
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import kernels
+
+    print(torch.cuda.get_device_name())
+    for m, k, n in ((394, 512, 512), (64, 1024, 1024)):
+        torch.manual_seed(0)
+        eager, twin = torch.nn.Linear(k, n).cuda(), torch.nn.Linear(k, n).cuda()
+        ours = kernels.nn.Linear(k, n).cuda()
+        twin.load_state_dict(eager.state_dict())
+        ours.load_state_dict(eager.state_dict())
+        x = torch.randn(m, k, device="cuda")
+        calls = {"nn.Linear": lambda: eager(x), "nn.Linear, a second copy": lambda: twin(x),
+                 "kernels.nn.Linear": lambda: ours(x), "F.linear": lambda: F.linear(x, eager.weight, eager.bias)}
+        times = {label: [] for label in calls}
+        for round_index in range(300):
+            if round_index % 20 == 0:
+                torch.cuda.synchronize()
+                torch.cuda._sleep(400_000_000)  # the calls below queue: their host time alone is timed
+            for label, call in calls.items():
+                start = time.perf_counter()
+                for _ in range(20):
+                    call()
+                times[label].append((time.perf_counter() - start) / 20 * 1e6)
+        torch.cuda.synchronize()
+        print(f"{m} x {k} -> {n}: " + ", ".join(f"{label} {statistics.median(t):.2f} us" for label, t in times.items()))
+    return []
+
+
 def run_all(args):
     """build, tests, sanitize and bench in that order on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -628,6 +665,7 @@ def parse_arguments(argv):
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
+    add("linear-host", linear_host, "host time of host-bound linear calls: nn.Linear against kernels.nn.Linear")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):
         flag(sub, f"--skip-{name}", f"no {name}", f"SKIP_{name.upper()}")
