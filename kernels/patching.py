@@ -361,7 +361,8 @@ class _TimmBlockPatch:
     block's call, which takes it where its input is this block's output). The block's own forward otherwise."""
 
     def forward(self, x, *args, **kwargs):
-        # (this block's input, its version, norm1 of it) from the block before (a get, not a pop: Dynamo traces this)
+        # (this block's input, its version, the grad mode, norm1 of it) from the block before (a get, not a pop: Dynamo
+        # traces this)
         pending = self.__dict__.get("_pending_norm1")
         if pending is not None:
             self.__dict__.pop("_pending_norm1", None)
@@ -369,8 +370,9 @@ class _TimmBlockPatch:
         if (args or kwargs.get("attn_mask") is not None or kwargs.get("is_causal", False) is not False
                 or kwargs.keys() - {"attn_mask", "is_causal"}):
             return super().forward(x, *args, **kwargs)
-        if pending is not None and pending[0] is x and pending[1] == x._version:
-            normed = pending[2]
+        if (pending is not None and pending[0] is x and pending[1] == _version_of(x)
+                and pending[2] == torch.is_grad_enabled()):
+            normed = pending[3]
         else:
             normed = self.norm1(x)
         branch = self.drop_path1(self.ls1(self.attn(normed)))
@@ -380,13 +382,15 @@ class _TimmBlockPatch:
         norm2 = self.norm2
         x, normed = add_layer_norm(x, branch, norm2.weight, norm2.bias, norm2.eps)
         branch = self.drop_path2(self.ls2(self.mlp(normed)))
+        # The hand-over: not under tracing, nor in activation checkpointing's runs (saved-tensor hooks on, or a
+        # recomputation inside a backward), whose next block may never take it.
         following = self.__dict__.get("_next_block")
-        if (following is None or _is_compiling() or _has_hooks(following)
+        if (following is None or _is_compiling() or _has_hooks(following) or not _outside_recomputation()
                 or not _add_layer_norm_takes(following.norm1, x, branch)):
             return x + branch
         norm1 = following.norm1
         out, normed = add_layer_norm(x, branch, norm1.weight, norm1.bias, norm1.eps)
-        following.__dict__["_pending_norm1"] = (out, out._version, normed)
+        following.__dict__["_pending_norm1"] = (out, _version_of(out), torch.is_grad_enabled(), normed)
         return out
 
     def __getstate__(self):
@@ -395,8 +399,9 @@ class _TimmBlockPatch:
         return state
 
 
-def _timm_block_class():
-    return _imported_class("timm.models.vision_transformer", "Block")
+def _version_of(t):
+    """t's version counter, None for an inference tensor (which has none: inference mode counts no writes)."""
+    return None if t.is_inference() else t._version
 
 
 def _link_blocks(parent):
@@ -591,7 +596,13 @@ def _training_call(x):
     what the first run saved; the run in a backward and saved-tensor hooks mark it)."""
     return (x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
             and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active()
-            and _saved_tensors_hooks is not None and _saved_tensors_hooks(False) is None
+            and _outside_recomputation())
+
+
+def _outside_recomputation():
+    """No saved-tensor hooks on (activation checkpointing's first run sets them) and no backward running (its
+    recomputation runs inside one)."""
+    return (_saved_tensors_hooks is not None and _saved_tensors_hooks(False) is None
             and _graph_task_id is not None and _graph_task_id() == -1)
 
 

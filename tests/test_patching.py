@@ -726,6 +726,16 @@ def test_timm_vit_patch_round_trip(device):
         torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=TOL)
     with torch.no_grad():
         torch.testing.assert_close(patched(x), model(x), atol=TOL, rtol=TOL)
+    with torch.inference_mode():  # inference tensors have no version counter
+        torch.testing.assert_close(patched(x), model(x), atol=TOL, rtol=TOL)
+    for module in (model, patched):  # activation checkpointing: no hand-over its recomputation could miss
+        module.set_grad_checkpointing(True)
+    for got, expected in zip(torch.autograd.grad(patched(x), (x, *patched.parameters()), grad),
+                             torch.autograd.grad(model(x), (x, *model.parameters()), grad)):
+        torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=TOL)
+    assert not any("_pending_norm1" in b.__dict__ for b in blocks)
+    for module in (model, patched):
+        module.set_grad_checkpointing(False)
     hook.remove()  # (a local function does not pickle)
     copied = pickle.loads(pickle.dumps(patched))
     assert all(a.__dict__["_next_block"] is b for a, b in zip(copied.blocks, list(copied.blocks)[1:]))
