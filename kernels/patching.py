@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
-from kernels.gemm.gemm import FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
+from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -356,9 +356,10 @@ class _TimmAttentionPatch:
 
 class _TimmBlockPatch:
     """timm's ViT Block (pre-norm: x + attn(norm1(x)), then x + mlp(norm2(x))) where its norms take
-    kernels.layer_norm: the first residual add and norm2 run as one add_layer_norm; the second add, where patch() found
-    this block followed by another in an nn.Sequential, runs with the next block's norm1 (its result handed to that
-    block's call, which takes it where its input is this block's output). The block's own forward otherwise."""
+    kernels.layer_norm: the first residual add and norm2 run as one add_layer_norm; the second add, where the patched
+    nn.Sequential calling this block names the block it calls next (_BlockSequencePatch), runs with that block's norm1,
+    whose result is handed to that block's call: it takes it where its input is this block's output, unchanged, in the
+    same grad mode. The block's own forward otherwise."""
 
     def forward(self, x, *args, **kwargs):
         # (this block's input, its version, the grad mode, norm1 of it) from the block before (a get, not a pop: Dynamo
@@ -371,7 +372,7 @@ class _TimmBlockPatch:
                 or kwargs.keys() - {"attn_mask", "is_causal"}):
             return super().forward(x, *args, **kwargs)
         if (pending is not None and pending[0] is x and pending[1] == _version_of(x)
-                and pending[2] == torch.is_grad_enabled()):
+                and pending[2] == torch.is_grad_enabled() and _outside_recomputation()):
             normed = pending[3]
         else:
             normed = self.norm1(x)
@@ -383,10 +384,11 @@ class _TimmBlockPatch:
         x, normed = add_layer_norm(x, branch, norm2.weight, norm2.bias, norm2.eps)
         branch = self.drop_path2(self.ls2(self.mlp(normed)))
         # The hand-over: not under tracing, nor in activation checkpointing's runs (saved-tensor hooks on, or a
-        # recomputation inside a backward), whose next block may never take it.
+        # recomputation inside a backward), whose next call may not take it; not where a hook of this block (which
+        # may change its output) or of the next one sees the call.
         following = self.__dict__.get("_next_block")
-        if (following is None or _is_compiling() or _has_hooks(following) or not _outside_recomputation()
-                or not _add_layer_norm_takes(following.norm1, x, branch)):
+        if (following is None or _is_compiling() or _has_hooks(self) or _has_hooks(following)
+                or not _outside_recomputation() or not _add_layer_norm_takes(following.norm1, x, branch)):
             return x + branch
         norm1 = following.norm1
         out, normed = add_layer_norm(x, branch, norm1.weight, norm1.bias, norm1.eps)
@@ -394,8 +396,9 @@ class _TimmBlockPatch:
         return out
 
     def __getstate__(self):
-        state = self.__dict__.copy()  # a result handed to the next block is not pickled or copied
+        state = self.__dict__.copy()  # the call's link and hand-over are not pickled or copied
         state.pop("_pending_norm1", None)
+        state.pop("_next_block", None)
         return state
 
 
@@ -404,15 +407,34 @@ def _version_of(t):
     return None if t.is_inference() else t._version
 
 
-def _link_blocks(parent):
-    """Each patched timm Block of an nn.Sequential that the next child, also one, follows: that block, kept outside
-    the module tree (not a child: no state_dict keys, no second registration)."""
-    if type(parent) is not nn.Sequential:
-        return
-    children = list(parent.children())
-    for block, following in zip(children, children[1:]):
-        if isinstance(block, _TimmBlockPatch) and isinstance(following, _TimmBlockPatch):
-            block.__dict__["_next_block"] = following
+class _BlockSequencePatch:
+    """An nn.Sequential holding timm Blocks one after another (ViT's `blocks`): its own forward, but each patched Block
+    followed by another is told, for the length of the call, which block it calls next (_TimmBlockPatch's
+    hand-over). The link lives only in the call: copies, replicas and slices of the sequence link their own
+    children."""
+
+    def forward(self, input):
+        modules = list(self._modules.values())
+        linked = []
+        if not _is_compiling():
+            for block, following in zip(modules, modules[1:]):
+                if isinstance(block, _TimmBlockPatch) and isinstance(following, _TimmBlockPatch):
+                    block.__dict__["_next_block"] = following
+                    linked.append(block)
+        for module in modules:
+            input = module(input)
+        for block in linked:
+            block.__dict__.pop("_next_block", None)
+        return input
+
+
+def _holds_linked_blocks(module):
+    """Whether `module` is a plain nn.Sequential with two timm Blocks one after another (patched or to be)."""
+    if type(module) is not nn.Sequential:
+        return False
+    blocks = [isinstance(child, _TimmBlockPatch) or _base_for_class(type(child)) is _TimmBlockPatch
+              for child in module._modules.values()]
+    return any(a and b for a, b in zip(blocks, blocks[1:]))
 
 
 def _imported_class(module_name, name):
@@ -426,7 +448,8 @@ def _conv1d_class():
 
 
 def _base_for_class(cls):
-    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm,
+    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm, nn.Sequential
+    (those holding timm Blocks: _patch_base),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
     forward (a subclass with a forward of its own computes something else), and the modules whose forward is
     LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or timm's Mlp's code."""
@@ -436,6 +459,8 @@ def _base_for_class(cls):
         return _MultiheadAttentionPatch
     if issubclass(cls, nn.LayerNorm) and cls.forward is nn.LayerNorm.forward:
         return _LayerNormPatch
+    if cls is nn.Sequential:  # patch() takes those holding timm Blocks one after another (_patch_base)
+        return _BlockSequencePatch
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
                                     ("timm.layers.norm", "LayerNorm", _LayerNormPatch),
@@ -456,11 +481,13 @@ def _base_for_class(cls):
 
 
 def _patch_base(module):
-    """The mixin that patches `module`'s class, or None where patch() leaves it."""
+    """The mixin that patches `module`'s class, or None where patch() leaves it (an nn.Sequential without timm Blocks
+    one after another included)."""
     cls = type(module)
     if cls in _PATCHED_CLASSES.values():
         return None
-    return _base_for_class(cls)
+    base = _base_for_class(cls)
+    return None if base is _BlockSequencePatch and not _holds_linked_blocks(module) else base
 
 
 def _class_name(cls):
@@ -501,7 +528,7 @@ def patch(model, layers=None):
     every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's, in place, and returns
     `model`; a module's linear children that read its input become one product while training (_ProjectionGroup), an
     MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's residual adds one op each
-    with the norm after them (_TimmBlockPatch, the blocks of an nn.Sequential linked). Idempotent; subclasses with a forward of their own
+    with the norm after them (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them). Idempotent; subclasses with a forward of their own
     are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
     split_layer_names()'s; a name no such layer has raises ValueError."""
     if isinstance(layers, str):
@@ -518,11 +545,10 @@ def patch(model, layers=None):
             module.__class__ = _patched_class(type(module), base)
             if base is FusedLinear:
                 module.cache_weight_split = True
-                module._plain_numel_below = (None, 0)
+                module._plain_numel_below = _NO_PLAIN_BOUND
                 module.clear_weight_split()
     for module in model.modules():
         _group_projections(module)
-        _link_blocks(module)
     return model
 
 

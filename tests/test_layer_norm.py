@@ -173,6 +173,25 @@ def test_layer_norm_backward_adds_grad_residual(device, offset):
         torch.ops.kernels.layer_norm_backward(grad, x, weight, EPS, other[:10])
 
 
+@requires_cuda
+def test_grad_residual_added_apart_where_its_staged_row_does_not_fit():
+    # 768 columns in groups of four rows: 72 KB of sums and staged rows without the residual's third row, 84 KB with
+    # it. A limit between the two (a GPU whose blocks hold 99 KB, at 1024 columns) runs the kernels without it, then
+    # the add: the two results' sum bit for bit.
+    shape = (300, 768)
+    x = randn(shape, torch.float32, "cuda", scale=3.0, shift=1.5)
+    weight, _ = parameters_for(768, torch.float32, "cuda")
+    grad, other = randn(shape, torch.float32, "cuda", seed=2), randn(shape, torch.float32, "cuda", seed=5)
+    plain = torch.ops.kernels.layer_norm_backward(grad, x, weight, EPS)
+    previous = torch.ops.kernels._layer_norm_force_backward_shared_limit(80000)
+    try:
+        added = torch.ops.kernels.layer_norm_backward(grad, x, weight, EPS, other)
+    finally:
+        torch.ops.kernels._layer_norm_force_backward_shared_limit(previous)
+    assert torch.equal(added[0], plain[0] + other)
+    assert torch.equal(added[1], plain[1]) and torch.equal(added[2], plain[2])
+
+
 def test_add_layer_norm_gradcheck_and_errors(device):
     x, residual = (torch.randn(3, 8, device=device, dtype=torch.float64, requires_grad=True) for _ in range(2))
     weight, bias = (torch.randn(8, device=device, dtype=torch.float64, requires_grad=True) for _ in range(2))

@@ -228,6 +228,13 @@ def plain_product_suffices(x, n, k, weight_requires_grad):
 _tf32_allowed = torch._C._get_cublas_allow_tf32  # the setting gemm_path.cpp reads (allowTF32CuBLAS)
 
 
+def _no_weight():
+    return None
+
+
+_NO_PLAIN_BOUND = (_no_weight, 0)  # FusedLinear's plain-call bound before it has seen a weight
+
+
 class FusedLinear(nn.Linear):
     """nn.Linear (same parameters, init and state_dict keys; kernels.nn.Linear) with a fusable epilogue: linear(x) is
     x @ W^T + b, linear(x, multiplier=m, negative_slope=s) is leaky_relu((x @ W^T + b) * m, s), one op call each; a
@@ -245,7 +252,8 @@ class FusedLinear(nn.Linear):
     def __init__(self, *args, cache_weight_split=True, **kwargs):
         super().__init__(*args, **kwargs)
         self.cache_weight_split = cache_weight_split
-        self._plain_numel_below = (None, 0)  # (the weight, the element count of x below which no product splits)
+        # (a weak reference to the weight, the element count of x below which no product splits)
+        self._plain_numel_below = _NO_PLAIN_BOUND
         self.clear_weight_split()
 
     def forward(self, x, multiplier=1.0, negative_slope=1.0):
@@ -269,10 +277,10 @@ class FusedLinear(nn.Linear):
         # A host-bound layer's plain call: x has fewer elements than any split needs (the bound kept per weight object;
         # a shape changed through .data leaves it stale, which costs speed only: F.linear is always right).
         plain_below = self._plain_numel_below
-        if (plain_below[0] is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
+        if (plain_below[0]() is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
                 and _forced_path == "auto" and multiplier == 1.0 and negative_slope == 1.0):
             return F.linear(x, weight, bias)
-        if plain_below[0] is not weight:
+        if plain_below[0]() is not weight:
             self._note_plain_bound(weight)
         if multiplier == 1.0 and negative_slope == 1.0 and plain_linear_suffices(x, weight):
             return F.linear(x, weight, bias)
@@ -290,10 +298,10 @@ class FusedLinear(nn.Linear):
             weight = self.weight
         bias = parameters["bias"] if "bias" in parameters else self.bias
         plain_below = self._plain_numel_below  # as in forward()
-        if (plain_below[0] is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
+        if (plain_below[0]() is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
                 and _forced_path == "auto"):
             return _gelu_of(F.linear(x, weight, bias), approximate)
-        if plain_below[0] is not weight:
+        if plain_below[0]() is not weight:
             self._note_plain_bound(weight)
         if plain_linear_suffices(x, weight):
             return _gelu_of(F.linear(x, weight, bias), approximate)
@@ -301,11 +309,12 @@ class FusedLinear(nn.Linear):
         return gemm_gelu(x, weight, bias, approximate, weight_split)
 
     def _note_plain_bound(self, weight):
-        """Keeps, for this weight object, the element count of x below which F.linear suffices (not while tracing: a
-        compiled graph checks the sizes itself)."""
+        """Keeps, for this weight object (by a weak reference: a parametrized weight or functional_call's tensors are
+        not held), the element count of x below which F.linear suffices (not while tracing: a compiled graph checks
+        the sizes itself)."""
         if not _is_compiling():
             n, k = weight.shape
-            self._plain_numel_below = (weight, rows_below_any_split(n, k) * k)
+            self._plain_numel_below = (weakref.ref(weight), rows_below_any_split(n, k) * k)
 
     def clear_weight_split(self):
         """Drops the kept split of the weight (the next calls split it again)."""
@@ -356,8 +365,8 @@ class FusedLinear(nn.Linear):
 
     def __getstate__(self):
         state = self.__dict__.copy()  # the split is not saved, pickled or copied: the copy makes its own
-        state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=(),
-                     _plain_numel_below=(None, 0))
+        state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=())
+        state.pop("_plain_numel_below", None)  # a weak reference: the copy notes its own
         state.pop("_shared_product", None)
         return state
 
@@ -367,7 +376,7 @@ class FusedLinear(nn.Linear):
             self.cache_weight_split = True
             self.clear_weight_split()
         if "_plain_numel_below" not in state:
-            self._plain_numel_below = (None, 0)
+            self._plain_numel_below = _NO_PLAIN_BOUND
 
 
 class _KeptSplits:

@@ -149,14 +149,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
       at::Tensor grad_weight = at::empty({columns}, weight.options());
       at::Tensor grad_bias = at::empty({columns}, weight.options());
       at::Tensor partials = at::empty({blocks, 2, columns}, x.options().dtype(at::kDouble));
-      const cudaError_t err = launch_layer_norm_backward(
-          element_type(x.scalar_type()), g.const_data_ptr(), in.const_data_ptr(), w.const_data_ptr(),
-          with_residual ? other.const_data_ptr() : nullptr, grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
-          grad_bias.mutable_data_ptr(), partials.mutable_data_ptr<double>(), blocks, rows, columns, eps,
-          static_cast<std::size_t>(forced_backward_shared_limit.load()), stream_of(x));
+      const auto launch = [&](const void* residual) {
+        return launch_layer_norm_backward(
+            element_type(x.scalar_type()), g.const_data_ptr(), in.const_data_ptr(), w.const_data_ptr(), residual,
+            grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
+            partials.mutable_data_ptr<double>(), blocks, rows, columns, eps,
+            static_cast<std::size_t>(forced_backward_shared_limit.load()), stream_of(x));
+      };
+      cudaError_t err = launch(with_residual ? other.const_data_ptr() : nullptr);
+      // A block whose shared memory holds the staged rows without the residual's third (sm_86 and sm_89 at 1024
+      // columns): the kernels without it, then the add (rounded twice, as eager's backward and add are).
+      const bool added_apart = with_residual && err == cudaErrorNotSupported;
+      if (added_apart) err = launch(nullptr);
       if (err != cudaErrorNotSupported) {  // else a GPU with too little shared memory: the ATen formulas below
         TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm backward kernels failed to launch: ",
                     cudaGetErrorString(err));
+        if (added_apart) grad_x.add_(other);
         return {grad_x, grad_weight, grad_bias};
       }
     }

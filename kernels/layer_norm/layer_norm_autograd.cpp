@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_autograd(c10::DispatchKeySet k
                                                            const at::Tensor& residual, const at::Tensor& weight,
                                                            const at::Tensor& bias, double eps) {
   if (has_tangent(x) || has_tangent(residual) || has_tangent(weight) || has_tangent(bias)) {
-    at::Tensor sum = x.add(residual);
+    at::Tensor sum = x.add(residual).contiguous();  // contiguous, as the kernels' and the fakes' sums
     return {sum, layer_norm_aten(sum, weight, bias, eps)};
   }
   auto [sum, y] = common::redispatch_below_autograd(add_layer_norm_op(), keys, x, residual, weight, bias, eps);
