@@ -367,6 +367,9 @@ class _TimmBlockPatch:
         pending = self.__dict__.get("_pending_norm1")
         if pending is not None:
             self.__dict__.pop("_pending_norm1", None)
+        following = self.__dict__.get("_next_block")  # the block the sequence calls next, set for this call alone
+        if following is not None:
+            self.__dict__.pop("_next_block", None)
         # (x, attn_mask=None, is_causal=False) in recent timm, fewer before: the defaults alone take this path.
         if (args or kwargs.get("attn_mask") is not None or kwargs.get("is_causal", False) is not False
                 or kwargs.keys() - {"attn_mask", "is_causal"}):
@@ -386,7 +389,6 @@ class _TimmBlockPatch:
         # The hand-over: not under tracing, nor in activation checkpointing's runs (saved-tensor hooks on, or a
         # recomputation inside a backward), whose next call may not take it; not where a hook of this block (which
         # may change its output) or of the next one sees the call.
-        following = self.__dict__.get("_next_block")
         if (following is None or _is_compiling() or _has_hooks(self) or _has_hooks(following)
                 or not _outside_recomputation() or not _add_layer_norm_takes(following.norm1, x, branch)):
             return x + branch
@@ -409,22 +411,18 @@ def _version_of(t):
 
 class _BlockSequencePatch:
     """An nn.Sequential holding timm Blocks one after another (ViT's `blocks`): its own forward, but each patched Block
-    followed by another is told, for the length of the call, which block it calls next (_TimmBlockPatch's
-    hand-over). The link lives only in the call: copies, replicas and slices of the sequence link their own
-    children."""
+    without hooks that another follows is told, as it is called, which block it calls next (_TimmBlockPatch's
+    hand-over); the block takes that link off as its forward starts. Copies, replicas and slices of the sequence
+    link their own children; a recomputation stopped inside a block leaves no link behind."""
 
     def forward(self, input):
         modules = list(self._modules.values())
-        linked = []
-        if not _is_compiling():
-            for block, following in zip(modules, modules[1:]):
-                if isinstance(block, _TimmBlockPatch) and isinstance(following, _TimmBlockPatch):
-                    block.__dict__["_next_block"] = following
-                    linked.append(block)
-        for module in modules:
+        for index, module in enumerate(modules):
+            following = modules[index + 1] if index + 1 < len(modules) else None
+            if (isinstance(module, _TimmBlockPatch) and isinstance(following, _TimmBlockPatch)
+                    and not _has_hooks(module) and not _is_compiling()):
+                module.__dict__["_next_block"] = following
             input = module(input)
-        for block in linked:
-            block.__dict__.pop("_next_block", None)
         return input
 
 

@@ -789,6 +789,128 @@ def test_timm_attention_patch_keeps_the_forwards_signature(signature, monkeypatc
         all(a is b or a == b for a, b in zip(got, want)) for got, want in zip(seen, expected)), seen
     kernels.unpatch(attention)
 
+class StandInAttention(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        return self.proj(x).tanh()
+
+
+class StandInBlock(nn.Module):
+    """timm's ViT Block's code (timm.models.vision_transformer.Block) on small parts."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), StandInAttention(dim)
+        self.ls1, self.drop_path1 = nn.Identity(), nn.Identity()
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.ls2, self.drop_path2 = nn.Identity(), nn.Identity()
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+def stand_in_vit_blocks(monkeypatch, count=4, dim=16):
+    """An nn.Sequential of `count` StandInBlocks, their class given as timm.models.vision_transformer's Block (a
+    stand-in module), and the layer_norm kernels' conditions opened to CPU float32 tensors: patch()'s Block and
+    sequence patches run on any machine (the ops take their ATen formulas on the CPU)."""
+    import types
+
+    module = types.ModuleType("timm.models.vision_transformer")
+    module.Block = StandInBlock
+    monkeypatch.setitem(sys.modules, "timm.models.vision_transformer", module)
+    monkeypatch.setattr(patching, "_layer_norm_takes", lambda norm, x: x.dtype == torch.float32 and x.dim() > 0)
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(StandInBlock(dim) for _ in range(count)))
+    for block in blocks:
+        for norm in (block.norm1, block.norm2):  # parameters off their initial values
+            nn.init.normal_(norm.weight, 1.0, 0.2)
+            nn.init.normal_(norm.bias, 0.0, 0.2)
+    return blocks
+
+
+def fused_nodes(output):
+    """The add_layer_norm nodes of output's graph."""
+    count, pending, seen = 0, [output.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            count += "AddLayerNormBackward" in node.name()
+            pending.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_block_sequence_hand_over(monkeypatch, checkpointing):
+    """The Block patch's residual adds with the norms after them, the second with the next block's norm1 handed over
+    inside a patched nn.Sequential's call: outputs and every gradient eager's (float64 reference), under activation
+    checkpointing too (no hand-over its recomputation could miss), no link or hand-over left after a call."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = stand_in_vit_blocks(monkeypatch)
+    patched = kernels.patch(copy.deepcopy(blocks))
+    assert kernels.is_patched(patched) and all(kernels.is_patched(b) for b in patched)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    grad = torch.randn(3, 5, 16)
+
+    def run(model, inputs):
+        if checkpointing is None:
+            return model(inputs)
+        use_reentrant = checkpointing == "reentrant"
+        half = len(model) // 2
+        middle = checkpoint(model[:half], inputs, use_reentrant=use_reentrant)
+        return checkpoint(model[half:], middle, use_reentrant=use_reentrant)
+
+    out = run(patched, x)
+    if checkpointing is None:
+        assert fused_nodes(out) == 2 * len(blocks) - 1  # the last block's second add stays an add
+    assert not any("_next_block" in b.__dict__ or "_pending_norm1" in b.__dict__ for b in patched)
+    out.backward(grad)  # (reentrant checkpointing takes no autograd.grad)
+    got = [x.grad.clone(), *(p.grad for p in patched.parameters())]
+    x.grad = None
+    expected = run(blocks, x)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for ours, eager in zip(got, [x.grad, *(p.grad for p in blocks.parameters())]):
+        torch.testing.assert_close(ours, eager, atol=gradient_atol(eager), rtol=1e-4)
+    assert not any("_next_block" in b.__dict__ or "_pending_norm1" in b.__dict__ for b in patched)
+
+
+def test_block_sequence_hooks_copies_and_modes(monkeypatch):
+    """A hook on a block or on the next block's norm1 stops the hand-over there (the hook sees the call and may change
+    its output); inference mode; slices, deep copies and pickles link their own blocks and carry no link; unpatch."""
+    blocks = stand_in_vit_blocks(monkeypatch)
+    patched = kernels.patch(copy.deepcopy(blocks))
+    x = torch.randn(3, 5, 16)
+    shift = torch.randn(16)
+    hooks = [patched[1].register_forward_hook(lambda module, args, out: out.add_(shift)),
+             patched[2].norm1.register_forward_hook(lambda module, args, out: None)]
+    blocks[1].register_forward_hook(lambda module, args, out: out.add_(shift))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            torch.testing.assert_close(patched(x), blocks(x), atol=1e-5, rtol=1e-5)
+    y = patched(x.requires_grad_(True))
+    assert fused_nodes(y) == 2 * len(blocks) - 1 - 2  # none handed into block 1 nor out of it (its hook)
+    for hook in hooks:
+        hook.remove()
+    fresh = stand_in_vit_blocks(monkeypatch, count=4)
+    fresh.load_state_dict(blocks.state_dict())
+    for copied in (patched[:3], copy.deepcopy(patched), pickle.loads(pickle.dumps(patched))):
+        assert kernels.is_patched(copied)
+        assert not any("_next_block" in b.__dict__ for b in copied)
+        with torch.no_grad():
+            torch.testing.assert_close(copied(x), fresh[:len(copied)](x), atol=1e-5, rtol=1e-5)
+    assert "_next_block" not in copy.deepcopy(patched[0]).__dict__
+    kernels.unpatch(patched)
+    assert type(patched) is nn.Sequential and not any(kernels.is_patched(m) for m in patched.modules())
+
+
 @requires_cuda
 @pytest.mark.parametrize("batch,tokens,heads,head_dim", [(3, 197, 12, 64), (2, 50, 4, 32), (1, 8, 2, 128)])
 def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
