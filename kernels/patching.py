@@ -521,14 +521,15 @@ def __getattr__(name):
 
 
 def patch(model, layers=None):
-    """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every transformers
-    Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP and BertIntermediate (or a module with one of their forwards) and
-    every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's, in place, and returns
-    `model`; a module's linear children that read its input become one product while training (_ProjectionGroup), an
-    MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's residual adds one op each
-    with the norm after them (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them). Idempotent; subclasses with a forward of their own
-    are left as they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
-    split_layer_names()'s; a name no such layer has raises ValueError."""
+    """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every
+    transformers Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP and BertIntermediate (or a module with one of
+    their forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's, in
+    place, and returns `model`; a module's linear children that read its input become one product while training
+    (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
+    residual adds one op each with the norm after them (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of
+    them). Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
+    (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
+    raises ValueError."""
     if isinstance(layers, str):
         raise TypeError("patch: layers must be a collection of layer names, not one string")
     chosen = None if layers is None else set(layers)
