@@ -136,10 +136,12 @@ def _layer_norm_takes(norm, input):
 
 def _add_layer_norm_takes(norm, x, residual):
     """Whether x + residual followed by the patched LayerNorm `norm` may run as one kernels.add_layer_norm: the norm
-    takes the kernel, with no hooks (its call is not made), and the residual matches x (no broadcasting)."""
-    return (isinstance(norm, _LayerNormPatch) and not _has_hooks(norm) and _plain(residual)
+    takes the kernel, its call does no more than its forward (its call is not made: no hooks, no forward of the
+    instance's own, not compiled), its parameters are on x's device, and the residual matches x (no broadcasting)."""
+    return (isinstance(norm, _LayerNormPatch) and not _called_otherwise(norm) and _plain(residual)
             and residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
-            and _layer_norm_takes(norm, x) and (x.shape[-1] <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(residual)))
+            and _layer_norm_takes(norm, x) and norm.weight.device == x.device and norm.bias.device == x.device
+            and (x.shape[-1] <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(residual)))
 
 
 def _aligned(*tensors):
@@ -387,9 +389,10 @@ class _TimmBlockPatch:
         x, normed = add_layer_norm(x, branch, norm2.weight, norm2.bias, norm2.eps)
         branch = self.drop_path2(self.ls2(self.mlp(normed)))
         # The hand-over: not under tracing, nor in activation checkpointing's runs (saved-tensor hooks on, or a
-        # recomputation inside a backward), whose next call may not take it; not where a hook of this block (which
-        # may change its output) or of the next one sees the call.
-        if (following is None or _is_compiling() or _has_hooks(self) or _has_hooks(following)
+        # recomputation inside a backward), whose next call may not take it; not where this block's call or the next
+        # one's does more than its forward (a hook may change the output; accelerate's forward loads the weights;
+        # a compiled call is traced apart).
+        if (following is None or _is_compiling() or _called_otherwise(self) or _called_otherwise(following)
                 or not _outside_recomputation() or not _add_layer_norm_takes(following.norm1, x, branch)):
             return x + branch
         norm1 = following.norm1
@@ -411,7 +414,7 @@ def _version_of(t):
 
 class _BlockSequencePatch:
     """An nn.Sequential holding timm Blocks one after another (ViT's `blocks`): its own forward, but each patched Block
-    without hooks that another follows is told, as it is called, which block it calls next (_TimmBlockPatch's
+    whose call is its forward alone (no hooks, not compiled) that another follows is told, as it is called, which block it calls next (_TimmBlockPatch's
     hand-over); the block takes that link off as its forward starts. Copies, replicas and slices of the sequence
     link their own children; a recomputation stopped inside a block leaves no link behind."""
 
@@ -420,7 +423,7 @@ class _BlockSequencePatch:
         for index, module in enumerate(modules):
             following = modules[index + 1] if index + 1 < len(modules) else None
             if (isinstance(module, _TimmBlockPatch) and isinstance(following, _TimmBlockPatch)
-                    and not _has_hooks(module) and not _is_compiling()):
+                    and not _called_otherwise(module) and not _is_compiling()):
                 module.__dict__["_next_block"] = following
             input = module(input)
         return input

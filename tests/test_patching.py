@@ -912,6 +912,50 @@ def test_block_sequence_hooks_copies_and_modes(monkeypatch):
     assert type(patched) is nn.Sequential and not any(kernels.is_patched(m) for m in patched.modules())
 
 
+def test_block_sequence_leaves_calls_that_do_more_alone(monkeypatch):
+    """A block whose call does more than its forward gets no hand-over and hands none: here one offloaded as
+    accelerate does (its parameters on the meta device between calls, loaded by a forward set on the instance), one
+    whose norm2 is so, and one compiled; the results are eager's and no link or hand-over stays behind."""
+    import functools
+
+    blocks = stand_in_vit_blocks(monkeypatch)
+    patched = kernels.patch(copy.deepcopy(blocks))
+
+    def offload(module):
+        kept = {name: p.detach().clone() for name, p in module.named_parameters()}
+
+        def place(values):
+            for name, value in values.items():
+                owner, _, leaf = name.rpartition(".")
+                (module.get_submodule(owner) if owner else module)._parameters[leaf] = nn.Parameter(value)
+
+        place({name: torch.empty_like(value, device="meta") for name, value in kept.items()})
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def loading_forward(*args, **kwargs):
+            place({name: value.clone() for name, value in kept.items()})
+            out = forward(*args, **kwargs)
+            place({name: torch.empty_like(value, device="meta") for name, value in kept.items()})
+            return out
+
+        module.forward = loading_forward
+
+    offload(patched[2])
+    offload(patched[1].norm2)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(x), blocks(x), atol=1e-5, rtol=1e-5)
+    assert not any("_next_block" in b.__dict__ or "_pending_norm1" in b.__dict__ for b in patched)
+    compiled = kernels.patch(copy.deepcopy(blocks))
+    for block in compiled:  # compiled calls: a graph run from the cache would not take a link off
+        block.compile(backend="eager")
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), blocks(x), atol=1e-5, rtol=1e-5)
+        assert not any("_next_block" in b.__dict__ or "_pending_norm1" in b.__dict__ for b in compiled)
+
+
 @requires_cuda
 @pytest.mark.parametrize("batch,tokens,heads,head_dim", [(3, 197, 12, 64), (2, 50, 4, 32), (1, 8, 2, 128)])
 def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
