@@ -710,14 +710,7 @@ def test_timm_vit_patch_round_trip(device):
         assert "_PackedAttentionBackward" in graph_node_names(out_patched)
         # Each block's first add with its norm2; its second with the next block's norm1 (not block 2's: block 3's
         # norm1 has a hook); the last block's second add stays an add.
-        fused, pending, seen = 0, [out_patched.grad_fn], set()
-        while pending:
-            node = pending.pop()
-            if node is not None and node not in seen:
-                seen.add(node)
-                fused += "AddLayerNormBackward" in node.name()
-                pending.extend(next_node for next_node, _ in node.next_functions)
-        assert fused == 2 * len(blocks) - 2
+        assert fused_nodes(out_patched) == 2 * len(blocks) - 2
     # every handed result was taken; the links lived in the call only
     assert not any("_pending_norm1" in b.__dict__ or "_next_block" in b.__dict__ for b in blocks)
     torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
