@@ -128,7 +128,8 @@ def _layer_norm_takes(norm, input):
     return (weight is not None and bias is not None and len(norm.normalized_shape) == 1
             and not getattr(norm, "_fast_norm", False) and _plain(input, weight, bias)
             and input.is_cuda and input.dtype == torch.float32 and weight.dtype == input.dtype
-            and bias.dtype == input.dtype and weight.shape == (columns,) and bias.shape == (columns,)
+            and bias.dtype == input.dtype and weight.device == input.device and bias.device == input.device
+            and weight.shape == (columns,) and bias.shape == (columns,)
             and 0 < columns <= _LAYER_NORM_MOST_COLUMNS and columns % _NORM_PACK == 0
             and not torch.is_autocast_enabled("cuda")
             and (columns <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(input, weight, bias)))
@@ -136,12 +137,11 @@ def _layer_norm_takes(norm, input):
 
 def _add_layer_norm_takes(norm, x, residual):
     """Whether x + residual followed by the patched LayerNorm `norm` may run as one kernels.add_layer_norm: the norm
-    takes the kernel, its call does no more than its forward (its call is not made: no hooks, no forward of the
-    instance's own, not compiled), its parameters are on x's device, and the residual matches x (no broadcasting)."""
+    takes the kernel on x (its parameters on x's device), its call does no more than its forward (its call is not
+    made: no hooks, no forward of the instance's own, not compiled), and the residual matches x (no broadcasting)."""
     return (isinstance(norm, _LayerNormPatch) and not _called_otherwise(norm) and _plain(residual)
             and residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
-            and _layer_norm_takes(norm, x) and norm.weight.device == x.device and norm.bias.device == x.device
-            and (x.shape[-1] <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(residual)))
+            and _layer_norm_takes(norm, x) and (x.shape[-1] <= _LAYER_NORM_MOST_SINGLE_COLUMNS or _aligned(residual)))
 
 
 def _aligned(*tensors):
@@ -414,9 +414,10 @@ def _version_of(t):
 
 class _BlockSequencePatch:
     """An nn.Sequential holding timm Blocks one after another (ViT's `blocks`): its own forward, but each patched Block
-    whose call is its forward alone (no hooks, not compiled) that another follows is told, as it is called, which block it calls next (_TimmBlockPatch's
-    hand-over); the block takes that link off as its forward starts. Copies, replicas and slices of the sequence
-    link their own children; a recomputation stopped inside a block leaves no link behind."""
+    whose call is its forward alone (no hooks, not compiled) that another follows is told, as it is called, which
+    block it calls next (_TimmBlockPatch's hand-over); the block takes that link off as its forward starts. Copies,
+    replicas and slices of the sequence link their own children; a recomputation stopped inside a block leaves no
+    link behind."""
 
     def forward(self, input):
         modules = list(self._modules.values())

@@ -588,6 +588,8 @@ def linear_host(args):
         x = torch.randn(m, k, device="cuda")
         calls = {"nn.Linear": lambda: eager(x), "nn.Linear, a second copy": lambda: twin(x),
                  "kernels.nn.Linear": lambda: ours(x), "F.linear": lambda: F.linear(x, eager.weight, eager.bias)}
+        # Not kernels.timing's time_each_ms: the GPU must stay busy under the calls (its sleep), else the slower of
+        # host and GPU would be timed.
         times = {label: [] for label in calls}
         for round_index in range(300):
             if round_index % 20 == 0:

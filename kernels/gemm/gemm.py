@@ -276,11 +276,12 @@ class FusedLinear(nn.Linear):
         bias = parameters["bias"] if "bias" in parameters else self.bias
         # A host-bound layer's plain call: x has fewer elements than any split needs (the bound kept per weight object;
         # a shape changed through .data leaves it stale, which costs speed only: F.linear is always right).
-        plain_below = self._plain_numel_below
-        if (plain_below[0]() is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
+        noted_weight, plain_numel = self._plain_numel_below
+        noted_weight = noted_weight()
+        if (noted_weight is weight and type(x) is torch.Tensor and x.numel() < plain_numel
                 and _forced_path == "auto" and multiplier == 1.0 and negative_slope == 1.0):
             return F.linear(x, weight, bias)
-        if plain_below[0]() is not weight:
+        if noted_weight is not weight:
             self._note_plain_bound(weight)
         if multiplier == 1.0 and negative_slope == 1.0 and plain_linear_suffices(x, weight):
             return F.linear(x, weight, bias)
@@ -297,11 +298,11 @@ class FusedLinear(nn.Linear):
         if weight is None:
             weight = self.weight
         bias = parameters["bias"] if "bias" in parameters else self.bias
-        plain_below = self._plain_numel_below  # as in forward()
-        if (plain_below[0]() is weight and type(x) is torch.Tensor and x.numel() < plain_below[1]
-                and _forced_path == "auto"):
+        noted_weight, plain_numel = self._plain_numel_below  # as in forward()
+        noted_weight = noted_weight()
+        if noted_weight is weight and type(x) is torch.Tensor and x.numel() < plain_numel and _forced_path == "auto":
             return _gelu_of(F.linear(x, weight, bias), approximate)
-        if plain_below[0]() is not weight:
+        if noted_weight is not weight:
             self._note_plain_bound(weight)
         if plain_linear_suffices(x, weight):
             return _gelu_of(F.linear(x, weight, bias), approximate)
