@@ -1,7 +1,8 @@
 """gemm_gelu: gelu(x @ weight.T + bias) in one op, the GELU in the split GEMM's epilogue. Each kernel variant (the
 Hopper kernel's TMA and plain stores, w split ahead or kept, w transposed, the product computed transposed, K split;
 the sm_80 kernel) against eager's two ops and float64, with randn and rand inputs and non-finite
-values; its autograd (the two steps, recorded); the patched MLPs of real architectures; the CPU."""
+values; its autograd (one node, whose backward op makes the GELU's gradient in grad_x's row split, against its two
+steps and float64); the patched MLPs of real architectures; the CPU."""
 
 import pytest
 import torch
@@ -143,6 +144,123 @@ def test_gemm_gelu_gradients_are_the_two_steps(approximate, device):
             assert torch.allclose(got, want, atol=atol, rtol=1e-4), (path, (got - want).abs().max())
 
 
+def gelu_gradient(grad_y, pre, approximate):
+    """The GELU's input gradient by the activation's own backward op, as the unfused layers' backward computes it."""
+    if approximate == "tanh":
+        return torch.ops.kernels.gelu_tanh_backward(grad_y, pre)
+    return torch.ops.aten.gelu_backward(grad_y, pre, approximate="none")
+
+
+def check_gelu_backward(x, w, b, grad_y, approximate, path):
+    """gemm_gelu_backward on `path` against its two steps (the activation's backward op, then the product's gradients
+    from it, on the same path: the same bits but for the GELU's derivative's last rounding) and against float64 within
+    the contract: an error no larger than that of eager's layers (the tanh form: eager's product, then gelu_tanh, as
+    check() bounds the forward), or than the split's floor."""
+    with torch.no_grad(), forced_gemm_path(path):
+        pre = gemm_multiply_leaky_relu(x, w, b, 1.0, 1.0)
+        poison_allocator(x.shape, x.dtype, x.device)
+        got = torch.ops.kernels.gemm_gelu_backward(grad_y, x, w, pre, approximate, True, True, b is not None)
+        two_steps = torch.ops.kernels.gemm_multiply_leaky_relu_backward(
+            gelu_gradient(grad_y, pre, approximate), x, w, pre.new_empty(0), 1.0, 1.0, True, True, b is not None)
+
+    def layers(x, w, b):
+        pre = F.linear(x, w, b)
+        if approximate == "tanh" and pre.dtype == torch.float32:
+            return gelu_tanh(pre)
+        return F.gelu(pre, approximate=approximate)
+
+    def gradients(dtype):
+        inputs = [None if t is None else t.detach().to(dtype).requires_grad_() for t in (x, w, b)]
+        return torch.autograd.grad(layers(*inputs), [t for t in inputs if t is not None], grad_y.to(dtype))
+
+    floor = SPLIT_FP16_ERROR_FLOOR if path in SPLIT_KERNELS else 0.0
+    for name, ours, steps, theirs, exact in zip(("grad_x", "grad_w", "grad_b"), got, two_steps,
+                                                gradients(torch.float32), gradients(torch.float64)):
+        scale = steps.nan_to_num(0.0, 0.0, 0.0).abs().max().item()
+        torch.testing.assert_close(ours, steps, rtol=1e-5, atol=1e-6 * scale, equal_nan=True,
+                                   msg=lambda m: f"{name} on {path}: {m}")
+        if theirs.isfinite().all():
+            assert relative_error(ours, exact) <= max(relative_error(theirs, exact), floor), (name, path)
+    return got
+
+
+# (m, k, n) of the layer whose GELU follows: its backward's grad_x reads grad_y's rows of n floats (x's split pass
+# makes the GELU's gradient where they are held in registers: n % 4 == 0, n up to 16384; else the two steps).
+BACKWARD_SHAPES = {
+    "rows made in the split": (300, 136, 200),
+    "2048 rows or more": (2100, 264, 520),
+    "rows not a multiple of 4": (300, 136, 203),
+    "rows past the registers": (160, 64, 16388),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+@pytest.mark.parametrize("shape", sorted(BACKWARD_SHAPES))
+def test_gemm_gelu_backward_against_its_two_steps_and_float64(shape, approximate, path):
+    m, k, n = BACKWARD_SHAPES[shape]
+    x, w, b = operands(m, k, n)
+    grad_y = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).cuda()
+    check_gelu_backward(x, w, b, grad_y, approximate, path)
+    # grad_y as autograd may hand it over: a view at an offset, an expanded scalar (the two steps take those).
+    check_gelu_backward(x, w, None, torch.randn(m, n + 4, device="cuda")[:, 4:], approximate, path)
+    check_gelu_backward(x, w, b, torch.ones((), device="cuda").expand(m, n), approximate, path)
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_gemm_gelu_backward_of_a_transposed_weight_view_and_non_finite_values(approximate, path):
+    x, w, b = operands(300, 136, 200)
+    grad_y = torch.randn(300, 200, device="cuda")
+    check_gelu_backward(x, w.t().contiguous().t(), b, grad_y, approximate, path)  # Conv1D's (in, out) weight
+    grad_y[3, 5], grad_y[7, :] = float("inf"), float("nan")
+    x[11, 2] = -float("inf")  # a row of pre all infinite or NaN
+    check_gelu_backward(x, w, b, grad_y, approximate, path)
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", SPLIT_KERNELS or [pytest.param(None, marks=pytest.mark.skip("no split kernel"))])
+def test_gemm_gelu_records_one_node_whose_backward_is_the_fused_op(path):
+    x, w, b = (t.requires_grad_() for t in operands(300, 136, 200))
+    with forced_gemm_path(path):
+        y = gemm_gelu(x, w, b)
+        assert y.grad_fn.name() == "kernels::GemmGeluBackward"
+        grad = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, w, b), grad)
+        with torch.no_grad():
+            pre = gemm_multiply_leaky_relu(x, w, b, 1.0, 1.0)
+            expected = torch.ops.kernels.gemm_gelu_backward(grad, x, w, pre, "none", True, True, True)
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_gemm_gelu_gradients_of_every_order_and_forward_mode(approximate):
+    # float64 on the CPU: the double backward makes the pre-activation again with its graph.
+    x, w, b = (t.double().requires_grad_() for t in operands(5, 4, 3, device="cpu"))
+    function = lambda *a: gemm_gelu(*a, approximate=approximate)
+    assert torch.autograd.gradcheck(function, (x, w, b), check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(function, (x, w, b))
+    assert torch.autograd.gradcheck(function, (x, w, b), check_forward_ad=True, check_backward_ad=False,
+                                    check_undefined_grad=False, check_batched_grad=False)
+
+
+def test_gemm_gelu_backward_bad_inputs(device):
+    x, w, b = operands(4, 8, 6, device=device)
+    grad, pre = torch.randn(4, 6, device=device), torch.randn(4, 6, device=device)
+    backward = torch.ops.kernels.gemm_gelu_backward
+    with pytest.raises(RuntimeError, match="grad_y must have the output's shape"):
+        backward(grad[:, :5], x, w, pre, "none", True, True, True)
+    with pytest.raises(RuntimeError, match="pre must have the output's shape"):
+        backward(grad, x, w, pre[:3], "none", True, True, True)
+    with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh'"):
+        backward(grad, x, w, pre, "exact", True, True, True)
+    with pytest.raises(RuntimeError, match="pre"):
+        backward(grad, x, w, pre.double(), "none", True, True, True)
+
+
 def test_gemm_gelu_under_vmap_compile_and_autocast(device):
     x, w, b = operands(6, 16, 8, device=device)
     batched = torch.stack([x, 2 * x])
@@ -251,8 +369,14 @@ def test_timm_style_mlp_fuses_its_gelu(act_layer, fused, device, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(patched(x), eager(x))
     assert calls == (["none"] if fused else [])
-    x.requires_grad_(True)  # a training call: the two steps, each with its backward
-    patched(x).sum().backward()
+    x.requires_grad_(True)  # a training call: gemm_gelu's node where fused, its gradients eager's
+    x_eager = x.detach().clone().requires_grad_(True)
+    grad = torch.randn(3, 10, 64, device=device)
+    patched(x).backward(grad)
+    eager(x_eager).backward(grad)
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    torch.testing.assert_close(patched.fc1.weight.grad, eager.fc1.weight.grad)
+    torch.testing.assert_close(patched.fc1.bias.grad, eager.fc1.bias.grad)
     kernels.unpatch(patched)
     assert type(patched) is TimmStyleMlp
 

@@ -20,25 +20,10 @@
 
 #include "common/autograd_node.h"
 #include "gelu_tanh_math.h"
+#include "gelu_tanh_op.h"
 
 namespace kernels::gelu_tanh {
 namespace {
-
-using GeluTanh = at::Tensor(const at::Tensor& x);
-using GeluTanhBackward = at::Tensor(const at::Tensor& grad_output, const at::Tensor& x);
-
-// kernels::gelu_tanh, looked up once.
-const c10::TypedOperatorHandle<GeluTanh>& gelu_tanh_op() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("kernels::gelu_tanh", "").typed<GeluTanh>();
-  return op;
-}
-
-// kernels::gelu_tanh_backward, looked up once.
-const c10::TypedOperatorHandle<GeluTanhBackward>& gelu_tanh_backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("kernels::gelu_tanh_backward", "").typed<GeluTanhBackward>();
-  return op;
-}
 
 // f''(x) of y = x sigmoid(t), t = x (kT0 + kT1 x^2): with s = sigmoid(t), w = dt/dx = kT0 + kT3 x^2,
 // f'' = s (1 - s) (2 w + x w^2 (1 - 2 s) + 2 kT3 x^2). In float for float16 and bfloat16 (then x's dtype), with

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -108,46 +109,52 @@ at::Tensor gemm_gelu(const at::Tensor& x, const at::Tensor& weight, const std::o
                  approximate);
 }
 
-// The gradients of gemm_multiply_leaky_relu, each where asked for (else empty): with grad_pre = leaky_relu'(pre) *
-// multiplier * grad_y (from `saved`: the output where slope >= 0, else the mask), grad_x = grad_pre w, grad_w =
-// grad_pre^T x, grad_b = grad_pre's column sums. Each product chooses its own path from its shape, as the forward's
-// does.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
-    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
-    double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
-  check_gemm_arguments("gemm_multiply_leaky_relu_backward", x, weight, std::nullopt);
-  check_same("gemm_multiply_leaky_relu_backward", "grad_y", grad_y, "x", x);
-  const int64_t m = gemm_rows(x, weight), n = weight.size(0), k = weight.size(1);
-  std::vector<int64_t> y_shape = x.sizes().vec();
-  y_shape.back() = n;
-  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(y_shape), "kernels.gemm_multiply_leaky_relu_backward: grad_y must have "
-              "the output's shape ", shape_str(y_shape), ", got ", shape_str(grad_y.sizes()));
-  // The identity epilogue passes grad_y through (its `saved` is empty: gemm_autograd.cpp keeps nothing).
-  const at::Tensor grad_pre =
-      is_identity_epilogue(multiplier, negative_slope)
-          ? grad_y.reshape({m, n})
-          : leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
-  const at::Tensor x2 = x.reshape({m, k});
-  at::Tensor grad_x = at::empty({0}, x.options()), grad_weight = at::empty({0}, x.options()),
-             grad_bias = at::empty({0}, x.options());
-  if (x_grad) {
-    // grad_x = grad_pre w: w read as it is (n x k), or, where it is a transposed view, as the row-major (k x n) matrix
-    // it views, whose rows are then the product's.
-    const bool w_view = is_transposed_weight(weight);
-    const Path path = choose_path(grad_pre, {m, k, n, !w_view}, /*strict=*/false);
+// grad_x = grad_pre w (grad_pre m x n, w n x k) on `path`: w read as it is (n x k), or, where it is a transposed view,
+// as the row-major (k x n) matrix it views, whose rows are then the product's. With gelu_rows (a split path, on
+// which gelu_backward_rows_supported held), grad_pre is the GELU's output gradient, and x's split pass makes the
+// GELU's input gradient, gelu_rows->grad_pre, on the way.
+at::Tensor input_gradient(Path path, const at::Tensor& grad_pre, const at::Tensor& weight,
+                          const GeluBackwardRows* gelu_rows = nullptr) {
+  const int64_t m = grad_pre.size(0), k = weight.size(1);
 #ifdef KERNELS_WITH_CUDA
-    if (is_split(path) && w_view) {
-      grad_x = at::empty({m, k}, x.options());
-      split_fp16_product(path, grad_pre, /*x_transposed=*/false, weight.t(), /*w_transposed=*/false, at::Tensor(),
-                         Epilogue{}, grad_x, nullptr);
-    } else
+  if (is_split(path) && (gelu_rows != nullptr || is_transposed_weight(weight))) {
+    at::Tensor grad_x = at::empty({m, k}, grad_pre.options());
+    const bool w_view = is_transposed_weight(weight);
+    split_fp16_product(path, grad_pre, /*x_transposed=*/false, w_view ? weight.t() : weight,
+                       /*w_transposed=*/!w_view, at::Tensor(), Epilogue{}, grad_x, /*positive=*/nullptr,
+                       /*x_column_sums=*/nullptr, /*w_split=*/nullptr, gelu_rows);
+    return grad_x;
+  }
+#else
+  (void)m;
+  (void)k;
 #endif
-    {
-      grad_x = is_split(path)                   ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight)
-               : path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight)
-                                             : grad_pre.mm(weight);
-    }
+  TORCH_CHECK(gelu_rows == nullptr, "kernels: a GELU's backward is made by the split paths' row split only");
+  return is_split(path)                   ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight)
+         : path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight)
+                                       : grad_pre.mm(weight);
+}
+
+// The path grad_x = grad_pre (m x n) w takes, as a forward of its shape would.
+Path input_gradient_path(const at::Tensor& grad_pre, const at::Tensor& weight) {
+  return choose_path(grad_pre, {grad_pre.size(0), weight.size(1), weight.size(0), !is_transposed_weight(weight)},
+                     /*strict=*/false);
+}
+
+// A product's gradients from its pre-activation gradient grad_pre (m x n), each where asked for (else empty):
+// grad_x = grad_pre w (given, where the caller made it already), grad_w = grad_pre^T x, grad_b = grad_pre's column
+// sums. Each product chooses its own path from its shape, as the forward's does.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> product_gradients(const at::Tensor& grad_pre, const at::Tensor& x,
+                                                                 const at::Tensor& weight, at::Tensor grad_x,
+                                                                 bool x_grad, bool weight_grad, bool bias_grad) {
+  const int64_t m = grad_pre.size(0), n = weight.size(0), k = weight.size(1);
+  const at::Tensor x2 = x.reshape({m, k});
+  at::Tensor grad_weight = at::empty({0}, x.options()), grad_bias = at::empty({0}, x.options());
+  if (x_grad) {
+    if (!grad_x.defined()) grad_x = input_gradient(input_gradient_path(grad_pre, weight), grad_pre, weight);
     grad_x = grad_x.reshape(x.sizes());
+  } else {
+    grad_x = at::empty({0}, x.options());
   }
   bool bias_done = false;
   if (weight_grad) {
@@ -166,6 +173,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
   }
   if (bias_grad && !bias_done) grad_bias = grad_pre.sum(0);
   return {grad_x, grad_weight, grad_bias};
+}
+
+// The output's shape of a product of x and weight (x's leading dimensions, out_features), which grad_y must have.
+void check_output_gradient(const char* op, const char* name, const at::Tensor& grad_y, const at::Tensor& x,
+                           const at::Tensor& weight) {
+  check_same(op, name, grad_y, "x", x);
+  std::vector<int64_t> y_shape = x.sizes().vec();
+  y_shape.back() = weight.size(0);
+  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(y_shape), "kernels.", op, ": ", name, " must have the output's shape ",
+              shape_str(y_shape), ", got ", shape_str(grad_y.sizes()));
+}
+
+// The gradients of gemm_multiply_leaky_relu, each where asked for (else empty): with grad_pre = leaky_relu'(pre) *
+// multiplier * grad_y (from `saved`: the output where slope >= 0, else the mask), product_gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved,
+    double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
+  check_gemm_arguments("gemm_multiply_leaky_relu_backward", x, weight, std::nullopt);
+  check_output_gradient("gemm_multiply_leaky_relu_backward", "grad_y", grad_y, x, weight);
+  const int64_t m = gemm_rows(x, weight), n = weight.size(0);
+  // The identity epilogue passes grad_y through (its `saved` is empty: gemm_autograd.cpp keeps nothing).
+  const at::Tensor grad_pre =
+      is_identity_epilogue(multiplier, negative_slope)
+          ? grad_y.reshape({m, n})
+          : leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope, multiplier).reshape({m, n});
+  return product_gradients(grad_pre, x, weight, at::Tensor(), x_grad, weight_grad, bias_grad);
+}
+
+// A GELU's input gradient grad_y * gelu'(pre) by the activation's own backward: at::gelu_backward ("none"),
+// kernels::gelu_tanh_backward ("tanh").
+at::Tensor gelu_backward_of(const at::Tensor& grad_y, const at::Tensor& pre, c10::string_view approximate) {
+  return approximate == "tanh" ? gelu_tanh::gelu_tanh_backward_op().call(grad_y, pre)
+                               : at::gelu_backward(grad_y, pre, "none");
+}
+
+// The gradients of gemm_gelu, y = gelu(pre), pre = x w^T + b, from grad_y and the saved pre-activation, each where
+// asked for (else empty). Where grad_x's product takes a split path and its rows allow, x's split pass makes the
+// GELU's input gradient from grad_y and pre as it reads them (launch_split_rows_gelu_backward), which grad_w's and
+// grad_b's products then read; else the activation's backward op makes it first.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_gelu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                  const at::Tensor& weight, const at::Tensor& pre,
+                                                                  c10::string_view approximate, bool x_grad,
+                                                                  bool weight_grad, bool bias_grad) {
+  check_gemm_arguments("gemm_gelu_backward", x, weight, std::nullopt);
+  check_approximate(approximate);
+  check_output_gradient("gemm_gelu_backward", "grad_y", grad_y, x, weight);
+  check_output_gradient("gemm_gelu_backward", "pre", pre, x, weight);
+  const int64_t m = gemm_rows(x, weight), n = weight.size(0);
+  at::Tensor grad_pre, grad_x;
+#ifdef KERNELS_WITH_CUDA
+  if (x_grad) {
+    const at::Tensor grad_y2 = grad_y.reshape({m, n}), pre2 = pre.reshape({m, n});
+    const Path path = input_gradient_path(grad_y2, weight);
+    if (is_split(path) && gelu_backward_rows_supported(grad_y2, pre2)) {
+      grad_pre = at::empty({m, n}, grad_y.options());
+      const GeluBackwardRows rows{pre2, approximate == "tanh", grad_pre};
+      grad_x = input_gradient(path, grad_y2, weight, &rows);
+    }
+  }
+#endif
+  if (!grad_pre.defined()) grad_pre = gelu_backward_of(grad_y, pre, approximate).reshape({m, n});
+  return product_gradients(grad_pre, x, weight, grad_x, x_grad, weight_grad, bias_grad);
 }
 
 }  // namespace
@@ -224,6 +293,8 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_weight_split(Tensor x, Tensor weight) -> Tensor[]");
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+  m.def("gemm_gelu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor pre, str approximate, bool x_grad, "
+        "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_multiply_leaky_relu_path(Tensor x, Tensor weight) -> str");
   m.def("_gemm_path_refusal(Tensor x, Tensor weight, str path) -> str");
   m.def("_gemm_force_path(str path) -> str");
@@ -246,6 +317,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu);                   \
   m.impl("gemm_gelu", &kernels::gemm::gemm_gelu);                                                 \
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
+  m.impl("gemm_gelu_backward", &kernels::gemm::gemm_gelu_backward);                               \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
   m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal);                               \
   m.impl("_gemm_split_sweep", &kernels::gemm::gemm_split_sweep);                                   \

@@ -69,6 +69,21 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
                               bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream,
                               bool staged = true);
 
+// launch_split_rows of grad_pre = grad_y * gelu'(pre) (split_numerics.cuh, gelu_backward; `gelu` kGeluErf or
+// kGeluTanh), the input gradient of a GELU that follows a product (gemm_gelu's backward), made from grad_y and pre
+// (rows x cols, rows grad_y_stride and pre_stride floats apart) as the rows are read, and written to grad_pre (dense
+// rows x cols, 16-byte aligned) beside its split: one pass instead of the GELU's backward and then the split.
+// Returns cudaErrorNotSupported where split_rows_gelu_backward_supported() is false.
+cudaError_t launch_split_rows_gelu_backward(const float* grad_y, std::int64_t grad_y_stride, const float* pre,
+                                            std::int64_t pre_stride, Activation gelu, std::int64_t rows,
+                                            std::int64_t cols, float* grad_pre, bool natural_order, void* hi,
+                                            void* lo, std::int32_t* exponent, cudaStream_t stream);
+
+// Whether launch_split_rows_gelu_backward takes these rows: rows the split holds in registers (a multiple of 4
+// floats, split length up to 16384), 16-byte aligned in both operands.
+bool split_rows_gelu_backward_supported(std::int64_t rows, std::int64_t cols, const float* grad_y,
+                                        std::int64_t grad_y_stride, const float* pre, std::int64_t pre_stride);
+
 // The split of src's columns, as launch_split_rows splits rows, in natural order: for each column c of src (rows x
 // cols, element (r, c) at src[r * row_stride + c]), row c of hi and lo (cols x split_row_length(rows)) and
 // exponent[c]; column_sums[c] (if not null) gets the column's float32 sum (compensated, in a fixed order: the same

@@ -126,9 +126,66 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   return {y, mask};
 }
 
-// gemm_gelu where a gradient can flow or a tangent is given: its two steps, each recorded by its own op (the product
-// by gemm_multiply_leaky_relu's graph node, the activation by at::gelu's or kernels::gelu_tanh's), so every mode of
-// autograd holds as for the unfused layers; else the op below autograd (the activation in the GEMM's epilogue).
+// The gradients of y = gelu(pre), pre = x w^T + b, for x, w and b (the node's outputs 0, 1, 2), from the saved
+// pre-activation (eager's GELU node saves the same tensor; the product's node, x and w). One node instead of the
+// product's and the activation's: its backward op makes the GELU's input gradient within grad_x's split pass.
+class GemmGeluGrad final : public torch::autograd::Node {
+ public:
+  GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               const at::Tensor& pre, c10::string_view approximate)
+      : x_(x, /*is_output=*/false),
+        weight_(weight, /*is_output=*/false),
+        bias_(bias.has_value() ? *bias : at::Tensor(), /*is_output=*/false),
+        pre_(pre, /*is_output=*/false),
+        approximate_(approximate) {}
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    torch::autograd::variable_list grad_inputs(3);
+    const at::Tensor& grad_y = grads[0];
+    if (!grad_y.defined()) return grad_inputs;
+    const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
+               bias_grad = should_compute_output(2);
+    const at::Tensor x = x_.unpack(), weight = weight_.unpack();
+    if (!c10::GradMode::is_enabled()) {
+      auto [grad_x, grad_weight, grad_bias] = gemm_gelu_backward_op().call(
+          grad_y, x, weight, pre_.unpack(), approximate_, x_grad, weight_grad, bias_grad);
+      if (x_grad) grad_inputs[0] = std::move(grad_x);
+      if (weight_grad) grad_inputs[1] = std::move(grad_weight);
+      if (bias_grad) grad_inputs[2] = std::move(grad_bias);
+      return grad_inputs;
+    }
+    // A double backward: the pre-activation made again by the recorded product (the GELU's gradient depends on it),
+    // then differentiable ops, so that the backward has a backward of its own.
+    const at::Tensor bias = bias_.unpack();
+    const at::Tensor pre = std::get<0>(gemm_multiply_leaky_relu_op().call(
+        x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 1.0, 1.0, false, std::nullopt));
+    const at::Tensor grad_pre = gelu_backward_of(grad_y, pre, approximate_).reshape({-1, weight.size(0)});  // gemm.cpp
+    if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
+    if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
+    if (bias_grad) grad_inputs[2] = grad_pre.sum(0);
+    return grad_inputs;
+  }
+
+  std::string name() const override { return "kernels::GemmGeluBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    weight_.reset_data();
+    bias_.reset_data();
+    pre_.reset_data();
+  }
+
+ private:
+  torch::autograd::SavedVariable x_, weight_, bias_, pre_;
+  std::string approximate_;
+};
+
+// gemm_gelu where a gradient can flow: the product and the activation below autograd (the pre-activation written,
+// then the activation's op), recorded as one GemmGeluGrad node. Where a tangent is given: its two steps, each recorded
+// by its own op (the product by gemm_multiply_leaky_relu's graph node, the activation by at::gelu's or
+// kernels::gelu_tanh's), which set the tangents. Else the op below autograd (the activation in the GEMM's epilogue).
 at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, c10::string_view approximate,
                               const std::optional<at::TensorList>& weight_split) {
@@ -140,9 +197,22 @@ at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, con
   if (!needs_grad && !has_tangent)
     return common::redispatch_below_autograd(gemm_gelu_op(), keys, x, weight, bias, approximate, weight_split);
   check_approximate(approximate);  // gemm.cpp
-  const at::Tensor pre =
-      std::get<0>(gemm_multiply_leaky_relu_op().call(x, weight, bias, 1.0, 1.0, /*return_mask=*/false, weight_split));
-  return gelu_of(pre, approximate);  // gemm.cpp
+  if (has_tangent) {
+    const at::Tensor pre = std::get<0>(
+        gemm_multiply_leaky_relu_op().call(x, weight, bias, 1.0, 1.0, /*return_mask=*/false, weight_split));
+    return gelu_of(pre, approximate);  // gemm.cpp
+  }
+  at::Tensor pre, y;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    pre = std::get<0>(gemm_multiply_leaky_relu_op().redispatch(keys & c10::after_autograd_keyset, x, weight, bias,
+                                                                 1.0, 1.0, /*return_mask=*/false, weight_split));
+    y = gelu_of(pre, approximate);
+  }
+  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, has_bias ? bias : std::nullopt, pre, approximate);
+  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+  torch::autograd::create_gradient_edge(y, std::move(node));
+  return y;
 }
 
 }  // namespace

@@ -63,6 +63,14 @@ at::Tensor cublas_bf16x9_matmul(const at::Tensor& a, const at::Tensor& b);
 int64_t force_k_slices(int64_t slices);
 int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k);
 std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep);
+// x's rows made by its split pass as a GELU's input gradient (launch_split_rows_gelu_backward): the product's x is
+// then the GELU's output gradient, and the pass writes grad_pre = x * gelu'(pre) (dense, as x's shape) and splits it.
+struct GeluBackwardRows {
+  at::Tensor pre;       // the GELU's input, x's shape
+  bool tanh;            // the tanh form (gemm_gelu's "tanh"), else the erf form
+  at::Tensor grad_pre;  // written by the pass; the product's x from then on (the non-finite fix-up reads it)
+};
+
 #ifdef KERNELS_WITH_CUDA
 at::Tensor split_operand(const at::Tensor& t);
 WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
@@ -70,7 +78,8 @@ WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, i
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
-                        const WeightSplit* w_split = nullptr);
+                        const WeightSplit* w_split = nullptr, const GeluBackwardRows* gelu_rows = nullptr);
+bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pre);
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k);
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,

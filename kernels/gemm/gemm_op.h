@@ -53,4 +53,16 @@ inline const c10::TypedOperatorHandle<GemmMultiplyLeakyReLUBackward>& gemm_multi
   return op;
 }
 
+using GemmGeluBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre,
+    c10::string_view approximate, bool x_grad, bool weight_grad, bool bias_grad);
+
+// kernels::gemm_gelu_backward, looked up once.
+inline const c10::TypedOperatorHandle<GemmGeluBackward>& gemm_gelu_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kernels::gemm_gelu_backward", "")
+                             .typed<GemmGeluBackward>();
+  return op;
+}
+
 }  // namespace kernels::gemm

@@ -120,15 +120,26 @@ struct TemporariesLayout {
   }
 };
 
+// Whether launch_split_rows_gelu_backward takes grad_y and pre (2-D, rows with unit column stride) as they lie.
+bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pre) {
+  return grad_y.dim() == 2 && pre.sizes() == grad_y.sizes() && grad_y.stride(1) == 1 && pre.stride(1) == 1 &&
+         split_rows_gelu_backward_supported(grad_y.size(0), grad_y.size(1), grad_y.const_data_ptr<float>(),
+                                            grad_y.stride(0), pre.const_data_ptr<float>(), pre.stride(0));
+}
+
 // The split product y (m x n) = epilogue(x (m x k) times w (n x k)^T) on `path`, float32 on one GPU; x_transposed (x as
 // k x m) needs w_transposed (w as k x n). x is split by a pass (x_column_sums, if not null, gets its columns' sums); w
 // in the kernel, by a pass (sm80, splits_w_ahead) or not at all (w_split given). y and the mask (positive) are dense.
+// With gelu_rows (gelu_backward_rows_supported(x, pre), x not transposed), x's pass makes and writes the product's x,
+// gelu_rows->grad_pre, from x, the GELU's output gradient.
 // Temporary memory: ~4 bytes per element of x and of any w split by a pass, plus K slices' partials (4 per output
 // each).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
-                        std::uint8_t* positive, float* x_column_sums, const WeightSplit* w_split) {
+                        std::uint8_t* positive, float* x_column_sums, const WeightSplit* w_split,
+                        const GeluBackwardRows* gelu_rows) {
   TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
+  TORCH_CHECK(gelu_rows == nullptr || !x_transposed, "kernels: a GELU's backward is made by the row split only");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const int64_t m = x.size(x_transposed ? 1 : 0), k = x.size(x_transposed ? 0 : 1), n = w.size(w_transposed ? 1 : 0);
@@ -170,9 +181,17 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
   check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
                                                    x_exponent, x_column_sums, base + column_at, stream)
-                            : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi,
-                                                x_lo, x_exponent, stream),
+               : gelu_rows != nullptr
+                   ? launch_split_rows_gelu_backward(x2.const_data_ptr<float>(), x2.stride(0),
+                                                     gelu_rows->pre.const_data_ptr<float>(), gelu_rows->pre.stride(0),
+                                                     gelu_rows->tanh ? Activation::kGeluTanh : Activation::kGeluErf,
+                                                     m, k, gelu_rows->grad_pre.mutable_data_ptr<float>(),
+                                                     natural_order, x_hi, x_lo, x_exponent, stream)
+                   : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi, x_lo,
+                                       x_exponent, stream),
                "split (x)");
+  // The product's float32 x from here on (the fix-up's operand): the pass's grad_pre where it made one.
+  const at::Tensor& x_read = gelu_rows != nullptr ? gelu_rows->grad_pre : x2;
   if (k_slices > 1) {
     float* const partials = reinterpret_cast<float*>(base + partials_at);
     check_launch(w_split != nullptr
@@ -199,9 +218,10 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                  "split GEMM");
   }
   // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
-  const int64_t x_row_stride = x_transposed ? 1 : x2.stride(0), x_element_stride = x_transposed ? x2.stride(0) : 1;
+  const int64_t x_row_stride = x_transposed ? 1 : x_read.stride(0);
+  const int64_t x_element_stride = x_transposed ? x_read.stride(0) : 1;
   const int64_t w_row_stride = w_transposed ? 1 : w2.stride(0), w_element_stride = w_transposed ? w2.stride(0) : 1;
-  check_launch(launch_nonfinite_outputs(x2.const_data_ptr<float>(), x_row_stride, x_element_stride,
+  check_launch(launch_nonfinite_outputs(x_read.const_data_ptr<float>(), x_row_stride, x_element_stride,
                                         w2.const_data_ptr<float>(), w_row_stride, w_element_stride,
                                         x_exponent, w_flags, bias_data, y.mutable_data_ptr<float>(), positive, m, n, k,
                                         epilogue, stream),

@@ -199,12 +199,49 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
       constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
       constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
       const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-      return launch_dependent(split_rows_in_registers_kernel<kGroup, kPacks, kNatural>, dim3(blocks),
-                              dim3(kSplitThreads), 0, stream, src, rows, cols, row_stride, static_cast<__half*>(hi),
-                              static_cast<__half*>(lo), exponent);
+      return launch_dependent(split_rows_in_registers_kernel<kGroup, kPacks, kNatural, MatrixRows>, dim3(blocks),
+                              dim3(kSplitThreads), 0, stream, MatrixRows{src, row_stride}, rows, cols,
+                              static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
     });
   };
   return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
+}
+
+bool split_rows_gelu_backward_supported(std::int64_t rows, std::int64_t cols, const float* grad_y,
+                                        std::int64_t grad_y_stride, const float* pre, std::int64_t pre_stride) {
+  const auto aligned = [](const float* p, std::int64_t stride) {
+    return stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  };
+  return rows > 0 && rows <= 0x7fffffff && cols > 0 && cols % 4 == 0 &&
+         split_row_length(cols) <= kMaxRowInRegisters && aligned(grad_y, grad_y_stride) && aligned(pre, pre_stride);
+}
+
+cudaError_t launch_split_rows_gelu_backward(const float* grad_y, std::int64_t grad_y_stride, const float* pre,
+                                            std::int64_t pre_stride, Activation gelu, std::int64_t rows,
+                                            std::int64_t cols, float* grad_pre, bool natural_order, void* hi,
+                                            void* lo, std::int32_t* exponent, cudaStream_t stream) {
+  if (!split_rows_gelu_backward_supported(rows, cols, grad_y, grad_y_stride, pre, pre_stride))
+    return cudaErrorNotSupported;
+  if (gelu == Activation::kLeakyReLU || reinterpret_cast<std::uintptr_t>(grad_pre) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(hi) % 4 != 0 || reinterpret_cast<std::uintptr_t>(lo) % 4 != 0)
+    return cudaErrorInvalidValue;
+  const auto launch = [&](auto natural, auto activation) {
+    constexpr bool kNatural = decltype(natural)::value;
+    using Source = GeluBackwardRows<decltype(activation)::value>;
+    return in_registers(split_row_length(cols), [&](auto group, auto packs) {
+      constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
+      constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
+      const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+      return launch_dependent(split_rows_in_registers_kernel<kGroup, kPacks, kNatural, Source>, dim3(blocks),
+                              dim3(kSplitThreads), 0, stream, Source{grad_y, grad_y_stride, pre, pre_stride, grad_pre,
+                              cols}, rows, cols, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
+    });
+  };
+  using Erf = std::integral_constant<Activation, Activation::kGeluErf>;
+  using Tanh = std::integral_constant<Activation, Activation::kGeluTanh>;
+  if (gelu == Activation::kGeluErf)
+    return natural_order ? launch(std::true_type{}, Erf{}) : launch(std::false_type{}, Erf{});
+  return natural_order ? launch(std::true_type{}, Tanh{}) : launch(std::false_type{}, Tanh{});
 }
 
 }  // namespace kernels::gemm

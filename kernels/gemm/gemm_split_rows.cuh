@@ -99,20 +99,52 @@ __device__ __forceinline__ float group_max(float max_abs, bool& non_finite) {
   return max_abs;
 }
 
+// The rows the in-register kernel splits (split_rows_in_registers_kernel's Source): load(row, i) gives pack i (k =
+// 4i .. 4i + 3) of a row, and keep(row, i, v) writes what the source makes beside the split (nothing for a matrix).
+// Rows and packs are within the matrix; every load is its bytes' last use (the split is what is read next).
+struct MatrixRows {  // a matrix's rows as they are: launch_split_rows
+  const float* __restrict__ src;
+  std::int64_t row_stride;
+  __device__ __forceinline__ float4 load(std::int64_t row, int i) const {
+    return __ldcs(reinterpret_cast<const float4*>(src + row * row_stride) + i);
+  }
+  __device__ __forceinline__ void keep(std::int64_t, int, float4) const {}
+};
+
+// The input gradient of a GELU, grad_y * gelu'(pre) (split_numerics.cuh, gelu_backward), made from the output's
+// gradient and the GELU's input, and written to `gradient` (dense rows of cols floats) as it is split:
+// launch_split_rows_gelu_backward.
+template <Activation kGelu>
+struct GeluBackwardRows {
+  const float* __restrict__ grad_y;
+  std::int64_t grad_y_stride;
+  const float* __restrict__ pre;
+  std::int64_t pre_stride;
+  float* __restrict__ gradient;
+  std::int64_t cols;
+  __device__ __forceinline__ float4 load(std::int64_t row, int i) const {
+    const float4 g = __ldcs(reinterpret_cast<const float4*>(grad_y + row * grad_y_stride) + i);
+    const float4 v = __ldcs(reinterpret_cast<const float4*>(pre + row * pre_stride) + i);
+    return make_float4(gelu_backward<kGelu>(g.x, v.x), gelu_backward<kGelu>(g.y, v.y),
+                       gelu_backward<kGelu>(g.z, v.z), gelu_backward<kGelu>(g.w, v.w));
+  }
+  __device__ __forceinline__ void keep(std::int64_t row, int i, float4 v) const {
+    reinterpret_cast<float4*>(gradient + row * cols)[i] = v;
+  }
+};
+
 // Rows of up to kGroup * kPacks * 4 floats (split length included), kGroup threads per row: each thread loads its
 // packs of 4 into registers at once (all of the row's loads in flight together), and the split is made from the
 // registers: one DRAM read. Packs past the row's end (up to its split length) are written as zeros.
-template <int kGroup, int kPacks, bool kNatural>
+template <int kGroup, int kPacks, bool kNatural, class Source>
 __global__ void __launch_bounds__(kSplitThreads)
-split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
-                               std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
-                               std::int32_t* __restrict__ exponent) {
+split_rows_in_registers_kernel(Source source, std::int64_t rows, std::int64_t cols, __half* __restrict__ hi,
+                               __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
   wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
   allow_next_grid();
   const int member = threadIdx.x % kGroup;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
   const bool inside = row < rows;  // the block's last rows may lie past the end; they still join its barriers
-  const float4* in = reinterpret_cast<const float4*>(src + (inside ? row : 0) * row_stride);
   const int packs = static_cast<int>(cols / 4);
   const std::int64_t length = split_row_length(cols);
   const int split_packs = static_cast<int>(length / 4);
@@ -120,12 +152,16 @@ split_rows_in_registers_kernel(const float* __restrict__ src, std::int64_t rows,
   float max_abs = 0.0f;
   bool non_finite = false;
 #pragma unroll
-  for (int p = 0; p < kPacks; ++p) {  // read once: no need to keep in L2
+  for (int p = 0; p < kPacks; ++p) {
     const int i = member + p * kGroup;
-    v[p] = inside && i < packs ? __ldcs(in + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    v[p] = inside && i < packs ? source.load(row, i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
-  for (int p = 0; p < kPacks; ++p) fold(v[p], max_abs, non_finite);
+  for (int p = 0; p < kPacks; ++p) {
+    const int i = member + p * kGroup;
+    if (inside && i < packs) source.keep(row, i, v[p]);
+    fold(v[p], max_abs, non_finite);
+  }
   max_abs = group_max<kGroup>(max_abs, non_finite);
   if (!inside) return;
   const int e = scale_exponent(max_abs);

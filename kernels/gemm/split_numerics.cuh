@@ -134,6 +134,23 @@ __device__ __forceinline__ float activate(float v, float negative_slope) {
   }
 }
 
+// The GELU's input gradient grad * gelu'(v), as the backward a GELU's own op records computes it: for the erf form
+// eager's CUDA kernel's operations and order, grad * (Phi(v) + v phi(v)) in float; for the tanh form gelu_tanh's
+// (gelu_tanh_math.h, the op kernels::gelu_tanh_backward).
+template <Activation kGelu>
+__device__ __forceinline__ float gelu_backward(float grad, float v) {
+  static_assert(kGelu != Activation::kLeakyReLU, "a GELU's backward");
+  if constexpr (kGelu == Activation::kGeluErf) {
+    constexpr float kAlpha = 0.70710678118654752f;          // 1 / sqrt(2)
+    constexpr float kBeta = 0.39894228040143268f;           // 1 / sqrt(2 pi)
+    const float cdf = 0.5f * (1.0f + erff(v * kAlpha));
+    const float pdf = expf(-0.5f * v * v) * kBeta;
+    return grad * (cdf + v * pdf);
+  } else {
+    return gelu_tanh::gelu_tanh_backward_element<float>(grad, v);
+  }
+}
+
 template <Activation kActivation>
 __device__ __forceinline__ Activated apply_epilogue(float product, float bias, const Epilogue& epilogue) {
   const float v = (product + bias) * epilogue.multiplier;

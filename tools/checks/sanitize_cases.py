@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import torch.nn.functional as F
 
-from kernels.functional import (add_layer_norm, attention, causal_softmax, gelu_tanh, gemm_multiply_leaky_relu,
-                                layer_norm, leaky_relu, rms_norm, silu_mul)
+from kernels.functional import (add_layer_norm, attention, causal_softmax, gelu_tanh, gemm_gelu,
+                                gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm, silu_mul)
 from kernels.gemm.gemm import forced_gemm_path, gemm_paths
 
 
@@ -91,6 +91,14 @@ def gemm_cases():
         eager = torch.autograd.grad(F.linear(x, weight, bias) * -2.0, (x, weight, bias), grad)
         for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
             check(f"gemm backward {path} grad {name}", got, expected)
+        # gemm_gelu's backward: the GELU's gradient made by grad_x's row split (both forms).
+        for approximate in ("none", "tanh"):
+            with forced_gemm_path(path):
+                ours = torch.autograd.grad(gemm_gelu(x, weight, bias, approximate), (x, weight, bias), grad)
+            eager = torch.autograd.grad(F.gelu(F.linear(x, weight, bias), approximate=approximate),
+                                        (x, weight, bias), grad)
+            for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
+                check(f"gemm_gelu backward {approximate} {path} grad {name}", got, expected)
         # Plain products (the identity epilogue), forward and backward: grad_W over a long reduction (split into
         # slices of K), a reduction of odd length (grad_y's rows not 16-byte aligned), a transposed weight view.
         for m, k, n, transposed in ((2048, 256, 256, False), (136, 96, 1001, False), (136, 128, 200, True)):
