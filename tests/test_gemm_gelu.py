@@ -144,6 +144,25 @@ def test_gemm_gelu_gradients_are_the_two_steps(approximate, device):
             assert torch.allclose(got, want, atol=atol, rtol=1e-4), (path, (got - want).abs().max())
 
 
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gemm_gelu_training_forward_writes_its_pre_activation(shape, approximate, path):
+    # The training forward's (y, pre): on split_fp16 with w's split made ahead and K whole, one kernel writes both
+    # (TMA stores); elsewhere the product, then the activation. Either way the bits of gemm_gelu and of the product.
+    x, w, b = operands(*SHAPES[shape])
+    x[-1, 5], x[0, 0] = float("inf"), float("nan")  # the fix-up writes pre too
+    for weight in (w, w.t().contiguous().t()):
+        poison_allocator((*x.shape[:-1], w.shape[0]), x.dtype, x.device)
+        with torch.no_grad(), forced_gemm_path(path):
+            y, pre = torch.ops.kernels._gemm_gelu_with_pre(x, weight, b, approximate)
+            expected_y = gemm_gelu(x, weight, b, approximate)
+            expected_pre = gemm_multiply_leaky_relu(x, weight, b, 1.0, 1.0)
+        torch.testing.assert_close(y, expected_y, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(pre, expected_pre, rtol=0, atol=0, equal_nan=True)
+
+
 def gelu_gradient(grad_y, pre, approximate):
     """The GELU's input gradient by the activation's own backward op, as the unfused layers' backward computes it."""
     if approximate == "tanh":

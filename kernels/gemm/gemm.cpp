@@ -185,6 +185,36 @@ void check_output_gradient(const char* op, const char* name, const at::Tensor& g
               shape_str(y_shape), ", got ", shape_str(grad_y.sizes()));
 }
 
+// gemm_gelu's training forward: (y, pre), pre = x @ weight^T + bias, the GELU's input its backward reads. Where the
+// split GEMM can write pre beside y from its epilogue (split_product_writes_pre), one kernel writes both; else the
+// product, then the activation's op.
+std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre(const at::Tensor& x, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>& bias,
+                                                      c10::string_view approximate,
+                                                      const std::optional<at::TensorList>& weight_split) {
+  check_gemm_arguments("_gemm_gelu_with_pre", x, weight, bias);
+  check_approximate(approximate);
+#ifdef KERNELS_WITH_CUDA
+  const Path path = choose_path(x, linear_shape(x, weight));
+  if (split_product_writes_pre(path, x, weight)) {
+    const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
+    std::vector<int64_t> out_shape = x.sizes().vec();
+    out_shape.back() = weight.size(0);
+    at::Tensor pre = at::empty(out_shape, x.options());
+    const Epilogue epilogue{1.0f, 1.0f, approximate == "tanh" ? Activation::kGeluTanh : Activation::kGeluErf,
+                            pre.mutable_data_ptr<float>()};
+    at::Tensor y = std::get<0>(split_fp16_gemm_multiply_leaky_relu(path, x, weight,
+                                                                   bias.has_value() ? *bias : at::Tensor(), epilogue,
+                                                                   /*return_mask=*/false,
+                                                                   w_split.has_value() ? &*w_split : nullptr));
+    return {y, pre};
+  }
+#endif
+  at::Tensor pre = std::get<0>(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0, /*return_mask=*/false,
+                                                        weight_split));
+  return {gelu_of(pre, approximate), pre};
+}
+
 // The gradients of gemm_multiply_leaky_relu, each where asked for (else empty): with grad_pre = leaky_relu'(pre) *
 // multiplier * grad_y (from `saved`: the output where slope >= 0, else the mask), product_gradients.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward(
@@ -293,6 +323,8 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("gemm_weight_split(Tensor x, Tensor weight) -> Tensor[]");
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+  m.def("_gemm_gelu_with_pre(Tensor x, Tensor weight, Tensor? bias, str approximate, Tensor[]? weight_split=None) "
+        "-> (Tensor, Tensor)");
   m.def("gemm_gelu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor pre, str approximate, bool x_grad, "
         "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_multiply_leaky_relu_path(Tensor x, Tensor weight) -> str");
@@ -318,6 +350,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.impl("gemm_gelu", &kernels::gemm::gemm_gelu);                                                 \
   m.impl("gemm_multiply_leaky_relu_backward", &kernels::gemm::gemm_multiply_leaky_relu_backward); \
   m.impl("gemm_gelu_backward", &kernels::gemm::gemm_gelu_backward);                               \
+  m.impl("_gemm_gelu_with_pre", &kernels::gemm::gemm_gelu_with_pre);                              \
   m.impl("_gemm_multiply_leaky_relu_path", &kernels::gemm::gemm_multiply_leaky_relu_path);                 \
   m.impl("_gemm_path_refusal", &kernels::gemm::gemm_path_refusal);                               \
   m.impl("_gemm_split_sweep", &kernels::gemm::gemm_split_sweep);                                   \

@@ -27,12 +27,16 @@ enum class Activation : std::int32_t {
   kGeluTanh,   // the tanh approximation, kernels/gelu_tanh's formula (gelu_tanh_math.h)
 };
 
-// The fused epilogue's parameters: y = activation((product + bias) * multiplier). The GELU activations are for
-// forwards whose gradient is not taken: no launcher writes a mask for them.
+// The fused epilogue's parameters: y = activation((product + bias) * multiplier). No launcher writes a mask for the
+// GELU activations. `pre`, where not null, gets the value before a GELU as well, (product + bias) * multiplier, dense
+// (m x n): a training forward's, for the GELU's backward. Only the Hopper kernel that reads w's split writes it
+// (launch_split_gemm_presplit_multiply_leaky_relu), with K whole and by TMA stores (split_gemm_writes_pre); the other
+// launchers return cudaErrorNotSupported for it.
 struct Epilogue {
   float multiplier = 1.0f;
   float negative_slope = 1.0f;
   Activation activation = Activation::kLeakyReLU;
+  float* pre = nullptr;
 };
 
 // Whether the epilogue leaves (product + bias) as it is: a plain linear layer's.
@@ -155,7 +159,8 @@ bool split_gemm_sm80_supported(int device, std::int64_t m, std::int64_t n, std::
 // launch_split_rows, w_exponent: the GEMM's w_flags) with eager's non-finite result (NaN, +inf or -inf) through the
 // same epilogue. x (m x k) and w (n x k) are the float32 operands the GEMM's were made from: element k of x's row i at
 // x[i * x_stride + k * x_element_stride], of w's row j at w[j * w_stride + k * w_element_stride] (element strides > 1
-// where an operand was given transposed). Reads only the flags where nothing is flagged.
+// where an operand was given transposed). Reads only the flags where nothing is flagged. Epilogue::pre, where given,
+// gets those outputs' values before the activation too.
 cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std::int64_t x_element_stride,
                                      const float* w, std::int64_t w_stride,
                                      std::int64_t w_element_stride, const std::int32_t* x_exponent,
@@ -169,6 +174,11 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
 cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
                                       std::int64_t m, std::int64_t n, Epilogue epilogue,
                                       cudaStream_t stream);
+
+// Whether launch_split_gemm_presplit_multiply_leaky_relu, with a GELU and K whole, writes Epilogue::pre for an output
+// of n columns: by TMA stores, for n % 4 == 0 (y and pre 16-byte aligned, as fresh allocations are; the launcher
+// checks), unless KERNELS_GEMM_PLAIN_STORES is set.
+bool split_gemm_writes_pre(std::int64_t n);
 
 // Whether launch_split_gemm_multiply_leaky_relu can run on `device` for this shape: an sm_90 GPU, the library
 // built for sm_90a, and a shape its TMA descriptors take (16-byte row strides of w: k % 4 == 0, or, where w comes

@@ -6,6 +6,7 @@ schemas in gemm.cpp:
   gemm_weight_split(x, weight) -> the weight's split for x's split path, made ahead ([] where that path takes none)
   gemm_multiply_leaky_relu_backward(grad_y, x, weight, saved, ...) -> (grad_x, grad_weight, grad_bias), empty if unasked
   gemm_gelu_backward(grad_y, x, weight, pre, approximate, ...) -> (grad_x, grad_weight, grad_bias), likewise
+  _gemm_gelu_with_pre(x, weight, bias, approximate, weight_split=None) -> (y, pre): gemm_gelu's training forward
 Underscored ops are for tests and tools: the path a call takes (_gemm_multiply_leaky_relu_path), why a fast path
 refuses inputs (_gemm_path_refusal), forcing a path or split_fp16's slices of K (_gemm_force_path,
 _gemm_force_k_slices; each returns the previous setting), _gemm_k_slices, _gemm_fp32_path_for_capability, one split
@@ -51,6 +52,11 @@ def _gemm_multiply_leaky_relu_backward_fake(grad_y, x, weight, saved, multiplier
             weight.new_empty((weight.shape[0],) if bias_grad else (0,)))
 
 
+def _gemm_gelu_with_pre_fake(x, weight, bias, approximate, weight_split=None):
+    y = _gemm_gelu_fake(x, weight, bias, approximate)
+    return y, torch.empty_like(y)
+
+
 def _gemm_gelu_backward_fake(grad_y, x, weight, pre, approximate, x_grad, weight_grad, bias_grad):
     _check_same_device(grad_y, x, weight, pre)
     return (x.new_empty(x.shape if x_grad else (0,)), weight.new_empty(weight.shape if weight_grad else (0,)),
@@ -83,12 +89,13 @@ def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slop
 
 
 def gemm_gelu(x, weight, bias=None, approximate="none", weight_split=None):
-    """F.gelu(x @ weight.T + bias) in one op: on a split path the GELU runs in the GEMM's epilogue and the
-    pre-activation is never written. approximate "none" is nn.GELU()'s function; "tanh" is gelu_tanh()'s formula (the
-    tanh approximation, rounded once). Where autograd records a gradient the op writes the pre-activation, then the
-    activation, and records one node, whose backward makes the GELU's gradient within the split of grad_x's operand
-    (gemm_gelu_backward); with forward-mode tangents it runs as its two steps. DTensors: the product shard by shard,
-    then the activation. weight_split as gemm_multiply_leaky_relu's."""
+    """F.gelu(x @ weight.T + bias) in one op: on a split path the GELU runs in the GEMM's epilogue and, without a
+    gradient, the pre-activation is never written. approximate "none" is nn.GELU()'s function; "tanh" is gelu_tanh()'s
+    formula (the tanh approximation, rounded once). Where autograd records a gradient the op writes the pre-activation
+    beside y (from the same epilogue where the split GEMM can: _gemm_gelu_with_pre) and records one node, whose
+    backward makes the GELU's gradient within the split of grad_x's operand (gemm_gelu_backward); with forward-mode
+    tangents it runs as its two steps. DTensors: the product shard by shard, then the activation. weight_split as
+    gemm_multiply_leaky_relu's."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and
             (bias is None or isinstance(bias, torch.Tensor))):
         raise TypeError("kernels.gemm_gelu: x, weight and bias must be torch.Tensors (bias may be None), "
@@ -625,6 +632,17 @@ def _backward_per_member(op, info, in_dims, tensors, *options):
     return tuple(torch.stack(g) for g in zip(*outputs)), (0, 0, 0)
 
 
+def _gemm_gelu_with_pre_vmap(info, in_dims, x, weight, bias, approximate, weight_split=None):
+    x_dim, weight_dim, bias_dim = in_dims[:3]
+    if weight_dim is None and bias_dim is None:  # more rows of x, one call
+        return torch.ops.kernels._gemm_gelu_with_pre(_batch_first(x, x_dim, info.batch_size), weight, bias,
+                                                     approximate, weight_split), (0, 0)
+    outputs = [torch.ops.kernels._gemm_gelu_with_pre(_member(x, x_dim, i), _member(weight, weight_dim, i),
+                                                     _member(bias, bias_dim, i), approximate)
+               for i in range(info.batch_size)]
+    return tuple(torch.stack(o) for o in zip(*outputs)), (0, 0)
+
+
 def _gemm_multiply_leaky_relu_backward_vmap(info, in_dims, grad_y, x, weight, saved, multiplier, negative_slope,
                                             x_grad, weight_grad, bias_grad):
     return _backward_per_member(torch.ops.kernels.gemm_multiply_leaky_relu_backward, info, in_dims,
@@ -643,6 +661,8 @@ def _register_fakes_and_batching_rules():
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_vmap)
     torch.library.register_fake("kernels::gemm_gelu", _gemm_gelu_fake)
     torch.library.register_vmap("kernels::gemm_gelu", _gemm_gelu_vmap)
+    torch.library.register_fake("kernels::_gemm_gelu_with_pre", _gemm_gelu_with_pre_fake)
+    torch.library.register_vmap("kernels::_gemm_gelu_with_pre", _gemm_gelu_with_pre_vmap)
     torch.library.register_fake("kernels::gemm_gelu_backward", _gemm_gelu_backward_fake)
     torch.library.register_vmap("kernels::gemm_gelu_backward", _gemm_gelu_backward_vmap)
 

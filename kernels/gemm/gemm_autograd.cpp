@@ -182,9 +182,9 @@ class GemmGeluGrad final : public torch::autograd::Node {
   std::string approximate_;
 };
 
-// gemm_gelu where a gradient can flow: the product and the activation below autograd (the pre-activation written,
-// then the activation's op), recorded as one GemmGeluGrad node. Where a tangent is given: its two steps, each recorded
-// by its own op (the product by gemm_multiply_leaky_relu's graph node, the activation by at::gelu's or
+// gemm_gelu where a gradient can flow: y and its pre-activation below autograd (_gemm_gelu_with_pre: one kernel where
+// the split GEMM writes both), recorded as one GemmGeluGrad node. Where a tangent is given: its two steps, each
+// recorded by its own op (the product by gemm_multiply_leaky_relu's graph node, the activation by at::gelu's or
 // kernels::gelu_tanh's), which set the tangents. Else the op below autograd (the activation in the GEMM's epilogue).
 at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, c10::string_view approximate,
@@ -202,13 +202,8 @@ at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, con
         gemm_multiply_leaky_relu_op().call(x, weight, bias, 1.0, 1.0, /*return_mask=*/false, weight_split));
     return gelu_of(pre, approximate);  // gemm.cpp
   }
-  at::Tensor pre, y;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    pre = std::get<0>(gemm_multiply_leaky_relu_op().redispatch(keys & c10::after_autograd_keyset, x, weight, bias,
-                                                                 1.0, 1.0, /*return_mask=*/false, weight_split));
-    y = gelu_of(pre, approximate);
-  }
+  auto [y, pre] = common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
+                                                    weight_split);
   common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, has_bias ? bias : std::nullopt, pre, approximate);
   node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
   torch::autograd::create_gradient_edge(y, std::move(node));

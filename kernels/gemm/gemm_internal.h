@@ -81,6 +81,7 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                         const WeightSplit* w_split = nullptr, const GeluBackwardRows* gelu_rows = nullptr);
 bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pre);
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k);
+bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& weight);
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias,

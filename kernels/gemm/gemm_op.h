@@ -53,6 +53,19 @@ inline const c10::TypedOperatorHandle<GemmMultiplyLeakyReLUBackward>& gemm_multi
   return op;
 }
 
+using GemmGeluWithPre = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& weight,
+                                                            const std::optional<at::Tensor>& bias,
+                                                            c10::string_view approximate,
+                                                            const std::optional<at::TensorList>& weight_split);
+
+// kernels::_gemm_gelu_with_pre (gemm_gelu's training forward: y and its pre-activation), looked up once.
+inline const c10::TypedOperatorHandle<GemmGeluWithPre>& gemm_gelu_with_pre_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kernels::_gemm_gelu_with_pre", "")
+                             .typed<GemmGeluWithPre>();
+  return op;
+}
+
 using GemmGeluBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre,
     c10::string_view approximate, bool x_grad, bool weight_grad, bool bias_grad);

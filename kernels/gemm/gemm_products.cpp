@@ -235,6 +235,15 @@ bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
   return path == Path::kSplitFp16 && m * k > n * k + m * n;
 }
 
+// Whether a GELU's forward on `path` writes its pre-activation beside y from the GEMM's epilogue (Epilogue::pre):
+// on split_fp16 with the weight as it is (a GELU's w split ahead: the kernel that reads the split), K whole, the
+// product not computed transposed, and TMA stores (split_gemm_writes_pre).
+bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t m = gemm_rows(x, weight), n = weight.size(0), k = weight.size(1);
+  return path == Path::kSplitFp16 && !is_transposed_weight(weight) && !split_product_transposed(path, m, n, k) &&
+         product_k_slices(x.device().index(), m, n, k) == 1 && split_gemm_writes_pre(n);
+}
+
 // The forward on a split path, with w's split made beforehand where w_split is not null (never for a transposed
 // product: gemm_weight_split makes none there). A transposed product holds w's split and y^T (4 bytes per element
 // each).

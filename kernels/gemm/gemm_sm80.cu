@@ -435,7 +435,7 @@ cudaError_t launch_split_gemm_sm80_multiply_leaky_relu(const void* x_hi, const v
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (!split_gemm_sm80_supported(device, m, n, k)) return cudaErrorNotSupported;
+  if (!split_gemm_sm80_supported(device, m, n, k) || epilogue.pre != nullptr) return cudaErrorNotSupported;
   for (const void* p : {x_hi, x_lo, w_hi, w_lo})
     if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return cudaErrorInvalidValue;
   if (reinterpret_cast<std::uintptr_t>(y) % 8 != 0) return cudaErrorInvalidValue;

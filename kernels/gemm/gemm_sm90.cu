@@ -39,10 +39,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
                   const __grid_constant__ CUtensorMap w_exponent_map, const __grid_constant__ CUtensorMap x_hi_map,
                   const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
-                  bool y_by_tma, const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
+                  const __grid_constant__ CUtensorMap pre_map, bool y_by_tma,
+                  const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
-                  int n, int k, Epilogue epilogue, int slices, int slice_chunks,
-                  int slice_rows) {
+                  int n, int k, Epilogue epilogue, int slices, int slice_chunks, int slice_rows) {
 #if KERNELS_SM90A_DEVICE
   using namespace sm90;
   extern __shared__ unsigned char shared_raw[];
@@ -80,8 +80,9 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   registers_increase<kConsumerRegisters>();
   const ConsumerThread thread(warpgroup, /*paired_rows=*/kTransposed);
   const std::uint32_t shared_base = smem_address(shared);
-  const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, x_exponent, w_flags, /*w_flags_set_only=*/slices > 1,
-                                             bias, y, positive, m, n, slice_rows, epilogue};
+  const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, epilogue.pre != nullptr ? &pre_map : nullptr,
+                                             x_exponent, w_flags, /*w_flags_set_only=*/slices > 1, bias, y, positive,
+                                             m, n, slice_rows, epilogue};
   float accumulator[64], total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) accumulator[i] = 0.0f;
@@ -101,9 +102,10 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
     int row_exponents[kOutBoxRows / 8];
     // The GELUs' epilogue loops are left out of the kernel that reads the float32 w untransposed and splits it in its
-    // registers (<false, false>: ptxas would spill there); launch_kernel gives it no GELU.
-    store_tile<kTransposed || kPresplit>(epilogue_arguments, thread, shared_base, tile_x, tile_w, slice, total,
-                                         non_finite, row_exponents);
+    // registers (<false, false>: ptxas would spill there), launch_kernel giving it no GELU; the pre-activation's
+    // stores out of both kernels that read the float32 w (ptxas would spill in <true, false>).
+    store_tile<kTransposed || kPresplit, kPresplit>(epilogue_arguments, thread, shared_base, tile_x, tile_w, slice,
+                                                    total, non_finite, row_exponents);
   }
   finish_stores(epilogue_arguments);
 #endif
@@ -182,10 +184,26 @@ int multiprocessor_count(int device) {
   }).value_or(0);
 }
 
-// What the launchers share: x's maps, y's (or the workspace's, where K is split), the kernel's choice and its launch,
-// and, where K is split, the sum of the slices into y. maps[0..2]: the w operand's (w, or w_hi, w_lo and the
-// exponents), made by the caller.
-cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool presplit, const void* x_hi,
+// Whether KERNELS_GEMM_PLAIN_STORES is set (not "" or "0"): y by plain stores even where TMA could store it.
+// compute-sanitizer's initcheck does not see TMA stores' writes (every later read of y is reported as uninitialized),
+// so `tools/device_check.py sanitize` runs it on the plain stores.
+bool plain_stores_forced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("KERNELS_GEMM_PLAIN_STORES");
+    return value != nullptr && value[0] != '\0' && value[0] != '0';
+  }();
+  return forced;
+}
+
+// Whether TMA stores an (n columns) output at `out`: rows 16-byte aligned (TMA's rule for strides and addresses).
+bool stores_by_tma(std::int64_t n, const float* out) {
+  return !plain_stores_forced() && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(out) % 16 == 0;
+}
+
+// What the launchers share: x's maps, y's (or the workspace's, where K is split) and the pre-activation's, the
+// kernel's choice and its launch, and, where K is split, the sum of the slices into y. maps[0..2]: the w operand's
+// (w, or w_hi, w_lo and the exponents), made by the caller.
+cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool presplit, const void* x_hi,
                           const void* x_lo, const std::int32_t* x_exponent, std::int32_t* w_flags, const float* bias,
                           float* y, std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
                           Epilogue epilogue, int device, cudaStream_t stream,
@@ -203,17 +221,15 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   // The kernel's outputs: y, or the slices' partials, slice after slice.
   float* const out = split ? k_slices.workspace : y;
   const std::int64_t out_rows = split ? k_slices.slices * k_slices.slice_rows : m;
-  // y through TMA stores where its rows are 16-byte aligned (TMA's rule for strides and addresses); plain stores
-  // else, or where KERNELS_GEMM_PLAIN_STORES is set (not "" or "0"): compute-sanitizer's initcheck does not see TMA
-  // stores' writes (every later read of y is reported as uninitialized), so `tools/device_check.py sanitize` runs it
-  // on the plain stores.
-  static const bool plain_stores = [] {
-    const char* value = std::getenv("KERNELS_GEMM_PLAIN_STORES");
-    return value != nullptr && value[0] != '\0' && value[0] != '0';
-  }();
-  const bool y_by_tma = !plain_stores && n % 4 == 0 && reinterpret_cast<std::uintptr_t>(out) % 16 == 0 &&
-                        make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, out_rows, n, n * 4,
-                                      kOutBoxRows);
+  // y through TMA stores where it can (stores_by_tma), else plain stores.
+  const bool y_by_tma = stores_by_tma(n, out) && make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out,
+                                                               out_rows, n, n * 4, kOutBoxRows);
+  // The pre-activation beside a GELU's output: by the kernel that reads w's split, with K whole, by TMA stores only.
+  if (epilogue.pre != nullptr &&
+      (!presplit || split || !y_by_tma || epilogue.activation == Activation::kLeakyReLU ||
+       !stores_by_tma(n, epilogue.pre) ||
+       !make_tile_map(&maps[6], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, epilogue.pre, m, n, n * 4, kOutBoxRows)))
+    return cudaErrorNotSupported;
   const auto kernel = presplit       ? split_gemm_kernel<false, true>
                       : w_transposed ? split_gemm_kernel<true, false>
                                      : split_gemm_kernel<false, false>;
@@ -233,7 +249,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[6], bool w_transposed, bool prespl
   const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
   // Where K is split the slices store plain partials, and the sum applies the epilogue.
   err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
-                         maps[1], maps[2], maps[3], maps[4], maps[5], y_by_tma, x_exponent, w_flags,
+                         maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], y_by_tma, x_exponent, w_flags,
                          split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
                          static_cast<int>(n), static_cast<int>(k), split ? Epilogue{} : epilogue,
                          k_slices.slices, slice_chunks,
@@ -291,6 +307,8 @@ bool device_runs_split_gemm(int device) {
 
 }  // namespace
 
+bool split_gemm_writes_pre(std::int64_t n) { return !plain_stores_forced() && n % 4 == 0; }
+
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k, bool w_transposed) {
   if (m <= 0 || n <= 0 || k <= 0 || (w_transposed ? n : k) % 4 != 0) return false;  // TMA: 16-byte rows of w
   if (m >= (std::int64_t{1} << 31) || n >= (std::int64_t{1} << 31) || k >= (std::int64_t{1} << 31) - kSplitChunk)
@@ -313,7 +331,7 @@ cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t
   if (!split_gemm_supported(device, m, n, k, w_transposed)) return cudaErrorNotSupported;
   if (w_stride % 4 != 0 || w_stride < (w_transposed ? n : k) || reinterpret_cast<std::uintptr_t>(w) % 16 != 0)
     return cudaErrorInvalidValue;
-  CUtensorMap maps[6] = {};
+  CUtensorMap maps[7] = {};
   const bool w_map = w_transposed
                          ? make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, k, n, w_stride * 4, kBlockK)
                          : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
@@ -336,7 +354,7 @@ cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::i
       reinterpret_cast<std::uintptr_t>(w_exponent) % 16 != 0)
     return cudaErrorInvalidValue;
   const std::int64_t row = split_row_length(k);
-  CUtensorMap maps[6] = {};
+  CUtensorMap maps[7] = {};
   if (!make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w_hi, n, row, row * 2, kBlockW) ||
       !make_tile_map(&maps[1], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, w_lo, n, row, row * 2, kBlockW) ||
       !make_exponent_map(&maps[2], w_exponent, row / kSplitChunk, n))
@@ -426,6 +444,7 @@ cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const 
                                       int k_slices, float* workspace, cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
+  if (split.slices > 1 && epilogue.pre != nullptr) return cudaErrorNotSupported;
   return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
                        epilogue, stream, split);
 }
@@ -437,6 +456,7 @@ cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_l
                                                float* workspace, cudaStream_t stream) {
   KSlices split;
   if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
+  if (split.slices > 1 && epilogue.pre != nullptr) return cudaErrorNotSupported;
   return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, epilogue,
                              stream, split);
 }

@@ -26,7 +26,8 @@ namespace {
 // The kernel's arguments that the epilogue reads (gemm.h, launch_split_gemm_multiply_leaky_relu).
 struct EpilogueArguments {
   const CUtensorMap* y_map;
-  bool y_by_tma;  // TMA stores through the staging buffers; plain stores else
+  bool y_by_tma;                // TMA stores through the staging buffers; plain stores else
+  const CUtensorMap* pre_map;   // a GELU's pre-activation (Epilogue::pre), stored before y by TMA; null: none
   const std::int32_t* x_exponent;
   std::int32_t* w_flags;  // null where w's split is given: its pass wrote the flags
   bool w_flags_set_only;  // K split: each slice sees part of w's rows, so flags are set (on zeros), never cleared
@@ -41,8 +42,9 @@ struct EpilogueArguments {
 // Writes the tile's outputs from this consumer thread's totals (ConsumerThread's layout) and, from the CTAs of x's
 // first tile, its rows' flags; `slice`: the unit's slice of K (0 where K is not split). shared_base is the CTA's
 // shared memory (its shared-window address); row_exponents holds the x exponents of the rows a thread makes outputs
-// of in one part, on the TMA path. kGelus: whether the GELU activations are compiled in (LeakyReLU's alone else).
-template <bool kGelus>
+// of in one part, on the TMA path. kGelus: whether the GELU activations are compiled in (LeakyReLU's alone else);
+// kPre: whether a GELU's pre-activation may be stored too (pre_map: the kernel that reads w's split).
+template <bool kGelus, bool kPre>
 __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, const ConsumerThread& thread,
                                            std::uint32_t shared_base, int tile_x, int tile_w, int slice,
                                            const float (&total)[64], const bool (&non_finite)[2],
@@ -130,6 +132,46 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
       // Each activation's loop compiled apart (with_activation): LeakyReLU's carries none of the GELUs' code.
       with_activation<kGelus>(epilogue.activation, [&](auto activation) {
         constexpr Activation kActivation = decltype(activation)::value;
+        if constexpr (kPre && kActivation != Activation::kLeakyReLU) {
+          if (arguments.pre_map != nullptr) {
+            // The part's pre-activations made in place and stored by TMA; once the stores have read the buffer,
+            // the GELU of each, in place, which the y stores below take.
+#pragma unroll 1
+            for (int i = 0; i < kOutBoxRows / 8; ++i) {
+              const std::uint32_t address = unit_address + i * 8 * 128;
+              const float4 totals = load_shared_float4(address);
+              const RowUnscale factors = row_unscale(row_exponents[0]);
+#pragma unroll
+              for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
+              const auto pre = [&](float total, int q) {
+                return pre_activation(unscale(total, factors), unit_bias[q], epilogue);
+              };
+              store_shared_float4(address, make_float4(pre(totals.x, 0), pre(totals.y, 1), pre(totals.z, 2),
+                                                       pre(totals.w, 3)));
+            }
+            fence_async_shared();
+            named_barrier_sync(kStagingBarrier + consumer, 128);
+            if (store_thread) {
+#pragma unroll
+              for (int b = 0; b < 2; ++b)
+                tma_store_2d(arguments.pre_map, staging + b * kOutBoxBytes,
+                             tile_w * kBlockW + consumer * 64 + b * kBoxK, tile_x * kBlockX + part * kOutBoxRows);
+              tma_store_commit();
+              tma_store_wait_read<0>();
+            }
+            named_barrier_sync(kStagingBarrier + consumer, 128);
+#pragma unroll 1
+            for (int i = 0; i < kOutBoxRows / 8; ++i) {
+              const std::uint32_t address = unit_address + i * 8 * 128;
+              const float4 v = load_shared_float4(address);
+              store_shared_float4(address, make_float4(activate<kActivation>(v.x, epilogue.negative_slope),
+                                                       activate<kActivation>(v.y, epilogue.negative_slope),
+                                                       activate<kActivation>(v.z, epilogue.negative_slope),
+                                                       activate<kActivation>(v.w, epilogue.negative_slope)));
+            }
+            return;
+          }
+        }
 #pragma unroll 1
         for (int i = 0; i < kOutBoxRows / 8; ++i) {
           const int row = part_row + 8 * i;

@@ -39,6 +39,7 @@ cudaError_t launch_nonfinite_outputs(const float* x, std::int64_t x_stride, std:
 cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias, float* y, std::uint8_t* positive,
                                       std::int64_t m, std::int64_t n, Epilogue epilogue,
                                       cudaStream_t stream) {
+  if (epilogue.pre != nullptr) return cudaErrorNotSupported;
   if (m <= 0 || n <= 0) return cudaSuccess;
   const std::int64_t tiles = ((m + kTransposeTile - 1) / kTransposeTile) * ((n + kTransposeTile - 1) / kTransposeTile);
   const unsigned blocks = static_cast<unsigned>(tiles < (1 << 20) ? tiles : (1 << 20));

@@ -72,9 +72,11 @@ nonfinite_outputs_kernel(const float* __restrict__ x, std::int64_t x_stride, std
         }
       }
       const std::int64_t i = x_row ? row : other, j = x_row ? other : row;
-      const Activated out = apply_epilogue_non_finite(sum, bias ? bias[j] : 0.0f, epilogue);  // sum is +-inf or NaN
+      const float b = bias ? bias[j] : 0.0f;
+      const Activated out = apply_epilogue_non_finite(sum, b, epilogue);  // sum is +-inf or NaN
       y[i * n + j] = out.value;
       if (positive) positive[i * n + j] = out.positive;
+      if (epilogue.pre) epilogue.pre[i * n + j] = pre_activation(sum, b, epilogue);
     }
     __syncthreads();  // count and positions are reused by the next flagged row
   }

@@ -151,9 +151,14 @@ __device__ __forceinline__ float gelu_backward(float grad, float v) {
   }
 }
 
+// v = (product + bias) * multiplier: the value the activation is applied to (Epilogue::pre's).
+__device__ __forceinline__ float pre_activation(float product, float bias, const Epilogue& epilogue) {
+  return (product + bias) * epilogue.multiplier;
+}
+
 template <Activation kActivation>
 __device__ __forceinline__ Activated apply_epilogue(float product, float bias, const Epilogue& epilogue) {
-  const float v = (product + bias) * epilogue.multiplier;
+  const float v = pre_activation(product, bias, epilogue);
   return {activate<kActivation>(v, epilogue.negative_slope), v > 0.0f};
 }
 
@@ -183,7 +188,7 @@ __device__ __forceinline__ void with_activation(Activation activation, Body&& bo
 __device__ __forceinline__ Activated apply_epilogue_non_finite(float product, float bias, const Epilogue& epilogue) {
   if (epilogue.activation == Activation::kLeakyReLU)
     return apply_epilogue<Activation::kLeakyReLU>(product, bias, epilogue);
-  const float v = (product + bias) * epilogue.multiplier;
+  const float v = pre_activation(product, bias, epilogue);
   return {v > 0.0f ? v : __int_as_float(0x7fffffff), v > 0.0f};
 }
 
