@@ -518,10 +518,12 @@ class SplitSweepCase:
 
 class GemmGeluCase:
     """gemm_gelu on one path: the op (both GELUs; a transposed weight view, as Conv1D's) and FusedLinear.forward_gelu
-    with the weight's split kept from its second call, against eager's nn.Linear then GELU at 1e-4."""
+    with the weight's split kept from its second call, against eager's nn.Linear then GELU at 1e-4; a training call's
+    gradients (its one node: the pre-activation written beside y, the GELU's gradient made in grad_x's row split)
+    against eager's at gradient_atol."""
 
     family = "gemm"
-    ops = {"gemm_gelu"}
+    ops = {"gemm_gelu", "_gemm_gelu_with_pre", "gemm_gelu_backward"}
 
     def __init__(self, path):
         self.path = path
@@ -549,19 +551,30 @@ class GemmGeluCase:
                        "transposed view": gemm_gelu(x, stored_transposed.t(), bias)}
             for _ in range(3):  # on a split path, the third call reads the split kept by the second
                 outputs["module, weight split kept"] = self.layer.forward_gelu(x)
+        with forced_gemm_path(self.path):
+            outputs.update(self.gradients(gemm_gelu, x))
         return outputs
+
+    def gradients(self, function, x):
+        leaf = x.clone().requires_grad_(True)
+        y = function(leaf, self.layer.weight, self.layer.bias)
+        grads = torch.autograd.grad(y, (leaf, self.layer.weight, self.layer.bias), torch.ones_like(y) / 7)
+        return {"training y": y.detach(), **{f"{name} grad": g for name, g in zip(("x", "weight", "bias"), grads)}}
 
     def eager(self, x):
         with torch.no_grad():
             product = F.linear(x, self.layer.weight, self.layer.bias)
             erf = F.gelu(product)
-            return {"erf": erf, "tanh": F.gelu(product, approximate="tanh"), "transposed view": erf,
-                    "module, weight split kept": erf}
+            outputs = {"erf": erf, "tanh": F.gelu(product, approximate="tanh"), "transposed view": erf,
+                       "module, weight split kept": erf}
+        outputs.update(self.gradients(lambda *a: F.gelu(F.linear(*a)), x))
+        return outputs
 
     def check(self, got, expected, inputs):
         tol = ALLCLOSE_TOLERANCE[torch.float32]
         for name in expected:
-            torch.testing.assert_close(got[name], expected[name], atol=tol, rtol=tol, msg=name)
+            atol = gradient_atol(expected[name]) if name.endswith("grad") else tol
+            torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=tol, msg=name)
 
 
 GEMM_CASES = [GemmCase(shape, multiplier, slope, path)

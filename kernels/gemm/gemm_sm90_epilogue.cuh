@@ -134,8 +134,8 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
         constexpr Activation kActivation = decltype(activation)::value;
         if constexpr (kPre && kActivation != Activation::kLeakyReLU) {
           if (arguments.pre_map != nullptr) {
-            // The part's pre-activations made in place and stored by TMA; once the stores have read the buffer,
-            // the GELU of each, in place, which the y stores below take.
+            // The part's pre-activations made in place and stored by TMA; their GELUs made into registers while
+            // the stores read the buffer, then written over it once they have, for the y stores below.
 #pragma unroll 1
             for (int i = 0; i < kOutBoxRows / 8; ++i) {
               const std::uint32_t address = unit_address + i * 8 * 128;
@@ -157,18 +157,20 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
                 tma_store_2d(arguments.pre_map, staging + b * kOutBoxBytes,
                              tile_w * kBlockW + consumer * 64 + b * kBoxK, tile_x * kBlockX + part * kOutBoxRows);
               tma_store_commit();
-              tma_store_wait_read<0>();
             }
-            named_barrier_sync(kStagingBarrier + consumer, 128);
-#pragma unroll 1
+            float4 out[kOutBoxRows / 8];
+#pragma unroll
             for (int i = 0; i < kOutBoxRows / 8; ++i) {
-              const std::uint32_t address = unit_address + i * 8 * 128;
-              const float4 v = load_shared_float4(address);
-              store_shared_float4(address, make_float4(activate<kActivation>(v.x, epilogue.negative_slope),
-                                                       activate<kActivation>(v.y, epilogue.negative_slope),
-                                                       activate<kActivation>(v.z, epilogue.negative_slope),
-                                                       activate<kActivation>(v.w, epilogue.negative_slope)));
+              const float4 v = load_shared_float4(unit_address + i * 8 * 128);
+              out[i] = make_float4(activate<kActivation>(v.x, epilogue.negative_slope),
+                                   activate<kActivation>(v.y, epilogue.negative_slope),
+                                   activate<kActivation>(v.z, epilogue.negative_slope),
+                                   activate<kActivation>(v.w, epilogue.negative_slope));
             }
+            if (store_thread) tma_store_wait_read<0>();
+            named_barrier_sync(kStagingBarrier + consumer, 128);
+#pragma unroll
+            for (int i = 0; i < kOutBoxRows / 8; ++i) store_shared_float4(unit_address + i * 8 * 128, out[i]);
             return;
           }
         }
