@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> product_gradients(const at::Tenso
       grad_weight = grad_pre.t().mm(x2);
     }
   }
-  if (bias_grad && !bias_done) grad_bias = column_sums(grad_pre);
+  if (bias_grad && !bias_done) grad_bias = grad_pre.sum(0);
   return {grad_x, grad_weight, grad_bias};
 }
 

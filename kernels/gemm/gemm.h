@@ -98,12 +98,6 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
                                  void* hi, void* lo, std::int32_t* exponent, float* column_sums, void* workspace,
                                  cudaStream_t stream);
 
-// launch_split_columns's column sums alone (no split): column_sums[c] gets column c's float32 sum, compensated and in
-// a fixed order, as there; src read once. For bias gradients whose weight gradient is not on a split path. workspace:
-// split_columns_workspace_bytes(rows, cols) bytes, as there.
-cudaError_t launch_column_sums(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                               float* column_sums, void* workspace, cudaStream_t stream);
-
 // The bytes of workspace launch_split_columns needs for a rows x cols matrix (about 1/32 of its float32 bytes).
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols);
 

@@ -295,28 +295,6 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
 }
 #endif
 
-// A matrix's column sums (a bias gradient whose weight gradient is not on a split path): on a GPU, float32 rows with
-// unit column stride from 2^20 elements on, launch_column_sums (the column split's compensated sums: more accurate
-// than at::sum, the same bits every run, one read); else at::sum.
-at::Tensor column_sums(const at::Tensor& t) {
-#ifdef KERNELS_WITH_CUDA
-  const int64_t rows = t.size(0), cols = t.size(1);
-  if (t.is_cuda() && t.scalar_type() == at::kFloat && t.stride(1) == 1 && t.stride(0) >= cols &&
-      rows * cols >= (int64_t{1} << 20)) {
-    const c10::cuda::CUDAGuard guard(t.device());
-    at::Tensor sums = at::empty({cols}, t.options());
-    const at::Tensor workspace =
-        at::empty({split_columns_workspace_bytes(rows, cols)}, t.options().dtype(at::kByte));
-    check_launch(launch_column_sums(t.const_data_ptr<float>(), rows, cols, t.stride(0), sums.mutable_data_ptr<float>(),
-                                    workspace.mutable_data_ptr(),
-                                    c10::cuda::getCurrentCUDAStream(t.device().index()).stream()),
-                 "column sums");
-    return sums;
-  }
-#endif
-  return t.sum(0);
-}
-
 // The slices of K a product (m x n, reduction k) on split_fp16 takes on the current GPU (product_k_slices); 1
 // without CUDA. For tests and tools.
 int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
@@ -339,16 +317,14 @@ int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
 //   "rows", "rows_natural": launch_split_rows of src (x's split; split_position's order or k's) -> hi, lo, exponent;
 //   "rows_read_twice", "rows_natural_read_twice": the same by the generic kernels for rows not held in registers
 //   "columns": launch_split_columns of src (grad_pre's for grad_W) -> hi, lo, exponent, column sums
-//   "column_sums": launch_column_sums of src -> column sums
 //   "chunks", "chunks_natural": launch_split_chunks of src as w (n x k) -> hi, lo, chunk exponents, row flags
 //   "chunks_transposed": launch_split_chunks of w given as its transpose (src k x n) -> the same
 std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep) {
   static const char* const kSweeps[] = {"rows", "rows_natural", "rows_read_twice", "rows_natural_read_twice",
-                                        "columns", "column_sums", "chunks", "chunks_natural", "chunks_transposed"};
+                                        "columns", "chunks", "chunks_natural", "chunks_transposed"};
   TORCH_CHECK(std::find(std::begin(kSweeps), std::end(kSweeps), sweep) != std::end(kSweeps),
               "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, rows_read_twice, "
-              "rows_natural_read_twice, columns, column_sums, chunks, chunks_natural, chunks_transposed, got '", sweep,
-              "'");
+              "rows_natural_read_twice, columns, chunks, chunks_natural, chunks_transposed, got '", sweep, "'");
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
               "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
               "-D ", std::string(c10::toString(src.scalar_type())), " tensor");
@@ -361,16 +337,6 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
   const auto half = src.options().dtype(at::kHalf);
   const auto int32 = src.options().dtype(at::kInt);
-  if (sweep == "column_sums") {
-    const at::Tensor s = src.stride(1) == 1 ? src : src.contiguous();
-    at::Tensor sums = at::empty({s.size(1)}, src.options());
-    const at::Tensor workspace =
-        at::empty({split_columns_workspace_bytes(s.size(0), s.size(1))}, src.options().dtype(at::kByte));
-    check_launch(launch_column_sums(s.const_data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
-                                    sums.mutable_data_ptr<float>(), workspace.mutable_data_ptr(), stream),
-                 "column sums");
-    return {sums};
-  }
   if (sweep.rfind("rows", 0) == 0 || sweep == "columns") {
     const at::Tensor s = src.stride(1) == 1 ? src : src.contiguous();  // as split_fp16_product gives it
     const bool columns = sweep == "columns";

@@ -47,25 +47,6 @@ cudaError_t launch_transposed_epilogue(const float* product_t, const float* bias
                           bias, y, positive, m, n, epilogue);
 }
 
-cudaError_t launch_column_sums(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                               float* column_sums, void* workspace, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return cudaSuccess;
-  const ColumnSplitLayout layout = column_split_layout(rows, cols);
-  const std::int64_t items = layout.tiles * layout.slabs;
-  if (items + layout.tiles > 0x7fffffff || reinterpret_cast<std::uintptr_t>(workspace) % 16 != 0 ||
-      column_sums == nullptr)
-    return cudaErrorInvalidValue;
-  cudaError_t err = cudaMemsetAsync(workspace, 0, layout.counters_bytes, stream);
-  if (err != cudaSuccess) return err;
-  const bool aligned =
-      cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
-  const auto kernel = aligned ? split_columns_kernel<true, false> : split_columns_kernel<false, false>;
-  return launch_dependent(kernel, dim3(static_cast<unsigned>(items + layout.tiles)), dim3(kColumnTileThreads), 0,
-                          stream, src, rows, cols, row_stride, static_cast<__half*>(nullptr),
-                          static_cast<__half*>(nullptr), static_cast<std::int32_t*>(nullptr), column_sums,
-                          static_cast<unsigned char*>(workspace), std::int64_t{0});
-}
-
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols) {
   if (rows <= 0 || cols <= 0) return 0;
   return column_split_layout(rows, cols).bytes;

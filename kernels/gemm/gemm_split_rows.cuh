@@ -431,8 +431,7 @@ __device__ __forceinline__ unsigned arrived(const unsigned* counter) {
   return value;
 }
 
-// kSplit false (launch_column_sums): the A items, then one item per column tile that adds its slab sums; no split.
-template <bool kAligned, bool kSplit = true>
+template <bool kAligned>
 __global__ void __launch_bounds__(kColumnTileThreads)
 split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                      __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
@@ -452,32 +451,23 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   unsigned* const bad = reinterpret_cast<unsigned*>(workspace + layout.bad_offset);
   float2* const sums = reinterpret_cast<float2*>(workspace + layout.sums_offset);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t items = layout.tiles * layout.slabs;
-  const ColumnItem item = kSplit ? column_item(blockIdx.x, items, lag)
-                                 : blockIdx.x < items ? ColumnItem{false, blockIdx.x}
-                                                      : ColumnItem{true, (blockIdx.x - items) * layout.slabs};
+  const ColumnItem item = column_item(blockIdx.x, layout.tiles * layout.slabs, lag);
   const std::int64_t tile = item.index / layout.slabs, slab = item.index % layout.slabs;
   const std::int64_t first_column = tile * kColumnTileColumns, first_row = slab * kColumnTileRows;
 
   if (item.split) {
-    if constexpr (kSplit) {
-      const ColumnTile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
-      if (threadIdx.x == 0)
-        while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
-      __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A blocks' writes
-      PowerOfTwo scale[4];
+    const ColumnTile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
+    if (threadIdx.x == 0)
+      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
+    __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A blocks' writes
+    PowerOfTwo scale[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        scale[e] = power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + 4 * lane + e))));
-      stage_split(values, scale, shared.stage);
-      __syncthreads();
-      store_tile(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
-      if (slab != 0) return;
-    } else {
-      if (threadIdx.x == 0)
-        while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
-      __syncthreads();  // as above
-    }
+    for (int e = 0; e < 4; ++e)
+      scale[e] = power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + 4 * lane + e))));
+    stage_split(values, scale, shared.stage);
+    __syncthreads();
+    store_tile(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
+    if (slab != 0) return;
 
     // The tile's first B block: each column's slab sums added in slab order, in two halves, then the halves in order.
     const int column_in_tile = threadIdx.x % kColumnTileColumns, half = threadIdx.x / kColumnTileColumns;
@@ -492,10 +482,8 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
     const std::int64_t column = first_column + column_in_tile;
     if (half == 0 && column < cols) {
       add(sum, half_sums[column_in_tile]);
-      if constexpr (kSplit) {
-        const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
-        exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
-      }
+      const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
+      exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
       // An inf or NaN total is IEEE's, as the plain sums'.
       if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;
     }
