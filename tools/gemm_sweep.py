@@ -281,6 +281,37 @@ def gelu(args):
               flush=True)
 
 
+def gelu_training(args):
+    """An MLP's first layer and its GELU while training, at GELU_SHAPES' nn.Linear sizes: the forward that keeps the
+    GELU's input (the product then F.gelu, against _gemm_gelu_with_pre: the pre-activation written by the GEMM's
+    epilogue) and the backward (eager's gelu_backward then the product's gradients, against gemm_gelu_backward: the
+    GELU's gradient made by grad_x's row split): median times and their ratio."""
+    from kernels.functional import gemm_multiply_leaky_relu
+    from kernels.timing import time_each_ms
+
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    print(f"{'m':>6} {'k':>5} {'n':>5} {'forward: two':>12} {'one':>7} {'ratio':>6} {'backward: two':>13} {'one':>7} "
+          f"{'ratio':>6}")
+    for m, k, n, transposed in GELU_SHAPES:
+        if transposed:  # GPT-2's tanh GELU stays two ops (kernels/gemm/NOTES.md)
+            continue
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda")
+        weight, bias = torch.randn(n, k, device="cuda") / k ** 0.5, torch.randn(n, device="cuda")
+        grad = torch.randn(m, n, device="cuda")
+        none = torch.empty(0, device="cuda")
+        with torch.no_grad():
+            pre = gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
+            calls = [lambda: F.gelu(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)),
+                     lambda: torch.ops.kernels._gemm_gelu_with_pre(x, weight, bias, "none"),
+                     lambda: backward(torch.ops.aten.gelu_backward(grad, pre), x, weight, none, 1.0, 1.0, True, True,
+                                      True),
+                     lambda: torch.ops.kernels.gemm_gelu_backward(grad, x, weight, pre, "none", True, True, True)]
+            times = time_each_ms(calls)
+        print(f"{m:>6} {k:>5} {n:>5} {times[0]:12.4f} {times[1]:7.4f} {times[0] / times[1]:5.3f}x {times[2]:13.4f} "
+              f"{times[3]:7.4f} {times[2] / times[3]:5.3f}x", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -303,6 +334,7 @@ def main():
     add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
     add("gelu", gelu, "an MLP's first layer and GELU without a gradient: eager, two ops, gemm_gelu")
+    add("gelu-training", gelu_training, "an MLP's first layer and GELU while training: two steps against one op each")
     sub = add("variants", variants, "versions of kernel files, each built in a copy of the repository, timed")
     sub.add_argument("--file", required=True, action="append", help="a file the versions replace (repo-relative)")
     sub.add_argument("--command", help="run in each copy instead of this tool at the problem's size")
