@@ -23,6 +23,29 @@
 namespace kernels::gemm {
 namespace {
 
+// The gradients the backward op returned (empty where not asked for) as a node's outputs 0, 1, 2 (x, w, b).
+torch::autograd::variable_list node_outputs(std::tuple<at::Tensor, at::Tensor, at::Tensor>&& grads, bool x_grad,
+                                            bool weight_grad, bool bias_grad) {
+  torch::autograd::variable_list grad_inputs(3);
+  if (x_grad) grad_inputs[0] = std::move(std::get<0>(grads));
+  if (weight_grad) grad_inputs[1] = std::move(std::get<1>(grads));
+  if (bias_grad) grad_inputs[2] = std::move(std::get<2>(grads));
+  return grad_inputs;
+}
+
+// A double backward's gradients of a product from its pre-activation gradient, by differentiable ops (so that the
+// backward has a backward of its own), as a node's outputs 0, 1, 2 (x, w, b) where asked for.
+torch::autograd::variable_list differentiable_product_gradients(const at::Tensor& grad_pre_in, const at::Tensor& x,
+                                                                const at::Tensor& weight, bool x_grad,
+                                                                bool weight_grad, bool bias_grad) {
+  torch::autograd::variable_list grad_inputs(3);
+  const at::Tensor grad_pre = grad_pre_in.reshape({-1, weight.size(0)});
+  if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
+  if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
+  if (bias_grad) grad_inputs[2] = grad_pre.sum(0);
+  return grad_inputs;
+}
+
 // The gradients of y = leaky_relu((x w^T + b) * multiplier) for x, w and b (the node's outputs 0, 1, 2), from
 // `saved`: y itself where the slope is >= 0 (its sign test is the pre-activation's), else the forward's mask.
 class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
@@ -37,32 +60,24 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    torch::autograd::variable_list grad_inputs(3);
     const at::Tensor& grad_y = grads[0];
-    if (!grad_y.defined()) return grad_inputs;
+    if (!grad_y.defined()) return torch::autograd::variable_list(3);
     const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
                bias_grad = should_compute_output(2);
     const at::Tensor x = x_.unpack(), weight = weight_.unpack(), saved = saved_.unpack();
     if (!c10::GradMode::is_enabled()) {
       // No graph of the backward wanted: one op, which takes the split_fp16 path for each product where the
       // forward would.
-      auto [grad_x, grad_weight, grad_bias] = gemm_multiply_leaky_relu_backward_op().call(
-          grad_y, x, weight, saved, multiplier_, negative_slope_, x_grad, weight_grad, bias_grad);
-      if (x_grad) grad_inputs[0] = std::move(grad_x);
-      if (weight_grad) grad_inputs[1] = std::move(grad_weight);
-      if (bias_grad) grad_inputs[2] = std::move(grad_bias);
-      return grad_inputs;
+      return node_outputs(gemm_multiply_leaky_relu_backward_op().call(grad_y, x, weight, saved, multiplier_,
+                                                                      negative_slope_, x_grad, weight_grad,
+                                                                      bias_grad),
+                          x_grad, weight_grad, bias_grad);
     }
-    // A double backward: differentiable ops, so that the backward has a backward of its own.
-    const at::Tensor grad_pre = (is_identity_epilogue(multiplier_, negative_slope_)
-                                     ? grad_y
-                                     : leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope_,
-                                                                                multiplier_))
-                                    .reshape({-1, weight.size(0)});
-    if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
-    if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
-    if (bias_grad) grad_inputs[2] = grad_pre.sum(0);
-    return grad_inputs;
+    const at::Tensor grad_pre =
+        is_identity_epilogue(multiplier_, negative_slope_)
+            ? grad_y
+            : leaky_relu::leaky_relu_backward_op().call(grad_y, saved, negative_slope_, multiplier_);
+    return differentiable_product_gradients(grad_pre, x, weight, x_grad, weight_grad, bias_grad);
   }
 
   std::string name() const override { return "kernels::GemmMultiplyLeakyReLUBackward"; }
@@ -141,30 +156,22 @@ class GemmGeluGrad final : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    torch::autograd::variable_list grad_inputs(3);
     const at::Tensor& grad_y = grads[0];
-    if (!grad_y.defined()) return grad_inputs;
+    if (!grad_y.defined()) return torch::autograd::variable_list(3);
     const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
                bias_grad = should_compute_output(2);
     const at::Tensor x = x_.unpack(), weight = weight_.unpack();
     if (!c10::GradMode::is_enabled()) {
-      auto [grad_x, grad_weight, grad_bias] = gemm_gelu_backward_op().call(
-          grad_y, x, weight, pre_.unpack(), approximate_, x_grad, weight_grad, bias_grad);
-      if (x_grad) grad_inputs[0] = std::move(grad_x);
-      if (weight_grad) grad_inputs[1] = std::move(grad_weight);
-      if (bias_grad) grad_inputs[2] = std::move(grad_bias);
-      return grad_inputs;
+      return node_outputs(gemm_gelu_backward_op().call(grad_y, x, weight, pre_.unpack(), approximate_, x_grad,
+                                                       weight_grad, bias_grad),
+                          x_grad, weight_grad, bias_grad);
     }
-    // A double backward: the pre-activation made again by the recorded product (the GELU's gradient depends on it),
-    // then differentiable ops, so that the backward has a backward of its own.
+    // A double backward: the pre-activation made again by the recorded product (the GELU's gradient depends on it).
     const at::Tensor bias = bias_.unpack();
     const at::Tensor pre = std::get<0>(gemm_multiply_leaky_relu_op().call(
         x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 1.0, 1.0, false, std::nullopt));
-    const at::Tensor grad_pre = gelu_backward_of(grad_y, pre, approximate_).reshape({-1, weight.size(0)});  // gemm.cpp
-    if (x_grad) grad_inputs[0] = grad_pre.mm(weight).reshape(x.sizes());
-    if (weight_grad) grad_inputs[1] = grad_pre.t().mm(x.reshape({-1, weight.size(1)}));
-    if (bias_grad) grad_inputs[2] = grad_pre.sum(0);
-    return grad_inputs;
+    return differentiable_product_gradients(gelu_backward_of(grad_y, pre, approximate_), x, weight, x_grad,  // gemm.cpp
+                                            weight_grad, bias_grad);
   }
 
   std::string name() const override { return "kernels::GemmGeluBackward"; }
