@@ -157,6 +157,12 @@ __host__ __device__ constexpr bool backward_stages_rows() {
   return sizeof(Pack<T, kWidth>) == 16;
 }
 
+// The rows the backward stages per row group: x's and g's, and with kAddGrad the residual gradient's.
+template <bool kAddGrad>
+__host__ __device__ constexpr int backward_staged_rows() {
+  return kAddGrad ? 3 : 2;
+}
+
 // With kAddGrad, grad_residual (the gradient x receives through its other uses: a residual connection) is added to
 // each grad_x in double before the one rounding.
 template <typename T, int kWidth, int kPacks, int kGroup, bool kAddGrad>
@@ -176,7 +182,7 @@ layer_norm_backward_kernel(const T* __restrict__ grad_y, const T* __restrict__ x
   // Staged rows, after the sums: each thread copies its own packs of its group's next row (x, then g, then the
   // residual's gradient) while this row is computed, and reads them back itself, so no barrier guards them.
   constexpr bool kStaged = backward_stages_rows<T, kWidth>() && KERNELS_SM80_DEVICE;
-  constexpr int kStagedRows = kAddGrad ? 3 : 2;
+  constexpr int kStagedRows = backward_staged_rows<kAddGrad>();
   P* const staged = reinterpret_cast<P*>(parameter_grads + R::kRows * columns) + R::group() * kStagedRows * packs;
   const auto stage = [&](std::int64_t row) {
     if constexpr (kStaged) {
@@ -349,7 +355,7 @@ bool backward_stages_rows_on(int device) {
 // and where it stages rows, x's and g's of each (and the residual gradient's); at most kMaxElements a thread.
 template <typename T, int kGroup, bool kAddGrad>
 std::size_t backward_shared_bytes(std::int64_t columns, bool staged) {
-  const std::size_t per_column = sizeof(double2) + (staged ? (kAddGrad ? 3 : 2) * sizeof(T) : 0);
+  const std::size_t per_column = sizeof(double2) + (staged ? backward_staged_rows<kAddGrad>() * sizeof(T) : 0);
   return static_cast<std::size_t>(Rows<kGroup>::kRows * columns) * per_column;
 }
 constexpr std::size_t kBackwardMostSharedBytes =
