@@ -223,7 +223,8 @@ def test_gemm_gelu_backward_against_its_two_steps_and_float64(shape, approximate
     x, w, b = operands(m, k, n)
     grad_y = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).cuda()
     check_gelu_backward(x, w, b, grad_y, approximate, path)
-    # grad_y as autograd may hand it over: a view at an offset, an expanded scalar (the two steps take those).
+    # grad_y as autograd may hand it over: a view at an offset (the row split reads it where its rows stay 16-byte
+    # aligned), an expanded scalar (the two steps take it).
     check_gelu_backward(x, w, None, torch.randn(m, n + 4, device="cuda")[:, 4:], approximate, path)
     check_gelu_backward(x, w, b, torch.ones((), device="cuda").expand(m, n), approximate, path)
 
@@ -256,13 +257,39 @@ def test_gemm_gelu_records_one_node_whose_backward_is_the_fused_op(path):
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events:UserWarning")  # torch's notice, once per process
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_a_training_call_runs_no_gelu_pass_of_its_own(approximate):
+    # On split_fp16 the forward's GEMM writes the GELU's input beside y and the backward's row split makes the GELU's
+    # gradient: no GELU kernel runs apart, forward or backward (the two-step fallback would pass every other test).
+    x, w, b = (t.requires_grad_() for t in operands(300, 136, 200))
+    grad = torch.randn(300, 200, device="cuda")
+    with forced_gemm_path("split_fp16"), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        gemm_gelu(x, w, b, approximate).backward(grad)
+        torch.cuda.synchronize()
+    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("GeluBackwardRows" in name for name in kernels), kernels
+    assert not any("gelu" in name.lower() and "GeluBackwardRows" not in name for name in kernels), kernels
+
+
 @pytest.mark.parametrize("approximate", APPROXIMATIONS)
 def test_gemm_gelu_gradients_of_every_order_and_forward_mode(approximate):
-    # float64 on the CPU: the double backward makes the pre-activation again with its graph.
+    # float64 on the CPU: the double backward gives the saved pre-activation the product's graph.
     x, w, b = (t.double().requires_grad_() for t in operands(5, 4, 3, device="cpu"))
     function = lambda *a: gemm_gelu(*a, approximate=approximate)
     assert torch.autograd.gradcheck(function, (x, w, b), check_batched_grad=True)
     assert torch.autograd.gradgradcheck(function, (x, w, b))
+    hessian = torch.autograd.functional.hessian(lambda t: function(t, w, b).sum(), x)
+    expected = torch.autograd.functional.hessian(lambda t: unfused(t, w, b, approximate).sum(), x)
+    torch.testing.assert_close(hessian, expected)
+    # As eager: the bias edited in place between the forward and a backward that records a graph (nothing of it saved).
+    y = gemm_gelu(x, w, b, approximate)
+    with torch.no_grad():
+        b.add_(1.0)
+    (grad_x,) = torch.autograd.grad(y.sum(), (x,), create_graph=True)
+    grad_x.sum().backward()
     assert torch.autograd.gradcheck(function, (x, w, b), check_forward_ad=True, check_backward_ad=False,
                                     check_undefined_grad=False, check_batched_grad=False)
 
@@ -277,7 +304,7 @@ def test_gemm_gelu_backward_bad_inputs(device):
         backward(grad, x, w, pre[:3], "none", True, True, True)
     with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh'"):
         backward(grad, x, w, pre, "exact", True, True, True)
-    with pytest.raises(RuntimeError, match="pre"):
+    with pytest.raises(RuntimeError, match="gemm_gelu_backward.*pre"):
         backward(grad, x, w, pre.double(), "none", True, True, True)
 
 

@@ -142,15 +142,13 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
 }
 
 // The gradients of y = gelu(pre), pre = x w^T + b, for x, w and b (the node's outputs 0, 1, 2), from the saved
-// pre-activation (eager's GELU node saves the same tensor; the product's node, x and w). One node instead of the
+// pre-activation (eager's GELU node saves the same tensor; the product's node, x and w; nothing of b). One node instead of the
 // product's and the activation's: its backward op makes the GELU's input gradient within grad_x's split pass.
 class GemmGeluGrad final : public torch::autograd::Node {
  public:
-  GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-               const at::Tensor& pre, c10::string_view approximate)
+  GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre, c10::string_view approximate)
       : x_(x, /*is_output=*/false),
         weight_(weight, /*is_output=*/false),
-        bias_(bias.has_value() ? *bias : at::Tensor(), /*is_output=*/false),
         pre_(pre, /*is_output=*/false),
         approximate_(approximate) {}
 
@@ -166,10 +164,14 @@ class GemmGeluGrad final : public torch::autograd::Node {
                                                        weight_grad, bias_grad),
                           x_grad, weight_grad, bias_grad);
     }
-    // A double backward: the pre-activation made again by the recorded product (the GELU's gradient depends on it).
-    const at::Tensor bias = bias_.unpack();
-    const at::Tensor pre = std::get<0>(gemm_multiply_leaky_relu_op().call(
-        x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 1.0, 1.0, false, std::nullopt));
+    // A double backward: the GELU's gradient depends on the pre-activation, so the saved one (an alias of it) gets the
+    // product's graph, a product node on this node's own edges to x, w and b, as eager's GELU node reads the
+    // pre-activation its linear node made; no product is computed again.
+    at::Tensor pre = pre_.unpack().detach();
+    common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, at::empty({0}, pre.options()),
+                                                                           1.0, 1.0);
+    product->set_next_edges(torch::autograd::edge_list(next_edges()));
+    torch::autograd::create_gradient_edge(pre, std::move(product));
     return differentiable_product_gradients(gelu_backward_of(grad_y, pre, approximate_), x, weight, x_grad,  // gemm.cpp
                                             weight_grad, bias_grad);
   }
@@ -180,12 +182,11 @@ class GemmGeluGrad final : public torch::autograd::Node {
     std::lock_guard<std::mutex> lock(mutex_);
     x_.reset_data();
     weight_.reset_data();
-    bias_.reset_data();
     pre_.reset_data();
   }
 
  private:
-  torch::autograd::SavedVariable x_, weight_, bias_, pre_;
+  torch::autograd::SavedVariable x_, weight_, pre_;
   std::string approximate_;
 };
 
@@ -211,7 +212,7 @@ at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, con
   }
   auto [y, pre] = common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
                                                     weight_split);
-  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, has_bias ? bias : std::nullopt, pre, approximate);
+  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, pre, approximate);
   node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
   torch::autograd::create_gradient_edge(y, std::move(node));
   return y;

@@ -91,14 +91,21 @@ def gemm_cases():
         eager = torch.autograd.grad(F.linear(x, weight, bias) * -2.0, (x, weight, bias), grad)
         for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
             check(f"gemm backward {path} grad {name}", got, expected)
-        # gemm_gelu's backward: the GELU's gradient made by grad_x's row split (both forms).
+        # gemm_gelu while training, both forms: the GELU's gradient made by grad_x's row split; at 300 x 136 -> 200
+        # (not computed transposed) the Hopper kernel writes the GELU's input beside y from its epilogue.
+        m, k, n = 300, 136, 200
+        x_gelu = torch.randn(m, k, device="cuda", requires_grad=True)
+        weight_gelu = (torch.randn(n, k, device="cuda") / k ** 0.5).requires_grad_(True)
+        bias_gelu = torch.randn(n, device="cuda", requires_grad=True)
+        grad_gelu = torch.randn(m, n, device="cuda")
         for approximate in ("none", "tanh"):
-            with forced_gemm_path(path):
-                ours = torch.autograd.grad(gemm_gelu(x, weight, bias, approximate), (x, weight, bias), grad)
-            eager = torch.autograd.grad(F.gelu(F.linear(x, weight, bias), approximate=approximate),
-                                        (x, weight, bias), grad)
-            for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
-                check(f"gemm_gelu backward {approximate} {path} grad {name}", got, expected)
+            for inputs, g in (((x, weight, bias), grad), ((x_gelu, weight_gelu, bias_gelu), grad_gelu)):
+                with forced_gemm_path(path):
+                    ours = torch.autograd.grad(gemm_gelu(*inputs, approximate), inputs, g)
+                eager = torch.autograd.grad(F.gelu(F.linear(*inputs), approximate=approximate), inputs, g)
+                for name, got, expected in zip(("x", "weight", "bias"), ours, eager):
+                    check(f"gemm_gelu backward {approximate} {path} {inputs[0].shape[0]} rows grad {name}", got,
+                          expected)
         # Plain products (the identity epilogue), forward and backward: grad_W over a long reduction (split into
         # slices of K), a reduction of odd length (grad_y's rows not 16-byte aligned), a transposed weight view.
         for m, k, n, transposed in ((2048, 256, 256, False), (136, 96, 1001, False), (136, 128, 200, True)):
