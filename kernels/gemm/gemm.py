@@ -615,14 +615,22 @@ def _gemm_multiply_leaky_relu_vmap(info, in_dims, x, weight, bias, multiplier, n
     return (y, torch.stack([m for _, m in outputs]) if return_mask else outputs[0][1]), (0, 0 if return_mask else None)
 
 
-def _gemm_gelu_vmap(info, in_dims, x, weight, bias, approximate, weight_split=None):
+def _per_weight_member(op, info, in_dims, x, weight, bias, *options, weight_split=None):
+    """op(x, weight, bias, *options) over a batch: one call on more rows of x where the weight and the bias have no
+    batch dimension (with the weight's split, if given), else one call per member; its outputs stacked."""
     x_dim, weight_dim, bias_dim = in_dims[:3]
-    if weight_dim is None and bias_dim is None:  # more rows of x, one call
-        return torch.ops.kernels.gemm_gelu(_batch_first(x, x_dim, info.batch_size), weight, bias, approximate,
-                                           weight_split), 0
-    return torch.stack([torch.ops.kernels.gemm_gelu(_member(x, x_dim, i), _member(weight, weight_dim, i),
-                                                    _member(bias, bias_dim, i), approximate)
-                        for i in range(info.batch_size)]), 0
+    if weight_dim is None and bias_dim is None:
+        return op(_batch_first(x, x_dim, info.batch_size), weight, bias, *options, weight_split)
+    outputs = [op(_member(x, x_dim, i), _member(weight, weight_dim, i), _member(bias, bias_dim, i), *options)
+               for i in range(info.batch_size)]
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.stack(outputs)
+    return tuple(torch.stack(o) for o in zip(*outputs))
+
+
+def _gemm_gelu_vmap(info, in_dims, x, weight, bias, approximate, weight_split=None):
+    return _per_weight_member(torch.ops.kernels.gemm_gelu, info, in_dims, x, weight, bias, approximate,
+                              weight_split=weight_split), 0
 
 
 def _backward_per_member(op, info, in_dims, tensors, *options):
@@ -633,14 +641,8 @@ def _backward_per_member(op, info, in_dims, tensors, *options):
 
 
 def _gemm_gelu_with_pre_vmap(info, in_dims, x, weight, bias, approximate, weight_split=None):
-    x_dim, weight_dim, bias_dim = in_dims[:3]
-    if weight_dim is None and bias_dim is None:  # more rows of x, one call
-        return torch.ops.kernels._gemm_gelu_with_pre(_batch_first(x, x_dim, info.batch_size), weight, bias,
-                                                     approximate, weight_split), (0, 0)
-    outputs = [torch.ops.kernels._gemm_gelu_with_pre(_member(x, x_dim, i), _member(weight, weight_dim, i),
-                                                     _member(bias, bias_dim, i), approximate)
-               for i in range(info.batch_size)]
-    return tuple(torch.stack(o) for o in zip(*outputs)), (0, 0)
+    return _per_weight_member(torch.ops.kernels._gemm_gelu_with_pre, info, in_dims, x, weight, bias, approximate,
+                              weight_split=weight_split), (0, 0)
 
 
 def _gemm_multiply_leaky_relu_backward_vmap(info, in_dims, grad_y, x, weight, saved, multiplier, negative_slope,
