@@ -157,6 +157,40 @@ def test_op_called_directly_differentiates_and_asks_for_its_mask(device, slope):
     torch.testing.assert_close(grad_x, expected[0])
 
 
+@pytest.mark.parametrize("op", ["leaky_relu", "identity", "gelu"])
+def test_nodes_keep_an_operand_only_where_the_other_needs_its_gradient(device, op):
+    """As eager's linear: x is kept only where the weight's gradient is wanted and the weight only where x's is, so a
+    frozen layer's graph holds no activation; the gradients asked for are eager's, on every path."""
+    from gemm_helpers import SPLIT_KERNELS
+    from kernels.functional import gemm_gelu
+    from kernels.gemm.gemm import forced_gemm_path
+    calls = {"leaky_relu": (lambda *a: gemm_multiply_leaky_relu(*a, 2.0, -0.1),
+                            lambda *a: torch.nn.functional.leaky_relu(torch.nn.functional.linear(*a) * 2.0, -0.1)),
+             "identity": (lambda *a: gemm_multiply_leaky_relu(*a, 1.0, 1.0), torch.nn.functional.linear),
+             "gelu": (gemm_gelu, lambda *a: torch.nn.functional.gelu(torch.nn.functional.linear(*a)))}
+    ours, eager = calls[op]
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=g).to(device) for shape in ((2, 150, 136), (200, 136), (200,)))
+    grad = torch.randn(2, 150, 200, generator=g).to(device)
+    for path in ["cublas", *(SPLIT_KERNELS if device == "cuda" else [])]:
+        for x_grad, weight_grad in ((True, False), (False, True), (True, True)):
+            leaves = [x.clone().requires_grad_(x_grad), weight.clone().requires_grad_(weight_grad),
+                      bias.clone().requires_grad_(True)]
+            saved = []
+            with forced_gemm_path(path), torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
+                y = ours(*leaves)
+            assert (leaves[0].untyped_storage().data_ptr() in saved) == weight_grad, (path, x_grad, weight_grad)
+            assert (leaves[1].untyped_storage().data_ptr() in saved) == x_grad, (path, x_grad, weight_grad)
+            wanted = [t for t in leaves if t.requires_grad]
+            with forced_gemm_path(path):
+                got = torch.autograd.grad(y, wanted, grad)
+            references = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+            expected = torch.autograd.grad(eager(*references), [t for t in references if t.requires_grad], grad)
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, atol=2e-3 * b.abs().max().item(), rtol=1e-4)
+
+
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)

@@ -8,13 +8,16 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/SymInt.h>
 #include <torch/library.h>
 
 #include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/autograd_node.h"
 #include "gemm_op.h"
@@ -32,6 +35,36 @@ torch::autograd::variable_list node_outputs(std::tuple<at::Tensor, at::Tensor, a
   if (bias_grad) grad_inputs[2] = std::move(std::get<2>(grads));
   return grad_inputs;
 }
+
+// A product's operand as its node keeps it. Eager's linear keeps x only where w's gradient is needed, and w only where
+// x's is, so that a frozen layer holds no activation; the same here. An operand not kept gives the backward op a
+// stand-in of its shape and options (one element, expanded), which only its checks and shapes read. Tensor subclasses
+// and functorch's wrappers are kept as they are: a plain stand-in would not mix with them.
+class SavedOperand {
+ public:
+  SavedOperand(const at::Tensor& t, bool needed)
+      : saved_(needed || !is_plain(t) ? t : at::Tensor(), /*is_output=*/false),
+        sizes_(t.sym_sizes().vec()),
+        options_(t.options()) {}
+
+  at::Tensor unpack() const {
+    at::Tensor t = saved_.unpack();
+    return t.defined() ? t : at::empty_symint({}, options_).expand_symint(sizes_);
+  }
+
+  void reset_data() { saved_.reset_data(); }
+
+ private:
+  static bool is_plain(const at::Tensor& t) {
+    return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::FuncTorchBatched,
+                                                     c10::DispatchKey::FuncTorchGradWrapper,
+                                                     c10::DispatchKey::BatchedNestedTensor}));
+  }
+
+  torch::autograd::SavedVariable saved_;
+  std::vector<c10::SymInt> sizes_;
+  at::TensorOptions options_;
+};
 
 // A double backward's gradients of a product from its pre-activation gradient, by differentiable ops (so that the
 // backward has a backward of its own), as a node's outputs 0, 1, 2 (x, w, b) where asked for.
@@ -52,8 +85,8 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
  public:
   GemmMultiplyLeakyReLUGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved, double multiplier,
                             double negative_slope)
-      : x_(x, /*is_output=*/false),
-        weight_(weight, /*is_output=*/false),
+      : x_(x, /*needed=*/weight.requires_grad()),
+        weight_(weight, /*needed=*/x.requires_grad()),
         saved_(saved, /*is_output=*/false),
         multiplier_(multiplier),
         negative_slope_(negative_slope) {}
@@ -90,7 +123,8 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
   }
 
  private:
-  torch::autograd::SavedVariable x_, weight_, saved_;
+  SavedOperand x_, weight_;
+  torch::autograd::SavedVariable saved_;
   double multiplier_, negative_slope_;
 };
 
@@ -147,8 +181,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
 class GemmGeluGrad final : public torch::autograd::Node {
  public:
   GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre, c10::string_view approximate)
-      : x_(x, /*is_output=*/false),
-        weight_(weight, /*is_output=*/false),
+      : x_(x, /*needed=*/weight.requires_grad()),
+        weight_(weight, /*needed=*/x.requires_grad()),
         pre_(pre, /*is_output=*/false),
         approximate_(approximate) {}
 
@@ -186,7 +220,8 @@ class GemmGeluGrad final : public torch::autograd::Node {
   }
 
  private:
-  torch::autograd::SavedVariable x_, weight_, pre_;
+  SavedOperand x_, weight_;
+  torch::autograd::SavedVariable pre_;
   std::string approximate_;
 };
 
