@@ -129,6 +129,14 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll
       for (int i = 0; i < kOutBoxRows / 8; ++i)
         row_exponents[i] = part_row + 8 * i < m ? x_exponent[part_row + 8 * i] : 0;
+      // The unit's totals of row part_row + 8 i, in turn, with their row's factors; the next row's exponent moved
+      // into place (a rolled loop reads one register).
+      const auto next_row = [&](std::uint32_t address, float4& totals, RowUnscale& factors) {
+        totals = load_shared_float4(address);
+        factors = row_unscale(row_exponents[0]);
+#pragma unroll
+        for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
+      };
       // Each activation's loop compiled apart (with_activation): LeakyReLU's carries none of the GELUs' code.
       with_activation<kGelus>(epilogue.activation, [&](auto activation) {
         constexpr Activation kActivation = decltype(activation)::value;
@@ -139,10 +147,9 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
 #pragma unroll 1
             for (int i = 0; i < kOutBoxRows / 8; ++i) {
               const std::uint32_t address = unit_address + i * 8 * 128;
-              const float4 totals = load_shared_float4(address);
-              const RowUnscale factors = row_unscale(row_exponents[0]);
-#pragma unroll
-              for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
+              float4 totals;
+              RowUnscale factors;
+              next_row(address, totals, factors);
               const auto pre = [&](float total, int q) {
                 return pre_activation(unscale(total, factors), unit_bias[q], epilogue);
               };
@@ -178,11 +185,9 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
         for (int i = 0; i < kOutBoxRows / 8; ++i) {
           const int row = part_row + 8 * i;
           const std::uint32_t address = unit_address + i * 8 * 128;
-          const float4 totals = load_shared_float4(address);
-          const RowUnscale factors = row_unscale(row_exponents[0]);
-          // The next row's exponent into place (the rolled loop reads one register).
-#pragma unroll
-          for (int e = 0; e + 1 < kOutBoxRows / 8; ++e) row_exponents[e] = row_exponents[e + 1];
+          float4 totals;
+          RowUnscale factors;
+          next_row(address, totals, factors);
           if (plain_product) {
             store_shared_float4(address, make_float4(plain_product_output(unscale(totals.x, factors)),
                                                      plain_product_output(unscale(totals.y, factors)),
