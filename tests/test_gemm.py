@@ -189,6 +189,16 @@ def test_nodes_keep_an_operand_only_where_the_other_needs_its_gradient(device, o
             expected = torch.autograd.grad(eager(*references), [t for t in references if t.requires_grad], grad)
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b, atol=2e-3 * b.abs().max().item(), rtol=1e-4)
+        # As eager: with the weight frozen, the input may be edited in place before the backward (nothing of it kept).
+        source = x.clone().requires_grad_(True)
+        hidden = source * 1.0
+        with forced_gemm_path(path):
+            y = ours(hidden, weight, bias)
+            hidden.add_(1.0)
+            (grad_source,) = torch.autograd.grad(y, (source,), grad)
+        references = [source.detach().clone().requires_grad_(True), weight, bias]
+        (expected,) = torch.autograd.grad(eager(references[0] * 1.0, weight, bias), (references[0],), grad)
+        torch.testing.assert_close(grad_source, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-4)
 
 
 def test_opcheck(device):
