@@ -312,6 +312,85 @@ def gelu_training(args):
               f"{times[3]:7.4f} {times[2] / times[3]:5.3f}x", flush=True)
 
 
+# A probe of HBM's read rate by the order of its reads (read_layout): no kernel of the library, so kept here.
+READ_PROBE_SOURCE = r"""
+// Reads `tiles` tiles of hi and lo (each tile 128 rows x k halves) as the Hopper kernel's CTAs read w's split: CTA c
+// takes tiles c, c + gridDim.x, ...; per chunk of 64 along k, a 128 x 64 box of each. by_box 0: w's rows as they are
+// (a box's 128 rows of 128 bytes lie 2k bytes apart); 1: each box's 16 KB stored together, box after box. 16 loads
+// of 16 bytes in flight a thread (64 KB a CTA), XORed into a value stored only if it cannot be, so none is dropped.
+__global__ void __launch_bounds__(256) read_boxes(const int4* __restrict__ hi, const int4* __restrict__ lo,
+                                                  int k, int tiles, int by_box, int* sink) {
+  const int chunks = k / 64;
+  int acc = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int chunk = 0; chunk < chunks; chunk += 2) {
+      int4 v[16];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int piece = threadIdx.x + j * 256, row = piece / 8, unit = piece % 8;
+          const long long at = by_box ? ((long long)tile * chunks + chunk + c) * 1024 + piece
+                                      : ((long long)tile * 128 + row) * (k / 8) + (chunk + c) * 8 + unit;
+          v[c * 8 + j] = __ldg(hi + at);
+          v[c * 8 + 4 + j] = __ldg(lo + at);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+    }
+  }
+  if (acc == 0x7fffffff) sink[0] = acc;
+}
+
+void read_boxes_launch(at::Tensor hi, at::Tensor lo, int64_t k, int64_t tiles, int64_t by_box, int64_t grid,
+                       at::Tensor sink) {
+  read_boxes<<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const int4*>(hi.data_ptr()), reinterpret_cast<const int4*>(lo.data_ptr()), k, tiles, by_box,
+      sink.data_ptr<int>());
+}
+"""
+
+
+def read_layout(args):
+    """HBM's read rate by the order of the reads, at the weights of 1_MLP's and 2_ShallowWideMLP's layers (n x k,
+    w's split: two fp16 arrays): a probe kernel reading them box by box as the Hopper kernel's CTAs do (128 or 132
+    CTAs), from w's rows as they are and from boxes stored together; torch's sum and copy of the same bytes alike.
+    TB/s over the bytes read (a copy's: read and written), medians, L2 flushed."""
+    from torch.utils.cpp_extension import load_inline
+    from kernels.timing import time_each_ms
+
+    declaration = ("void read_boxes_launch(at::Tensor hi, at::Tensor lo, int64_t k, int64_t tiles, int64_t by_box, "
+                   "int64_t grid, at::Tensor sink);")
+    headers = "#include <ATen/ATen.h>\n#include <ATen/cuda/CUDAContext.h>\n"
+    probe = load_inline("read_probe", cpp_sources=[declaration], cuda_sources=[headers + READ_PROBE_SOURCE],
+                        functions=["read_boxes_launch"], extra_cuda_cflags=["-O3"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    print(f"{'n x k':>14} {'read':>34} {'ms':>8} {'TB/s':>6}")
+    for n, k in ((16384, 16384), (32768, 32768)):
+        hi = torch.randint(-2 ** 15, 2 ** 15, (n, k), dtype=torch.int16, device="cuda")
+        lo = torch.randint(-2 ** 15, 2 ** 15, (n, k), dtype=torch.int16, device="cuda")
+        read_bytes = 2 * hi.numel() * 2
+        tiles = n // 128
+        cases = {}
+        for grid in sorted({min(tiles, sms), min(tiles, 128)}):
+            for by_box in (0, 1):
+                name = ("boxes stored together" if by_box else "w's rows as they are") + f", {grid} CTAs"
+                cases[name] = (lambda grid=grid, by_box=by_box: probe.read_boxes_launch(hi, lo, k, tiles, by_box,
+                                                                                        grid, sink), read_bytes)
+        flat = hi.view(-1)
+        cases["torch: sum of hi and lo"] = (lambda: (flat.sum(dtype=torch.int32), lo.view(-1).sum(dtype=torch.int32)),
+                                            read_bytes)
+        copy = torch.empty_like(hi)
+        cases["torch: copy of hi"] = (lambda: copy.copy_(hi), 2 * hi.numel() * 2)
+        times = time_each_ms([fn for fn, _ in cases.values()], samples=20)
+        for (name, (_, nbytes)), ms in zip(cases.items(), times):
+            print(f"{n:>6} x {k:<5} {name:>34} {ms:8.4f} {nbytes / ms / 1e9:6.3f}", flush=True)
+        del hi, lo, copy
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", help="every call forced onto this path: cublas, split_fp16, split_fp16_sm80")
@@ -335,6 +414,7 @@ def main():
     add("coherence", coherence, "the part of a linear layer's error every row shares")
     add("gelu", gelu, "an MLP's first layer and GELU without a gradient: eager, two ops, gemm_gelu")
     add("gelu-training", gelu_training, "an MLP's first layer and GELU while training: two steps against one op each")
+    add("read-layout", read_layout, "HBM's read rate for w's split read box by box, as stored and box after box")
     sub = add("variants", variants, "versions of kernel files, each built in a copy of the repository, timed")
     sub.add_argument("--file", required=True, action="append", help="a file the versions replace (repo-relative)")
     sub.add_argument("--command", help="run in each copy instead of this tool at the problem's size")
