@@ -281,6 +281,16 @@ def test_gemm_gelu_gradients_of_every_order_and_forward_mode(approximate):
     function = lambda *a: gemm_gelu(*a, approximate=approximate)
     assert torch.autograd.gradcheck(function, (x, w, b), check_batched_grad=True)
     assert torch.autograd.gradgradcheck(function, (x, w, b))
+    # One operand frozen: the node keeps the other's operand only, and so does its double backward's product node.
+    assert torch.autograd.gradgradcheck(lambda a, c: function(a, w.detach(), c), (x, b))
+    assert torch.autograd.gradgradcheck(lambda v, c: function(x.detach(), v, c), (w, b))
+    # torch.func's nested levels: each records the graph (the pre-activation's too), as for the unfused layers.
+    for wrt, ours, eager in ((0, lambda t: function(t, w, b).sum(), lambda t: unfused(t, w, b, approximate).sum()),
+                             (1, lambda t: function(x, t, b).sum(), lambda t: unfused(x, t, b, approximate).sum())):
+        primal = (x, w)[wrt].detach()
+        torch.testing.assert_close(torch.func.hessian(ours)(primal), torch.func.hessian(eager)(primal))
+        torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(ours))(primal),
+                                   torch.func.jacrev(torch.func.jacrev(eager))(primal))
     hessian = torch.autograd.functional.hessian(lambda t: function(t, w, b).sum(), x)
     expected = torch.autograd.functional.hessian(lambda t: unfused(t, w, b, approximate).sum(), x)
     torch.testing.assert_close(hessian, expected)

@@ -80,13 +80,14 @@ torch::autograd::variable_list differentiable_product_gradients(const at::Tensor
 }
 
 // The gradients of y = leaky_relu((x w^T + b) * multiplier) for x, w and b (the node's outputs 0, 1, 2), from
-// `saved`: y itself where the slope is >= 0 (its sign test is the pre-activation's), else the forward's mask.
+// `saved`: y itself where the slope is >= 0 (its sign test is the pre-activation's), else the forward's mask. x is
+// kept where w's gradient may be asked for (keep_x), w where x's may (keep_weight).
 class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
  public:
   GemmMultiplyLeakyReLUGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& saved, double multiplier,
-                            double negative_slope)
-      : x_(x, /*needed=*/weight.requires_grad()),
-        weight_(weight, /*needed=*/x.requires_grad()),
+                            double negative_slope, bool keep_x, bool keep_weight)
+      : x_(x, keep_x),
+        weight_(weight, keep_weight),
         saved_(saved, /*is_output=*/false),
         multiplier_(multiplier),
         negative_slope_(negative_slope) {}
@@ -155,7 +156,9 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   const bool identity = is_identity_epilogue(multiplier, negative_slope);
   const at::Tensor saved = mask_needed ? mask : identity ? at::empty({0}, y.options()) : y.detach();
   if (needs_grad) {
-    common::NodePtr node = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, saved, multiplier, negative_slope);
+    common::NodePtr node = common::make_node<GemmMultiplyLeakyReLUGrad>(
+        x, weight, saved, multiplier, negative_slope, /*keep_x=*/weight.requires_grad(),
+        /*keep_weight=*/x.requires_grad());
     node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
     torch::autograd::create_gradient_edge(y, std::move(node));
   }
@@ -198,16 +201,10 @@ class GemmGeluGrad final : public torch::autograd::Node {
                                                        weight_grad, bias_grad),
                           x_grad, weight_grad, bias_grad);
     }
-    // A double backward: the GELU's gradient depends on the pre-activation, so the saved one (an alias of it) gets the
-    // product's graph, a product node on this node's own edges to x, w and b, as eager's GELU node reads the
-    // pre-activation its linear node made; no product is computed again.
-    at::Tensor pre = pre_.unpack().detach();
-    common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, at::empty({0}, pre.options()),
-                                                                           1.0, 1.0);
-    product->set_next_edges(torch::autograd::edge_list(next_edges()));
-    torch::autograd::create_gradient_edge(pre, std::move(product));
-    return differentiable_product_gradients(gelu_backward_of(grad_y, pre, approximate_), x, weight, x_grad,  // gemm.cpp
-                                            weight_grad, bias_grad);
+    // A double backward: the GELU's gradient is differentiated through the saved pre-activation, whose own graph (the
+    // product's node, recorded with it) leads to x, w and b, as eager's GELU node reads its linear node's output.
+    return differentiable_product_gradients(gelu_backward_of(grad_y, pre_.unpack(), approximate_), x, weight,  // gemm.cpp
+                                            x_grad, weight_grad, bias_grad);
   }
 
   std::string name() const override { return "kernels::GemmGeluBackward"; }
@@ -225,10 +222,47 @@ class GemmGeluGrad final : public torch::autograd::Node {
   std::string approximate_;
 };
 
-// gemm_gelu where a gradient can flow: y and its pre-activation below autograd (_gemm_gelu_with_pre: one kernel where
-// the split GEMM writes both), recorded as one GemmGeluGrad node. Where a tangent is given: its two steps, each
-// recorded by its own op (the product by gemm_multiply_leaky_relu's graph node, the activation by at::gelu's or
-// kernels::gelu_tanh's), which set the tangents. Else the op below autograd (the activation in the GEMM's epilogue).
+// _gemm_gelu_with_pre (y = gelu(pre), pre = x w^T + b) where a gradient can flow: both below autograd (one kernel where
+// the split GEMM writes both), y recorded by one GemmGeluGrad node, pre by the product's node (as eager's linear
+// output: only a double backward, which differentiates the GELU's gradient through it, reaches that node; it keeps
+// nothing of b, so b's in-place edits pass as in eager). Where a tangent is given: the two steps, each recorded by its
+// own op (the product by gemm_multiply_leaky_relu's node, the activation by at::gelu's or kernels::gelu_tanh's).
+std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre_autograd(c10::DispatchKeySet keys, const at::Tensor& x,
+                                                               const at::Tensor& weight,
+                                                               const std::optional<at::Tensor>& bias,
+                                                               c10::string_view approximate,
+                                                               const std::optional<at::TensorList>& weight_split) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool needs_grad = c10::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
+  const bool has_tangent = x._fw_grad(/*level=*/0).defined() || weight._fw_grad(/*level=*/0).defined() ||
+                           (has_bias && bias->_fw_grad(/*level=*/0).defined());
+  if (!needs_grad && !has_tangent)
+    return common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
+                                             weight_split);
+  check_approximate(approximate);  // gemm.cpp
+  if (has_tangent) {
+    at::Tensor pre = std::get<0>(
+        gemm_multiply_leaky_relu_op().call(x, weight, bias, 1.0, 1.0, /*return_mask=*/false, weight_split));
+    return {gelu_of(pre, approximate), pre};  // gemm.cpp
+  }
+  auto [y, pre] = common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
+                                                    weight_split);
+  const torch::autograd::edge_list edges = torch::autograd::collect_next_edges(x, weight, bias);
+  common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(
+      x, weight, at::empty({0}, pre.options()), 1.0, 1.0, /*keep_x=*/weight.requires_grad(),
+      /*keep_weight=*/x.requires_grad());
+  product->set_next_edges(torch::autograd::edge_list(edges));
+  torch::autograd::create_gradient_edge(pre, std::move(product));
+  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, pre, approximate);
+  node->set_next_edges(torch::autograd::edge_list(edges));
+  torch::autograd::create_gradient_edge(y, std::move(node));
+  return {y, pre};
+}
+
+// gemm_gelu where a gradient can flow or a tangent is given: _gemm_gelu_with_pre through its own Autograd kernel,
+// which records the graph; under torch.func each level records its own, as that op is what reaches the levels below.
+// Else the op below autograd (the activation in the GEMM's epilogue, no pre-activation written).
 at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, c10::string_view approximate,
                               const std::optional<at::TensorList>& weight_split) {
@@ -239,18 +273,7 @@ at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, con
                            (has_bias && bias->_fw_grad(/*level=*/0).defined());
   if (!needs_grad && !has_tangent)
     return common::redispatch_below_autograd(gemm_gelu_op(), keys, x, weight, bias, approximate, weight_split);
-  check_approximate(approximate);  // gemm.cpp
-  if (has_tangent) {
-    const at::Tensor pre = std::get<0>(
-        gemm_multiply_leaky_relu_op().call(x, weight, bias, 1.0, 1.0, /*return_mask=*/false, weight_split));
-    return gelu_of(pre, approximate);  // gemm.cpp
-  }
-  auto [y, pre] = common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
-                                                    weight_split);
-  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, pre, approximate);
-  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
-  torch::autograd::create_gradient_edge(y, std::move(node));
-  return y;
+  return std::get<0>(gemm_gelu_with_pre_op().call(x, weight, bias, approximate, weight_split));
 }
 
 }  // namespace
@@ -259,4 +282,5 @@ at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, con
 TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
   m.impl("gemm_multiply_leaky_relu", &kernels::gemm::gemm_multiply_leaky_relu_autograd);
   m.impl("gemm_gelu", &kernels::gemm::gemm_gelu_autograd);
+  m.impl("_gemm_gelu_with_pre", &kernels::gemm::gemm_gelu_with_pre_autograd);
 }
