@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/autograd_node.h"
@@ -222,6 +223,18 @@ class GemmGeluGrad final : public torch::autograd::Node {
   std::string approximate_;
 };
 
+// Whether a call of a product on x, w and b records a graph (grad mode on and an input requiring grad), and whether
+// it is given forward-mode tangents.
+std::pair<bool, bool> differentiation_of(const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool needs_grad = c10::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
+  const bool has_tangent = x._fw_grad(/*level=*/0).defined() || weight._fw_grad(/*level=*/0).defined() ||
+                           (has_bias && bias->_fw_grad(/*level=*/0).defined());
+  return {needs_grad, has_tangent};
+}
+
 // _gemm_gelu_with_pre (y = gelu(pre), pre = x w^T + b) where a gradient can flow: both below autograd (one kernel where
 // the split GEMM writes both), y recorded by one GemmGeluGrad node, pre by the product's node (as eager's linear
 // output: only a double backward, which differentiates the GELU's gradient through it, reaches that node; it keeps
@@ -232,11 +245,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre_autograd(c10::DispatchKeyS
                                                                const std::optional<at::Tensor>& bias,
                                                                c10::string_view approximate,
                                                                const std::optional<at::TensorList>& weight_split) {
-  const bool has_bias = bias.has_value() && bias->defined();
-  const bool needs_grad = c10::GradMode::is_enabled() &&
-                          (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
-  const bool has_tangent = x._fw_grad(/*level=*/0).defined() || weight._fw_grad(/*level=*/0).defined() ||
-                           (has_bias && bias->_fw_grad(/*level=*/0).defined());
+  const auto [needs_grad, has_tangent] = differentiation_of(x, weight, bias);
   if (!needs_grad && !has_tangent)
     return common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
                                              weight_split);
@@ -266,11 +275,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre_autograd(c10::DispatchKeyS
 at::Tensor gemm_gelu_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, c10::string_view approximate,
                               const std::optional<at::TensorList>& weight_split) {
-  const bool has_bias = bias.has_value() && bias->defined();
-  const bool needs_grad = c10::GradMode::is_enabled() &&
-                          (x.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad()));
-  const bool has_tangent = x._fw_grad(/*level=*/0).defined() || weight._fw_grad(/*level=*/0).defined() ||
-                           (has_bias && bias->_fw_grad(/*level=*/0).defined());
+  const auto [needs_grad, has_tangent] = differentiation_of(x, weight, bias);
   if (!needs_grad && !has_tangent)
     return common::redispatch_below_autograd(gemm_gelu_op(), keys, x, weight, bias, approximate, weight_split);
   return std::get<0>(gemm_gelu_with_pre_op().call(x, weight, bias, approximate, weight_split));
