@@ -180,13 +180,15 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
 }
 
 // The gradients of y = gelu(pre), pre = x w^T + b, for x, w and b (the node's outputs 0, 1, 2), from the saved
-// pre-activation (eager's GELU node saves the same tensor; the product's node, x and w; nothing of b). One node instead of the
-// product's and the activation's: its backward op makes the GELU's input gradient within grad_x's split pass.
+// pre-activation (eager's GELU node saves the same tensor; the product's node, x and w, kept as the product node keeps
+// them; nothing of b). One node instead of the product's and the activation's: its backward op makes the GELU's input
+// gradient within grad_x's split pass.
 class GemmGeluGrad final : public torch::autograd::Node {
  public:
-  GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre, c10::string_view approximate)
-      : x_(x, /*needed=*/weight.requires_grad()),
-        weight_(weight, /*needed=*/x.requires_grad()),
+  GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre, c10::string_view approximate,
+               bool keep_x, bool keep_weight)
+      : x_(x, keep_x),
+        weight_(weight, keep_weight),
         pre_(pre, /*is_output=*/false),
         approximate_(approximate) {}
 
@@ -204,8 +206,8 @@ class GemmGeluGrad final : public torch::autograd::Node {
     }
     // A double backward: the GELU's gradient is differentiated through the saved pre-activation, whose own graph (the
     // product's node, recorded with it) leads to x, w and b, as eager's GELU node reads its linear node's output.
-    return differentiable_product_gradients(gelu_backward_of(grad_y, pre_.unpack(), approximate_), x, weight,  // gemm.cpp
-                                            x_grad, weight_grad, bias_grad);
+    const at::Tensor grad_pre = gelu_backward_of(grad_y, pre_.unpack(), approximate_);  // gemm.cpp
+    return differentiable_product_gradients(grad_pre, x, weight, x_grad, weight_grad, bias_grad);
   }
 
   std::string name() const override { return "kernels::GemmGeluBackward"; }
@@ -258,12 +260,12 @@ std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre_autograd(c10::DispatchKeyS
   auto [y, pre] = common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
                                                     weight_split);
   const torch::autograd::edge_list edges = torch::autograd::collect_next_edges(x, weight, bias);
-  common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(
-      x, weight, at::empty({0}, pre.options()), 1.0, 1.0, /*keep_x=*/weight.requires_grad(),
-      /*keep_weight=*/x.requires_grad());
+  const bool keep_x = weight.requires_grad(), keep_weight = x.requires_grad();
+  common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, at::empty({0}, pre.options()), 1.0,
+                                                                         1.0, keep_x, keep_weight);
   product->set_next_edges(torch::autograd::edge_list(edges));
   torch::autograd::create_gradient_edge(pre, std::move(product));
-  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, pre, approximate);
+  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, pre, approximate, keep_x, keep_weight);
   node->set_next_edges(torch::autograd::edge_list(edges));
   torch::autograd::create_gradient_edge(y, std::move(node));
   return {y, pre};
