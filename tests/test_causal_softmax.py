@@ -262,7 +262,12 @@ def test_double_backward_and_forward_mode_match_eager(device, dtype):
         (g,) = torch.autograd.grad((fn(leaf, SCALE) * cotangent).sum(), leaf, create_graph=True)
         (gg,) = torch.autograd.grad((g * g).sum(), leaf)
         _, jvp = torch.func.jvp(lambda s: fn(s, SCALE), (scores,), (tangent,))
-        results.append((g.detach(), gg, jvp))
+        # Forward over reverse in plain autograd: the backward reads the output with its tangent.
+        corner = (slice(0, 1), slice(0, 1), slice(0, 4), slice(0, 4))
+        hessian = torch.autograd.functional.hessian(lambda s: (fn(s, SCALE) * cotangent[corner]).sum(),
+                                                    scores[corner], vectorize=True,
+                                                    outer_jacobian_strategy="forward-mode")
+        results.append((g.detach(), gg, jvp, hessian))
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=tol, rtol=tol)

@@ -104,17 +104,20 @@ class CausalSoftmaxBackwardGrad final : public torch::autograd::Node {
 
 at::Tensor causal_softmax_autograd(c10::DispatchKeySet keys, const at::Tensor& scores, double scale) {
   at::Tensor output = common::redispatch_below_autograd(causal_softmax_op(), keys, scores, scale);
+  common::NodePtr node;
   if (c10::GradMode::is_enabled() && scores.requires_grad()) {
-    auto node = common::make_node<CausalSoftmaxGrad>(scale);
+    node = common::make_node<CausalSoftmaxGrad>(scale);
     node->set_next_edges(torch::autograd::collect_next_edges(scores));
     torch::autograd::create_gradient_edge(output, node);
-    node->save_output(output);
   }
   const at::Tensor& tangent = scores._fw_grad(/*level=*/0);
   if (tangent.defined()) {
     output._set_fw_grad(causal_softmax_backward_op().call(tangent, common::primal_of(output), scale), /*level=*/0,
                         /*is_inplace_op=*/false);
   }
+  // Saved once its tangent is set, as ATen's nodes save outputs: a backward run under forward mode (a forward-over-
+  // reverse Hessian) then reads the output with its tangent.
+  if (node) static_cast<CausalSoftmaxGrad*>(node.get())->save_output(output);
   return output;
 }
 
