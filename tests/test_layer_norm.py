@@ -199,6 +199,12 @@ def test_add_layer_norm_gradcheck_and_errors(device):
     assert torch.autograd.gradgradcheck(lambda *a: add_layer_norm(*a, EPS), (x, residual, weight, bias))
     total, y = add_layer_norm(x, residual, weight, bias, EPS)
     assert total.grad_fn is y.grad_fn and "AddLayerNorm" in y.grad_fn.name()
+    # As eager's x + residual: the sum requires grad only where x or the residual does; forward over reverse holds.
+    x0, residual0 = x.detach(), residual.detach()
+    total, y = add_layer_norm(x0, residual0, weight, bias, EPS)
+    assert not total.requires_grad and "AddLayerNorm" in y.grad_fn.name()
+    assert torch.autograd.gradgradcheck(lambda w, b: add_layer_norm(x0, residual0, w, b, EPS)[1], (weight, bias),
+                                        check_fwd_over_rev=True)
     for args in ((x.float(), residual, weight, bias), (x, residual[:, :4], weight, bias)):
         with pytest.raises(RuntimeError, match="kernels.add_layer_norm: .*(dtype|shape)"):
             add_layer_norm(*args, EPS)

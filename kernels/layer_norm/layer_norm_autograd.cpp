@@ -62,8 +62,8 @@ class AddLayerNormGrad final : public torch::autograd::Node {
  public:
   AddLayerNormGrad(const at::Tensor& weight, double eps) : weight_(weight, /*is_output=*/false), eps_(eps) {}
 
-  // Keeps the op's sum, after this node is its grad_fn (autograd's saved-output rules).
-  void save_sum(const at::Tensor& sum) { sum_ = torch::autograd::SavedVariable(sum, /*is_output=*/true); }
+  // Keeps the op's sum: after this node is its grad_fn (autograd's saved-output rules) where it is this node's output.
+  void save_sum(const at::Tensor& sum, bool is_output) { sum_ = torch::autograd::SavedVariable(sum, is_output); }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -112,9 +112,16 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_autograd(c10::DispatchKeySet k
       (x.requires_grad() || residual.requires_grad() || weight.requires_grad() || bias.requires_grad())) {
     auto node = common::make_node<AddLayerNormGrad>(weight, eps);
     node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias));
-    torch::autograd::create_gradient_edge(sum, node);
+    // The sum requires grad only where x or the residual does, as eager's x + residual; its slot stays the node's
+    // input 0 either way.
+    const bool sum_grad = x.requires_grad() || residual.requires_grad();
+    if (sum_grad) {
+      torch::autograd::create_gradient_edge(sum, node);
+    } else {
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+    }
     torch::autograd::create_gradient_edge(y, node);
-    node->save_sum(sum);
+    node->save_sum(sum, /*is_output=*/sum_grad);
   }
   return {sum, y};
 }
