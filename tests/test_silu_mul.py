@@ -130,6 +130,26 @@ def test_graph_node(device):
         assert silu_mul(gate, up).grad_fn is None
 
 
+def test_frozen_gate_keeps_no_up(device):
+    """As eager's act_fn(gate) * up: with gate frozen, up is not kept (its in-place edit passes) and grad_up is eager's,
+    in every order."""
+    gate, up = randn((6, 64), torch.float64, device, scale=2.0), randn((6, 64), torch.float64, device, 1)
+    leaf = up.clone().requires_grad_(True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.untyped_storage().data_ptr()) or t,
+                                                  lambda t: t):
+        y = silu_mul(gate, leaf)
+    assert leaf.untyped_storage().data_ptr() not in kept
+    hidden = leaf * 1.0
+    y = silu_mul(gate, hidden)
+    with torch.no_grad():
+        hidden.add_(1.0)
+    grad = randn(y.shape, torch.float64, device, 3)
+    (got,) = torch.autograd.grad(y, leaf, grad)
+    torch.testing.assert_close(got, grad * eager(gate, torch.ones_like(up)))
+    assert torch.autograd.gradgradcheck(lambda u: silu_mul(gate, u), (leaf,))
+
+
 def test_vmap(device):
     gate = randn((4, 3, 32), torch.float32, device)
     up_rows, up_samples = randn((4, 32), torch.float32, device, 1), randn((3, 32), torch.float32, device, 2)

@@ -21,15 +21,21 @@ namespace {
 bool has_tangent(const at::Tensor& t) { return t._fw_grad(/*level=*/0).defined(); }
 
 // silu_mul's node: grad_gate and grad_up from the saved gate and up (eager's `act_fn(gate) * up` keeps a third
-// tensor, the activation's output).
+// tensor, the activation's output). up is kept only where gate's gradient may be asked for, as eager's product keeps
+// it; grad_up alone needs gate only.
 class SiluMulGrad final : public torch::autograd::Node {
  public:
-  SiluMulGrad(const at::Tensor& gate, const at::Tensor& up) : gate_(gate, /*is_output=*/false), up_(up, false) {}
+  SiluMulGrad(const at::Tensor& gate, const at::Tensor& up)
+      : gate_(gate, /*is_output=*/false), up_(gate.requires_grad() ? up : at::Tensor(), /*is_output=*/false) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     torch::autograd::variable_list grad_inputs(2);
     if (!grads[0].defined()) return grad_inputs;
+    if (!should_compute_output(0)) {
+      if (should_compute_output(1)) grad_inputs[1] = silu_mul_up_gradient_aten(grads[0], gate_.unpack());
+      return grad_inputs;
+    }
     // Under create_graph the backward is itself differentiated: the ATen formulas, recorded by autograd.
     auto [grad_gate, grad_up] = c10::GradMode::is_enabled()
                                     ? silu_mul_backward_aten(grads[0], gate_.unpack(), up_.unpack())

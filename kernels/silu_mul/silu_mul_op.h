@@ -39,12 +39,17 @@ inline at::Tensor silu_mul_aten(const at::Tensor& gate, const at::Tensor& up) {
   return g.mul(sigma_of(gate)).mul(up.to(at::kDouble)).to(gate.scalar_type()).contiguous();
 }
 
+// grad_up = grad_y gate sigma, in double, rounded as y is (contiguous): what a backward needs of gate alone.
+inline at::Tensor silu_mul_up_gradient_aten(const at::Tensor& grad_y, const at::Tensor& gate) {
+  return grad_y.to(at::kDouble).mul(gate.to(at::kDouble).mul(sigma_of(gate))).to(gate.scalar_type()).contiguous();
+}
+
 // grad_gate = grad_y up sigma (1 + gate (1 - sigma)), grad_up = grad_y gate sigma, in double, each rounded as y is
 // (contiguous).
 inline std::tuple<at::Tensor, at::Tensor> silu_mul_backward_aten(const at::Tensor& grad_y, const at::Tensor& gate,
                                                                  const at::Tensor& up) {
   const at::Tensor dy = grad_y.to(at::kDouble), g = gate.to(at::kDouble), sigma = sigma_of(gate);
-  const at::Tensor grad_up = dy.mul(g.mul(sigma)).to(gate.scalar_type()).contiguous();
+  const at::Tensor grad_up = silu_mul_up_gradient_aten(grad_y, gate);
   const at::Tensor grad_gate = dy.mul(up.to(at::kDouble))
                                    .mul(sigma)
                                    .mul(g.mul(sigma.neg().add(1.0)).add(1.0))
