@@ -151,6 +151,28 @@ def test_gradients(device, name, causal):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_higher_orders_forward_mode_and_torch_func(device, causal):
+    """As the formula in eager's ops (eager's fused attention raises for each): a double backward, forward-mode
+    tangents and torch.func's transforms, in float64."""
+    q, k, v = (t.double() for t in operands((1, 2, 2, 5, 6, 16), device, seed=9))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ours = lambda *a: attention(*a, causal)  # noqa: E731
+    formula = lambda *a: _reference(*a, causal, scale)  # noqa: E731
+    assert torch.autograd.gradgradcheck(ours, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_()))
+    q, k, v = (t.detach() for t in (q, k, v))
+    tangent = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(10)).to(device)
+    got, expected = (torch.func.jvp(lambda t: f(t, k, v), (q,), (tangent,))[1] for f in (ours, formula))
+    torch.testing.assert_close(got, expected)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, tangent)
+        got = torch.autograd.forward_ad.unpack_dual(ours(dual, k, v)).tangent
+    torch.testing.assert_close(got, expected)
+    loss = lambda f: lambda t: (f(t, k, v) ** 2).sum()  # noqa: E731
+    for transform in (torch.func.grad, torch.func.hessian):
+        torch.testing.assert_close(transform(loss(ours))(q[..., :2, :]), transform(loss(formula))(q[..., :2, :]))
+
+
 @requires_cuda
 def test_fp32_gemm_routes_sdpa():
     q, k, v = operands((1, 4, 4, 512, 512, 64), "cuda", seed=8)

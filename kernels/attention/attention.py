@@ -8,13 +8,15 @@ Op (schema in attention.cpp):
   _attention_force_plain(plain) -> previous: every head on the plain fp32 kernel (tests).
 
 The gradient: eager's (float32 CUDA with as many kv heads as heads: PyTorch's memory-efficient attention, its forward
-recomputed for the output and logsumexp its backward reads), else the gradient of the same formula in ATen's ops.
-First order only, as eager's fused attention. fp32_gemm routes only calls that need no gradient.
+recomputed for the output and logsumexp its backward reads), else, and wherever a graph of the backward is asked for,
+the gradient of the same formula in ATen's ops; under torch.func's transforms and with forward-mode tangents
+attention() is that formula itself. fp32_gemm routes only calls that need no gradient.
 """
 
 import math
 
 import torch
+from torch.autograd import forward_ad
 
 from kernels import loader
 
@@ -55,7 +57,10 @@ def _backward(ctx, grad_out, grad_lse):
     needs = ctx.needs_input_grad[:3]
     if grad_out is None:
         return None, None, None, None, None
-    if query.is_cuda and query.dtype == torch.float32 and query.shape[1] == key.shape[1]:
+    # With a graph of the backward asked for (create_graph), the formula's gradient on the saved inputs themselves, so
+    # that a double backward reaches them, as eager's math attention does.
+    create_graph = torch.is_grad_enabled()
+    if not create_graph and query.is_cuda and query.dtype == torch.float32 and query.shape[1] == key.shape[1]:
         # Eager's memory-efficient backward, in its (batch, rows, heads, head dim) layout, on the output and
         # logsumexp of its own forward, recomputed: it recomputes the probabilities from the logsumexp, which must
         # come from its own scores' arithmetic (this op's, more accurate, leave its gradients less so).
@@ -69,11 +74,11 @@ def _backward(ctx, grad_out, grad_lse):
         grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in grads[:3])
     else:
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(n) for t, n in zip((query, key, value), needs)]
+            inputs = [t if create_graph else t.detach().requires_grad_(n) for t, n in zip((query, key, value), needs)]
             recomputed = _reference(*inputs, ctx.is_causal, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            found = iter(torch.autograd.grad(recomputed, wanted, grad_out))
-            grad_q, grad_k, grad_v = (next(found) if t.requires_grad else None for t in inputs)
+            wanted = [t for t, n in zip(inputs, needs) if n]
+            found = iter(torch.autograd.grad(recomputed, wanted, grad_out, create_graph=create_graph))
+            grad_q, grad_k, grad_v = (next(found) if n else None for n in needs)
     return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None, None, None)
 
 
@@ -86,7 +91,17 @@ def attention(query, key, value, is_causal=False, scale=None):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    if _transformed(query, key, value):
+        # torch.func's transforms and forward-mode tangents: the formula in ATen's ops, which carry them to any order.
+        return _reference(query, key, value, bool(is_causal), float(scale))
     return torch.ops.kernels.attention.default(query, key, value, bool(is_causal), float(scale))[0]
+
+
+def _transformed(*tensors):
+    """Whether a torch.func transform is active or a tensor carries a forward-mode tangent."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _register_fake_and_autograd():
