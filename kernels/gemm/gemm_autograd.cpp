@@ -81,7 +81,7 @@ torch::autograd::variable_list differentiable_product_gradients(const at::Tensor
 }
 
 // The gradients of y = leaky_relu((x w^T + b) * multiplier) for x, w and b (the node's outputs 0, 1, 2), from
-// `saved`: the forward's branch mask (empty for the identity epilogue). x is
+// `saved`: y itself where the slope is >= 0 (its sign test is the pre-activation's), else the forward's mask. x is
 // kept where w's gradient may be asked for (keep_x), w where x's may (keep_weight).
 class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
  public:
@@ -130,11 +130,9 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
   double multiplier_, negative_slope_;
 };
 
-// Where a gradient can flow (grad mode on and an input requiring grad), or a tangent is given, the backward of an
-// epilogue other than the identity needs the branch mask: the kernel is then asked for it whatever the caller asked,
-// and the caller gets the mask only where it asked. (y's sign tells the branch where the slope is >= 0, but keeping y
-// would make an in-place edit of y raise in the backward, where eager's LeakyReLU keeps its input; the mask is a byte
-// an element.)
+// Where a gradient can flow (grad mode on and an input requiring grad), or a tangent is given, with a negative
+// slope, the backward needs the branch mask (the output's sign no longer tells the pre-activation's): the kernel is
+// then asked for it whatever the caller asked, and the caller gets the mask only where it asked.
 std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::DispatchKeySet keys, const at::Tensor& x,
                                                                      const at::Tensor& weight,
                                                                      const std::optional<at::Tensor>& bias,
@@ -149,13 +147,15 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
   const at::Tensor& weight_tangent = weight._fw_grad(/*level=*/0);
   const at::Tensor bias_tangent = has_bias ? bias->_fw_grad(/*level=*/0) : at::Tensor();
   const bool has_tangent = x_tangent.defined() || weight_tangent.defined() || bias_tangent.defined();
-  const bool identity = is_identity_epilogue(multiplier, negative_slope);
-  const bool mask_needed = (needs_grad || has_tangent) && !identity;
+  const bool mask_needed = (needs_grad || has_tangent) && negative_slope < 0;
 
   auto [y, mask] = common::redispatch_below_autograd(gemm_multiply_leaky_relu_op(), keys, x, weight, bias, multiplier,
                                                      negative_slope, return_mask || mask_needed, weight_split);
-  // The branch test the backward and the tangent read; nothing for the identity epilogue.
-  const at::Tensor saved = mask_needed ? mask : at::empty({0}, y.options());
+  // The branch test the backward and the tangent read: the mask, or y's sign (the same where the slope is >= 0);
+  // nothing for the identity epilogue. y is kept through a detached alias (same data and version counter, no
+  // grad_fn): a node holding y itself would hold its own output, a reference cycle.
+  const bool identity = is_identity_epilogue(multiplier, negative_slope);
+  const at::Tensor saved = mask_needed ? mask : identity ? at::empty({0}, y.options()) : y.detach();
   if (needs_grad) {
     common::NodePtr node = common::make_node<GemmMultiplyLeakyReLUGrad>(
         x, weight, saved, multiplier, negative_slope, /*keep_x=*/weight.requires_grad(),
