@@ -201,6 +201,28 @@ def test_nodes_keep_an_operand_only_where_the_other_needs_its_gradient(device, o
         torch.testing.assert_close(grad_source, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-4)
 
 
+@pytest.mark.parametrize("slope", [0.0, 0.1, -0.4])
+def test_output_edited_in_place_before_the_backward(device, slope):
+    """A negative slope keeps the branch mask: an in-place op on y (a residual added in place) before the backward
+    passes with eager's gradients. A slope >= 0 keeps y itself, as eager's ReLU keeps its output (kernels/gemm/NOTES.md):
+    autograd's clear error, as there."""
+    reference, new = make_pair(7, 5, 2.0, slope, device, torch.float64)
+    x = torch.randn(4, 7, dtype=torch.float64, device=device)
+    results = []
+    for model in (new, reference):
+        leaf = x.clone().requires_grad_(True)
+        y = model(leaf)
+        y.add_(1.0)
+        if model is new and slope >= 0:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
+            return
+        y.sum().backward()
+        results.append([leaf.grad, model.gemm.weight.grad, model.gemm.bias.grad])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)
