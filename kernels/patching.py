@@ -866,30 +866,31 @@ def _plain(*tensors):
     return all((type(t) is torch.Tensor or type(t) is nn.Parameter) and not t.is_nested for t in tensors)
 
 
-def _linear_route(x, weight, bias=None):
-    if _plain(x, weight) and (bias is None or _plain(bias)) and weight.dim() == 2 and x.dim() >= 1 and (
-            not plain_linear_suffices(x, weight)):
-        return gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
+# The routes take the parameters of the torch functions they stand for, by the same names (keyword calls).
+def _linear_route(input, weight, bias=None):
+    if _plain(input, weight) and (bias is None or _plain(bias)) and weight.dim() == 2 and input.dim() >= 1 and (
+            not plain_linear_suffices(input, weight)):
+        return gemm_multiply_leaky_relu(input, weight, bias, 1.0, 1.0)
     return NotImplemented
 
 
-def _matmul_route(a, b):
-    # a (..., k) times a matrix b (k x n): the linear layer of weight b^T. Batched products stay with eager.
-    if _plain(a, b) and b.dim() == 2 and a.dim() >= 2:
-        return _linear_route(a, b.t())
+def _matmul_route(input, other):
+    # input (..., k) times a matrix other (k x n): the linear layer of weight other^T. Batched products stay with eager.
+    if _plain(input, other) and other.dim() == 2 and input.dim() >= 2:
+        return _linear_route(input, other.t())
     return NotImplemented
 
 
-def _mm_route(a, b):
-    if _plain(a, b) and a.dim() == 2 and b.dim() == 2:
-        return _linear_route(a, b.t())
+def _mm_route(input, mat2):
+    if _plain(input, mat2) and input.dim() == 2 and mat2.dim() == 2:
+        return _linear_route(input, mat2.t())
     return NotImplemented
 
 
-def _addmm_route(bias, a, b, *, beta=1, alpha=1):
-    if beta == 1 and alpha == 1 and _plain(bias, a, b) and a.dim() == 2 and b.dim() == 2 and bias.dim() == 1 and (
-            bias.shape[0] == b.shape[1]):
-        return _linear_route(a, b.t(), bias)
+def _addmm_route(input, mat1, mat2, *, beta=1, alpha=1):
+    if beta == 1 and alpha == 1 and _plain(input, mat1, mat2) and mat1.dim() == 2 and mat2.dim() == 2 and (
+            input.dim() == 1 and input.shape[0] == mat2.shape[1]):
+        return _linear_route(mat1, mat2.t(), input)
     return NotImplemented
 
 
@@ -1104,7 +1105,10 @@ class fp32_gemm(TorchFunctionMode):
         kwargs = kwargs or {}
         route = self.routes.get(func)
         if route is not None and "out" not in kwargs:
-            result = route(*args, **kwargs)
+            try:
+                result = route(*args, **kwargs)
+            except TypeError:  # a form the route does not take (torch.addmm's deprecated positional scalars): eager's
+                result = NotImplemented
             if result is not NotImplemented:
                 return result
         return func(*args, **kwargs)

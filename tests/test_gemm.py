@@ -223,6 +223,20 @@ def test_output_edited_in_place_before_the_backward(device, slope):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("batch", [(5,), (2, 3)])
+def test_no_input_features_give_eagers_gradients(device, batch):
+    """K = 0: y is the bias's broadcast, and the bias's gradient sums over every row, as eager's."""
+    reference, new = make_pair(0, 6, 2.0, 0.1, device, torch.float64)
+    x = torch.randn(*batch, 0, dtype=torch.float64, device=device)
+    results = []
+    for model in (new, reference):
+        leaf = x.clone().requires_grad_(True)
+        model(leaf).sum().backward()
+        results.append([leaf.grad, model.gemm.weight.grad, model.gemm.bias.grad])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)

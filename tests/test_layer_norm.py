@@ -255,13 +255,15 @@ def test_views_and_layouts(device, dtype):
 
 
 def test_empty_inputs(device):
-    for shape in ((0, 16), (2, 0, 8)):
+    for shape in ((0, 16), (2, 0, 8), (3, 0)):  # no rows, and no features (the parameters' gradients empty too)
         x = torch.randn(shape, device=device, requires_grad=True)
-        weight, bias = torch.ones(shape[-1], device=device), torch.zeros(shape[-1], device=device)
+        weight, bias = (torch.ones(shape[-1], device=device).requires_grad_(), torch.zeros(shape[-1], device=device)
+                        .requires_grad_())
         y = layer_norm(x, weight, bias)
         assert y.shape == x.shape
         y.sum().backward()
-        assert x.grad.shape == x.shape
+        assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+        assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
 
 
 def test_non_finite_values_give_eagers_result(device):

@@ -998,6 +998,12 @@ FUNCTIONAL_CALLS = {
     "mm": lambda x, w, b: torch.mm(x.flatten(0, -2), w.t()).view(*x.shape[:-1], -1) + b,
     "Tensor.mm": lambda x, w, b: x.flatten(0, -2).mm(w.t()).view(*x.shape[:-1], -1) + b,
     "addmm": lambda x, w, b: torch.addmm(b, x.flatten(0, -2), w.t()).view(*x.shape[:-1], -1),
+    # The same calls by keyword, as their signatures name the arguments.
+    "F.linear by keyword": lambda x, w, b: F.linear(input=x, weight=w, bias=b),
+    "matmul by keyword": lambda x, w, b: torch.matmul(x, other=w.t()) + b,
+    "Tensor.matmul by keyword": lambda x, w, b: x.matmul(other=w.t()) + b,
+    "mm by keyword": lambda x, w, b: torch.mm(x.flatten(0, -2), mat2=w.t()).view(*x.shape[:-1], -1) + b,
+    "addmm by keyword": lambda x, w, b: torch.addmm(b, mat1=x.flatten(0, -2), mat2=w.t()).view(*x.shape[:-1], -1),
 }
 
 

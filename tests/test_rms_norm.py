@@ -121,12 +121,13 @@ def test_views_and_layouts(device, dtype):
 
 
 def test_empty_inputs(device):
-    for shape in ((0, 16), (2, 0, 8)):
-        x, weight = torch.randn(shape, device=device, requires_grad=True), torch.ones(shape[-1], device=device)
+    for shape in ((0, 16), (2, 0, 8), (3, 0)):  # no rows, and no features (the weight's gradient empty too)
+        x = torch.randn(shape, device=device, requires_grad=True)
+        weight = torch.ones(shape[-1], device=device).requires_grad_()
         y = rms_norm(x, weight)
         assert y.shape == x.shape
         y.sum().backward()
-        assert x.grad.shape == x.shape
+        assert x.grad.shape == x.shape and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
 def test_non_finite_values_give_eagers_result(device):

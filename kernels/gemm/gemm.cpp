@@ -63,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
         path, x, weight, b, Epilogue{static_cast<float>(multiplier), static_cast<float>(negative_slope)}, return_mask,
         w_split.has_value() ? &*w_split : nullptr);
   if (path == Path::kCublasBf16x9) {
-    const int64_t m = gemm_rows(x, weight), k = weight.size(1);
+    const int64_t m = gemm_rows(x), k = weight.size(1);
     std::vector<int64_t> out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
     at::Tensor y = cublas_bf16x9_addmm(b, x.reshape({m, k}), weight.t()).view(out_shape);
@@ -222,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_multiply_leaky_relu_backward
     double multiplier, double negative_slope, bool x_grad, bool weight_grad, bool bias_grad) {
   check_gemm_arguments("gemm_multiply_leaky_relu_backward", x, weight, std::nullopt);
   check_output_gradient("gemm_multiply_leaky_relu_backward", "grad_y", grad_y, x, weight);
-  const int64_t m = gemm_rows(x, weight), n = weight.size(0);
+  const int64_t m = gemm_rows(x), n = weight.size(0);
   // The identity epilogue passes grad_y through (its `saved` is empty: gemm_autograd.cpp keeps nothing).
   const at::Tensor grad_pre =
       is_identity_epilogue(multiplier, negative_slope)
@@ -250,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_gelu_backward(const at::Tens
   check_approximate(approximate);
   check_output_gradient("gemm_gelu_backward", "grad_y", grad_y, x, weight);
   check_output_gradient("gemm_gelu_backward", "pre", pre, x, weight);
-  const int64_t m = gemm_rows(x, weight), n = weight.size(0);
+  const int64_t m = gemm_rows(x), n = weight.size(0);
   at::Tensor grad_pre, grad_x;
 #ifdef KERNELS_WITH_CUDA
   if (x_grad) {

@@ -37,7 +37,7 @@ struct ProductShape {
 
 const char* path_name(Path path);
 bool is_split(Path path);
-int64_t gemm_rows(const at::Tensor& x, const at::Tensor& weight);
+int64_t gemm_rows(const at::Tensor& x);
 bool is_transposed_weight(const at::Tensor& weight);
 ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight);
 Path choose_path(const at::Tensor& x, ProductShape shape, bool strict = true);

@@ -22,10 +22,11 @@
 namespace kernels::gemm {
 namespace {
 
-// M of the GEMM: the rows of x over all its leading dimensions.
-int64_t gemm_rows(const at::Tensor& x, const at::Tensor& weight) {
-  const int64_t k = weight.size(1);
-  return k == 0 ? 0 : x.numel() / k;
+// M of the GEMM: the rows of x over all its leading dimensions (whatever k is, 0 included).
+int64_t gemm_rows(const at::Tensor& x) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return rows;
 }
 
 const char* path_name(Path path) {
@@ -105,7 +106,7 @@ bool is_transposed_weight(const at::Tensor& weight) {
 }
 
 ProductShape linear_shape(const at::Tensor& x, const at::Tensor& weight) {
-  return {gemm_rows(x, weight), weight.size(0), weight.size(1), is_transposed_weight(weight)};
+  return {gemm_rows(x), weight.size(0), weight.size(1), is_transposed_weight(weight)};
 }
 
 // Why the fast float32 path `path` (a split path or cublas_bf16x9) cannot take a product of this shape on x's device

@@ -239,7 +239,7 @@ bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
 // on split_fp16 with the weight as it is (a GELU's w split ahead: the kernel that reads the split), K whole, the
 // product not computed transposed, and TMA stores (split_gemm_writes_pre).
 bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& weight) {
-  const int64_t m = gemm_rows(x, weight), n = weight.size(0), k = weight.size(1);
+  const int64_t m = gemm_rows(x), n = weight.size(0), k = weight.size(1);
   return path == Path::kSplitFp16 && !is_transposed_weight(weight) && !split_product_transposed(path, m, n, k) &&
          product_k_slices(x.device().index(), m, n, k) == 1 && split_gemm_writes_pre(n);
 }
@@ -252,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
                                                                        const at::Tensor& bias,
                                                                        const Epilogue& epilogue, bool return_mask,
                                                                        const WeightSplit* w_split) {
-  const int64_t m = gemm_rows(x, weight), k = weight.size(1), n = weight.size(0);
+  const int64_t m = gemm_rows(x), k = weight.size(1), n = weight.size(0);
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, x.options());

@@ -9,6 +9,8 @@
 #include <optional>
 #include <tuple>
 
+#include "common/leading_sum.h"
+
 namespace kernels::layer_norm {
 
 using LayerNorm = at::Tensor(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps);
@@ -68,9 +70,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_aten(
   at::Tensor grad_x64 = rstd.mul(gw.sub(gw.mean(-1, true)).sub(h.mul(gw.mul(h).mean(-1, true))));
   if (grad_residual.defined()) grad_x64 = grad_x64.add(grad_residual.to(at::kDouble));
   const at::Tensor grad_x = grad_x64.to(x.scalar_type()).contiguous();
-  const int64_t columns = x.size(-1);
-  const at::Tensor grad_weight = g64.mul(h).reshape({-1, columns}).sum(0).to(weight.scalar_type());
-  const at::Tensor grad_bias = g64.reshape({-1, columns}).sum(0).to(weight.scalar_type());
+  const at::Tensor grad_weight = common::leading_sum(g64.mul(h)).to(weight.scalar_type());
+  const at::Tensor grad_bias = common::leading_sum(g64).to(weight.scalar_type());
   return {grad_x, grad_weight, grad_bias};
 }
 

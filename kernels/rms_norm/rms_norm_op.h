@@ -8,6 +8,8 @@
 
 #include <tuple>
 
+#include "common/leading_sum.h"
+
 namespace kernels::rms_norm {
 
 using RmsNorm = at::Tensor(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -55,8 +57,7 @@ inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tenso
   const at::Tensor c = r64.square().mul(gw.mul(x64).mean(-1, true));
   const at::Tensor grad_x = r64.mul(gw.sub(x64.mul(c))).to(x.scalar_type()).contiguous();
   const at::Tensor h = x.to(compute_type(x)).mul(r).to(x.scalar_type());
-  const at::Tensor grad_weight =
-      g64.mul(h.to(at::kDouble)).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
+  const at::Tensor grad_weight = common::leading_sum(g64.mul(h.to(at::kDouble))).to(weight.scalar_type());
   return {grad_x, grad_weight};
 }
 
