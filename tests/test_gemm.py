@@ -204,8 +204,8 @@ def test_nodes_keep_an_operand_only_where_the_other_needs_its_gradient(device, o
 @pytest.mark.parametrize("slope", [0.0, 0.1, -0.4])
 def test_output_edited_in_place_before_the_backward(device, slope):
     """A negative slope keeps the branch mask: an in-place op on y (a residual added in place) before the backward
-    passes with eager's gradients. A slope >= 0 keeps y itself, as eager's ReLU keeps its output (kernels/gemm/NOTES.md):
-    autograd's clear error, as there."""
+    passes with eager's gradients. A slope >= 0 keeps y itself, as eager's ReLU keeps its output
+    (kernels/gemm/NOTES.md): autograd's clear error, as there."""
     reference, new = make_pair(7, 5, 2.0, slope, device, torch.float64)
     x = torch.randn(4, 7, dtype=torch.float64, device=device)
     results = []
