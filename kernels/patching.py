@@ -622,8 +622,10 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 def _training_call(x):
     """Whether a parent's call on x is one the group learns from and fuses: eager float32 with autograd recording,
     outside autocast and torch.func's transforms, and outside activation checkpointing (its recomputation must save
-    what the first run saved; the run in a backward and saved-tensor hooks mark it)."""
-    return (x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    what the first run saved; the run in a backward and saved-tensor hooks mark it). An inference tensor has no version
+    counter to watch, and eager could not save it: its calls run as they are."""
+    return (x.dtype == torch.float32 and not x.is_inference() and torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
             and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active()
             and _outside_recomputation())
 
@@ -646,7 +648,7 @@ class _SharedPart:
         self.version, self.part, self.taken, self.seen, self.name = x._version, part, False, seen, name
 
     def __call__(self, layer, x):
-        if x._version != self.version or not _training_call(x):
+        if not _training_call(x) or x._version != self.version:
             return None
         if self.seen is not None:
             self.seen.append(self.name)
@@ -1051,10 +1053,10 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     def projected_out(heads_out):  # attention's output (batch, heads, tgt_len, head_dim) -> (tgt_len, batch, embed)
         if batch_major:
             rows = heads_out.transpose(1, 2).reshape(batch * tgt_len, embed_dim)
-            out = linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, -1).transpose(0, 1)
+            out = linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, embed_dim).transpose(0, 1)
             return out if transposed_back else out.contiguous()
         rows = heads_out.permute(2, 0, 1, 3).reshape(tgt_len * batch, embed_dim)
-        return linear(rows, out_proj_weight, out_proj_bias).view(tgt_len, batch, -1)
+        return linear(rows, out_proj_weight, out_proj_bias).view(tgt_len, batch, embed_dim)
 
     if need_weights:  # eager's explicit weights: softmax(q k^T / sqrt(head_dim) + mask), averaged over heads if asked
         if batch_major:

@@ -602,6 +602,23 @@ def test_sibling_projections_other_inputs_and_failed_calls(device, monkeypatch):
         torch.testing.assert_close(copied(input_ids=ids).logits, bert(input_ids=ids).logits, atol=TOL, rtol=TOL)
 
 
+def test_sibling_projections_of_an_inference_tensor(device, monkeypatch):
+    """A frozen model called with grad mode on, on a tensor made under inference_mode: eager's results, no group."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    cls, config = tiny_transformers_models()["bert"]
+    model = cls(config).to(device).requires_grad_(False).eval()
+    expected = cls(config).to(device).requires_grad_(False).eval()
+    expected.load_state_dict(model.state_dict())
+    kernels.patch(model)
+    with torch.inference_mode():
+        ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
+        hidden = model.bert.embeddings(input_ids=ids)
+    layer = model.bert.encoder.layer[0].attention.self
+    for _ in range(2):  # the first call learns, the second would fuse
+        got = layer(hidden)[0]
+    torch.testing.assert_close(got, expected.bert.encoder.layer[0].attention.self(hidden)[0], atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("change", ["scale_x_before_v", "v_without_grad", "skip_v"])
 def test_sibling_projections_follow_the_call(change, device, monkeypatch):
     """A member called on its input changed in place, or in another grad mode, or not called, computes its own
@@ -1005,6 +1022,18 @@ FUNCTIONAL_CALLS = {
     "mm by keyword": lambda x, w, b: torch.mm(x.flatten(0, -2), mat2=w.t()).view(*x.shape[:-1], -1) + b,
     "addmm by keyword": lambda x, w, b: torch.addmm(b, mat1=x.flatten(0, -2), mat2=w.t()).view(*x.shape[:-1], -1),
 }
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_fp32_gemm_mode_multihead_attention_of_empty_inputs(batch_first, device):
+    """No rows of a batch, or an empty batch: eager's empty output and weights."""
+    mha = nn.MultiheadAttention(16, 4, batch_first=batch_first).to(device)
+    for shape in ((5, 0, 16), (0, 3, 16)):
+        x = torch.randn(shape, device=device)
+        expected = mha(x, x, x)
+        with kernels.fp32_gemm():
+            got = mha(x, x, x)
+        assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape
 
 
 @pytest.mark.parametrize("call", sorted(FUNCTIONAL_CALLS))
