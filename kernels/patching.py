@@ -717,14 +717,15 @@ _torch_function_off = torch._C.DisableTorchFunction
 
 def _attention_may_split(parent, x):
     """Whether a parent's call on x (batch, tokens, features) may have its attention taken by the split kernels: float32
-    CUDA without a gradient to compute, outside torch.func's transforms, heads of 64 (the parent's head_dim or
+    CUDA without a gradient to compute, outside autocast and torch.func's transforms, heads of 64 (the parent's head_dim or
     attention_head_size) and enough tokens for keys (a causal parent's more); _attention_route decides per call. The
     shape is checked first, so that small calls pay no more host time than that."""
     head_dim = parent.__dict__.get("head_dim", parent.__dict__.get("attention_head_size"))
     return (head_dim == 64 and x.dim() == 3 and
             x.shape[1] >= (_CAUSAL_ATTENTION_MIN_KEYS if parent.__dict__.get("is_causal") else _ATTENTION_MIN_KEYS)
             and not torch.is_grad_enabled() and x.is_cuda and x.dtype == torch.float32
-            and not torch._C._are_functorch_transforms_active() and _attention_runs_on(x.device))
+            and not torch.is_autocast_enabled("cuda") and not torch._C._are_functorch_transforms_active()
+            and _attention_runs_on(x.device))
 
 
 class _SideBySide(torch.autograd.Function):

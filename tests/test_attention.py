@@ -173,6 +173,29 @@ def test_higher_orders_forward_mode_and_torch_func(device, causal):
         torch.testing.assert_close(transform(loss(ours))(q[..., :2, :]), transform(loss(formula))(q[..., :2, :]))
 
 
+def test_meta_and_mixed_devices_autocast_and_no_head_dim(device):
+    """The op's checks hold on the meta device and for tensors on two devices (no tensor of garbage); under autocast
+    eager's call and dtype; a head dim of 0 gives eager's empty output."""
+    q = torch.randn(1, 2, 4, 8, device=device)
+    meta = torch.randn(1, 2, 4, 8, device="meta")
+    for args in ((q, meta, meta), (meta, q, q)):
+        with pytest.raises(RuntimeError, match="kernels.attention: expected .* on the same device"):
+            attention(*args)
+    for args, message in (((meta, meta[..., :4], meta[..., :4]), "same batch and head dim"),
+                          ((meta, meta.int(), meta), "must be a float32"),
+                          ((meta, meta[:, :0], meta[:, :0]), "multiple of"),
+                          ((meta[0], meta[0], meta[0]), "4 dimensions")):
+        with pytest.raises(RuntimeError, match=message):
+            attention(*args)
+    assert attention(meta, meta, meta).shape == meta.shape
+    dtype = torch.bfloat16
+    with torch.autocast(device, dtype=dtype):
+        got, expected = attention(q, q, q), F.scaled_dot_product_attention(q, q, q)
+    assert got.dtype == expected.dtype == dtype and torch.equal(got, expected)
+    empty = torch.randn(1, 2, 4, 0, device=device)
+    assert attention(empty, empty, empty).shape == F.scaled_dot_product_attention(empty, empty, empty).shape
+
+
 @requires_cuda
 def test_fp32_gemm_routes_sdpa():
     q, k, v = operands((1, 4, 4, 512, 512, 64), "cuda", seed=8)

@@ -26,6 +26,26 @@ _ALIGN_LSE = 32  # the logsumexp rows' padding, PyTorch's memory-efficient atten
 
 
 def _attention_fake(query, key, value, is_causal, scale):
+    # The op's own checks (attention.cpp, check_operands): this is also the meta device's kernel, which a call mixing
+    # meta and real tensors reaches.
+    floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        torch._check(t.dtype in floats, lambda: f"kernels.attention: {name} must be a float32, float64, float16 or "
+                     f"bfloat16 tensor, got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        torch._check(t.device == query.device, lambda: f"kernels.attention: expected {name} and query on the same "
+                     f"device, got {name} on {t.device} and query on {query.device}")
+        torch._check(t.dtype == query.dtype, lambda: f"kernels.attention: expected {name} and query to have the same "
+                     f"dtype, got {name} {t.dtype} and query {query.dtype}")
+    torch._check(query.dim() == 4 and key.dim() == 4 and value.dim() == 4, lambda: "kernels.attention: query, key and "
+                 f"value must have 4 dimensions (batch, heads, rows, head dim), got shapes {tuple(query.shape)}, "
+                 f"{tuple(key.shape)} and {tuple(value.shape)}")
+    torch._check(key.shape == value.shape, lambda: f"kernels.attention: key and value must have the same shape, got "
+                 f"{tuple(key.shape)} and {tuple(value.shape)}")
+    torch._check(query.shape[0] == key.shape[0] and query.shape[3] == key.shape[3], lambda: f"kernels.attention: "
+                 f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same batch and head dim")
+    torch._check(key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0, lambda: f"kernels.attention: query has "
+                 f"{query.shape[1]} heads, which must be a multiple of key's {key.shape[1]}")
     batch, heads, rows, dim = query.shape
     out = query.new_empty((batch, rows, heads, dim)).permute(0, 2, 1, 3)
     lse = query.new_empty((batch, heads, (rows + _ALIGN_LSE - 1) // _ALIGN_LSE * _ALIGN_LSE))
@@ -90,7 +110,12 @@ def attention(query, key, value, is_causal=False, scale=None):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0  # no head dim: an empty output
+    if torch.amp.is_autocast_available(query.device.type) and torch.is_autocast_enabled(query.device.type):
+        # Eager's own call, which autocast casts as its policy says (its result in the autocast dtype).
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=bool(is_causal), scale=float(scale),
+            enable_gqa=query.dim() > 1 and key.dim() > 1 and query.shape[-3] != key.shape[-3])
     if _transformed(query, key, value):
         # torch.func's transforms and forward-mode tangents: the formula in ATen's ops, which carry them to any order.
         return _reference(query, key, value, bool(is_causal), float(scale))
