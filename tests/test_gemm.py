@@ -237,6 +237,19 @@ def test_no_input_features_give_eagers_gradients(device, batch):
         torch.testing.assert_close(got, expected)
 
 
+def test_linear_of_a_vector_weight_and_of_meta_tensors(device):
+    """kernels.functional.linear: a 1-D weight is F.linear's vector product; a meta weight or bias with real x is the
+    op's device error (F.linear can return an uninitialized tensor there)."""
+    from kernels.functional import linear
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))
+    for weight, bias in ((torch.randn(6, 8, device="meta"), torch.randn(6, device=device)),
+                         (torch.randn(6, 8, device=device), torch.randn(6, device="meta")),
+                         (torch.randn(6, 8, device="meta"), None)):
+        with pytest.raises(RuntimeError, match="device"):
+            linear(x, weight, bias)
+
+
 def test_opcheck(device):
     x = torch.randn(6, 20, device=device)
     weight, bias = torch.randn(12, 20, device=device), torch.randn(12, device=device)

@@ -123,8 +123,13 @@ def _gelu_of(pre, approximate):
 def linear(x, weight, bias=None):
     """F.linear(x, weight, bias) on the library's GEMM: gemm_multiply_leaky_relu with the identity epilogue, or
     F.linear itself where no split path can take the call (plain_linear_suffices). weight may be a transposed view of
-    an (in_features, out_features) matrix, which the split path reads without a copy."""
-    if plain_linear_suffices(x, weight):
+    an (in_features, out_features) matrix, which the split path reads without a copy. A 1-D weight (F.linear's
+    vector product) is F.linear's; tensors on two devices get the op's error (F.linear can return an uninitialized
+    tensor for a meta weight or bias with real x)."""
+    if weight.dim() != 2:
+        return F.linear(x, weight, bias)
+    if (x.device == weight.device and (bias is None or bias.device == x.device)
+            and plain_linear_suffices(x, weight)):
         return F.linear(x, weight, bias)
     return gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0)
 
