@@ -1467,6 +1467,14 @@ def test_identity_epilogue_keeps_no_output():
 
 # ---- kept weight splits within a budget ------------------------------------------------------------------------------
 
+def test_kept_split_budget_bad_values_are_clear_errors():
+    for nbytes in (-1, 1.5, "1"):
+        with pytest.raises(ValueError, match="nbytes must be None or an integer >= 0"):
+            set_kept_split_budget(nbytes)
+    with pytest.raises(ValueError, match="kept on CUDA GPUs only, got device cpu"):
+        kept_split_bytes("cpu")
+
+
 @requires_cuda
 def test_kept_splits_stay_within_the_budget():
     layers = [FusedLinear(2048, 2048).cuda() for _ in range(3)]

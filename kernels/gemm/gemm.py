@@ -16,6 +16,7 @@ sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep rows).
 import collections
 import functools
 import math
+import operator
 import sys
 import weakref
 
@@ -471,8 +472,13 @@ DEFAULT_KEPT_SPLIT_BUDGET = 0.25
 
 
 def _gpu(device):
-    """`device` as a torch.device with its index (the current GPU's where it names none)."""
+    """`device` as a torch.device with its index (the current GPU's where it names none); splits are kept on CUDA GPUs
+    only."""
     device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"kernels: weight splits are kept on CUDA GPUs only, got device {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernels: weight splits are kept on CUDA GPUs, and this torch sees none")
     return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
 
 
@@ -484,7 +490,15 @@ def kept_split_budget(device="cuda"):
 def set_kept_split_budget(nbytes):
     """Sets the bytes kept weight splits may take on each GPU (None: DEFAULT_KEPT_SPLIT_BUDGET of its memory; 0: keep
     none), and drops the least recently used splits over it now."""
-    _kept_splits.budget_bytes = None if nbytes is None else int(nbytes)
+    if nbytes is not None:
+        try:
+            count = operator.index(nbytes)
+        except TypeError:
+            count = -1
+        if count < 0:
+            raise ValueError(f"kernels.set_kept_split_budget: nbytes must be None or an integer >= 0, got {nbytes!r}")
+        nbytes = count
+    _kept_splits.budget_bytes = nbytes
     for device in [d for d, used in _kept_splits.device_bytes.items() if used > 0]:
         _kept_splits.make_room(device, 0)
 
