@@ -534,6 +534,8 @@ def patch(model, layers=None):
     them). Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
     (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
     raises ValueError."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(layers, str):
         raise TypeError("patch: layers must be a collection of layer names, not one string")
     chosen = None if layers is None else set(layers)
@@ -839,6 +841,8 @@ def split_layer_names(model, *inputs):
 
 def unpatch(model):
     """Undoes patch(): every patched layer of `model` gets its own class back (and drops its kept split)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
     originals = {patched: cls for cls, patched in _PATCHED_CLASSES.items()}
     for module in model.modules():
         _ungroup_projections(module)

@@ -170,6 +170,9 @@ def test_split_layer_names_leaves_the_model_as_it_was():
     assert kernels.patch(net, layers=["again"]) is net and kernels.is_patched(net.first)
     with pytest.raises(TypeError, match="not one string"):
         kernels.patch(small_model(), layers="0")
+    for call in (kernels.patch, kernels.unpatch):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+            call(None)
 
 
 def test_multihead_attention_batch_major_route(monkeypatch):
