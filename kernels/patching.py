@@ -894,9 +894,10 @@ def _mm_route(input, mat2):
     return NotImplemented
 
 
-def _addmm_route(input, mat1, mat2, *, beta=1, alpha=1):
-    if beta == 1 and alpha == 1 and _plain(input, mat1, mat2) and mat1.dim() == 2 and mat2.dim() == 2 and (
-            input.dim() == 1 and input.shape[0] == mat2.shape[1]):
+def _addmm_route(input, mat1, mat2, *deprecated, beta=1, alpha=1):
+    # deprecated: torch.addmm's old positional form (beta, input, alpha, mat1, mat2), left to eager.
+    if not deprecated and beta == 1 and alpha == 1 and _plain(input, mat1, mat2) and mat1.dim() == 2 and (
+            mat2.dim() == 2 and input.dim() == 1 and input.shape[0] == mat2.shape[1]):
         return _linear_route(mat1, mat2.t(), input)
     return NotImplemented
 
@@ -1112,10 +1113,7 @@ class fp32_gemm(TorchFunctionMode):
         kwargs = kwargs or {}
         route = self.routes.get(func)
         if route is not None and "out" not in kwargs:
-            try:
-                result = route(*args, **kwargs)
-            except TypeError:  # a form the route does not take (torch.addmm's deprecated positional scalars): eager's
-                result = NotImplemented
+            result = route(*args, **kwargs)
             if result is not NotImplemented:
                 return result
         return func(*args, **kwargs)

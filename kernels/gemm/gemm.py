@@ -491,13 +491,9 @@ def set_kept_split_budget(nbytes):
     """Sets the bytes kept weight splits may take on each GPU (None: DEFAULT_KEPT_SPLIT_BUDGET of its memory; 0: keep
     none), and drops the least recently used splits over it now."""
     if nbytes is not None:
-        try:
-            count = operator.index(nbytes)
-        except TypeError:
-            count = -1
-        if count < 0:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__") or operator.index(nbytes) < 0:
             raise ValueError(f"kernels.set_kept_split_budget: nbytes must be None or an integer >= 0, got {nbytes!r}")
-        nbytes = count
+        nbytes = operator.index(nbytes)
     _kept_splits.budget_bytes = nbytes
     for device in [d for d, used in _kept_splits.device_bytes.items() if used > 0]:
         _kept_splits.make_room(device, 0)
