@@ -163,6 +163,14 @@ def test_meta_tensors_give_pytorchs_shape_and_device():
     weight, bias = torch.empty(3, 4, device="meta"), torch.empty(3, device="meta")
     y, expected = gemm_multiply_leaky_relu(x, weight, bias), eager_gemm(x, weight, bias, 1.0, 0.01)
     assert y.device == expected.device and y.shape == expected.shape and y.dtype == expected.dtype
+    # The checks of the ops themselves hold on meta (and under tracing): their fakes make them.
+    for call, message in ((lambda: leaky_relu(x.int()), "x must be a float32"),
+                          (lambda: gemm_multiply_leaky_relu(x.int(), weight, bias), "x must be a float32"),
+                          (lambda: gemm_multiply_leaky_relu(x, weight, bias[:2]), "bias must have shape"),
+                          (lambda: gemm_multiply_leaky_relu(x, weight.double(), bias), "same dtype"),
+                          (lambda: gemm_multiply_leaky_relu(x, weight[:, :3], bias), "in_features is 3")):
+        with pytest.raises(RuntimeError, match=message):
+            call()
 
 
 # Every op with more than one tensor argument, called with one of them on another device. (leaky_relu, leaky_relu_,
@@ -208,6 +216,9 @@ MIXED_DEVICE_OPS = {
         ("grad_output", "saved"),
         lambda d: torch.ops.kernels.leaky_relu_backward(torch.randn(5, device=d[0]), torch.randn(5, device=d[1]),
                                                         0.1, 1.0)),
+    "attention": (
+        ("query", "key", "value"),
+        lambda d: torch.ops.kernels.attention(*(torch.randn(1, 2, 4, 8, device=device) for device in d), False, 0.5)),
 }
 DEVICE_PAIRS = [(a, b) for a in ("cpu", "cuda", "meta") for b in ("cpu", "cuda", "meta") if a != b]
 

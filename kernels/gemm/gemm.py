@@ -33,16 +33,14 @@ def _gemm_multiply_leaky_relu_fake(x, weight, bias, multiplier, negative_slope, 
     # The fake also runs as the op's Meta kernel, which the dispatcher picks where any tensor is on meta: a CPU or
     # CUDA x beside meta weights (a model built under torch.device("meta")) must raise here, as eager does, not
     # return an uninitialized tensor on x's device.
-    _check_same_device(x, weight, bias)
-    torch._check(x.shape[-1] == weight.shape[1], lambda: "x's last dimension must equal weight.shape[1]")
+    _check_fake_arguments("gemm_multiply_leaky_relu", x, weight, bias)
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
     mask = x.new_empty(y.shape if return_mask else (0,), dtype=torch.bool)
     return y, mask
 
 
 def _gemm_gelu_fake(x, weight, bias, approximate, weight_split=None):
-    _check_same_device(x, weight, bias)
-    torch._check(x.shape[-1] == weight.shape[1], lambda: "x's last dimension must equal weight.shape[1]")
+    _check_fake_arguments("gemm_gelu", x, weight, bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -67,6 +65,26 @@ def _gemm_gelu_backward_fake(grad_y, x, weight, pre, approximate, x_grad, weight
 def _check_same_device(*tensors):
     """Eager's own check (and message: "Tensor on device cpu is not on the expected device meta!")."""
     torch._prims_common.check_same_device(*(t for t in tensors if t is not None), allow_cpu_scalar_tensors=False)
+
+
+_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_fake_arguments(op, x, weight, bias):
+    """The op's checks (gemm.cpp, check_gemm_arguments), made by its fake: under tracing and on the meta device."""
+    _check_same_device(x, weight, bias)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        torch._check(t is None or t.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: {name} must be a float32, float64, "
+                     f"float16 or bfloat16 tensor, got {t.dtype}")
+        torch._check(t is None or t.dtype == x.dtype, lambda: f"kernels.{op}: expected {name} and x to have the same "
+                     f"dtype, got {name} {t.dtype} and x {x.dtype}")
+    torch._check(weight.dim() == 2, lambda: f"kernels.{op}: weight must be 2-D (out_features, in_features), got shape "
+                 f"{list(weight.shape)}")
+    torch._check(x.dim() >= 1, lambda: f"kernels.{op}: x must have at least 1 dimension (..., in_features), got a scalar")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: f"kernels.{op}: x's last dimension is {x.shape[-1]} but "
+                 f"in_features is {weight.shape[1]} (x has shape {list(x.shape)}, weight {list(weight.shape)})")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]), lambda: f"kernels.{op}: "
+                 f"bias must have shape [out_features] = [{weight.shape[0]}], got {list(bias.shape)}")
 
 
 def gemm_multiply_leaky_relu(x, weight, bias=None, multiplier=1.0, negative_slope=0.01, weight_split=None):

@@ -16,15 +16,24 @@ loader.load_library()
 
 # ---- leaky_relu -------------------------------------------------------------------------------------------------
 
+def _check_float(op, x):
+    """The op's dtype check, made by its fake: under tracing and on the meta device."""
+    torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                 lambda: f"kernels.{op}: x must be a float32, float64, float16 or bfloat16 tensor, got {x.dtype}")
+
+
 def _leaky_relu_fake(x, negative_slope):
+    _check_float("leaky_relu", x)
     return torch.empty_like(x)
 
 
 def _leaky_relu_inplace_fake(x, negative_slope):
+    _check_float("leaky_relu_", x)
     return None
 
 
 def _multiply_leaky_relu_inplace_fake(x, multiplier, negative_slope, return_mask):
+    _check_float("multiply_leaky_relu_", x)
     return x.new_empty(x.shape if return_mask else (0,), dtype=torch.bool)
 
 
