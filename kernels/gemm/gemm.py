@@ -80,7 +80,8 @@ def _check_fake_arguments(op, x, weight, bias):
                      f"dtype, got {name} {t.dtype} and x {x.dtype}")
     torch._check(weight.dim() == 2, lambda: f"kernels.{op}: weight must be 2-D (out_features, in_features), got shape "
                  f"{list(weight.shape)}")
-    torch._check(x.dim() >= 1, lambda: f"kernels.{op}: x must have at least 1 dimension (..., in_features), got a scalar")
+    torch._check(x.dim() >= 1,
+                 lambda: f"kernels.{op}: x must have at least 1 dimension (..., in_features), got a scalar")
     torch._check(x.shape[-1] == weight.shape[1], lambda: f"kernels.{op}: x's last dimension is {x.shape[-1]} but "
                  f"in_features is {weight.shape[1]} (x has shape {list(x.shape)}, weight {list(weight.shape)})")
     torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]), lambda: f"kernels.{op}: "
