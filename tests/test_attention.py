@@ -244,3 +244,13 @@ def test_bad_input(bad, message):
     q, k, v = operands((2, 4, 4, 8, 8, 64), "cpu")
     with pytest.raises(RuntimeError, match=message):
         attention(*bad(q, k, v))
+
+
+def test_bad_flags_are_type_errors():
+    """As eager's F.scaled_dot_product_attention: is_causal a bool, scale a number or None."""
+    q, k, v = operands((1, 2, 2, 4, 4, 64), "cpu")
+    for kwargs, message in (({"is_causal": None}, "is_causal must be a bool, got NoneType"),
+                            ({"is_causal": 1}, "is_causal must be a bool, got int"),
+                            ({"scale": "0.5"}, "scale must be a number or None, got str")):
+        with pytest.raises(TypeError, match=message):
+            attention(q, k, v, **kwargs)

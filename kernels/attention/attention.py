@@ -109,6 +109,10 @@ def attention(query, key, value, is_causal=False, scale=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"kernels.attention: is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"kernels.attention: scale must be a number or None, got {type(scale).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0  # no head dim: an empty output
     if torch.amp.is_autocast_available(query.device.type) and torch.is_autocast_enabled(query.device.type):
