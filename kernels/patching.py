@@ -1059,10 +1059,11 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     def projected_out(heads_out):  # attention's output (batch, heads, tgt_len, head_dim) -> (tgt_len, batch, embed)
         if batch_major:
             rows = heads_out.transpose(1, 2).reshape(batch * tgt_len, embed_dim)
-            out = linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, embed_dim).transpose(0, 1)
+            out = linear(rows, out_proj_weight, out_proj_bias).view(batch, tgt_len, out_proj_weight.shape[0])
+            out = out.transpose(0, 1)
             return out if transposed_back else out.contiguous()
         rows = heads_out.permute(2, 0, 1, 3).reshape(tgt_len * batch, embed_dim)
-        return linear(rows, out_proj_weight, out_proj_bias).view(tgt_len, batch, embed_dim)
+        return linear(rows, out_proj_weight, out_proj_bias).view(tgt_len, batch, out_proj_weight.shape[0])
 
     if need_weights:  # eager's explicit weights: softmax(q k^T / sqrt(head_dim) + mask), averaged over heads if asked
         if batch_major:

@@ -180,8 +180,9 @@ def test_nodes_keep_an_operand_only_where_the_other_needs_its_gradient(device, o
             with forced_gemm_path(path), torch.autograd.graph.saved_tensors_hooks(
                     lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
                 y = ours(*leaves)
-            assert (leaves[0].untyped_storage().data_ptr() in saved) == weight_grad, (path, x_grad, weight_grad)
-            assert (leaves[1].untyped_storage().data_ptr() in saved) == x_grad, (path, x_grad, weight_grad)
+            # Each at most once (saved-tensor hooks, offloading, see every save).
+            assert saved.count(leaves[0].untyped_storage().data_ptr()) == weight_grad, (path, x_grad, weight_grad)
+            assert saved.count(leaves[1].untyped_storage().data_ptr()) == x_grad, (path, x_grad, weight_grad)
             wanted = [t for t in leaves if t.requires_grad]
             with forced_gemm_path(path):
                 got = torch.autograd.grad(y, wanted, grad)

@@ -1028,8 +1028,9 @@ FUNCTIONAL_CALLS = {
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_fp32_gemm_mode_multihead_attention_of_empty_inputs(batch_first, device):
-    """No rows of a batch, or an empty batch: eager's empty output and weights."""
+def test_fp32_gemm_mode_multihead_attention_of_empty_inputs_and_other_widths(batch_first, device):
+    """No rows of a batch, or an empty batch: eager's empty output and weights; an output projection of another width
+    than the embedding's: eager's."""
     mha = nn.MultiheadAttention(16, 4, batch_first=batch_first).to(device)
     for shape in ((5, 0, 16), (0, 3, 16)):
         x = torch.randn(shape, device=device)
@@ -1037,6 +1038,15 @@ def test_fp32_gemm_mode_multihead_attention_of_empty_inputs(batch_first, device)
         with kernels.fp32_gemm():
             got = mha(x, x, x)
         assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape
+    # The functional form with an output projection of another width: eager's output width.
+    x = torch.randn(5, 3, 16, device=device)
+    in_w, in_b = torch.randn(48, 16, device=device), torch.randn(48, device=device)
+    out_w, out_b = torch.randn(24, 16, device=device), torch.randn(24, device=device)
+    arguments = (x, x, x, 16, 4, in_w, in_b, None, None, False, 0.0, out_w, out_b)
+    expected = F.multi_head_attention_forward(*arguments, need_weights=False)[0]
+    with kernels.fp32_gemm():
+        torch.testing.assert_close(F.multi_head_attention_forward(*arguments, need_weights=False)[0], expected,
+                                   atol=TOL, rtol=TOL)
 
 
 @pytest.mark.parametrize("call", sorted(FUNCTIONAL_CALLS))
@@ -1471,8 +1481,8 @@ def test_identity_epilogue_keeps_no_output():
 # ---- kept weight splits within a budget ------------------------------------------------------------------------------
 
 def test_kept_split_budget_bad_values_are_clear_errors():
-    for nbytes in (-1, 1.5, "1"):
-        with pytest.raises(ValueError, match="nbytes must be None or an integer >= 0"):
+    for nbytes in (-1, float("inf"), "1"):
+        with pytest.raises(ValueError, match="nbytes must be None or a number >= 0"):
             set_kept_split_budget(nbytes)
     with pytest.raises(ValueError, match="kept on CUDA GPUs only, got device cpu"):
         kept_split_bytes("cpu")

@@ -94,7 +94,10 @@ def _backward(ctx, grad_out, grad_lse):
         grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in grads[:3])
     else:
         with torch.enable_grad():
-            inputs = [t if create_graph else t.detach().requires_grad_(n) for t, n in zip((query, key, value), needs)]
+            # Under create_graph each slot an alias of its own, so that an input passed twice (attention(x, x, x)) is
+            # not given its whole gradient in each slot.
+            inputs = [t.view_as(t) if create_graph else t.detach().requires_grad_(n)
+                      for t, n in zip((query, key, value), needs)]
             recomputed = _reference(*inputs, ctx.is_causal, ctx.scale)
             wanted = [t for t, n in zip(inputs, needs) if n]
             found = iter(torch.autograd.grad(recomputed, wanted, grad_out, create_graph=create_graph))
@@ -111,8 +114,6 @@ def attention(query, key, value, is_causal=False, scale=None):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"kernels.attention: is_causal must be a bool, got {type(is_causal).__name__}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"kernels.attention: scale must be a number or None, got {type(scale).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0  # no head dim: an empty output
     if torch.amp.is_autocast_available(query.device.type) and torch.is_autocast_enabled(query.device.type):

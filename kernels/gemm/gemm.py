@@ -16,7 +16,7 @@ sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep rows).
 import collections
 import functools
 import math
-import operator
+import numbers
 import sys
 import weakref
 
@@ -510,9 +510,9 @@ def set_kept_split_budget(nbytes):
     """Sets the bytes kept weight splits may take on each GPU (None: DEFAULT_KEPT_SPLIT_BUDGET of its memory; 0: keep
     none), and drops the least recently used splits over it now."""
     if nbytes is not None:
-        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__") or operator.index(nbytes) < 0:
-            raise ValueError(f"kernels.set_kept_split_budget: nbytes must be None or an integer >= 0, got {nbytes!r}")
-        nbytes = operator.index(nbytes)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not 0 <= nbytes < math.inf:
+            raise ValueError(f"kernels.set_kept_split_budget: nbytes must be None or a number >= 0, got {nbytes!r}")
+        nbytes = int(nbytes)
     _kept_splits.budget_bytes = nbytes
     for device in [d for d, used in _kept_splits.device_bytes.items() if used > 0]:
         _kept_splits.make_room(device, 0)

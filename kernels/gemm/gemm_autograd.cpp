@@ -117,6 +117,12 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
 
   std::string name() const override { return "kernels::GemmMultiplyLeakyReLUBackward"; }
 
+  // x and w as kept (stand-ins where not), for the GELU node whose pre-activation this node records.
+  std::pair<at::Tensor, at::Tensor> operands() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {x_.unpack(), weight_.unpack()};
+  }
+
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
     x_.reset_data();
@@ -180,17 +186,13 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu_autograd(c10::Dispat
 }
 
 // The gradients of y = gelu(pre), pre = x w^T + b, for x, w and b (the node's outputs 0, 1, 2), from the saved
-// pre-activation (eager's GELU node saves the same tensor; the product's node, x and w, kept as the product node keeps
-// them; nothing of b). One node instead of the product's and the activation's: its backward op makes the GELU's input
-// gradient within grad_x's split pass.
+// pre-activation (eager's GELU node saves the same tensor) and the x and w its product node keeps (eager's linear node
+// keeps them; nothing of b): each tensor saved once, as saved-tensor hooks (offloading) see. One node instead of the
+// product's and the activation's: its backward op makes the GELU's input gradient within grad_x's split pass.
 class GemmGeluGrad final : public torch::autograd::Node {
  public:
-  GemmGeluGrad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre, c10::string_view approximate,
-               bool keep_x, bool keep_weight)
-      : x_(x, keep_x),
-        weight_(weight, keep_weight),
-        pre_(pre, /*is_output=*/false),
-        approximate_(approximate) {}
+  GemmGeluGrad(const at::Tensor& pre, c10::string_view approximate)
+      : pre_(pre, /*is_output=*/false), approximate_(approximate) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -198,15 +200,18 @@ class GemmGeluGrad final : public torch::autograd::Node {
     if (!grad_y.defined()) return torch::autograd::variable_list(3);
     const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
                bias_grad = should_compute_output(2);
-    const at::Tensor x = x_.unpack(), weight = weight_.unpack();
+    const at::Tensor pre = pre_.unpack();
+    auto* product = dynamic_cast<GemmMultiplyLeakyReLUGrad*>(pre.grad_fn().get());
+    TORCH_CHECK(product != nullptr, "kernels.gemm_gelu: the saved pre-activation lost its product node");
+    const auto [x, weight] = product->operands();
     if (!c10::GradMode::is_enabled()) {
-      return node_outputs(gemm_gelu_backward_op().call(grad_y, x, weight, pre_.unpack(), approximate_, x_grad,
-                                                       weight_grad, bias_grad),
+      return node_outputs(gemm_gelu_backward_op().call(grad_y, x, weight, pre, approximate_, x_grad, weight_grad,
+                                                       bias_grad),
                           x_grad, weight_grad, bias_grad);
     }
     // A double backward: the GELU's gradient is differentiated through the saved pre-activation, whose own graph (the
     // product's node, recorded with it) leads to x, w and b, as eager's GELU node reads its linear node's output.
-    const at::Tensor grad_pre = gelu_backward_of(grad_y, pre_.unpack(), approximate_);  // gemm.cpp
+    const at::Tensor grad_pre = gelu_backward_of(grad_y, pre, approximate_);  // gemm.cpp
     return differentiable_product_gradients(grad_pre, x, weight, x_grad, weight_grad, bias_grad);
   }
 
@@ -214,13 +219,10 @@ class GemmGeluGrad final : public torch::autograd::Node {
 
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    x_.reset_data();
-    weight_.reset_data();
     pre_.reset_data();
   }
 
  private:
-  SavedOperand x_, weight_;
   torch::autograd::SavedVariable pre_;
   std::string approximate_;
 };
@@ -260,12 +262,12 @@ std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre_autograd(c10::DispatchKeyS
   auto [y, pre] = common::redispatch_below_autograd(gemm_gelu_with_pre_op(), keys, x, weight, bias, approximate,
                                                     weight_split);
   const torch::autograd::edge_list edges = torch::autograd::collect_next_edges(x, weight, bias);
-  const bool keep_x = weight.requires_grad(), keep_weight = x.requires_grad();
-  common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(x, weight, at::empty({0}, pre.options()), 1.0,
-                                                                         1.0, keep_x, keep_weight);
+  common::NodePtr product = common::make_node<GemmMultiplyLeakyReLUGrad>(
+      x, weight, at::empty({0}, pre.options()), 1.0, 1.0, /*keep_x=*/weight.requires_grad(),
+      /*keep_weight=*/x.requires_grad());
   product->set_next_edges(torch::autograd::edge_list(edges));
   torch::autograd::create_gradient_edge(pre, std::move(product));
-  common::NodePtr node = common::make_node<GemmGeluGrad>(x, weight, pre, approximate, keep_x, keep_weight);
+  common::NodePtr node = common::make_node<GemmGeluGrad>(pre, approximate);
   node->set_next_edges(torch::autograd::edge_list(edges));
   torch::autograd::create_gradient_edge(y, std::move(node));
   return {y, pre};

@@ -33,7 +33,13 @@ class SiluMulGrad final : public torch::autograd::Node {
     torch::autograd::variable_list grad_inputs(2);
     if (!grads[0].defined()) return grad_inputs;
     if (!should_compute_output(0)) {
-      if (should_compute_output(1)) grad_inputs[1] = silu_mul_up_gradient_aten(grads[0], gate_.unpack());
+      // grad_up alone: it reads gate only, so the backward op takes gate in up's place (its grad_gate unused).
+      if (should_compute_output(1)) {
+        const at::Tensor gate = gate_.unpack();
+        grad_inputs[1] = c10::GradMode::is_enabled()
+                             ? silu_mul_up_gradient_aten(grads[0], gate)
+                             : std::get<1>(silu_mul_backward_op().call(grads[0], gate, gate));
+      }
       return grad_inputs;
     }
     // Under create_graph the backward is itself differentiated: the ATen formulas, recorded by autograd.
