@@ -990,8 +990,8 @@ def bench_linear_layers(rows, options):
                            (f"train step {m}x{k}->{n}", lambda layer: layer(x_grad).backward(grad))):
             progress(f"{problem}: {case}")
             layers = {"nn.Linear": eager, "nn.Linear, a second copy": twin, "kernels.nn.Linear": ours}
-            # 200 samples: a host-bound call's time moves with the host's jitter, and these rows compare host work
-            # that differs by under 1% (kernels/gemm/NOTES.md, Open).
+            # 200 samples: a host-bound call's time moves with the host's jitter, and these rows compare nearly equal
+            # host work (kernels/gemm/NOTES.md, Open).
             times = time_each_ms([lambda layer=layer: step(layer) for layer in layers.values()], samples=200,
                                  calls_per_sample=50, flush_l2=False)
             with torch.no_grad():

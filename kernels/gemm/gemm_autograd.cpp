@@ -37,6 +37,11 @@ torch::autograd::variable_list node_outputs(std::tuple<at::Tensor, at::Tensor, a
   return grad_inputs;
 }
 
+// Which of a product node's outputs 0, 1, 2 (x, w, b) its backward is asked for.
+std::tuple<bool, bool, bool> wanted_gradients(const torch::autograd::Node& node) {
+  return {node.should_compute_output(0), node.should_compute_output(1), node.should_compute_output(2)};
+}
+
 // A product's operand as its node keeps it. Eager's linear keeps x only where w's gradient is needed, and w only where
 // x's is, so that a frozen layer holds no activation; the same here. An operand not kept gives the backward op a
 // stand-in of its shape and options (one element, expanded), which only its checks and shapes read. Tensor subclasses
@@ -97,8 +102,7 @@ class GemmMultiplyLeakyReLUGrad final : public torch::autograd::Node {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& grad_y = grads[0];
     if (!grad_y.defined()) return torch::autograd::variable_list(3);
-    const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
-               bias_grad = should_compute_output(2);
+    const auto [x_grad, weight_grad, bias_grad] = wanted_gradients(*this);
     const at::Tensor x = x_.unpack(), weight = weight_.unpack(), saved = saved_.unpack();
     if (!c10::GradMode::is_enabled()) {
       // No graph of the backward wanted: one op, which takes the split_fp16 path for each product where the
@@ -198,8 +202,7 @@ class GemmGeluGrad final : public torch::autograd::Node {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& grad_y = grads[0];
     if (!grad_y.defined()) return torch::autograd::variable_list(3);
-    const bool x_grad = should_compute_output(0), weight_grad = should_compute_output(1),
-               bias_grad = should_compute_output(2);
+    const auto [x_grad, weight_grad, bias_grad] = wanted_gradients(*this);
     const at::Tensor pre = pre_.unpack();
     auto* product = dynamic_cast<GemmMultiplyLeakyReLUGrad*>(pre.grad_fn().get());
     TORCH_CHECK(product != nullptr, "kernels.gemm_gelu: the saved pre-activation lost its product node");
