@@ -99,21 +99,26 @@ def step(name, command, tail=0, **options):
     return [name]
 
 
+def importable(module):
+    return subprocess.run([PYTHON, "-c", f"import {module}"], cwd=REPO, capture_output=True).returncode == 0
+
+
 def ensure_module(module):
     """Where `module` does not import, installs the wheels in .whl/ (the GPU machine has no network) into WHEEL_SITE,
-    first on PYTHONPATH for every process started from here."""
-    def importable():
-        return subprocess.run([PYTHON, "-c", f"import {module}"], cwd=REPO, capture_output=True).returncode == 0
-
+    first on PYTHONPATH for every process started from here. Whether it imports then."""
     wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
-    if importable() or not wheels:
-        return
+    if importable(module):
+        return True
+    if not wheels:
+        return False
     print(f"{module} is missing: installing {len(wheels)} wheels from .whl/ into {WHEEL_SITE}")
     if not run([PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
                 WHEEL_SITE, *wheels]).status:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (WHEEL_SITE, os.environ.get("PYTHONPATH")) if p)
-    if not importable():
+    if not importable(module):
         print(f"{module} is still missing: no wheel of it in .whl/")
+        return False
+    return True
 
 
 def print_versions():
@@ -159,17 +164,34 @@ def cases(args):
     return step("smoke test", [PYTHON, CASES], limit_s=SMOKE_TEST_LIMIT_S)
 
 
+# A line of pytest -v's output that names a failed test, as it ends (under xdist: "[gw3] [ 12%] FAILED tests/...").
+FAILED_LINE = re.compile(r"^(\[gw\d+\] \[ *\d+%\] )?(FAILED|ERROR) ")
+
+
 def tests(args):
-    """python -m pytest -q -rs tests (--quick: -m "not slow"); other arguments go to pytest, and test paths among
-    them run instead of tests/. Output in pytest.log, its last 25 lines shown."""
+    """python -m pytest -v -rfEs --durations=30 tests (--quick: -m "not slow") on one build made first, each test
+    stopped after --test-timeout seconds where pytest-timeout is installed (a hang named, not only a time limit).
+    Other arguments go to pytest, and test paths among them run instead of tests/. Output in pytest.log, one line per
+    test as it ends, so that a run cut short by --time-limit still names its failures; shown: the failed tests, then
+    the last 40 lines."""
     ensure_module("xdist")
+    timeout = bool(args.test_timeout) and importable("pytest_timeout")
     names_tests = any(not a.startswith("-") and os.path.exists(os.path.join(REPO, a.split("::")[0]))
                       and a.split("::")[0].startswith("tests") for a in args.extra)
-    command = [PYTHON, "-m", "pytest", "-q", "-rs", *(["-m", "not slow"] if args.quick else []), *args.extra,
-               *([] if names_tests else ["tests"])]
+    command = [PYTHON, "-m", "pytest", "-v", "-rfEs", "--durations=30",
+               *(["--timeout", str(args.test_timeout)] if timeout else []),
+               *(["-m", "not slow"] if args.quick else []), *args.extra, *([] if names_tests else ["tests"])]
+    failed = step("build", IMPORT_LIBRARY)  # once: the workers load it instead of waiting on one another's build
+    if failed:
+        return failed
+    log = os.path.join(args.out, "pytest.log")
     print(f"== tests: {shlex.join(['python', *command[1:]])} (output in pytest.log)")
-    return step("tests", command, tail=25, log=os.path.join(args.out, "pytest.log"), show=False,
-                limit_s=args.time_limit)
+    failed = step("tests", command, log=log, show=False, limit_s=args.time_limit)
+    with open(log, errors="replace") as f:
+        lines = f.read().splitlines()
+    named = list(dict.fromkeys(line for line in lines if FAILED_LINE.match(line)))
+    print("\n".join(named[:100] + lines[-40:]))
+    return failed
 
 
 def sanitize(args):
@@ -648,6 +670,7 @@ def parse_arguments(argv):
     sub = add("tests", tests, "the test suite; other arguments go to pytest", extra="PYTEST_ARGS")
     flag(sub, "--quick", 'only -m "not slow"')
     sub.add_argument("--time-limit", type=int, default=900, help="seconds (900)")
+    sub.add_argument("--test-timeout", type=int, default=600, help="seconds for one test, 0: none (600)")
     add("sanitize", sanitize, "compute-sanitizer's four tools over the cases")
     add("cases", cases, "every CUDA kernel once on small shapes against eager (the smoke test)")
     sub = add("bench", bench, "bench.py with JSON, chart and Markdown; other arguments go to it", extra="BENCH_ARGS")
@@ -672,6 +695,7 @@ def parse_arguments(argv):
     for name in ("tests", "sanitize", "bench"):
         flag(sub, f"--skip-{name}", f"no {name}", f"SKIP_{name.upper()}")
     sub.add_argument("--time-limit", type=int, default=900, help="seconds for the tests (900)")
+    sub.add_argument("--test-timeout", type=int, default=600, help="seconds for one test, 0: none (600)")
     add_bench_options(sub)
     for sub in subcommands.choices.values():
         if sub.get_default("extra_to"):
