@@ -18,7 +18,7 @@ import random
 import re
 import sys
 
-from kernels import loader
+from kernels import checks, loader
 from kernels.env import env_flag
 from kernels.manifest import with_requirements
 
@@ -28,8 +28,10 @@ REPO_ROOT = os.path.dirname(loader.SOURCE_ROOT)
 PROBLEM_FAMILIES = {"leaky_relu": ("leaky_relu",), "gemm_multiply_leaky_relu": ("gemm",), "mlp": ("gemm",),
                     "shallow_wide_mlp": ("gemm",), "mini_gpt_block": ("gemm", "gelu_tanh", "causal_softmax")}
 
-# The functions of the loader the candidate runs to pick its build flags, copied from the loader's own source.
-_LOADER_FUNCTIONS = (env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags)
+# The functions of the loader the candidate runs to pick its build flags, and the fakes' checks (kernels/checks.py),
+# copied from their own source.
+_COPIED_FUNCTIONS = (env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags,
+                     checks.check_float_tensor, checks.check_same)
 
 _BUILD = '''
 def _build_library():
@@ -92,6 +94,7 @@ def _family_python(family):
     with open(path, encoding="utf-8") as f:
         text = f.read()
     text = text.replace("from kernels import loader\n", "")
+    text = re.sub(r"^from kernels\.checks import [\w, ]+\n", "", text, flags=re.M)  # copied in with the loader's
     text = re.sub(r"^loader\.load_library\(\)\n", "", text, flags=re.M)
     text = re.sub(r'^loader\.register_once\(', "register_once(", text, flags=re.M)
     leftover = re.search(r"^.*\b(loader\.|from kernels|import kernels).*$", text, flags=re.M)
@@ -156,7 +159,7 @@ def _library_parts(families):
         "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
         "CPP_SOURCE = " + _string_literal(cpp) + "\n",
         "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
-        "\n\n".join(inspect.getsource(f) for f in _LOADER_FUNCTIONS),
+        "\n\n".join(inspect.getsource(f) for f in _COPIED_FUNCTIONS),
         _BUILD,
         *(_family_python(family) for family in families),
     ]

@@ -20,10 +20,10 @@ def ints(*shape):
 # name: (call, exception type, message pattern). The names are the rows of docs/bad_inputs.md.
 ERRORS = {
     "leaky_relu: integer tensor": (lambda: leaky_relu(ints(4)), RuntimeError,
-                                   r"x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
-    "leaky_relu: bool tensor": (lambda: leaky_relu(torch.ones(4, dtype=torch.bool)), RuntimeError, r"got Bool"),
+                                   r"x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
+    "leaky_relu: bool tensor": (lambda: leaky_relu(torch.ones(4, dtype=torch.bool)), RuntimeError, r"got torch.bool"),
     "leaky_relu: complex tensor": (lambda: leaky_relu(torch.ones(4, dtype=torch.complex64)), RuntimeError,
-                                   r"got ComplexFloat"),
+                                   r"got torch.complex64"),
     "leaky_relu: not a tensor": (lambda: leaky_relu([1.0, -1.0]), TypeError, r"x must be a torch.Tensor, got list"),
     "leaky_relu: inplace on a leaf that requires grad": (
         lambda: leaky_relu(torch.randn(4, requires_grad=True), 0.1, inplace=True), RuntimeError,
@@ -33,47 +33,48 @@ ERRORS = {
         r"cannot be differentiated with a negative slope \(-0\.1\)"),
     "gelu_tanh: integer tensor": (
         lambda: gelu_tanh(ints(4)), RuntimeError,
-        r"kernels.gelu_tanh: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+        r"kernels.gelu_tanh: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
     "gelu_tanh: not a tensor": (lambda: gelu_tanh([1.0, -1.0]), TypeError, r"x must be a torch.Tensor, got list"),
     "gelu_tanh_backward: grad_output and x of different dtypes": (
         lambda: torch.ops.kernels.gelu_tanh_backward(torch.randn(4), torch.randn(4, dtype=torch.float64)),
-        RuntimeError, r"expected x and grad_output to have the same dtype, got x Double and grad_output Float"),
+        RuntimeError,
+        r"expected x and grad_output to have the same dtype, got x torch.float64 and grad_output torch.float32"),
     "rms_norm: integer tensor": (
         lambda: rms_norm(ints(2, 4), ints(4)), RuntimeError,
-        r"kernels.rms_norm: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+        r"kernels.rms_norm: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
     "rms_norm: weight of another length": (
         lambda: rms_norm(torch.randn(2, 4), torch.ones(3)), RuntimeError,
         r"kernels.rms_norm: weight must have shape \[4\] \(x's last dimension\), got \[3\]"),
     "rms_norm: x and weight of different dtypes": (
         lambda: rms_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.float64)), RuntimeError,
-        r"expected weight and x to have the same dtype, got weight Double and x Float"),
+        r"expected weight and x to have the same dtype, got weight torch.float64 and x torch.float32"),
     "rms_norm: not tensors": (lambda: rms_norm([1.0], torch.ones(1)), TypeError,
                               r"x and weight must be torch.Tensors, got list and Tensor"),
     "layer_norm: integer tensor": (
         lambda: layer_norm(ints(2, 4), ints(4), ints(4)), RuntimeError,
-        r"kernels.layer_norm: x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+        r"kernels.layer_norm: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
     "layer_norm: bias of another length": (
         lambda: layer_norm(torch.randn(2, 4), torch.ones(4), torch.zeros(3)), RuntimeError,
         r"kernels.layer_norm: bias must have shape \[4\] \(x's last dimension\), got \[3\]"),
     "layer_norm: x and weight of different dtypes": (
         lambda: layer_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.float64), torch.zeros(4)), RuntimeError,
-        r"expected weight and x to have the same dtype, got weight Double and x Float"),
+        r"expected weight and x to have the same dtype, got weight torch.float64 and x torch.float32"),
     "layer_norm: no bias": (lambda: layer_norm(torch.randn(2, 4), torch.ones(4), None), TypeError,
                             r"kernels.layer_norm: bias must be a torch.Tensor, got NoneType"),
     "silu_mul: integer tensors": (
         lambda: silu_mul(ints(4), ints(4)), RuntimeError,
-        r"kernels.silu_mul: gate must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+        r"kernels.silu_mul: gate must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
     "silu_mul: gate and up of different shapes": (
         lambda: silu_mul(torch.randn(2, 4), torch.randn(2, 5)), RuntimeError,
         r"kernels.silu_mul: up has shape \[2, 5\] but gate has shape \[2, 4\]"),
     "silu_mul: gate and up of different dtypes": (
         lambda: silu_mul(torch.randn(4), torch.randn(4, dtype=torch.float64)), RuntimeError,
-        r"expected up and gate to have the same dtype, got up Double and gate Float"),
+        r"expected up and gate to have the same dtype, got up torch.float64 and gate torch.float32"),
     "gemm: integer tensors": (lambda: gemm_multiply_leaky_relu(ints(2, 4), ints(3, 4)), RuntimeError,
-                              r"x must be a float32, float64, float16 or bfloat16 tensor, got Long"),
+                              r"x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
     "gemm: x and weight of different dtypes": (
         lambda: gemm_multiply_leaky_relu(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.float64)), RuntimeError,
-        r"expected weight and x to have the same dtype, got weight Double and x Float"),
+        r"expected weight and x to have the same dtype, got weight torch.float64 and x torch.float32"),
     "gemm: bias of another dtype": (
         lambda: gemm_multiply_leaky_relu(torch.randn(2, 4), torch.randn(3, 4), torch.randn(3, dtype=torch.float64)),
         RuntimeError, r"expected bias and x to have the same dtype"),
@@ -171,6 +172,45 @@ def test_meta_tensors_give_pytorchs_shape_and_device():
                           (lambda: gemm_multiply_leaky_relu(x, weight[:, :3], bias), "in_features is 3")):
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+# Bad arguments to each op, made on a device by make(device): its fake, which is also its Meta kernel, raises the C++
+# op's message (kernels/checks.py mirrors kernels/common/torch_checks.h).
+FAKE_CHECK_CALLS = {
+    "leaky_relu dtype": lambda d: torch.ops.kernels.leaky_relu(torch.ones(3, dtype=torch.int32, device=d), 0.1),
+    "gelu_tanh dtype": lambda d: torch.ops.kernels.gelu_tanh(torch.ones(3, dtype=torch.int32, device=d)),
+    "gelu_tanh_backward dtype": lambda d: torch.ops.kernels.gelu_tanh_backward(
+        torch.randn(3, device=d), torch.randn(3, dtype=torch.float64, device=d)),
+    "gelu_tanh_backward shape": lambda d: torch.ops.kernels.gelu_tanh_backward(torch.randn(3, device=d),
+                                                                               torch.randn(2, device=d)),
+    "gemm dtype": lambda d: torch.ops.kernels.gemm_multiply_leaky_relu(
+        torch.randn(2, 4, device=d), torch.randn(3, 4, device=d), torch.randn(3, dtype=torch.float64, device=d), 1.0,
+        0.1, False),
+    "causal_softmax dtype": lambda d: torch.ops.kernels.causal_softmax(torch.ones(2, 2, dtype=torch.int32, device=d),
+                                                                       0.5),
+    "causal_softmax_backward dtype": lambda d: torch.ops.kernels.causal_softmax_backward(
+        torch.randn(2, 2, device=d), torch.randn(2, 2, dtype=torch.float64, device=d), 0.5),
+    "rms_norm dtype": lambda d: torch.ops.kernels.rms_norm(torch.randn(2, 4, device=d),
+                                                           torch.randn(4, dtype=torch.float64, device=d), 1e-6),
+    "layer_norm dtype": lambda d: torch.ops.kernels.layer_norm(
+        torch.randn(2, 4, device=d), torch.randn(4, device=d), torch.randn(4, dtype=torch.float64, device=d), 1e-5),
+    "silu_mul dtype": lambda d: torch.ops.kernels.silu_mul(torch.randn(2, 4, device=d),
+                                                           torch.randn(2, 4, dtype=torch.float64, device=d)),
+    "attention dtype": lambda d: torch.ops.kernels.attention(
+        torch.randn(1, 2, 4, 8, device=d), torch.randn(1, 2, 4, 8, dtype=torch.float64, device=d),
+        torch.randn(1, 2, 4, 8, device=d), False, 0.5),
+}
+
+
+@pytest.mark.parametrize("case", FAKE_CHECK_CALLS)
+def test_fakes_raise_the_ops_messages(case):
+    """On meta (the fakes) the same error as the C++ op's on the CPU, word for word."""
+    messages = []
+    for device in ("cpu", "meta"):
+        with pytest.raises(RuntimeError, match="kernels[.]") as raised:
+            FAKE_CHECK_CALLS[case](device)
+        messages.append(str(raised.value).splitlines()[0])
+    assert messages[0] == messages[1]
 
 
 # Every op with more than one tensor argument, called with one of them on another device. (leaky_relu, leaky_relu_,

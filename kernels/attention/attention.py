@@ -19,6 +19,7 @@ import torch
 from torch.autograd import forward_ad
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
 
@@ -28,15 +29,10 @@ _ALIGN_LSE = 32  # the logsumexp rows' padding, PyTorch's memory-efficient atten
 def _attention_fake(query, key, value, is_causal, scale):
     # The op's own checks (attention.cpp, check_operands): this is also the meta device's kernel, which a call mixing
     # meta and real tensors reaches.
-    floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        torch._check(t.dtype in floats, lambda: f"kernels.attention: {name} must be a float32, float64, float16 or "
-                     f"bfloat16 tensor, got {t.dtype}")
+        check_float_tensor("attention", name, t)
     for name, t in (("key", key), ("value", value)):
-        torch._check(t.device == query.device, lambda: f"kernels.attention: expected {name} and query on the same "
-                     f"device, got {name} on {t.device} and query on {query.device}")
-        torch._check(t.dtype == query.dtype, lambda: f"kernels.attention: expected {name} and query to have the same "
-                     f"dtype, got {name} {t.dtype} and query {query.dtype}")
+        check_same("attention", name, t, "query", query)
     torch._check(query.dim() == 4 and key.dim() == 4 and value.dim() == 4, lambda: "kernels.attention: query, key and "
                  f"value must have 4 dimensions (batch, heads, rows, head dim), got shapes {tuple(query.shape)}, "
                  f"{tuple(key.shape)} and {tuple(value.shape)}")

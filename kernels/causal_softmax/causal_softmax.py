@@ -11,16 +11,13 @@ Autograd of both ops is C++ (causal_softmax_autograd.cpp): reverse mode to any o
 import torch
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
 
-_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
 def _check_scores(op, name, t):
     # The C++ checks' messages, for meta tensors and tracing (the fakes stand in for the C++ ops there).
-    torch._check(t.dtype in _FLOAT_TYPES,
-                 lambda: f"kernels.{op}: {name} must be a float32, float64, float16 or bfloat16 tensor, got {t.dtype}")
+    check_float_tensor(op, name, t)
     torch._check(t.dim() >= 2, lambda: f"kernels.{op}: {name} must have at least 2 dimensions (..., query rows, key "
                                        f"columns), got shape {list(t.shape)}")
 
@@ -33,9 +30,7 @@ def _causal_softmax_fake(scores, scale):
 def _causal_softmax_backward_fake(grad_output, output, scale):
     _check_scores("causal_softmax_backward", "grad_output", grad_output)
     _check_scores("causal_softmax_backward", "output", output)
-    torch._prims_common.check_same_device(grad_output, output, allow_cpu_scalar_tensors=False)
-    torch._check(grad_output.dtype == output.dtype, lambda: "kernels.causal_softmax_backward: expected grad_output "
-                 f"and output to have the same dtype, got {grad_output.dtype} and {output.dtype}")
+    check_same("causal_softmax_backward", "grad_output", grad_output, "output", output)
     torch._check(grad_output.shape == output.shape, lambda: "kernels.causal_softmax_backward: grad_output has shape "
                  f"{list(grad_output.shape)} but output has shape {list(output.shape)}")
     return output.new_empty(output.shape)

@@ -9,6 +9,7 @@
 #include <ATen/cuda/EmptyTensor.h>
 #endif
 
+#include <cctype>
 #include <cstdio>
 #include <string>
 
@@ -41,6 +42,31 @@ inline std::string shape_str(at::IntArrayRef shape) {
   return s + "]";
 }
 
+// A dtype as Python names it (torch.float32), so that the ops' messages and their fakes' (kernels/checks.py) read
+// alike; ATen's own names (Float) stream where no Python name is listed, lowercased (Float8_e4m3fn: float8_e4m3fn).
+inline std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: {
+      std::string name = c10::toString(t);
+      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
+    }
+  }
+}
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
@@ -48,7 +74,7 @@ inline bool is_supported_float(at::ScalarType t) {
 inline void check_float_tensor(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "kernels.", op, ": ", name, " is an undefined tensor");
   TORCH_CHECK(is_supported_float(t.scalar_type()), "kernels.", op, ": ", name,
-              " must be a float32, float64, float16 or bfloat16 tensor, got ", t.scalar_type());
+              " must be a float32, float64, float16 or bfloat16 tensor, got ", dtype_str(t.scalar_type()));
 }
 
 inline void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
@@ -57,7 +83,8 @@ inline void check_same(const char* op, const char* name, const at::Tensor& t, co
               " on the same device, got ", name, " on ", t.device().str(), " and ", ref_name, " on ",
               ref.device().str());
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "kernels.", op, ": expected ", name, " and ", ref_name,
-              " to have the same dtype, got ", name, " ", t.scalar_type(), " and ", ref_name, " ", ref.scalar_type());
+              " to have the same dtype, got ", name, " ", dtype_str(t.scalar_type()), " and ", ref_name, " ",
+              dtype_str(ref.scalar_type()));
 }
 
 // An output for an element-wise op on x: at::empty_like(x)'s tensor (x's dtype, device, and strides where x is dense,

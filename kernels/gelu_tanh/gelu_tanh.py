@@ -11,17 +11,23 @@ The autograd of both ops is C++ (gelu_tanh_autograd.cpp): reverse mode to any or
 import torch
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
 
 
+# The fakes make the C++ ops' checks (gelu_tanh.cpp): they are also the ops' Meta kernels, picked where any tensor is
+# on meta, so mixed devices raise there too.
 def _gelu_tanh_fake(x):
+    check_float_tensor("gelu_tanh", "x", x)
     return torch.empty_like(x)
 
 
 def _gelu_tanh_backward_fake(grad_output, x):
-    # Also the op's Meta kernel, picked where either tensor is on meta: mixed devices raise, as eager's.
-    torch._prims_common.check_same_device(grad_output, x, allow_cpu_scalar_tensors=False)
+    check_float_tensor("gelu_tanh_backward", "grad_output", grad_output)
+    check_same("gelu_tanh_backward", "x", x, "grad_output", grad_output)
+    torch._check(x.shape == grad_output.shape, lambda: "kernels.gelu_tanh_backward: grad_output has shape "
+                 f"{list(grad_output.shape)} but x has shape {list(x.shape)}")
     return torch.empty_like(grad_output)
 
 

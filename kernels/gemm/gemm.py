@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
 
@@ -67,17 +68,14 @@ def _check_same_device(*tensors):
     torch._prims_common.check_same_device(*(t for t in tensors if t is not None), allow_cpu_scalar_tensors=False)
 
 
-_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
 def _check_fake_arguments(op, x, weight, bias):
     """The op's checks (gemm.cpp, check_gemm_arguments), made by its fake: under tracing and on the meta device."""
     _check_same_device(x, weight, bias)
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        torch._check(t is None or t.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: {name} must be a float32, float64, "
-                     f"float16 or bfloat16 tensor, got {t.dtype}")
-        torch._check(t is None or t.dtype == x.dtype, lambda: f"kernels.{op}: expected {name} and x to have the same "
-                     f"dtype, got {name} {t.dtype} and x {x.dtype}")
+    check_float_tensor(op, "x", x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_float_tensor(op, name, t)
+            check_same(op, name, t, "x", x)
     torch._check(weight.dim() == 2, lambda: f"kernels.{op}: weight must be 2-D (out_features, in_features), got shape "
                  f"{list(weight.shape)}")
     torch._check(x.dim() >= 1,

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/torch_checks.h"
 #include "gemm_internal.h"
 #include "gemm_op.h"
 #include "leaky_relu/leaky_relu_op.h"
@@ -327,7 +328,7 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
               "rows_natural_read_twice, columns, chunks, chunks_natural, chunks_transposed, got '", sweep, "'");
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
               "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
-              "-D ", std::string(c10::toString(src.scalar_type())), " tensor");
+              "-D ", common::dtype_str(src.scalar_type()), " tensor");
   TORCH_CHECK(src.size(0) > 0 && src.size(1) > 0, "kernels._gemm_split_sweep: src must not be empty, got ",
               std::to_string(src.size(0)), " x ", std::to_string(src.size(1)));
 #ifdef KERNELS_WITH_CUDA

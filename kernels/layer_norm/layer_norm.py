@@ -18,24 +18,18 @@ Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for 
 import torch
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
 
-_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
 def _check_inputs(op, x, *parameters):
     # The C++ checks' messages, for meta tensors and tracing (the fakes stand in for the C++ ops there).
-    torch._check(x.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: x must be a float32, float64, float16 or bfloat16 "
-                                                  f"tensor, got {x.dtype}")
+    check_float_tensor(op, "x", x)
     torch._check(x.dim() >= 1,
                  lambda: f"kernels.{op}: x must have at least 1 dimension (..., normalized), got a scalar")
     for name, t in zip(("weight", "bias"), parameters):
-        torch._check(t.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: {name} must be a float32, float64, float16 or "
-                                                      f"bfloat16 tensor, got {t.dtype}")
-        torch._prims_common.check_same_device(x, t, allow_cpu_scalar_tensors=False)
-        torch._check(t.dtype == x.dtype, lambda: f"kernels.{op}: expected {name} and x to have the same dtype, got "
-                                                 f"{name} {t.dtype} and x {x.dtype}")
+        check_float_tensor(op, name, t)
+        check_same(op, name, t, "x", x)
         torch._check(t.dim() == 1 and t.shape[0] == x.shape[-1],
                      lambda: f"kernels.{op}: {name} must have shape [{x.shape[-1]}] (x's last dimension), got "
                              f"{list(t.shape)}")

@@ -140,7 +140,8 @@ at::Tensor leaky_relu_backward(const at::Tensor& grad_output, const at::Tensor& 
   check_float_tensor("leaky_relu_backward", "grad_output", grad_output);
   TORCH_CHECK(saved.defined() && (saved.scalar_type() == at::kBool || saved.scalar_type() == grad_output.scalar_type()),
               "kernels.leaky_relu_backward: saved must be a bool mask or have grad_output's dtype (",
-              grad_output.scalar_type(), "), got ", saved.defined() ? c10::toString(saved.scalar_type()) : "undefined");
+              common::dtype_str(grad_output.scalar_type()), "), got ",
+              saved.defined() ? common::dtype_str(saved.scalar_type()) : "undefined");
   TORCH_CHECK(saved.device() == grad_output.device(), "kernels.leaky_relu_backward: expected grad_output and saved on "
               "the same device, got ", grad_output.device().str(), " and ", saved.device().str());
   TORCH_CHECK(saved.sizes() == grad_output.sizes(), "kernels.leaky_relu_backward: grad_output has shape ",

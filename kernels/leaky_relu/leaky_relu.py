@@ -11,6 +11,7 @@ version and rebase history as ATen's do.
 import torch
 
 from kernels import loader
+from kernels.checks import check_float_tensor
 
 loader.load_library()
 
@@ -18,8 +19,7 @@ loader.load_library()
 
 def _check_float(op, x):
     """The op's dtype check, made by its fake: under tracing and on the meta device."""
-    torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
-                 lambda: f"kernels.{op}: x must be a float32, float64, float16 or bfloat16 tensor, got {x.dtype}")
+    check_float_tensor(op, "x", x)
 
 
 def _leaky_relu_fake(x, negative_slope):

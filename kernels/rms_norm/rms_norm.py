@@ -12,20 +12,15 @@ Autograd of both ops is C++ (rms_norm_autograd.cpp): the backward kernels for a 
 import torch
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
-
-_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
 
 def _check_inputs(op, x, weight):
     # The C++ checks' messages, for meta tensors and tracing (the fakes stand in for the C++ ops there).
     for name, t in (("x", x), ("weight", weight)):
-        torch._check(t.dtype in _FLOAT_TYPES, lambda: f"kernels.{op}: {name} must be a float32, float64, float16 or "
-                                                      f"bfloat16 tensor, got {t.dtype}")
-    torch._prims_common.check_same_device(x, weight, allow_cpu_scalar_tensors=False)
-    torch._check(weight.dtype == x.dtype, lambda: f"kernels.{op}: expected weight and x to have the same dtype, got "
-                                                  f"weight {weight.dtype} and x {x.dtype}")
+        check_float_tensor(op, name, t)
+    check_same(op, "weight", weight, "x", x)
     torch._check(x.dim() >= 1,
                  lambda: f"kernels.{op}: x must have at least 1 dimension (..., normalized), got a scalar")
     torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],

@@ -11,20 +11,15 @@ Autograd of both ops is C++ (silu_mul_autograd.cpp): the backward kernel for a f
 import torch
 
 from kernels import loader
+from kernels.checks import check_float_tensor, check_same
 
 loader.load_library()
 
-_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
 def _check_operands(op, gate, *others):
     # The C++ checks' messages, for meta tensors and tracing (the fakes stand in for the C++ ops there).
-    torch._check(gate.dtype in _FLOAT_TYPES,
-                 lambda: f"kernels.{op}: gate must be a float32, float64, float16 or bfloat16 tensor, got {gate.dtype}")
+    check_float_tensor(op, "gate", gate)
     for name, t in others:
-        torch._prims_common.check_same_device(gate, t, allow_cpu_scalar_tensors=False)
-        torch._check(t.dtype == gate.dtype, lambda: f"kernels.{op}: expected {name} and gate to have the same dtype, "
-                                                    f"got {name} {t.dtype} and gate {gate.dtype}")
+        check_same(op, name, t, "gate", gate)
         torch._check(t.shape == gate.shape, lambda: f"kernels.{op}: {name} has shape {list(t.shape)} but gate has "
                                                     f"shape {list(gate.shape)}")
 
