@@ -1,6 +1,9 @@
-"""The C++ ops' argument checks (kernels/common/torch_checks.h) in Python, for the families' fakes: under tracing and
-on the meta device the fakes stand in for the C++ ops, so they raise the same messages. Plain functions of torch
-alone: the export copies them into a candidate beside the families' modules."""
+"""Argument checks the families' Python sides share: the C++ ops' checks (kernels/common/torch_checks.h) for their
+fakes (under tracing and on the meta device the fakes stand in for the C++ ops, so they raise the same messages), and
+the functions' number arguments. Plain functions of torch alone: the export copies them into a candidate beside the
+families' modules."""
+
+import numbers
 
 import torch
 
@@ -17,3 +20,11 @@ def check_same(op, name, t, ref_name, ref):
                                                  f"got {name} on {t.device} and {ref_name} on {ref.device}")
     torch._check(t.dtype == ref.dtype, lambda: f"kernels.{op}: expected {name} and {ref_name} to have the same dtype, "
                                                f"got {name} {t.dtype} and {ref_name} {ref.dtype}")
+
+
+def eps_value(op, eps):
+    """eps as eager's norms take it, a number or a one-element tensor, as a float; anything else a TypeError naming
+    the op (float() would take a string)."""
+    if not (isinstance(eps, numbers.Real) or (isinstance(eps, torch.Tensor) and eps.numel() == 1)):
+        raise TypeError(f"kernels.{op}: eps must be a number, got {type(eps).__name__}")
+    return float(eps)

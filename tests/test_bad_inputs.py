@@ -50,6 +50,8 @@ ERRORS = {
         r"expected weight and x to have the same dtype, got weight torch.float64 and x torch.float32"),
     "rms_norm: not tensors": (lambda: rms_norm([1.0], torch.ones(1)), TypeError,
                               r"x and weight must be torch.Tensors, got list and Tensor"),
+    "rms_norm: eps a string": (lambda: rms_norm(torch.randn(2, 4), torch.ones(4), "1e-6"), TypeError,
+                               r"kernels.rms_norm: eps must be a number, got str"),
     "layer_norm: integer tensor": (
         lambda: layer_norm(ints(2, 4), ints(4), ints(4)), RuntimeError,
         r"kernels.layer_norm: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
@@ -59,6 +61,8 @@ ERRORS = {
     "layer_norm: x and weight of different dtypes": (
         lambda: layer_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.float64), torch.zeros(4)), RuntimeError,
         r"expected weight and x to have the same dtype, got weight torch.float64 and x torch.float32"),
+    "layer_norm: eps None": (lambda: layer_norm(torch.randn(2, 4), torch.ones(4), torch.zeros(4), None), TypeError,
+                             r"kernels.layer_norm: eps must be a number, got NoneType"),
     "layer_norm: no bias": (lambda: layer_norm(torch.randn(2, 4), torch.ones(4), None), TypeError,
                             r"kernels.layer_norm: bias must be a torch.Tensor, got NoneType"),
     "silu_mul: integer tensors": (

@@ -120,6 +120,14 @@ def test_views_and_layouts(device, dtype):
             torch.testing.assert_close(got, expected, atol=gradient_atol(expected, tol), rtol=tol, msg=name)
 
 
+def test_eps_as_eager_takes_it(device):
+    """None is F.rms_norm's default (x's machine epsilon); a one-element tensor or a bool is a number, as there."""
+    x, weight = randn((3, 64), torch.float32, device, scale=1e-3), weight_for(64, torch.float32, device)
+    for eps, value in ((None, torch.finfo(torch.float32).eps), (torch.tensor(1e-5), 1e-5), (True, 1.0)):
+        check_accuracy(rms_norm(x, weight, eps), llama_rms_norm(x, weight, value),
+                       llama_rms_norm(x.double(), weight.double(), value), torch.float32, repr(eps))
+
+
 def test_empty_inputs(device):
     for shape in ((0, 16), (2, 0, 8), (3, 0)):  # no rows, and no features (the weight's gradient empty too)
         x = torch.randn(shape, device=device, requires_grad=True)

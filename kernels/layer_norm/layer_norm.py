@@ -18,7 +18,7 @@ Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for 
 import torch
 
 from kernels import loader
-from kernels.checks import check_float_tensor, check_same
+from kernels.checks import check_float_tensor, check_same, eps_value
 
 loader.load_library()
 
@@ -69,7 +69,7 @@ def layer_norm(x, weight, bias, eps=1e-5):
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.layer_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return torch.ops.kernels.layer_norm.default(x, weight, bias, float(eps))
+    return torch.ops.kernels.layer_norm.default(x, weight, bias, eps_value("layer_norm", eps))
 
 
 def add_layer_norm(x, residual, weight, bias, eps=1e-5):
@@ -80,7 +80,7 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5):
     for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.add_layer_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return torch.ops.kernels.add_layer_norm.default(x, residual, weight, bias, float(eps))
+    return torch.ops.kernels.add_layer_norm.default(x, residual, weight, bias, eps_value("add_layer_norm", eps))
 
 
 def _normalized(x, eps):

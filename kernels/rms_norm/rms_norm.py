@@ -12,7 +12,7 @@ Autograd of both ops is C++ (rms_norm_autograd.cpp): the backward kernels for a 
 import torch
 
 from kernels import loader
-from kernels.checks import check_float_tensor, check_same
+from kernels.checks import check_float_tensor, check_same, eps_value
 
 loader.load_library()
 
@@ -45,11 +45,14 @@ def _rms_norm_backward_fake(grad_y, x, weight, eps):
 def rms_norm(x, weight, eps=1e-6):
     """weight * (x * rsqrt(mean(x^2, -1) + eps)) over x's last dimension, as transformers' LlamaRMSNorm computes it
     for a weight of x's dtype, in one sweep over memory forward and one backward (CUDA float32, float16, bfloat16 rows
-    of up to 8192 elements; ATen's ops otherwise), at least as accurate: the mean of squares is summed in double."""
+    of up to 8192 elements; ATen's ops otherwise), at least as accurate: the mean of squares is summed in double.
+    eps None is F.rms_norm's default, the machine epsilon of x's dtype."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"kernels.rms_norm: x and weight must be torch.Tensors, got {type(x).__name__} and "
                         f"{type(weight).__name__}")
-    return torch.ops.kernels.rms_norm.default(x, weight, float(eps))
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0  # not a float x: the op's dtype error
+    return torch.ops.kernels.rms_norm.default(x, weight, eps_value("rms_norm", eps))
 
 
 def _reciprocal_rms(x, eps):
