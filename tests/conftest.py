@@ -78,7 +78,19 @@ def slowness_rank(item):
     return next((rank for rank, pattern in enumerate(SLOWEST_TESTS) if pattern.search(item.nodeid)), len(SLOWEST_TESTS))
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption("--cuda-only", action="store_true",
+                     help="of the tests parametrized by device, the CUDA cases only: a GPU machine's check between "
+                          "full runs (CI runs the CPU cases on every change)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--cuda-only"):
+        on_cpu = {item for item in items
+                  if getattr(item, "callspec", None) and item.callspec.params.get("device") == "cpu"}
+        if on_cpu:
+            config.hook.pytest_deselected(items=[item for item in items if item in on_cpu])
+            items[:] = [item for item in items if item not in on_cpu]
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         # The order in which pytest-xdist hands tests out (`--maxschedchunk 1`: two to each worker to start with, then
