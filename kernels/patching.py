@@ -570,14 +570,16 @@ class _ProjectionGroup:
     their outputs into heads. Which of them read the parent's input is learned on the parent's first training call (a
     call with autograd recording a weight), run as it is; from then on, where two or more do, each training call
     computes their products as one product of their weights side by side (one split of the input, one GEMM over all
-    their outputs, one grad_x and one grad_W product backward) and gives each layer its part, a column slice of that
+    their outputs, one grad_x and one grad_W product backward; transformers' own layers only, _fuses_projections)
+    and gives each layer its part, a column slice of that
     product, when it is called on that same input, unchanged, in the same grad and autocast modes, within the
     parent's call. Nothing outlives the call. A call in which a member's part goes unused (its weight then gets a
     zero gradient where eager gives none) ends the grouping for later calls. A call without a gradient to compute runs
     the parent's scaled-dot-product attention on the split kernels where they are faster (_SplitAttention)."""
 
-    def __init__(self, names):
+    def __init__(self, names, fuses):
         self.names = names  # the candidates: the parent's patched projection children
+        self.fuses = fuses  # whether training calls may compute them as one product (_fuses_projections)
         self.members = None  # learned: the candidates called on the parent's input, in call order
         self.seen = None  # while learning: the names called so far
         self.parts = ()  # within a call: the parts handed out (_SharedPart)
@@ -590,13 +592,20 @@ class _ProjectionGroup:
 _PROJECTION_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 
 
+def _fuses_projections(parent):
+    """Whether a parent's projections may become one product: transformers' own layers, whose forwards reshape the
+    outputs into heads and change none in place; another module with children of those names may flatten or edit
+    its outputs."""
+    return type(parent).__module__.startswith("transformers.")
+
+
 def _group_projections(parent):
     if "_projection_group" in parent.__dict__:
         return
     children = parent._modules
     for names in _PROJECTION_NAMES:
         if all(isinstance(children.get(name), FusedLinear) for name in names):
-            group = _ProjectionGroup(names)
+            group = _ProjectionGroup(names, fuses=_fuses_projections(parent))
             parent.__dict__["_projection_group"] = group
             group.handles = (parent.register_forward_pre_hook(_before_parent_call, with_kwargs=True),
                              parent.register_forward_hook(_after_parent_call, with_kwargs=True, always_call=True))
@@ -674,7 +683,7 @@ def _before_parent_call(parent, args, kwargs):
         mode.__enter__()
         group.attention_modes.append(mode)
         return None
-    if group is None or x is None or _fuse_projections == "never" or not _training_call(x):
+    if group is None or x is None or not group.fuses or _fuse_projections == "never" or not _training_call(x):
         return None
     layers = parent._modules
     if group.members is None:  # learn: each candidate records whether it is called on x
@@ -873,31 +882,35 @@ def _plain(*tensors):
     return all((type(t) is torch.Tensor or type(t) is nn.Parameter) and not t.is_nested for t in tensors)
 
 
-# The routes take the parameters of the torch functions they stand for, by the same names (keyword calls).
-def _linear_route(input, weight, bias=None):
-    if _plain(input, weight) and (bias is None or _plain(bias)) and weight.dim() == 2 and input.dim() >= 1 and (
+# The routes take the parameters of the torch functions they stand for, by the same names (keyword calls). Any other
+# argument (extra, options: one this torch's function has and the route does not know, such as mm's out_dtype, or a
+# mistake) leaves the call to eager, which computes or refuses it.
+def _linear_route(input, weight, bias=None, *extra, **options):
+    # A bias F.linear broadcasts (a scalar, one element) stays with eager: the library's op takes one per output.
+    if not extra and not options and _plain(input, weight) and weight.dim() == 2 and input.dim() >= 1 and (
+            bias is None or (_plain(bias) and bias.shape == weight.shape[:1])) and (
             not plain_linear_suffices(input, weight)):
         return gemm_multiply_leaky_relu(input, weight, bias, 1.0, 1.0)
     return NotImplemented
 
 
-def _matmul_route(input, other):
+def _matmul_route(input, other, *extra, **options):
     # input (..., k) times a matrix other (k x n): the linear layer of weight other^T. Batched products stay with eager.
-    if _plain(input, other) and other.dim() == 2 and input.dim() >= 2:
+    if not extra and not options and _plain(input, other) and other.dim() == 2 and input.dim() >= 2:
         return _linear_route(input, other.t())
     return NotImplemented
 
 
-def _mm_route(input, mat2):
-    if _plain(input, mat2) and input.dim() == 2 and mat2.dim() == 2:
+def _mm_route(input, mat2, *extra, **options):
+    if not extra and not options and _plain(input, mat2) and input.dim() == 2 and mat2.dim() == 2:
         return _linear_route(input, mat2.t())
     return NotImplemented
 
 
-def _addmm_route(input, mat1, mat2, *deprecated, beta=1, alpha=1):
+def _addmm_route(input, mat1, mat2, *deprecated, beta=1, alpha=1, **options):
     # deprecated: torch.addmm's old positional form (beta, input, alpha, mat1, mat2), left to eager.
-    if not deprecated and beta == 1 and alpha == 1 and _plain(input, mat1, mat2) and mat1.dim() == 2 and (
-            mat2.dim() == 2 and input.dim() == 1 and input.shape[0] == mat2.shape[1]):
+    if not deprecated and not options and beta == 1 and alpha == 1 and _plain(input, mat1, mat2) and (
+            mat1.dim() == 2 and mat2.dim() == 2 and input.dim() == 1 and input.shape[0] == mat2.shape[1]):
         return _linear_route(mat1, mat2.t(), input)
     return NotImplemented
 
@@ -919,10 +932,10 @@ _CAUSAL_ATTENTION_MIN_KEYS = 2048
 
 
 def _attention_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
+                     enable_gqa=False, *extra, **options):
     # Float32 CUDA attention of head dim 64 over enough keys, without a mask, dropout or a gradient to compute, takes
     # the split kernels (where they are faster than eager's); the rest stays eager's.
-    if not (_plain(query, key, value) and attn_mask is None and dropout_p == 0.0 and query.dim() == 4 and
+    if extra or options or not (_plain(query, key, value) and attn_mask is None and dropout_p == 0.0 and query.dim() == 4 and
             key.dim() == 4 and value.shape == key.shape and query.dtype == torch.float32 and
             key.dtype == value.dtype == torch.float32 and query.is_cuda and query.shape[-1] == 64 and
             key.shape[-1] == 64 and query.shape[0] == key.shape[0] and query.shape[2] > 0 and key.shape[2] > 0 and
@@ -993,7 +1006,7 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
                                 training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
                                 use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None,
                                 v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
-                                is_causal=False, *, transposed_back=False):
+                                is_causal=False, *extra, transposed_back=False, **options):
     # F.multi_head_attention_forward (nn.MultiheadAttention's) dispatches its products itself, out of the mode's
     # sight: for batched inputs without bias_k / bias_v, zero attention, static keys or dropout, the same computation,
     # masks included, with its projections through linear() (the library's GEMM where a split pays) and its
@@ -1003,7 +1016,7 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
     weights = (q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight else (in_proj_weight,)
     tensors = (query, key, value, out_proj_weight, *weights) + tuple(
         t for t in (in_proj_bias, out_proj_bias) if t is not None)
-    if not _plain(*tensors):
+    if extra or options or not _plain(*tensors):
         return NotImplemented
     if (bias_k is not None or bias_v is not None or add_zero_attn or static_k is not None or static_v is not None or
             (training and dropout_p != 0.0) or query.dim() != 3 or key.dim() != 3 or value.dim() != 3):
@@ -1076,12 +1089,14 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
         attention_weights = attention_weights.view(batch, num_heads, tgt_len, src_len)
         return out, attention_weights.mean(dim=1) if average_attn_weights else attention_weights
     if not batch_major:
-        q, k, v = (t.view(batch, num_heads, -1, head_dim) for t in (q, k, v))
+        # Lengths given, not -1: an empty batch leaves -1 undetermined.
+        q, k, v = (t.view(batch, num_heads, length, head_dim) for t, length in ((q, tgt_len), (k, src_len),
+                                                                                 (v, src_len)))
     if attn_mask is None:
         out = _attention(q, k, v, is_causal)
     else:
         attn_mask = (attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else
-                     attn_mask.view(batch, num_heads, -1, src_len))
+                     attn_mask.view(batch, num_heads, attn_mask.size(1), src_len))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
     return projected_out(out), None
 

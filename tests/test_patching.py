@@ -5,6 +5,7 @@ the product shapes real models bring (transposed weights, short reductions) agai
 import contextlib
 import copy
 import io
+import itertools
 import os
 import pickle
 import re
@@ -582,6 +583,7 @@ def test_sibling_projections_other_inputs_and_failed_calls(device, monkeypatch):
     """Children that read different tensors form no group (the parent's hooks are removed); a call that raises leaves
     nothing on the layers; the group follows deepcopy and pickling; patch() twice adds no second hook."""
     monkeypatch.setattr(patching, "_fuse_projections", "always")
+    monkeypatch.setattr(patching, "_fuses_projections", lambda parent: True)  # TwoInputs stands in for transformers'
     torch.manual_seed(0)
     two = kernels.patch(TwoInputs().to(device))
     x, memory = torch.randn(3, 16, device=device), torch.randn(3, 16, device=device)
@@ -622,12 +624,44 @@ def test_sibling_projections_of_an_inference_tensor(device, monkeypatch):
     torch.testing.assert_close(got, expected.bert.encoder.layer[0].attention.self(hidden)[0], atol=TOL, rtol=TOL)
 
 
+class EditsItsProjections(nn.Module):
+    """A user's attention-like module (not transformers'): q scaled in place, k flattened by a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(16, 24)
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q *= 0.5
+        return q * v + k.view(-1).sum()
+
+
+def test_sibling_projections_of_other_modules_stay_apart(device, monkeypatch):
+    """Only transformers' attention layers get one product: another module's outputs may be edited in place or
+    flattened, which a column slice of one product would refuse; its training calls give eager's results."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    torch.manual_seed(0)
+    eager = EditsItsProjections().to(device)
+    patched = kernels.patch(copy.deepcopy(eager))
+    x = torch.randn(2, 5, 16, device=device)
+    for _ in range(3):  # the first call would learn, the later ones would fuse
+        out, out_patched = eager(x), patched(x)
+        torch.testing.assert_close(out_patched, out, atol=TOL, rtol=TOL)
+        out.sum().backward()
+        out_patched.sum().backward()
+    for p, q in zip(eager.parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=gradient_atol(p.grad), rtol=TOL)
+    assert projection_groups(patched) == {"": None}
+
+
 @pytest.mark.parametrize("change", ["scale_x_before_v", "v_without_grad", "skip_v"])
 def test_sibling_projections_follow_the_call(change, device, monkeypatch):
     """A member called on its input changed in place, or in another grad mode, or not called, computes its own
     product or none: eager's results and gradients (none for a weight eager gives none); a call that leaves a
     member's part unused ends the grouping."""
     monkeypatch.setattr(patching, "_fuse_projections", "always")
+    monkeypatch.setattr(patching, "_fuses_projections", lambda parent: True)  # Projections stands in for transformers'
     torch.manual_seed(0)
     eager = Projections().to(device)
     patched = kernels.patch(copy.deepcopy(eager))
@@ -1029,15 +1063,16 @@ FUNCTIONAL_CALLS = {
 
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_fp32_gemm_mode_multihead_attention_of_empty_inputs_and_other_widths(batch_first, device):
-    """No rows of a batch, or an empty batch: eager's empty output and weights; an output projection of another width
-    than the embedding's: eager's."""
+    """No rows of a batch, or an empty batch, with and without weights: eager's empty output and weights; an output
+    projection of another width than the embedding's: eager's."""
     mha = nn.MultiheadAttention(16, 4, batch_first=batch_first).to(device)
-    for shape in ((5, 0, 16), (0, 3, 16)):
+    for shape, need_weights in itertools.product(((5, 0, 16), (0, 3, 16), (0, 0, 16)), (True, False)):
         x = torch.randn(shape, device=device)
-        expected = mha(x, x, x)
+        expected = mha(x, x, x, need_weights=need_weights)
         with kernels.fp32_gemm():
-            got = mha(x, x, x)
-        assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape
+            got = mha(x, x, x, need_weights=need_weights)
+        assert got[0].shape == expected[0].shape, (shape, need_weights)
+        assert (got[1] is None) == (expected[1] is None) and (got[1] is None or got[1].shape == expected[1].shape)
     # The functional form with an output projection of another width: eager's output width.
     x = torch.randn(5, 3, 16, device=device)
     in_w, in_b = torch.randn(48, 16, device=device), torch.randn(48, device=device)
@@ -1047,6 +1082,38 @@ def test_fp32_gemm_mode_multihead_attention_of_empty_inputs_and_other_widths(bat
     with kernels.fp32_gemm():
         torch.testing.assert_close(F.multi_head_attention_forward(*arguments, need_weights=False)[0], expected,
                                    atol=TOL, rtol=TOL)
+
+
+def _outcome(call):
+    """A call's result, or the type of what it raised."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 (any error eager raises is the expected outcome)
+        return type(error)
+
+
+def test_fp32_gemm_mode_leaves_calls_it_does_not_know_to_eager(monkeypatch):
+    """With the routes' size gate open (as a split-paying CUDA call finds it): a bias F.linear broadcasts (a scalar,
+    one element) and arguments a route does not know (mm's and addmm's out_dtype, a stray positional) get eager's
+    result or eager's error, not the library op's."""
+    monkeypatch.setattr(patching, "plain_linear_suffices", lambda x, w: False)
+    x, w = torch.randn(8, 16), torch.randn(24, 16)
+    calls = {
+        "scalar bias": lambda: F.linear(x, w, torch.tensor(0.5)),
+        "one-element bias": lambda: F.linear(x, w, torch.full((1,), 0.5)),
+        "mm out_dtype": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
+        "addmm out_dtype": lambda: torch.addmm(torch.randn(24), x, w.t(), out_dtype=torch.float32),
+        "matmul stray argument": lambda: torch.matmul(x, w.t(), 1),
+    }
+    for name, call in calls.items():
+        expected = _outcome(call)
+        with kernels.fp32_gemm():
+            got = _outcome(call)
+        if isinstance(expected, torch.Tensor):
+            assert isinstance(got, torch.Tensor), (name, got)
+            torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL, msg=name)
+        else:
+            assert got is expected, (name, got, expected)
 
 
 @pytest.mark.parametrize("call", sorted(FUNCTIONAL_CALLS))
