@@ -935,7 +935,9 @@ def _attention_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                      enable_gqa=False, *extra, **options):
     # Float32 CUDA attention of head dim 64 over enough keys, without a mask, dropout or a gradient to compute, takes
     # the split kernels (where they are faster than eager's); the rest stays eager's.
-    if extra or options or not (_plain(query, key, value) and attn_mask is None and dropout_p == 0.0 and query.dim() == 4 and
+    if extra or options:
+        return NotImplemented
+    if not (_plain(query, key, value) and attn_mask is None and dropout_p == 0.0 and query.dim() == 4 and
             key.dim() == 4 and value.shape == key.shape and query.dtype == torch.float32 and
             key.dtype == value.dtype == torch.float32 and query.is_cuda and query.shape[-1] == 64 and
             key.shape[-1] == 64 and query.shape[0] == key.shape[0] and query.shape[2] > 0 and key.shape[2] > 0 and
