@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_hooks
+from torch.nn.utils import parametrize as _parametrize
 from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
@@ -455,7 +456,7 @@ def _base_for_class(cls):
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
     forward (a subclass with a forward of its own computes something else), and the modules whose forward is
     LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or timm's Mlp's code."""
-    if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward:
+    if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward and _linear_parameters_are_its_own(cls):
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
         return _MultiheadAttentionPatch
@@ -480,6 +481,15 @@ def _base_for_class(cls):
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_intermediate_forward):
         return _GeluIntermediatePatch
     return None
+
+
+def _linear_parameters_are_its_own(cls):
+    """Whether FusedLinear may read an nn.Linear subclass's weight and bias from its parameters: no class above
+    nn.Linear defines them (a property that computes them, as torch.nn.utils.parametrize's classes and LoRA-style
+    subclasses do), and it is not a lazy layer (it turns itself into nn.Linear on its first call)."""
+    subclasses = [c for c in cls.__mro__ if c is not nn.Linear and issubclass(c, nn.Linear)]
+    return (not any("weight" in vars(c) or "bias" in vars(c) for c in subclasses)
+            and not issubclass(cls, nn.modules.lazy.LazyModuleMixin))
 
 
 def _patch_base(module):
@@ -856,16 +866,22 @@ def unpatch(model):
     for module in model.modules():
         _ungroup_projections(module)
     for module in model.modules():
-        original = originals.get(type(module))
+        cls = type(module)
+        original = originals.get(cls)
         for name in ("_next_block", "_pending_norm1"):
             module.__dict__.pop(name, None)
-        if original is not None:
+        over_patched = (original is None and _parametrize.is_parametrized(module)
+                        and any(base in originals for base in cls.__bases__))
+        if original is not None or over_patched:
             if isinstance(module, FusedLinear):
                 module.clear_weight_split()
                 for name in ("cache_weight_split", "_weight_split_key", "_weight_split",
                              "_weight_split_refused_rows", "_plain_numel_below"):
                     module.__dict__.pop(name, None)
-            module.__class__ = original
+            if over_patched:  # a class made for this module over the patched one (parametrize's): its base goes back
+                cls.__bases__ = tuple(originals.get(base, base) for base in cls.__bases__)
+            else:
+                module.__class__ = original
     return model
 
 

@@ -11,6 +11,7 @@ import pickle
 import re
 import subprocess
 import sys
+import threading
 from unittest import mock
 
 import pytest
@@ -229,6 +230,63 @@ def test_state_dicts_load_both_ways(device):
     patched.load_state_dict(fresh.state_dict())  # the version counter moves: a kept split would be dropped
     for p, q in zip(fresh.parameters(), patched.parameters()):
         assert torch.equal(p, q)
+
+
+class LoRALinear(nn.Linear):
+    """A LoRA-style subclass whose weight is a property over the registered one and a low-rank update."""
+
+    def __init__(self):
+        super().__init__(8, 6)
+        self.lora_a, self.lora_b = nn.Parameter(torch.randn(2, 8)), nn.Parameter(torch.randn(6, 2))
+
+    @property
+    def weight(self):
+        base, a, b = (self._parameters.get(name) for name in ("weight", "lora_a", "lora_b"))
+        if base is None:  # not registered yet (nn.Module's own check while registering it)
+            raise AttributeError("weight")
+        return base if a is None else base + b @ a
+
+
+class DropsALock(nn.Linear):
+    """A subclass whose own __getstate__ leaves out what cannot be pickled."""
+
+    def __init__(self):
+        super().__init__(8, 6)
+        self.lock = threading.Lock()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("lock", None)
+        return state
+
+
+def test_linear_layers_patch_leaves_or_honours():
+    """nn.Linear's keyword call (input=); a subclass computing its weight (LoRA-style, parametrize's) and a lazy layer
+    left as they are (their parameters are not their weight yet); parametrize on a patched layer, then unpatch: the
+    layer's class back to nn.Linear's once the parametrization goes; a subclass's own __getstate__ kept."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    layer = kernels.patch(nn.Linear(8, 6))
+    torch.testing.assert_close(layer(input=x), F.linear(x, layer.weight, layer.bias))
+    lora = LoRALinear()
+    expected = lora(x)
+    assert not kernels.is_patched(kernels.patch(lora))
+    torch.testing.assert_close(lora(x), expected)
+    lazy = kernels.patch(nn.LazyLinear(6))
+    assert not kernels.is_patched(lazy) and lazy(x).shape == (3, 6)
+    parametrized = nn.Linear(8, 6)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", nn.Identity())
+    assert not kernels.is_patched(kernels.patch(parametrized))
+    patched = kernels.patch(nn.Linear(8, 6))
+    torch.nn.utils.parametrize.register_parametrization(patched, "weight", nn.Identity())
+    torch.testing.assert_close(patched(x), F.linear(x, patched.weight, patched.bias))
+    kernels.unpatch(patched)
+    assert not isinstance(patched, FusedLinear)
+    torch.nn.utils.parametrize.remove_parametrizations(patched, "weight")
+    assert type(patched) is nn.Linear
+    dropped = kernels.patch(DropsALock())
+    assert kernels.is_patched(dropped) and not hasattr(copy.deepcopy(dropped), "lock")
+    assert pickle.loads(pickle.dumps(dropped)).weight.shape == (6, 8)
 
 
 def test_patched_model_pickles_into_a_new_process(tmp_path):

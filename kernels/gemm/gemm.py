@@ -294,7 +294,8 @@ class FusedLinear(nn.Linear):
         self._plain_numel_below = _NO_PLAIN_BOUND
         self.clear_weight_split()
 
-    def forward(self, x, multiplier=1.0, negative_slope=1.0):
+    def forward(self, input, multiplier=1.0, negative_slope=1.0):
+        x = input  # nn.Linear's parameter name, for callers that pass it by keyword
         # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
         # call, (its input, a function of (this layer, x) giving this layer's part of that product or None) here for
         # this layer's first call; the part stands for a call on that same input.
@@ -403,7 +404,12 @@ class FusedLinear(nn.Linear):
         return self._weight_split
 
     def __getstate__(self):
-        state = self.__dict__.copy()  # the split is not saved, pickled or copied: the copy makes its own
+        # The class's own state where it makes one (a subclass patched by kernels.patch may drop or refuse things);
+        # the split is not saved, pickled or copied: the copy makes its own.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        if not isinstance(state, dict):
+            return state
+        state = dict(state)
         state.update(_weight_split_key=None, _weight_split=None, _weight_split_refused_rows=())
         state.pop("_plain_numel_below", None)  # a weak reference: the copy notes its own
         state.pop("_shared_product", None)
