@@ -12,6 +12,7 @@ The file works exec'd from a string, in a process that has not imported `kernels
 
 import argparse
 import ast
+import contextlib
 import inspect
 import os
 import random
@@ -41,7 +42,10 @@ def _build_library():
     key = hashlib.sha256("\\0".join([CPP_SOURCE, CUDA_SOURCE if with_cuda else "", *cflags, *cuda_cflags, *ldflags,
                                      torch.__version__, str(torch.version.cuda), sys.version]).encode())
     name = f"kernels_candidate_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    # Where load_inline builds it (torch's own rule: a folder per Python and CUDA version unless TORCH_EXTENSIONS_DIR).
+    build_dir = (cpp_extension._get_build_directory(name, False) if hasattr(cpp_extension, "_get_build_directory")
+                 else os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
+                                   name))
     # A second library defining the op namespace would abort the process: refuse with a clear error instead.
     loaded = sys.modules.setdefault("kernels_candidate_libraries", types.ModuleType("kernels_candidate_libraries"))
     if name not in loaded.__dict__.setdefault("names", set()) and any(
@@ -49,9 +53,9 @@ def _build_library():
         raise RuntimeError("kernels candidate: this process already holds an op library `torch.ops.kernels` (the "
                            "kernels package, or another version of this library); run the candidate in a process "
                            "that has not loaded one")
-    if not os.path.exists(os.path.join(root, name, name + ".so")):  # a first build takes 20-30 s: say so
+    if not os.path.exists(os.path.join(build_dir, name + ".so")):  # a first build takes 20-30 s: say so
         print(f"kernels candidate: compiling the op library for {'CUDA' if with_cuda else 'the CPU'} into "
-              f"{os.path.join(root, name)} (once per source version)", file=sys.stderr, flush=True)
+              f"{build_dir} (once per source version)", file=sys.stderr, flush=True)
     load_inline(
         name=name,
         cpp_sources=[CPP_SOURCE],
@@ -190,8 +194,9 @@ def candidate_source(problem):
 # ---- a candidate from any problem file ----------------------------------------------------------------------------
 
 class _Cleaned(ast.NodeTransformer):
-    """Drops docstrings and writes `pass` as `...`: the same program, without the words KernelBench's static rules
-    match in a problem's own text (a docstring saying "Forward pass")."""
+    """Drops docstrings, writes `pass` as `...` and a string the static rules' errors match ("pass", "except for") as a
+    sum of pieces ("pa" + "ss"; inside an f-string, a piece as a replacement field): the same program, without the
+    words KernelBench's static rules match in a problem's own text (a docstring saying "Forward pass")."""
 
     def _without_docstring(self, node):
         self.generic_visit(node)
@@ -207,15 +212,86 @@ class _Cleaned(ast.NodeTransformer):
     def visit_Pass(self, node):
         return ast.copy_location(ast.Expr(ast.Constant(...)), node)
 
+    def visit_Constant(self, node):
+        pieces = _defused(node.value) if isinstance(node.value, str) else None
+        if pieces is None:
+            return node
+        total = ast.Constant(pieces[0])
+        for piece in pieces[1:]:
+            total = ast.BinOp(total, ast.Add(), ast.Constant(piece))
+        return ast.copy_location(total, node)
 
-def _top_level_names(tree):
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return names
+    def visit_JoinedStr(self, node):
+        values = []
+        for value in node.values:  # an f-string's text parts: a piece that would match goes in a replacement field
+            pieces = _defused(value.value) if isinstance(value, ast.Constant) else None
+            if pieces is None:
+                values.append(self.visit(value) if not isinstance(value, ast.Constant) else value)
+                continue
+            for index, piece in enumerate(pieces):
+                values.append(ast.Constant(piece) if index % 2 == 0 else
+                              ast.FormattedValue(ast.Constant(piece), conversion=-1, format_spec=None))
+        node.values = values
+        return node
+
+    def visit_MatchValue(self, node):  # a pattern takes constants only: left as it is
+        return node
+
+
+def _defused(text):
+    """text cut in the middle of every match of the static rules' errors (pieces that join to text), or None where
+    none matches."""
+    cuts = sorted({match.start() + 1 for patterns in STATIC_ERRORS.values() for pattern in patterns
+                   for match in re.finditer(pattern, text)})
+    if not cuts:
+        return None
+    bounds = [0, *cuts, len(text)]
+    return [text[start:end] for start, end in zip(bounds, bounds[1:])]
+
+
+def _top_level_bindings(tree):
+    """{name: what the module's own statements bind it to}: the module path an import names ("torch.nn.functional"
+    for `import torch.nn.functional as F` and `from torch.nn import functional as F` alike), or "" for anything else
+    (definitions, assignments of any form, for and with targets, walrus), statements nested in if, for, while, with
+    and try blocks included."""
+    bindings = {}
+
+    def bind(name, what):
+        bindings.setdefault(name, set()).add(what)
+
+    def bind_targets(target):
+        for node in ast.walk(target) if target is not None else ():
+            if isinstance(node, ast.Name):
+                bind(node.id, "")
+
+    def visit(statements):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bind(node.name, "")
+                continue
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    bind(alias.asname or alias.name.split(".")[0], alias.name if alias.asname else
+                         alias.name.split(".")[0])
+                continue
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    bind(alias.asname or alias.name, f"{'.' * node.level}{node.module or ''}.{alias.name}")
+                continue
+            for field in ("targets", "target", "items"):
+                value = getattr(node, field, None)
+                for target in value if isinstance(value, list) else [value]:
+                    bind_targets(target.optional_vars if isinstance(target, ast.withitem) else target)
+            for child in ast.walk(node):
+                if isinstance(child, ast.NamedExpr):
+                    bind_targets(child.target)
+            for field in ("body", "orelse", "finalbody"):
+                visit(getattr(node, field, []))
+            for handler in getattr(node, "handlers", []):
+                visit(handler.body)
+
+    visit(tree.body)
+    return bindings
 
 
 # A family's Python module imported by name: `from kernels.<family>.<family> import ...`.
@@ -283,21 +359,29 @@ def problem_file_candidate(path):
     get_init_inputs as the file defines them (docstrings dropped, `pass` as `...`), and ModelNew, the Model with the
     library applied (kernels.patch on the layers a split takes at get_inputs()'s shapes, problem_split_layers: those
     run on the GEMM family's FusedLinear; everything else runs as in the Model), built in the Model's own RNG order.
-    Its docstring carries the static rules' verdict."""
+    A comment after its docstring carries the static rules' verdict."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
-    problem = ast.unparse(ast.fix_missing_locations(_Cleaned().visit(tree)))
-    names = _top_level_names(ast.parse(problem))
-    missing = {"Model", "get_inputs", "get_init_inputs"} - names
+    tree = _Cleaned().visit(tree)
+    # `from __future__ import ...` must open the file: it goes right after the header, for the whole candidate.
+    future = [node for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == "__future__"]
+    tree.body = [node for node in tree.body if node not in future] or [ast.Expr(ast.Constant(...))]
+    future_imports = "".join(ast.unparse(node) + "\n" for node in future)
+    problem = ast.unparse(ast.fix_missing_locations(tree))
+    bindings = _top_level_bindings(ast.parse(problem))
+    missing = {"Model", "get_inputs", "get_init_inputs"} - bindings.keys()
     if missing:
         raise ValueError(f"{path}: not a KernelBench problem file: it defines no {', '.join(sorted(missing))}")
     patching, families = _patching_python()
     library = [*_library_parts(with_requirements(*families)), patching]
-    library_names = _top_level_names(ast.parse("\n\n".join(library)))
-    candidate_names = library_names | {"ModelNew", "SPLIT_LAYERS"}  # the names the candidate adds to the problem's
-    clashes = sorted((names - {"Model", "get_inputs", "get_init_inputs"}) & candidate_names)
+    library_bindings = _top_level_bindings(ast.parse("\n\n".join(library)))
+    library_bindings.update(ModelNew={""}, SPLIT_LAYERS={""})  # the names the candidate adds to the problem's
+    # A name both bind clashes unless both import the same module under it (torch, F).
+    shared = (bindings.keys() - {"Model", "get_inputs", "get_init_inputs"}) & library_bindings.keys()
+    clashes = sorted(name for name in shared
+                     if len(bindings[name] | library_bindings[name]) > 1 or "" in bindings[name])
     if clashes:
-        raise ValueError(f"{path}: the problem defines names the library's inlined code uses: {', '.join(clashes)}")
+        raise ValueError(f"{path}: the problem binds names the library's inlined code uses: {', '.join(clashes)}")
     layers = problem_split_layers(path)
     if layers is None:
         preamble = ""
@@ -316,16 +400,17 @@ def problem_file_candidate(path):
     name = os.path.splitext(os.path.basename(path))[0]
 
     def assemble(verdict):
+        # The verdict in a comment, which the static rules do not read: it names the rules, whose words they match.
         header = (f'"""KernelBench candidate for {name}: the problem\'s Model, and ModelNew, the Model with the kernels '
                   "library applied\n(kernels.patch: its linear layers on the fp32-accurate split GEMM, inlined below and "
-                  "built with load_inline\nwhen this file runs). " + verdict + '\n"""\n')
+                  "built with load_inline\nwhen this file runs).\n\"\"\"\n" + future_imports + verdict)
         parts = [header, *library, "# ---- the problem " + "-" * 98 + "\n\n" + problem + "\n",
                  "# ---- the model " + "-" * 100 + "\n\n" + model_new]
         return _joined(parts)
 
     errors, warnings = static_check(assemble(""))
-    verdict = (f"KernelBench's static rules: {'FAILED' if errors else 'passed'}, {len(errors)} errors, "
-               f"{len(warnings)} warnings ({'; '.join(rule for rule, _ in errors + warnings)}).")
+    verdict = (f"# KernelBench's static rules: {'FAILED' if errors else 'passed'}, {len(errors)} errors, "
+               f"{len(warnings)} warnings ({'; '.join(rule for rule, _ in errors + warnings)}).\n")
     return assemble(verdict)
 
 
@@ -408,7 +493,9 @@ def main():
     args = parser.parse_args()
     if (args.problem is None) == (args.problem_file is None):
         parser.error("name one problem: a problem of reference.py, or --problem PATH")
-    source = candidate_source(args.problem) if args.problem else problem_file_candidate(args.problem_file)
+    # What the problem's code prints while it runs here (problem_split_layers) goes to stderr, not into the candidate.
+    with contextlib.redirect_stdout(sys.stderr):
+        source = candidate_source(args.problem) if args.problem else problem_file_candidate(args.problem_file)
     label = args.problem or args.problem_file
     if not args.check:
         sys.stdout.write(source)

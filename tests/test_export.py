@@ -396,10 +396,72 @@ def test_problem_file_candidate_refuses_a_clash(tmp_path):
     from kernels.export import problem_file_candidate
 
     problem = tmp_path / "clash.py"
-    for name, text in (("patch", "def patch(model):\n    return model\n"), ("SPLIT_LAYERS", "SPLIT_LAYERS = []\n")):
+    for name, text in (("patch", "def patch(model):\n    return model\n"), ("SPLIT_LAYERS", "SPLIT_LAYERS = []\n"),
+                       ("patch", "image_size, patch = 32, 8\n"), ("patch", "patch: int = 8\n"),
+                       ("layer_norm", "from torch.nn.functional import layer_norm\n"),
+                       ("F", "import numpy as F\n")):
         problem.write_text(PROBLEM_FILES["mlp"] + "\n\n" + text)
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=f"binds names .*: {name}$"):
             problem_file_candidate(str(problem))
+    # The same module under the same name as the library's is no clash.
+    problem.write_text(PROBLEM_FILES["mlp"] + "\n\nimport torch.nn.functional as F\nfrom torch import nn\n")
+    assert "class ModelNew(Model)" in problem_file_candidate(str(problem))
+
+
+UNUSUAL_PROBLEM = '''
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+print("loading the problem")
+MODES = {"bypass": 0, "pass": 1}
+
+
+class Model(nn.Module):
+    def __init__(self, mode: str = "pass"):
+        super().__init__()
+        self.mode = mode
+        self.scale = 0.5 if mode == "pass" else 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode not in MODES:
+            raise ValueError(f"all modes except {self.mode} pass: {list(MODES)}")
+        return x * self.scale
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return ["pass"]
+'''
+
+
+def test_problem_file_with_future_imports_prints_and_rule_words_in_strings(tmp_path):
+    """A problem with `from __future__ import annotations`, a print at import, and strings holding the words the
+    static rules' errors match ("pass", "except ...", in f-strings too): the export's stdout is the candidate alone
+    (the print goes to stderr), the candidate compiles (the future import opens it), has no static errors, and its
+    problem part keeps every string's value."""
+    problem = tmp_path / "unusual.py"
+    problem.write_text(UNUSUAL_PROBLEM)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-m", "kernels.export", "--problem", str(problem)], cwd=REPO, env=env,
+                            capture_output=True, text=True, check=True)
+    source = result.stdout
+    assert source.startswith('"""KernelBench candidate for unusual') and "loading the problem" in result.stderr
+    compile(source, "candidate", "exec")
+    errors, _ = static_check(source)
+    assert not errors, errors
+    assert "static rules: passed, 0 errors" in source
+    part = source.split("# ---- the problem", 1)[1].split("# ---- the model", 1)[0].split("\n", 1)[1]
+    namespace = {}
+    exec(compile("from __future__ import annotations\n" + part, "problem part", "exec"), namespace)
+    assert namespace["MODES"] == {"bypass": 0, "pass": 1} and namespace["get_init_inputs"]() == ["pass"]
+    model = namespace["Model"]("other")
+    with pytest.raises(ValueError, match=r"all modes except other pass: \['bypass', 'pass'\]"):
+        model(*namespace["get_inputs"]())
 
 
 def test_problem_split_layers_leaves_the_random_state(tmp_path):
