@@ -110,8 +110,11 @@ def attention(query, key, value, is_causal=False, scale=None):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"kernels.attention: is_causal must be a bool, got {type(is_causal).__name__}")
+    if query.dim() > 0 and query.shape[-1] == 0:
+        # No head dim: eager's own call, whose result (an empty output) or error on each device is the one to give.
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0  # no head dim: an empty output
+        scale = 1.0 / math.sqrt(query.shape[-1])
     if torch.amp.is_autocast_available(query.device.type) and torch.is_autocast_enabled(query.device.type):
         # Eager's own call, which autocast casts as its policy says (its result in the autocast dtype).
         return torch.nn.functional.scaled_dot_product_attention(
