@@ -88,6 +88,7 @@ class Case:
     times: list
     kb_times: list
     outputs: list
+    l2_flushed: bool = True  # False: back-to-back calls, as a host-bound layer runs in a model
 
 
 @dataclass
@@ -118,6 +119,7 @@ def add_rows(rows, case, rate=Rate(), reference=Reference()):
             kernelbench_ms=kb_ms, speedup=eager_ms / ms, vs_compile=compile_ms / ms if compile_ms else None,
             rate=rate.rate_of(variant) / ms, unit=rate.unit, ceiling=name,
             pct_of_ceiling=100 * ceiling_ms / ms if ceiling_ms else None,
+            l2_flushed=case.l2_flushed,
             error=relative_error(y, reference.y64) if y is not None and reference.y64 is not None else None,
             verdict=None if y is None or reference.y_eager32 is None
             else ("pass" if allclose(y.float(), reference.y_eager32) else "FAIL")))
@@ -157,7 +159,8 @@ def add_per_call_rows(rows, problem, eager, new, options, device, calls_per_samp
                                            cpu=device == "cpu")
             outputs = [m(x_in).detach() for m in variants.values()]
         with torch.no_grad():
-            add_rows(rows, Case(problem, case, "fp32", list(variants), times, [None] * len(times), outputs),
+            add_rows(rows, Case(problem, case, "fp32", list(variants), times, [None] * len(times), outputs,
+                                l2_flushed=False),
                      Rate(lambda v: 2 * x.nbytes / 1e6, "GB/s", "clone", copy_ms),
                      Reference(eager(x.double()), eager(x)))
 
@@ -367,8 +370,11 @@ def bench_gemm_multiply_leaky_relu(rows, options):
                 outputs = [model(x) for model in variants.values()]
 
             ceiling, rate_of = gemm_ceiling_and_rate(label, flops, cublas_ms, cublas16_ms)
+            # float64 of this row's own inputs: the weights and x rounded to its dtype (the same as float32's for tf32).
+            with torch.no_grad():
+                row_y64 = y64 if dtype == torch.float32 else copy.deepcopy(eager).double()(x.double())
             add_rows(rows, Case(problem, case, label, list(variants), times, kb, outputs),
-                     Rate(rate_of, "TFLOP/s", ceiling), Reference(y64, y_eager32))
+                     Rate(rate_of, "TFLOP/s", ceiling), Reference(row_y64, y_eager32))
 
             # Training step: forward and the grads of x, weight and bias.
             case = f"train step {label} {m}x{k}->{n}"
@@ -996,7 +1002,8 @@ def bench_linear_layers(rows, options):
                                  calls_per_sample=50, flush_l2=False)
             with torch.no_grad():
                 outputs = [layer(x) for layer in layers.values()]
-            add_rows(rows, Case(problem, case, "fp32", list(layers), times, [None] * len(layers), outputs),
+            add_rows(rows, Case(problem, case, "fp32", list(layers), times, [None] * len(layers), outputs,
+                                l2_flushed=False),
                      Rate(lambda v: 2 * m * n * k / 1e9, "TFLOP/s", "-"), Reference(y64, outputs[0]))
 
 
@@ -1204,7 +1211,9 @@ def bench_gemm_multiply_leaky_relu_cpu(rows, options):
             add_rows(rows,
                      Case(problem, case, label, list(variants), times, kb, [model(x) for model in variants.values()]),
                      Rate(lambda v: 2 * m * n * k / 1e6, "GFLOP/s", f"torch.mm {label}", mm_ms),
-                     Reference(y64, y_eager32))
+                     # float64 of this row's own inputs: the weights and x rounded to its dtype
+                     Reference(y64 if dtype == torch.float32 else copy.deepcopy(eager).double()(x.double()),
+                               y_eager32))
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
@@ -1244,13 +1253,20 @@ MODEL_COLUMNS = [
 
 def legend(rows):
     """The legend lines that apply to the rows printed."""
-    gpu = [r for r in rows if not r["problem"].endswith(", CPU")]
+    gpu = [r for r in rows if not r["problem"].endswith(", CPU") and not r["problem"].startswith("models")]
     cpu = [r for r in rows if r["problem"].endswith(", CPU")]
+    # (rows of a saved run from before these fields: flushed, and KernelBench's 100 calls)
+    kb_calls = sorted({r.get("kernelbench_calls", 100) for r in rows if r["kernelbench_ms"] is not None})
     lines = []
-    if gpu:
+    if any(r.get("l2_flushed", True) for r in gpu):
         lines.append("median ms: median of CUDA-event-timed calls, L2 flushed before each, samples of all variants "
-                     "taken in turn, each round in a fresh order; KB ms: KernelBench's way (sync, L2 flush, events, "
-                     "mean of 100 calls).")
+                     "taken in turn, each round in a fresh order" + (
+                         f"; KB ms: KernelBench's way (sync, L2 flush, events, mean of "
+                         f"{' or '.join(map(str, kb_calls))} calls)." if kb_calls else "."))
+    unflushed = sorted({r["problem"] for r in gpu if not r.get("l2_flushed", True)})
+    if unflushed:
+        lines.append(f"{', '.join(unflushed)}: the per-call and host-bound rows time samples of back-to-back calls, "
+                     "no L2 flush, as a small layer runs in a model; no KB column.")
     if cpu:
         lines.append("CPU tables: wall-clock times of samples of back-to-back calls (about 1 ms a sample, "
                      f"{CPU_SAMPLES_FACTOR}x the samples of a GPU row), no L2 flush; KB ms: the mean of back-to-back "
@@ -1464,6 +1480,8 @@ def main():
         BENCHES[name](rows, options)
     if args.problem_file:
         bench_problem_files(rows, options, args.problem_file)
+    for row in rows:  # the legend names how many calls the KB column's means took
+        row["kernelbench_calls"] = options.kernelbench_calls if row["kernelbench_ms"] is not None else None
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
