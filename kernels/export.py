@@ -199,13 +199,13 @@ class _Cleaned(ast.NodeTransformer):
     words KernelBench's static rules match in a problem's own text (a docstring saying "Forward pass")."""
 
     def _without_docstring(self, node):
-        self.generic_visit(node)
+        # Dropped before the visit, which would write a docstring saying "pass" as a sum of pieces.
         body = node.body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
                 body[0].value.value, str):
             body = body[1:]
         node.body = body or [ast.Expr(ast.Constant(...))]
-        return node
+        return self.generic_visit(node)
 
     visit_Module = visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _without_docstring
 
@@ -224,13 +224,13 @@ class _Cleaned(ast.NodeTransformer):
     def visit_JoinedStr(self, node):
         values = []
         for value in node.values:  # an f-string's text parts: a piece that would match goes in a replacement field
-            pieces = _defused(value.value) if isinstance(value, ast.Constant) else None
-            if pieces is None:
-                values.append(self.visit(value) if not isinstance(value, ast.Constant) else value)
+            if not isinstance(value, ast.Constant):
+                values.append(self.visit(value))
                 continue
-            for index, piece in enumerate(pieces):
-                values.append(ast.Constant(piece) if index % 2 == 0 else
-                              ast.FormattedValue(ast.Constant(piece), conversion=-1, format_spec=None))
+            pieces = _defused(value.value) or [value.value]
+            values += [ast.Constant(piece) if index % 2 == 0 else
+                       ast.FormattedValue(ast.Constant(piece), conversion=-1, format_spec=None)
+                       for index, piece in enumerate(pieces)]
         node.values = values
         return node
 

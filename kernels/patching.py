@@ -580,7 +580,7 @@ class _ProjectionGroup:
     their outputs into heads. Which of them read the parent's input is learned on the parent's first training call (a
     call with autograd recording a weight), run as it is; from then on, where two or more do, each training call
     computes their products as one product of their weights side by side (one split of the input, one GEMM over all
-    their outputs, one grad_x and one grad_W product backward; transformers' own layers only, _fuses_projections)
+    their outputs, one grad_x and one grad_W product backward; transformers' own layers only, _fusable_parent)
     and gives each layer its part, a column slice of that
     product, when it is called on that same input, unchanged, in the same grad and autocast modes, within the
     parent's call. Nothing outlives the call. A call in which a member's part goes unused (its weight then gets a
@@ -589,7 +589,7 @@ class _ProjectionGroup:
 
     def __init__(self, names, fuses):
         self.names = names  # the candidates: the parent's patched projection children
-        self.fuses = fuses  # whether training calls may compute them as one product (_fuses_projections)
+        self.fuses = fuses  # whether training calls may compute them as one product (_fusable_parent)
         self.members = None  # learned: the candidates called on the parent's input, in call order
         self.seen = None  # while learning: the names called so far
         self.parts = ()  # within a call: the parts handed out (_SharedPart)
@@ -602,7 +602,7 @@ class _ProjectionGroup:
 _PROJECTION_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 
 
-def _fuses_projections(parent):
+def _fusable_parent(parent):
     """Whether a parent's projections may become one product: transformers' own layers, whose forwards reshape the
     outputs into heads and change none in place; another module with children of those names may flatten or edit
     its outputs."""
@@ -615,7 +615,7 @@ def _group_projections(parent):
     children = parent._modules
     for names in _PROJECTION_NAMES:
         if all(isinstance(children.get(name), FusedLinear) for name in names):
-            group = _ProjectionGroup(names, fuses=_fuses_projections(parent))
+            group = _ProjectionGroup(names, fuses=_fusable_parent(parent))
             parent.__dict__["_projection_group"] = group
             group.handles = (parent.register_forward_pre_hook(_before_parent_call, with_kwargs=True),
                              parent.register_forward_hook(_after_parent_call, with_kwargs=True, always_call=True))

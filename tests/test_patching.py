@@ -641,7 +641,7 @@ def test_sibling_projections_other_inputs_and_failed_calls(device, monkeypatch):
     """Children that read different tensors form no group (the parent's hooks are removed); a call that raises leaves
     nothing on the layers; the group follows deepcopy and pickling; patch() twice adds no second hook."""
     monkeypatch.setattr(patching, "_fuse_projections", "always")
-    monkeypatch.setattr(patching, "_fuses_projections", lambda parent: True)  # TwoInputs stands in for transformers'
+    monkeypatch.setattr(patching, "_fusable_parent", lambda parent: True)  # TwoInputs stands in for transformers'
     torch.manual_seed(0)
     two = kernels.patch(TwoInputs().to(device))
     x, memory = torch.randn(3, 16, device=device), torch.randn(3, 16, device=device)
@@ -719,7 +719,7 @@ def test_sibling_projections_follow_the_call(change, device, monkeypatch):
     product or none: eager's results and gradients (none for a weight eager gives none); a call that leaves a
     member's part unused ends the grouping."""
     monkeypatch.setattr(patching, "_fuse_projections", "always")
-    monkeypatch.setattr(patching, "_fuses_projections", lambda parent: True)  # Projections stands in for transformers'
+    monkeypatch.setattr(patching, "_fusable_parent", lambda parent: True)  # Projections stands in for transformers'
     torch.manual_seed(0)
     eager = Projections().to(device)
     patched = kernels.patch(copy.deepcopy(eager))
