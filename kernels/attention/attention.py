@@ -115,7 +115,8 @@ def attention(query, key, value, is_causal=False, scale=None):
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    if torch.amp.is_autocast_available(query.device.type) and torch.is_autocast_enabled(query.device.type):
+    # The devices autocast serves here (a constant set: torch.compile cannot trace is_autocast_available).
+    if query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(query.device.type):
         # Eager's own call, which autocast casts as its policy says (its result in the autocast dtype).
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=bool(is_causal), scale=float(scale),
