@@ -627,6 +627,71 @@ def linear_host(args):
     return []
 
 
+def kernelbench_timing(args):
+    """Where the harness's time (KB ms: sync, L2 flush, events, mean) of the level-3 MLPs exceeds the median of
+    calls timed in turn: the model's calls timed the harness's way, then the same way with the GPU kept busy while
+    the host enqueues the call (a sleep before the start event: the host's latency to the first kernel hidden), each
+    call's time listed by its mean, median, spread; the SM clock and power after the calls where pynvml reads them."""
+    import statistics
+
+    import torch
+
+    import reference
+    from kernels.timing import kernelbench_ms, time_each_ms
+    from model_new import MODEL_NEW
+
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001  (no pynvml: the clocks are not read)
+        nvml = None
+
+    def clocks():
+        if nvml is None:
+            return ""
+        sm = pynvml.nvmlDeviceGetClockInfo(nvml, pynvml.NVML_CLOCK_SM)
+        return f", SM {sm} MHz, {pynvml.nvmlDeviceGetPowerUsage(nvml) / 1000:.0f} W"
+
+    print(torch.cuda.get_device_name())
+    kernelbench_ms(lambda: None, calls=1)  # the flush buffer
+    from kernels import timing
+    flush = timing._l2_flush_buffer
+    for name in ("mlp", "shallow_wide_mlp"):
+        spec = reference.PROBLEMS[name]
+        torch.manual_seed(42)
+        init = spec.get_init_inputs()
+        model = spec.model(*init).cuda()
+        torch.manual_seed(42)
+        model_new = MODEL_NEW[name](*init).cuda()
+        inputs = [t.cuda() for t in spec.get_inputs()]
+        with torch.no_grad():
+            for label, fn in (("eager", lambda: model(*inputs)), ("ModelNew", lambda: model_new(*inputs))):
+                median = time_each_ms([fn], samples=30)[0]
+                rows = {}
+                for busy in (False, True):
+                    times = []
+                    for _ in range(100):
+                        torch.cuda.synchronize()
+                        flush.zero_()
+                        if busy:
+                            torch.cuda._sleep(2_000_000)  # ~1 ms at the H100's clocks: the call queues behind it
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        fn()
+                        end.record()
+                        torch.cuda.synchronize()
+                        times.append(start.elapsed_time(end))
+                    rows["GPU busy before the call" if busy else "the harness's way"] = times
+                print(f"{name} {label}: median of calls in turn {median:.4f} ms{clocks()}")
+                for way, times in rows.items():
+                    print(f"  {way}: mean {statistics.mean(times):.4f}, median {statistics.median(times):.4f}, "
+                          f"min {min(times):.4f}, max {max(times):.4f}, first {times[0]:.4f} ms")
+        del model, model_new, inputs
+        torch.cuda.empty_cache()
+    return []
+
+
 def run_all(args):
     """build, tests, sanitize and bench in that order on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -691,6 +756,7 @@ def parse_arguments(argv):
     sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     add("linear-host", linear_host, "host time of host-bound linear calls: nn.Linear against kernels.nn.Linear")
+    add("kernelbench-timing", kernelbench_timing, "the level-3 MLPs' KB ms against their median: host latency, clocks")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):
         flag(sub, f"--skip-{name}", f"no {name}", f"SKIP_{name.upper()}")
