@@ -726,7 +726,7 @@ def _projection_outside_modes(layer, x):
     torch function handling off: the mode would intercept each tensor call of the layer's own host work (the parent's
     attention is its only route). Plain tensors only, for which nothing else handles those calls; None (the layer's
     own call) else."""
-    weight, bias = layer._parameters.get("weight"), layer._parameters.get("bias")
+    weight, bias = layer._weight_and_bias()
     with _torch_function_off():  # the checks too: the mode would see their tensor calls
         if weight is None or not _plain(x, weight) or (bias is not None and not _plain(bias)):
             return None
@@ -770,7 +770,8 @@ def _fusable_weights(x, members):
     change a member's input; else None."""
     weights = []
     for member in members:
-        if not isinstance(member, FusedLinear) or member._forward_pre_hooks:
+        if not isinstance(member, FusedLinear) or member._forward_pre_hooks or not {"weight", "bias"}.isdisjoint(
+                member.__dict__):  # an instance attribute hiding a parameter: the member's own call reads it
             return None
         weight, bias = member._parameters.get("weight"), member._parameters.get("bias", False)
         if (weight is None or bias is False or not _plain(weight) or weight.dtype != torch.float32

@@ -1590,6 +1590,20 @@ def test_plain_bound_follows_the_weight(device):
     assert copied._plain_numel_below[0]() is copied.weight
 
 
+def test_an_instance_attribute_hiding_a_parameter_is_what_the_layer_reads(device):
+    """A weight or bias set in the instance's dict over the registered parameter (object.__setattr__) is what
+    attribute lookup, and so nn.Linear's forward, reads: the patched layer computes with it too."""
+    layer = FusedLinear(64, 48).to(device)
+    weight, bias = torch.randn(48, 64, device=device), torch.randn(48, device=device)
+    x = torch.randn(10, 64, device=device)
+    for name, value in (("weight", weight), ("bias", bias)):
+        object.__setattr__(layer, name, value)
+        assert layer._parameters[name] is not value
+        expected = nn.Linear.forward(layer, x)
+        torch.testing.assert_close(layer(x), expected, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(layer.forward_gelu(x), F.gelu(expected), atol=TOL, rtol=TOL)
+
+
 @requires_cuda
 def test_identity_epilogue_keeps_no_output():
     """The identity epilogue's backward needs nothing of the output: the graph keeps x and the weight only."""

@@ -306,13 +306,7 @@ class FusedLinear(nn.Linear):
                 part = shared[1](self, x)
                 if part is not None:
                     return part
-        # The parameters straight from their dict (a small layer's call is all host time); through the attributes
-        # where something else provides them (torch.nn.utils.parametrize's properties).
-        parameters = self._parameters
-        weight = parameters.get("weight")
-        if weight is None:
-            weight = self.weight
-        bias = parameters["bias"] if "bias" in parameters else self.bias
+        weight, bias = self._weight_and_bias()
         # A host-bound layer's plain call: x has fewer elements than any split needs (the bound kept per weight object;
         # a shape changed through .data leaves it stale, which costs speed only: F.linear is always right).
         noted_weight, plain_numel = self._plain_numel_below
@@ -332,11 +326,7 @@ class FusedLinear(nn.Linear):
         """F.gelu(self.forward(x), approximate=approximate) (gelu_tanh()'s formula for "tanh") as one op, gemm_gelu,
         with the kept weight split as forward() keeps it; F.linear and the activation where no split path can take
         the call. This layer's hooks do not run: its callers (kernels.patch's MLPs) take it only where it has none."""
-        parameters = self._parameters
-        weight = parameters.get("weight")
-        if weight is None:
-            weight = self.weight
-        bias = parameters["bias"] if "bias" in parameters else self.bias
+        weight, bias = self._weight_and_bias()
         noted_weight, plain_numel = self._plain_numel_below  # as in forward()
         noted_weight = noted_weight()
         if noted_weight is weight and type(x) is torch.Tensor and x.numel() < plain_numel and _forced_path == "auto":
@@ -347,6 +337,17 @@ class FusedLinear(nn.Linear):
             return _gelu_of(F.linear(x, weight, bias), approximate)
         weight_split = None if _is_compiling() or type(x) is not torch.Tensor else self._weight_split_for(x, weight)
         return gemm_gelu(x, weight, bias, approximate, weight_split)
+
+    def _weight_and_bias(self):
+        """self.weight and self.bias: straight from the parameters' dict (a small layer's call is all host time), through
+        the attributes where something else provides them (torch.nn.utils.parametrize's properties) or an instance
+        attribute hides the parameter (set by object.__setattr__, which attribute lookup finds first)."""
+        parameters, attributes = self._parameters, self.__dict__
+        weight = parameters.get("weight")
+        if weight is None or "weight" in attributes:
+            weight = self.weight
+        bias = parameters["bias"] if "bias" in parameters and "bias" not in attributes else self.bias
+        return weight, bias
 
     def _note_plain_bound(self, weight):
         """Keeps, for this weight object (by a weak reference: a parametrized weight or functional_call's tensors are
