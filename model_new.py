@@ -48,7 +48,8 @@ class GemmMultiplyLeakyReLUModelNew(nn.Module):
 class MLPModelNew(nn.Module):
     """reference.MLPModel with each hidden layer's Linear and ReLU in one GEMM call (the epilogue with slope 0) and
     the last Linear plain. `network` holds the reference's layers (FusedLinear is an nn.Linear), so weights,
-    state_dict keys and hooks match; a negative pre-activation gives -0.0 where ReLU gives 0.0 (equal values)."""
+    state_dict keys and hooks match (a pair with hooks that would see the fusion runs as the reference's two calls);
+    a negative pre-activation gives -0.0 where ReLU gives 0.0 (equal values)."""
 
     def __init__(self, input_size, layer_sizes, output_size):
         super().__init__()
@@ -62,16 +63,29 @@ class MLPModelNew(nn.Module):
         self.network = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _has_hooks(self.network):
+            return self.network(x)  # the reference's call, unfused, for hooks that would miss it or see the fusion
         layers = list(self.network)
         i = 0
         while i < len(layers):
-            if type(layers[i]) is FusedLinear and i + 1 < len(layers) and type(layers[i + 1]) is nn.ReLU:
+            # A Linear's forward and backward hooks would see the ReLU's output and gradient; the ReLU's, no call.
+            if (type(layers[i]) is FusedLinear and i + 1 < len(layers) and type(layers[i + 1]) is nn.ReLU
+                    and not (layers[i]._forward_hooks or layers[i]._backward_hooks or layers[i]._backward_pre_hooks
+                             or _has_hooks(layers[i + 1]))):
                 x = layers[i](x, multiplier=1.0, negative_slope=0.0)
                 i += 2
             else:
                 x = layers[i](x)
                 i += 1
         return x
+
+
+def _has_hooks(module):
+    """Whether a hook would see `module`'s call: its own, or the global module hooks."""
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
 
 
 class CausalSelfAttentionNew(nn.Module):
@@ -109,7 +123,8 @@ class CausalSelfAttentionNew(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         scale = 1.0 / math.sqrt(k.size(-1))
-        if self._mask_is_causal():
+        # Longer than the mask (max_seqlen): the reference's masked_fill, which raises its own error.
+        if T <= self.bias.size(-1) and self._mask_is_causal():
             att = causal_softmax(q @ k.transpose(-2, -1), scale)
         else:
             att = (q @ k.transpose(-2, -1)) * scale

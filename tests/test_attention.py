@@ -13,7 +13,7 @@ import kernels
 from conftest import poison_allocator, requires_cuda
 from kernels.attention.attention import _reference
 from kernels.functional import attention
-from kernels.precision import allclose, relative_error
+from kernels.precision import ERROR_RATIO_LIMIT, allclose, relative_error
 
 # (batch, heads, kv heads, query rows, key rows, head dim)
 SHAPES = {
@@ -244,6 +244,19 @@ def test_empty_rows(device):
     assert attention(q, k, v).shape == (2, 4, 0, 64)
 
 
+@pytest.mark.parametrize("shape", [(0, 4, 4, 8, 8, 64), (2, 0, 0, 8, 8, 64), (2, 0, 2, 8, 8, 64)],
+                         ids=["no batch", "no heads", "no query heads"])
+def test_empty_batch_and_heads(device, shape):
+    """As eager's (enable_gqa): an empty output and gradients, and the op's fake agrees."""
+    q, k, v = (t.requires_grad_() for t in operands(shape, device))
+    for causal in (False, True):
+        y = attention(q, k, v, causal)
+        assert y.shape == q.shape and y.shape == eager(q, k, v, causal).shape
+        grads = torch.autograd.grad(y.sum(), (q, k, v))
+        assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
+    torch.library.opcheck(torch.ops.kernels.attention.default, (q, k, v, True, 0.125))
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda q, k, v: (q[0], k, v), "must have 4 dimensions"),
     (lambda q, k, v: (q, k, v[..., :32]), "same shape"),
@@ -258,9 +271,47 @@ def test_bad_input(bad, message):
 
 
 def test_bad_flags_are_type_errors():
-    """As eager's F.scaled_dot_product_attention: is_causal a bool."""
+    """As eager's F.scaled_dot_product_attention: is_causal a bool, scale a number or a one-element tensor."""
     q, k, v = operands((1, 2, 2, 4, 4, 64), "cpu")
+    assert torch.equal(attention(q, k, v, scale=torch.tensor(0.5)), attention(q, k, v, scale=0.5))
     for kwargs, message in (({"is_causal": None}, "is_causal must be a bool, got NoneType"),
-                            ({"is_causal": 1}, "is_causal must be a bool, got int")):
+                            ({"is_causal": 1}, "is_causal must be a bool, got int"),
+                            ({"scale": "0.5"}, "scale must be a number or None, got str"),
+                            ({"scale": [0.5]}, "scale must be a number or None, got list")):
         with pytest.raises(TypeError, match=message):
             attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_and_torch_func(device, dtype):
+    """float16 and bfloat16: the gradients, and the output under torch.func's transforms (the formula in ATen's ops),
+    within ERROR_RATIO_LIMIT of eager's error against float64."""
+    q, k, v = operands((2, 4, 4, 64, 64, 32), device, seed=11)
+    q, k, v = (t.mul(3).to(dtype) for t in (q, k, v))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(device, dtype)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    y64 = exact(q64, k64, v64, True)
+    exact_grads = torch.autograd.grad(y64, (q64, k64, v64), grad.double())
+
+    def gradients(function):
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(function(*inputs, True), inputs, grad)
+
+    for name, a, b, e in zip("qkv", gradients(attention), gradients(eager), exact_grads):
+        assert a.dtype == dtype
+        assert relative_error(a, e) <= ERROR_RATIO_LIMIT[dtype] * relative_error(b, e), name
+    y = torch.func.vmap(lambda *t: attention(*t, True))(q, k, v)
+    assert relative_error(y, y64) <= ERROR_RATIO_LIMIT[dtype] * relative_error(eager(q, k, v, True), y64)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_vmap_over_the_batch(causal):
+    """vmap over the batch: each call sees (heads, rows, head dim), its heads at dim -3 as eager's, grouped or not,
+    with more queries than keys (rows a multiple of the keys: read as heads, they would repeat the keys)."""
+    q, k, v = operands((2, 8, 4, 10, 5, 16), "cpu", seed=13)
+    expected = eager(q, k, v, causal)
+    torch.testing.assert_close(torch.func.vmap(lambda *t: attention(*t, causal))(q, k, v), expected)
+    k, v = (t.repeat_interleave(2, 1) for t in (k, v))
+    torch.testing.assert_close(torch.func.vmap(lambda *t: attention(*t, causal))(q, k, v), expected)
+    with pytest.raises(RuntimeError, match="query has 8 heads, which must be a multiple of key's 3"):
+        torch.func.vmap(lambda *t: attention(*t, causal))(q, k[:, :3], v[:, :3])

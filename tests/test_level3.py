@@ -3,6 +3,8 @@ reference model built after the same seed, on CPU and CUDA: the same weights and
 fp32 tolerance with an error against float64 no larger than eager's, on rand and randn inputs, and the same
 gradients. The problem-size runs are in test_export.py (the candidates, five seeds) and bench.py."""
 
+import re
+
 import pytest
 import torch
 
@@ -169,3 +171,45 @@ def test_mini_gpt_block_dropout_in_training_follows_the_reference(device):
     assert allclose(y, y_ref), (y - y_ref).abs().max()
     model.eval(), model_new.eval()
     assert allclose(model_new(x), model(x))
+
+
+def test_mini_gpt_block_longer_than_max_seqlen_raises_as_the_reference():
+    """A sequence longer than the mask buffer (max_seqlen): the reference's masked_fill cannot broadcast and raises;
+    ModelNew raises the same error, not a result the reference does not have."""
+    model, model_new = make_pair("mini_gpt_block", [64, 4, 0.0, 0.0, 32], "cpu")
+    x = torch.randn(2, 40, 64)
+    with pytest.raises(RuntimeError) as expected:
+        model(x)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        model_new(x)
+
+
+def test_mlp_hooks_see_the_reference_calls():
+    """Forward and backward hooks on a hidden Linear, on its ReLU, on the Sequential and global module hooks see what
+    they see in the reference: the Linear's output before the ReLU, and every module's call."""
+    model, model_new = make_pair("mlp", [32, [48], 16], "cpu")
+    x = torch.randn(4, 32, requires_grad=True)
+
+    def record(m):
+        seen = []
+        m.network[0].register_forward_hook(lambda mod, i, o: seen.append(("linear", o.detach().clone())))
+        m.network[0].register_full_backward_hook(lambda mod, gi, go: seen.append(("linear grad", go[0].clone())))
+        m.network[1].register_forward_hook(lambda mod, i, o: seen.append(("relu", o.detach().clone())))
+        m.network.register_forward_hook(lambda mod, i, o: seen.append(("network", o.detach().clone())))
+        m(x).sum().backward()
+        return seen
+
+    expected, got = record(model), record(model_new)
+    assert [name for name, _ in got] == [name for name, _ in expected]
+    for (name, a), (_, b) in zip(got, expected):
+        torch.testing.assert_close(a, b, msg=name)
+    names = {id(m): name for model_ in (model, model_new) for name, m in model_.named_modules()}
+    for hook in (torch.nn.modules.module.register_module_forward_hook,
+                 torch.nn.modules.module.register_module_forward_pre_hook):
+        calls = []
+        handle = hook(lambda mod, *args: calls.append(names[id(mod)]) and None)
+        try:
+            model(x), model_new(x)
+        finally:
+            handle.remove()
+        assert calls[:len(calls) // 2] == calls[len(calls) // 2:], calls

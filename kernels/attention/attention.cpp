@@ -65,7 +65,8 @@ void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "kernels.attention: query ", shape_str(q.sizes()),
               " and key ", shape_str(k.sizes()), " must have the same batch and head dim");
   const std::int64_t heads = q.size(1), kv_heads = k.size(1);
-  const bool grouped = kv_heads > 0 && heads % kv_heads == 0;
+  // No heads at all is an empty call, as eager's.
+  const bool grouped = kv_heads > 0 ? heads % kv_heads == 0 : heads == 0;
   // Numbers go into messages as strings (common/torch_checks.h: streamed, they crashed the GPU machine's build).
   TORCH_CHECK(grouped, "kernels.attention: query has ", std::to_string(heads), " heads, which must be a multiple of "
               "key's ", std::to_string(kv_heads));
@@ -75,7 +76,13 @@ void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> attention_aten(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   bool is_causal, double scale) {
-  const std::int64_t group = q.size(1) / k.size(1), rows = q.size(2), keys = k.size(2);
+  const std::int64_t rows = q.size(2), keys = k.size(2);
+  // The kernels' layout: (batch, rows, heads, head dim) in memory.
+  at::Tensor laid_out = at::empty({q.size(0), rows, q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
+  at::Tensor lse = at::zeros({q.size(0), q.size(1), lse_stride(rows)}, q.options());
+  // An empty output (no batch, heads or rows) needs no call; without heads, the group below would divide by zero.
+  if (laid_out.numel() == 0) return {laid_out, lse};
+  const std::int64_t group = q.size(1) / k.size(1);
   // Head h of q reads kv head h / group: q viewed as (batch, kv heads, group, rows, head dim).
   const at::Tensor grouped = q.reshape({q.size(0), k.size(1), group, rows, q.size(3)});
   at::Tensor scores = at::matmul(grouped, k.unsqueeze(2).transpose(-2, -1)).mul(scale);
@@ -85,17 +92,14 @@ std::tuple<at::Tensor, at::Tensor> attention_aten(const at::Tensor& q, const at:
   }
   // The output is eager's own; the scores above give the logsumexp.
   const at::Tensor out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, is_causal, scale, group > 1);
-  at::Tensor lse = at::zeros({q.size(0), q.size(1), lse_stride(rows)}, q.options());
   lse.narrow(2, 0, rows).copy_(at::logsumexp(scores, -1).reshape({q.size(0), q.size(1), rows}));
-  // The kernels' layout: (batch, rows, heads, head dim) in memory.
-  at::Tensor laid_out = at::empty({q.size(0), rows, q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
   laid_out.copy_(out);
   return {laid_out, lse};
 }
 
 #ifdef KERNELS_WITH_CUDA
 bool takes_kernel(const at::Tensor& q, const at::Tensor& k) {
-  return q.is_cuda() && q.scalar_type() == at::kFloat && q.size(2) > 0 && k.size(2) > 0 &&
+  return q.is_cuda() && q.scalar_type() == at::kFloat && q.numel() > 0 && k.numel() > 0 &&
          attention_supported(q.device().index(), q.size(3));
 }
 

@@ -9,11 +9,13 @@ Op (schema in attention.cpp):
 
 The gradient: eager's (float32 CUDA with as many kv heads as heads: PyTorch's memory-efficient attention, its forward
 recomputed for the output and logsumexp its backward reads), else, and wherever a graph of the backward is asked for,
-the gradient of the same formula in ATen's ops; under torch.func's transforms and with forward-mode tangents
-attention() is that formula itself. fp32_gemm routes only calls that need no gradient.
+the gradient of the same formula in ATen's ops (float16 and bfloat16 computed in float32); under torch.func's
+transforms and with forward-mode tangents attention() is that formula itself (heads at dim -3, so that vmap's calls
+without the batch dimension read them). fp32_gemm routes only calls that need no gradient.
 """
 
 import math
+import numbers
 
 import torch
 from torch.autograd import forward_ad
@@ -40,12 +42,17 @@ def _attention_fake(query, key, value, is_causal, scale):
                  f"{tuple(key.shape)} and {tuple(value.shape)}")
     torch._check(query.shape[0] == key.shape[0] and query.shape[3] == key.shape[3], lambda: f"kernels.attention: "
                  f"query {tuple(query.shape)} and key {tuple(key.shape)} must have the same batch and head dim")
-    torch._check(key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0, lambda: f"kernels.attention: query has "
-                 f"{query.shape[1]} heads, which must be a multiple of key's {key.shape[1]}")
+    _check_heads(query.shape[1], key.shape[1])
     batch, heads, rows, dim = query.shape
     out = query.new_empty((batch, rows, heads, dim)).permute(0, 2, 1, 3)
     lse = query.new_empty((batch, heads, (rows + _ALIGN_LSE - 1) // _ALIGN_LSE * _ALIGN_LSE))
     return out, lse
+
+
+def _check_heads(heads, kv_heads):
+    # No heads at all is an empty call, as eager's.
+    torch._check(heads % kv_heads == 0 if kv_heads > 0 else heads == 0, lambda: f"kernels.attention: query has "
+                 f"{heads} heads, which must be a multiple of key's {kv_heads}")
 
 
 def _setup_context(ctx, inputs, output):
@@ -56,16 +63,22 @@ def _setup_context(ctx, inputs, output):
 
 
 def _reference(query, key, value, is_causal, scale):
-    """The formula in ATen's ops (kv heads repeated for their query heads)."""
-    group = query.shape[1] // key.shape[1]
-    if group > 1:
-        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    """The formula in ATen's ops (kv heads repeated for their query heads). float16 and bfloat16 are computed in
+    float32 and rounded once at the end, as eager's kernels accumulate: rounded at each step, the gradients lose
+    several times eager's accuracy."""
+    dtype = query.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
+    # Heads at dim -3, as eager's enable_gqa: under vmap each call sees the tensors without their batch dimension.
+    group = query.shape[-3] // key.shape[-3] if query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] > 0 else 1
+    if group != 1:
+        key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
     scores = (query @ key.transpose(-2, -1)) * scale
     if is_causal:
         rows, keys = scores.shape[-2:]
         mask = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
-    return scores.softmax(-1) @ value
+    return (scores.softmax(-1) @ value).to(dtype)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -76,7 +89,8 @@ def _backward(ctx, grad_out, grad_lse):
     # With a graph of the backward asked for (create_graph), the formula's gradient on the saved inputs themselves, so
     # that a double backward reaches them, as eager's math attention does.
     create_graph = torch.is_grad_enabled()
-    if not create_graph and query.is_cuda and query.dtype == torch.float32 and query.shape[1] == key.shape[1]:
+    if (not create_graph and query.is_cuda and query.dtype == torch.float32 and query.shape[1] == key.shape[1]
+            and query.numel() > 0 and key.numel() > 0):
         # Eager's memory-efficient backward, in its (batch, rows, heads, head dim) layout, on the output and
         # logsumexp of its own forward, recomputed: it recomputes the probabilities from the logsumexp, which must
         # come from its own scores' arithmetic (this op's, more accurate, leave its gradients less so).
@@ -110,6 +124,10 @@ def attention(query, key, value, is_causal=False, scale=None):
             raise TypeError(f"kernels.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"kernels.attention: is_causal must be a bool, got {type(is_causal).__name__}")
+    # As eager's: a number or a one-element tensor (float() would take a string).
+    if not (scale is None or isinstance(scale, numbers.Real)
+            or (isinstance(scale, torch.Tensor) and scale.numel() == 1)):
+        raise TypeError(f"kernels.attention: scale must be a number or None, got {type(scale).__name__}")
     if query.dim() > 0 and query.shape[-1] == 0:
         # No head dim: eager's own call, whose result (an empty output) or error on each device is the one to give.
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale)
@@ -123,8 +141,21 @@ def attention(query, key, value, is_causal=False, scale=None):
             enable_gqa=query.dim() > 1 and key.dim() > 1 and query.shape[-3] != key.shape[-3])
     if _transformed(query, key, value):
         # torch.func's transforms and forward-mode tangents: the formula in ATen's ops, which carry them to any order.
+        _check_transformed(query, key, value)
         return _reference(query, key, value, bool(is_causal), float(scale))
     return torch.ops.kernels.attention.default(query, key, value, bool(is_causal), float(scale))[0]
+
+
+def _check_transformed(query, key, value):
+    """The op's checks that hold for any number of dimensions (vmap's calls see fewer than the op's 4)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_float_tensor("attention", name, t)
+    for name, t in (("key", key), ("value", value)):
+        check_same("attention", name, t, "query", query)
+    torch._check(key.shape == value.shape, lambda: f"kernels.attention: key and value must have the same shape, got "
+                 f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if query.dim() >= 3 and key.dim() >= 3:
+        _check_heads(query.shape[-3], key.shape[-3])
 
 
 def _transformed(*tensors):
