@@ -3,6 +3,10 @@ CUDA; every row layout the kernels take and the rows they leave to ATen, views, 
 to higher orders, forward mode, vmap, torch.compile and bad input. The precision contract: float32 error against
 float64 no larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eager's error."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,6 +234,99 @@ def test_add_layer_norm_vmap(device):
     expected = torch.func.vmap(torch.func.grad(lambda a: eager_layer_norm(a, weight, bias).square().sum()))(
         x + residual)
     torch.testing.assert_close(grads, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rows_in_many_blocks_match_eager(device, dtype):
+    """Rows past the kernels' 4096 columns, more of them than one block of the ATen formulas' path takes (on either
+    device): eager's values for layer_norm, add_layer_norm and their gradients (the blocks' parameter sums added
+    before one rounding; the sum's gradient added to each block's grad_x)."""
+    shape = (1100, 4104)
+    x, residual = randn(shape, dtype, device, scale=3.0, shift=1.5), randn(shape, dtype, device, seed=3)
+    weight, bias = parameters_for(shape[-1], dtype, device)
+    grad, grad_sum = randn(shape, dtype, device, seed=2), randn(shape, dtype, device, seed=4)
+    x64, residual64, weight64, bias64 = (t.double() for t in (x, residual, weight, bias))
+    check_accuracy(layer_norm(x, weight, bias, EPS), eager_layer_norm(x, weight, bias),
+                   eager_layer_norm(x64, weight64, bias64), dtype, "forward")
+    total, y = add_layer_norm(x, residual, weight, bias, EPS)
+    assert torch.equal(total, x + residual)
+    check_accuracy(y, eager_layer_norm(x + residual, weight, bias), eager_layer_norm(x64 + residual64, weight64,
+                   bias64), dtype, "add_layer_norm")
+
+    def add_then_norm(add, a, b, w, c):
+        total, y = add(a, b, w, c)
+        return (total * grad_sum.to(total.dtype)).sum() + (y * grad.to(y.dtype)).sum()
+
+    names = ("grad_x", "grad_weight", "grad_bias")
+    exact = gradients(eager_layer_norm, x, weight, bias, grad, torch.float64)
+    for name, got, expected, reference in zip(names, gradients(layer_norm, x, weight, bias, grad, dtype),
+                                              gradients(eager_layer_norm, x, weight, bias, grad, dtype), exact):
+        check_accuracy(got, expected, reference, dtype, name, atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+    results = []
+    for add, leaf_dtype in ((add_layer_norm, dtype), (eager_add_layer_norm, dtype), (eager_add_layer_norm,
+                                                                                     torch.float64)):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_(True) for t in (x, residual, weight, bias)]
+        results.append(torch.autograd.grad(add_then_norm(add, *leaves), leaves))
+    for name, got, expected, reference in zip(("grad_x", "grad_residual", "grad_weight", "grad_bias"), *results):
+        check_accuracy(got, expected, reference, dtype, f"add_layer_norm {name}",
+                       atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+
+
+# The peak memory of one call of layer_norm, add_layer_norm or the backward op on float32 inputs, above the memory held
+# before it, in a fresh process: its peak resident set, reset (clear_refs) once its inputs are written, less its
+# resident set then.
+CPU_PEAK_SCRIPT = """
+import gc, sys, torch
+from kernels.functional import add_layer_norm, layer_norm
+rows, columns, call_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+x, other = torch.randn(rows, columns), torch.randn(rows, columns)
+weight, bias = torch.randn(columns), torch.randn(columns)
+calls = {"forward": lambda n: layer_norm(x[:n], weight, bias),
+         "add": lambda n: add_layer_norm(x[:n], other[:n], weight, bias),
+         "backward": lambda n: torch.ops.kernels.layer_norm_backward(other[:n], x[:n], weight, 1e-5)}
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+calls[call_name](2)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+results = calls[call_name](rows)
+print(status("VmHWM") - before)
+"""
+
+
+def peak_above_inputs(device, rows, columns, call_name):
+    if device == "cpu":
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        result = subprocess.run([sys.executable, "-c", CPU_PEAK_SCRIPT, str(rows), str(columns), call_name],
+                                cwd=repo, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.split()[-1])
+    x, other = randn((rows, columns), torch.float32, device), randn((rows, columns), torch.float32, device, seed=2)
+    weight, bias = parameters_for(columns, torch.float32, device)
+    calls = {"forward": lambda: layer_norm(x, weight, bias), "add": lambda: add_layer_norm(x, other, weight, bias),
+             "backward": lambda: torch.ops.kernels.layer_norm_backward(other, x, weight, EPS)}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    results = calls[call_name]()
+    torch.cuda.synchronize()
+    del results
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call_name", ["forward", "add", "backward"])
+def test_aten_formulas_take_no_whole_float64_copies(device, call_name):
+    """The ATen formulas' path (every CPU call; CUDA rows past 4096 columns) peaks at its results plus one block of
+    rows' float64 temporaries, not at several float64 tensors of x's size (eager's F.layer_norm takes its result
+    alone)."""
+    rows, columns = (4096, 4096) if device == "cpu" else (4096, 16384)
+    results = rows * columns * 4 * (2 if call_name == "add" else 1) + columns * 8 * (call_name == "backward")
+    # A block's float64 temporaries (a block: 2^18 elements on the CPU, 2^22 on CUDA), 16 of them at most.
+    allowance = 16 * 8 * (1 << (18 if device == "cpu" else 22))
+    peak = peak_above_inputs(device, rows, columns, call_name)
+    assert results <= peak <= results + allowance, f"peak {peak / 2**20:.0f} MiB, results {results / 2**20:.0f} MiB"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,6 +3,10 @@ CPU and CUDA; every row layout the kernels take and the rows they leave to ATen,
 autograd to higher orders, forward mode, vmap, torch.compile and bad input. The precision contract: float32 error
 against float64 no larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eager's error."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -128,6 +132,18 @@ def test_eps_as_eager_takes_it(device):
                        llama_rms_norm(x.double(), weight.double(), value), torch.float32, repr(eps))
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_eps_none_is_eagers_default(device, dtype):
+    """eps None is F.rms_norm's default: the machine epsilon of x's compute type (float32's for float16 and bfloat16,
+    whose own epsilon would swamp the mean of squares of small rows)."""
+    x, weight = randn((4, 64), dtype, device, scale=1e-2), weight_for(64, dtype, device)
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    expected = torch.nn.functional.rms_norm(x, (64,), weight)
+    torch.testing.assert_close(expected, torch.nn.functional.rms_norm(x, (64,), weight, eps), atol=0, rtol=0)
+    check_accuracy(rms_norm(x, weight, None), llama_rms_norm(x, weight, eps),
+                   llama_rms_norm(x.double(), weight.double(), eps), dtype, "eps None")
+
+
 def test_empty_inputs(device):
     for shape in ((0, 16), (2, 0, 8), (3, 0)):  # no rows, and no features (the weight's gradient empty too)
         x = torch.randn(shape, device=device, requires_grad=True)
@@ -159,6 +175,73 @@ def test_huge_values_are_normalized(device):
     y = rms_norm(x, weight)
     assert relative_error(y, llama_rms_norm(x.double(), weight.double())) < 1e-6
     assert llama_rms_norm(x, weight).abs().max() == 0  # eager's x.pow(2) overflows to inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rows_in_many_blocks_match_eager(device, dtype):
+    """Rows past the kernels' 8192 columns, more of them than one block of the ATen formulas' path takes (on either
+    device): eager's values, forward and backward (the blocks' weight sums added before one rounding)."""
+    shape = (600, 8200)
+    x, weight = randn(shape, dtype, device, scale=3.0), weight_for(shape[-1], dtype, device)
+    grad = randn(shape, dtype, device, seed=2)
+    check_accuracy(rms_norm(x, weight, EPS), llama_rms_norm(x, weight), llama_rms_norm(x.double(), weight.double()),
+                   dtype, "forward")
+    exact = gradients(llama_rms_norm, x, weight, grad, torch.float64)
+    for name, got, expected, reference in zip(("grad_x", "grad_weight"), gradients(rms_norm, x, weight, grad, dtype),
+                                              gradients(llama_rms_norm, x, weight, grad, dtype), exact):
+        check_accuracy(got, expected, reference, dtype, name, atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
+
+
+# The peak memory of one call of rms_norm (or of its backward op) on float32 inputs, above the memory held before it,
+# in a fresh process: its peak resident set, reset (clear_refs) once its inputs are written, less its resident set then.
+CPU_PEAK_SCRIPT = """
+import gc, sys, torch
+from kernels.functional import rms_norm
+rows, columns, backward = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "backward"
+x, grad, weight = torch.randn(rows, columns), torch.randn(rows, columns), torch.randn(columns)
+def call(n):
+    return torch.ops.kernels.rms_norm_backward(grad[:n], x[:n], weight, 1e-6) if backward else rms_norm(x[:n], weight)
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+call(2)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+results = call(rows)
+print(status("VmHWM") - before)
+"""
+
+
+def peak_above_inputs(device, rows, columns, backward):
+    if device == "cpu":
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        result = subprocess.run([sys.executable, "-c", CPU_PEAK_SCRIPT, str(rows), str(columns),
+                                 "backward" if backward else "forward"], cwd=repo, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.split()[-1])
+    x, grad = randn((rows, columns), torch.float32, device), randn((rows, columns), torch.float32, device, seed=2)
+    weight = weight_for(columns, torch.float32, device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    results = torch.ops.kernels.rms_norm_backward(grad, x, weight, EPS) if backward else rms_norm(x, weight)
+    torch.cuda.synchronize()
+    del results
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_aten_formulas_take_no_whole_float64_copies(device, backward):
+    """The ATen formulas' path (every CPU call; CUDA rows past 8192 columns) peaks at its results plus one block of
+    rows' float64 temporaries, not at several float64 tensors of x's size (eager's F.rms_norm takes its result and one
+    float32 temporary of that size)."""
+    rows, columns = (4096, 4096) if device == "cpu" else (4096, 16384)
+    results = rows * columns * 4 + columns * 4 * backward
+    # A block's float64 temporaries (a block: 2^18 elements on the CPU, 2^22 on CUDA), 16 of them at most.
+    allowance = 16 * 8 * (1 << (18 if device == "cpu" else 22))
+    peak = peak_above_inputs(device, rows, columns, backward)
+    assert results <= peak <= results + allowance, f"peak {peak / 2**20:.0f} MiB, results {results / 2**20:.0f} MiB"
 
 
 # ---- autograd, transforms, compile ----------------------------------------------------------------------------------

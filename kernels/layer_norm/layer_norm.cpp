@@ -97,9 +97,9 @@ at::Tensor layer_norm_into(const at::Tensor& x, const at::Tensor* residual, cons
   }
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm: no implementation for tensors on ", x.device().str());
-  if (residual == nullptr) return layer_norm_aten(x, weight, bias, eps);
+  if (residual == nullptr) return layer_norm_blocked(x, weight, bias, eps);
   *sum = x.add(*residual).contiguous();
-  return layer_norm_aten(*sum, weight, bias, eps);
+  return layer_norm_blocked(*sum, weight, bias, eps);
 }
 
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
@@ -172,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Ten
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm_backward: no implementation for tensors on ",
               x.device().str());
-  return layer_norm_backward_aten(grad_y, x, weight, eps, with_residual ? *grad_residual : at::Tensor());
+  return layer_norm_backward_blocked(grad_y, x, weight, eps, with_residual ? *grad_residual : at::Tensor());
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   }
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.rms_norm: no implementation for tensors on ", x.device().str());
-  return rms_norm_aten(x, weight, eps);
+  return rms_norm_blocked(x, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
@@ -101,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.rms_norm_backward: no implementation for tensors on ",
               x.device().str());
-  return rms_norm_backward_aten(grad_y, x, weight, eps);
+  return rms_norm_backward_blocked(grad_y, x, weight, eps);
 }
 
 }  // namespace

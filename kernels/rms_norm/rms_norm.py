@@ -46,12 +46,14 @@ def rms_norm(x, weight, eps=1e-6):
     """weight * (x * rsqrt(mean(x^2, -1) + eps)) over x's last dimension, as transformers' LlamaRMSNorm computes it
     for a weight of x's dtype, in one sweep over memory forward and one backward (CUDA float32, float16, bfloat16 rows
     of up to 8192 elements; ATen's ops otherwise), at least as accurate: the mean of squares is summed in double.
-    eps None is F.rms_norm's default, the machine epsilon of x's dtype."""
+    eps None is F.rms_norm's default, the machine epsilon of x's compute type (float32's for float16 and bfloat16)."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"kernels.rms_norm: x and weight must be torch.Tensors, got {type(x).__name__} and "
                         f"{type(weight).__name__}")
     if eps is None:
-        eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0  # not a float x: the op's dtype error
+        # ATen's default is its opmath type's epsilon: float64's for float64, float32's for every other float.
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        eps = torch.finfo(compute).eps if x.is_floating_point() else 0.0  # not a float x: the op's dtype error
     return torch.ops.kernels.rms_norm.default(x, weight, eps_value("rms_norm", eps))
 
 

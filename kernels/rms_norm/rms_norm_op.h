@@ -1,14 +1,18 @@
 // The RMSNorm family's ops as C++ code calls them (through the dispatcher), and its formulas in ATen ops: the path of
-// CPU tensors, float64 and rows the kernels do not take (rms_norm.cpp), and the differentiable form the autograd
-// uses for higher orders and forward mode (rms_norm_autograd.cpp).
+// CPU tensors, float64 and rows the kernels do not take (rms_norm.cpp, a block of rows at a time), and the
+// differentiable form the autograd uses for higher orders and forward mode (rms_norm_autograd.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <tuple>
 
 #include "common/leading_sum.h"
+#include "common/row_blocks.h"
 
 namespace kernels::rms_norm {
 
@@ -47,18 +51,60 @@ inline at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& weight, d
 }
 
 // grad_x = r (g w - x r^2 mean(g w x)) in double, rounded to x's type (float16 and bfloat16 through float: rounding to
-// nearest twice can land an ulp from the kernels' single rounding; contiguous); grad_weight = the sum over rows of
-// g (x r), in double.
-inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                 const at::Tensor& weight, double eps) {
+// nearest twice can land an ulp from the kernels' single rounding; contiguous); and the sum over rows of g (x r) in
+// double, not yet rounded to the weight's type (so that blocks of rows can add theirs first).
+inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_parts(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                  const at::Tensor& weight, double eps) {
   const at::Tensor r = reciprocal_rms(x, eps);
   const at::Tensor r64 = r.to(at::kDouble), x64 = x.to(at::kDouble), g64 = grad_y.to(at::kDouble);
   const at::Tensor gw = g64.mul(weight.to(at::kDouble));
   const at::Tensor c = r64.square().mul(gw.mul(x64).mean(-1, true));
   const at::Tensor grad_x = r64.mul(gw.sub(x64.mul(c))).to(x.scalar_type()).contiguous();
   const at::Tensor h = x.to(compute_type(x)).mul(r).to(x.scalar_type());
-  const at::Tensor grad_weight = common::leading_sum(g64.mul(h.to(at::kDouble))).to(weight.scalar_type());
-  return {grad_x, grad_weight};
+  return {grad_x, common::leading_sum(g64.mul(h.to(at::kDouble)))};
+}
+
+// (grad_x, grad_weight): the parts above, grad_weight rounded to the weight's type.
+inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                 const at::Tensor& weight, double eps) {
+  auto [grad_x, grad_weight64] = rms_norm_backward_parts(grad_y, x, weight, eps);
+  return {grad_x, grad_weight64.to(weight.scalar_type())};
+}
+
+// ---- the same formulas a block of rows at a time: the ops' path below autograd ------------------------------------
+// The formulas above make several float64 temporaries of x's whole size; taken a block of rows at a time, those
+// temporaries are a block's size (at least one row), whatever x's.
+
+// rms_norm_aten's result, a block of rows at a time.
+inline at::Tensor rms_norm_blocked(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t columns = x.size(-1), rows = columns > 0 ? x.numel() / columns : 0;
+  const int64_t block = common::rows_per_block(x, columns);
+  if (rows <= block) return rms_norm_aten(x, weight, eps);
+  const at::Tensor x2 = x.reshape({rows, columns});
+  at::Tensor y = at::empty({rows, columns}, x.options());
+  for (int64_t start = 0; start < rows; start += block) {
+    const int64_t n = std::min(block, rows - start);
+    y.narrow(0, start, n).copy_(rms_norm_aten(x2.narrow(0, start, n), weight, eps));
+  }
+  return y.view(x.sizes());
+}
+
+// rms_norm_backward_aten's results, a block of rows at a time: the blocks' weight sums added in double, then rounded
+// once.
+inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_blocked(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                    const at::Tensor& weight, double eps) {
+  const int64_t columns = x.size(-1), rows = columns > 0 ? x.numel() / columns : 0;
+  const int64_t block = common::rows_per_block(x, columns);
+  if (rows <= block) return rms_norm_backward_aten(grad_y, x, weight, eps);
+  const at::Tensor x2 = x.reshape({rows, columns}), g2 = grad_y.reshape({rows, columns});
+  at::Tensor grad_x = at::empty({rows, columns}, x.options()), grad_weight64;
+  for (int64_t start = 0; start < rows; start += block) {
+    const int64_t n = std::min(block, rows - start);
+    auto [part_x, part_weight] = rms_norm_backward_parts(g2.narrow(0, start, n), x2.narrow(0, start, n), weight, eps);
+    grad_x.narrow(0, start, n).copy_(part_x);
+    grad_weight64 = grad_weight64.defined() ? grad_weight64.add_(part_weight) : part_weight;
+  }
+  return {grad_x.view(x.sizes()), grad_weight64.to(weight.scalar_type())};
 }
 
 }  // namespace kernels::rms_norm
