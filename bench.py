@@ -870,13 +870,15 @@ def _model_gemm_shapes(model, inputs):
 
 def bench_model_gemms(rows, options):
     """Every GEMM shape of the models table: the forward, grad_x's and grad_W's product, each on the path the library
-    takes (named in the variant) against eager's product, with errors against float64. The backward products run as a
-    training step runs them: autograd's backward of the forward (kernels' linear or F.linear), the one operand whose
-    gradient is asked for requiring it, so a product the library leaves to cuBLAS costs what eager's does."""
+    takes (named in the variant) against eager's product, with errors against float64. The library's backward products
+    are its backward op's, but where a layer of the shape is all F.linear (plain_linear_suffices: FusedLinear's call
+    and its backward are then eager's own), whose products are eager's calls: the op called from Python would charge
+    them a host cost no model pays."""
     import kernels
-    from kernels.gemm.gemm import linear
+    from kernels.gemm.gemm import linear, plain_linear_suffices
 
     problem = "model GEMMs (fp32)"
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
     seen = set()
     for name, (build, inputs, _, _) in _model_specs().items():
         torch.manual_seed(0)
@@ -891,22 +893,19 @@ def bench_model_gemms(rows, options):
             x = torch.randn(m, k, device=DEVICE, generator=g)
             w = (torch.rand(n, k, device=DEVICE, generator=g) * 2 - 1) / k ** 0.5
             grad = torch.randn(m, n, device=DEVICE, generator=g)
-            x_leaf, w_leaf = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-            with torch.enable_grad():  # each product's graph, kept for its repeated backward
-                graphs = {product: (linear(*operands), torch.nn.functional.linear(*operands), operands[wanted])
-                          for product, operands, wanted in (("grad_x", (x_leaf, w), 0), ("grad_W", (x, w_leaf), 1))}
-
-            def backward_of(product, side):
-                y, leaf = graphs[product][side], graphs[product][2]
-                return lambda: torch.autograd.grad(y, leaf, grad, retain_graph=True)[0]
-
+            none = torch.empty(0, device=DEVICE)
+            eager_grad_x, eager_grad_w = (lambda: grad @ w), (lambda: grad.t() @ x)
+            all_eager = plain_linear_suffices(x, w.detach().requires_grad_(True))
             products = {
                 "forward": (lambda: linear(x, w), lambda: torch.nn.functional.linear(x, w),
                             lambda: x.double() @ w.double().t(), gemm_path(x, w), 2 * m * n * k),
-                "grad_x": (backward_of("grad_x", 0), backward_of("grad_x", 1), lambda: grad.double() @ w.double(),
-                           gemm_path(grad, w.t()), 2 * m * n * k),
-                "grad_W": (backward_of("grad_W", 0), backward_of("grad_W", 1),
-                           lambda: grad.double().t() @ x.double(), gemm_path(grad.t(), x.t()), 2 * m * n * k),
+                "grad_x": (eager_grad_x if all_eager else
+                           (lambda: backward(grad, x, w, none, 1.0, 1.0, True, False, False)[0]),
+                           eager_grad_x, lambda: grad.double() @ w.double(), gemm_path(grad, w.t()), 2 * m * n * k),
+                "grad_W": (eager_grad_w if all_eager else
+                           (lambda: backward(grad, x, w, none, 1.0, 1.0, False, True, False)[1]),
+                           eager_grad_w, lambda: grad.double().t() @ x.double(), gemm_path(grad.t(), x.t()),
+                           2 * m * n * k),
             }
             for product, (ours, eager, exact, path, flops) in products.items():
                 case = f"{name.split(' ')[0]} {m}x{k}->{n} {product}"
@@ -921,7 +920,7 @@ def bench_model_gemms(rows, options):
                          Rate(lambda v, flops=flops: flops / 1e9, "TFLOP/s", "-"),
                          Reference(y64, outputs[0] if product == "forward" else None))
                 del y64, outputs
-            del x, w, grad, x_leaf, w_leaf, graphs
+            del x, w, grad
             torch.cuda.empty_cache()
 
 
