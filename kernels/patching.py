@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
-from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, gemm_multiply_leaky_relu, linear
+from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, _tracing_state, gemm_multiply_leaky_relu
+from kernels.gemm.gemm import linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -678,7 +679,7 @@ class _SharedPart:
 
 
 def _before_parent_call(parent, args, kwargs):
-    if _is_compiling():  # traced code computes each layer's own product
+    if _is_compiling() or _tracing_state() is not None:  # traced code computes each layer's own product
         return None
     group = parent.__dict__.get("_projection_group")
     x = _parent_input(args, kwargs)
@@ -767,11 +768,14 @@ class _SideBySide(torch.autograd.Function):
 def _fusable_weights(x, members):
     """The members' weights where one product may stand for theirs: plain float32 tensors on x's device as the
     members' own (no parametrization), one of them recorded by autograd, all with a bias or none, no hook that could
-    change a member's input; else None."""
+    change a member's input or see its output (a forward hook may edit it in place, which a slice of one product
+    refuses); else None."""
+    if _module_hooks._global_forward_hooks:
+        return None
     weights = []
     for member in members:
-        if not isinstance(member, FusedLinear) or member._forward_pre_hooks or not {"weight", "bias"}.isdisjoint(
-                member.__dict__):  # an instance attribute hiding a parameter: the member's own call reads it
+        if (not isinstance(member, FusedLinear) or member._forward_pre_hooks or member._forward_hooks
+                or not {"weight", "bias"}.isdisjoint(member.__dict__)):  # an instance attribute hiding a parameter
             return None
         weight, bias = member._parameters.get("weight"), member._parameters.get("bias", False)
         if (weight is None or bias is False or not _plain(weight) or weight.dtype != torch.float32
@@ -789,7 +793,7 @@ def _fusable_weights(x, members):
 
 
 def _after_parent_call(parent, args, kwargs, output):
-    group = None if _is_compiling() else parent.__dict__.get("_projection_group")
+    group = None if _is_compiling() or _tracing_state() is not None else parent.__dict__.get("_projection_group")
     if group is None:
         return None
     _clear_shared_products(parent, group)

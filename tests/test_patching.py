@@ -343,6 +343,34 @@ def check_logits_and_gradients(model, patched, ids):
     return out
 
 
+class Logits(nn.Module):
+    """A transformers model's logits, as torch.jit.trace takes a module's output (a tensor, not a ModelOutput)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_transformers_models_trace_as_eager(name, device):
+    """torch.jit.trace (its sanity check included) of a patched model, fresh or called before, traces as the model
+    does and gives its logits: under the tracer, sizes are traced tensors, so no size check may enter the graph."""
+    cls, config = tiny_transformers_models()[name]
+    torch.manual_seed(0)
+    model = cls(config).to(device).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 9), device=device)
+    expected = model(input_ids=ids).logits
+    for called_before in (False, True):
+        patched = kernels.patch(copy.deepcopy(model))
+        if called_before:
+            patched(input_ids=ids)
+        traced = torch.jit.trace(Logits(patched), (ids,))
+        torch.testing.assert_close(traced(ids), expected, atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_transformers_models_patch_round_trip(name, device):
     cls, config = tiny_transformers_models()[name]
@@ -758,6 +786,35 @@ def test_sibling_projections_under_activation_checkpointing(device, monkeypatch)
     ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
     for _ in range(2):
         check_logits_and_gradients(model, patched, ids)
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_sibling_projections_seen_by_forward_hooks_stay_apart(scope, device, monkeypatch):
+    """A forward hook sees a projection's output and may edit it in place (activation steering), which a column slice
+    of one product refuses: projections a forward hook (the layer's own or a global one) sees keep their own
+    products, with eager's results and gradients."""
+    monkeypatch.setattr(patching, "_fuse_projections", "always")
+    cls, config = tiny_transformers_models()["bert"]
+    torch.manual_seed(0)
+    model = cls(config).to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
+
+    def steer(module, args, out):
+        if isinstance(module, nn.Linear) and out.shape[-1] == config.hidden_size:
+            out.mul_(1.5)
+
+    with contextlib.ExitStack() as hooks:
+        if scope == "global":
+            hooks.callback(nn.modules.module.register_module_forward_hook(steer).remove)
+        else:
+            for m in (model, patched):
+                for layer in m.bert.encoder.layer:
+                    hooks.callback(layer.attention.self.query.register_forward_hook(steer).remove)
+        for _ in range(3):  # the first call learns, the later ones would group
+            check_logits_and_gradients(model, patched, ids)
+            model.zero_grad()
+            patched.zero_grad()
 
 
 def test_llama_mlp_patch(device):

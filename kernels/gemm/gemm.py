@@ -203,6 +203,9 @@ _forced_path = "auto"
 _gemm_handle = torch.ops.kernels.gemm_multiply_leaky_relu.default._op
 _gemm_gelu_handle = torch.ops.kernels.gemm_gelu.default._op
 _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself, whatever its name here
+# torch.jit.trace's state, None outside it (Dynamo folds the call to None). Under that tracer x.numel() and x.shape
+# are traced tensors: a size check would record ops (and fail on a bound beyond int64), so calls take the plain product.
+_tracing_state = torch._C._get_tracing_state
 
 
 # split_pays_off's thresholds (gemm_path.cpp): [min_side, min_outputs, min_reduction, min_outputs_short_reduction,
@@ -249,6 +252,8 @@ def plain_product_suffices(x, n, k, weight_requires_grad):
     """plain_linear_suffices for a weight of n x k (out x in) elements, given or not as its transpose."""
     if type(x) is not torch.Tensor or _forced_path != "auto":
         return type(x) is torch.Tensor and _forced_path == "cublas"
+    if _tracing_state() is not None:  # torch.jit.trace: nn.Linear's op, as it traces nn.Linear
+        return True
     m = x.numel() // k if k else 0
     least = _SPLIT_THRESHOLDS[1]  # no product of fewer outputs splits
     if m * n < least and (m * k < least and n * k < least or not (
@@ -311,7 +316,7 @@ class FusedLinear(nn.Linear):
         # a shape changed through .data leaves it stale, which costs speed only: F.linear is always right).
         noted_weight, plain_numel = self._plain_numel_below
         noted_weight = noted_weight()
-        if (noted_weight is weight and type(x) is torch.Tensor and x.numel() < plain_numel
+        if (noted_weight is weight and type(x) is torch.Tensor and _tracing_state() is None and x.numel() < plain_numel
                 and _forced_path == "auto" and multiplier == 1.0 and negative_slope == 1.0):
             return F.linear(x, weight, bias)
         if noted_weight is not weight:
@@ -329,7 +334,8 @@ class FusedLinear(nn.Linear):
         weight, bias = self._weight_and_bias()
         noted_weight, plain_numel = self._plain_numel_below  # as in forward()
         noted_weight = noted_weight()
-        if noted_weight is weight and type(x) is torch.Tensor and x.numel() < plain_numel and _forced_path == "auto":
+        if (noted_weight is weight and type(x) is torch.Tensor and _tracing_state() is None and x.numel() < plain_numel
+                and _forced_path == "auto"):
             return _gelu_of(F.linear(x, weight, bias), approximate)
         if noted_weight is not weight:
             self._note_plain_bound(weight)
@@ -352,8 +358,8 @@ class FusedLinear(nn.Linear):
     def _note_plain_bound(self, weight):
         """Keeps, for this weight object (by a weak reference: a parametrized weight or functional_call's tensors are
         not held), the element count of x below which F.linear suffices (not while tracing: a compiled graph checks
-        the sizes itself)."""
-        if not _is_compiling():
+        the sizes itself, and torch.jit.trace's sizes are traced tensors)."""
+        if not _is_compiling() and _tracing_state() is None:
             n, k = weight.shape
             self._plain_numel_below = (weakref.ref(weight), rows_below_any_split(n, k) * k)
 
