@@ -54,7 +54,12 @@ class _NewGELUPatch:
     rounded once."""
 
     def forward(self, input):
-        return gelu_tanh(input)
+        if type(input) is torch.Tensor and input.dtype in _GELU_TANH_DTYPES:
+            return gelu_tanh(input)
+        return super().forward(input)  # other dtypes (integers: eager's formula promotes them) and subclasses
+
+
+_GELU_TANH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _llama_rms_norm_forward(self, hidden_states):
@@ -121,6 +126,13 @@ class _LayerNormPatch:
         if _layer_norm_takes(self, input):
             return layer_norm(input, self.weight, self.bias, self.eps)
         return super().forward(input)
+
+
+class _TimmLayerNormPatch(_LayerNormPatch):
+    """timm's LayerNorm, whose forward names its argument x."""
+
+    def forward(self, x):
+        return _LayerNormPatch.forward(self, x)
 
 
 def _layer_norm_takes(norm, input):
@@ -467,7 +479,7 @@ def _base_for_class(cls):
         return _BlockSequencePatch
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
-                                    ("timm.layers.norm", "LayerNorm", _LayerNormPatch),
+                                    ("timm.layers.norm", "LayerNorm", _TimmLayerNormPatch),
                                     ("timm.layers.attention", "Attention", _TimmAttentionPatch),
                                     ("timm.models.vision_transformer", "Block", _TimmBlockPatch)):
         original = _imported_class(module_name, name)

@@ -911,6 +911,30 @@ def test_timm_vit_patch_round_trip(device):
 
 
 
+def test_timm_layer_norm_and_new_gelu_patches_take_their_classes_arguments(monkeypatch):
+    """A patched timm LayerNorm takes its forward's keyword (x=, a stand-in module for timm.layers.norm), and a patched
+    NewGELUActivation gives eager's result for dtypes gelu_tanh does not take (an integer tensor: eager's formula
+    promotes it)."""
+    import types
+
+    _transformers()
+    new_gelu = pytest.importorskip("transformers.activations").NewGELUActivation
+
+    class LayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    module = types.ModuleType("timm.layers.norm")
+    module.LayerNorm = LayerNorm
+    monkeypatch.setitem(sys.modules, "timm.layers.norm", module)
+    norm, activation = kernels.patch(LayerNorm(8)), kernels.patch(new_gelu())
+    assert kernels.is_patched(norm) and kernels.is_patched(activation)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x=x), F.layer_norm(x, (8,), norm.weight, norm.bias), atol=TOL, rtol=TOL)
+    integers = torch.arange(-4, 5)
+    torch.testing.assert_close(activation(integers), new_gelu()(integers), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("signature", ["timm 1.0.26 on: (x, attn_mask, is_causal)", "before: (x, attn_mask)"])
 def test_timm_attention_patch_keeps_the_forwards_signature(signature, monkeypatch):
     """Calls the patch does not take (here: CPU tensors) reach timm's own forward with the arguments given, whichever
