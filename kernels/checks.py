@@ -22,6 +22,15 @@ def check_same(op, name, t, ref_name, ref):
                                                f"got {name} {t.dtype} and {ref_name} {ref.dtype}")
 
 
+def check_like_x(op, name, t, x, note=""):
+    """The C++ ops' checks of a tensor that must be as x is (a residual, an output gradient): check_float_tensor,
+    check_same, then x's shape."""
+    check_float_tensor(op, name, t)
+    check_same(op, name, t, "x", x)
+    torch._check(t.shape == x.shape, lambda: f"kernels.{op}: {name} has shape {list(t.shape)} but x has shape "
+                                             f"{list(x.shape)}{note}")
+
+
 def eps_value(op, eps):
     """eps as eager's norms take it, a number or a one-element tensor, as a float; anything else a TypeError naming
     the op (float() would take a string)."""

@@ -32,7 +32,8 @@ PROBLEM_FAMILIES = {"leaky_relu": ("leaky_relu",), "gemm_multiply_leaky_relu": (
 # The functions of the loader the candidate runs to pick its build flags, and the fakes' checks (kernels/checks.py),
 # copied from their own source.
 _COPIED_FUNCTIONS = (env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags,
-                     checks.check_float_tensor, checks.check_same, checks.eps_value)
+                     checks.check_float_tensor, checks.check_same, checks.check_like_x,
+                     checks.eps_value)
 
 _BUILD = '''
 def _build_library():

@@ -200,6 +200,16 @@ FAKE_CHECK_CALLS = {
         torch.randn(2, 4, device=d), torch.randn(4, device=d), torch.randn(4, dtype=torch.float64, device=d), 1e-5),
     "silu_mul dtype": lambda d: torch.ops.kernels.silu_mul(torch.randn(2, 4, device=d),
                                                            torch.randn(2, 4, dtype=torch.float64, device=d)),
+    "rms_norm_backward grad_y shape": lambda d: torch.ops.kernels.rms_norm_backward(
+        torch.randn(3, 4, device=d), torch.randn(2, 4, device=d), torch.randn(4, device=d), 1e-6),
+    "rms_norm_backward grad_y dtype": lambda d: torch.ops.kernels.rms_norm_backward(
+        torch.randn(2, 4, dtype=torch.float64, device=d), torch.randn(2, 4, device=d), torch.randn(4, device=d), 1e-6),
+    "add_layer_norm residual shape": lambda d: torch.ops.kernels.add_layer_norm(
+        torch.randn(2, 4, device=d), torch.randn(1, 4, device=d), torch.randn(4, device=d), torch.randn(4, device=d),
+        1e-5),
+    "layer_norm_backward grad_residual dtype": lambda d: torch.ops.kernels.layer_norm_backward(
+        torch.randn(2, 4, device=d), torch.randn(2, 4, device=d), torch.randn(4, device=d), 1e-5,
+        torch.ones(2, 4, dtype=torch.int32, device=d)),
     "attention dtype": lambda d: torch.ops.kernels.attention(
         torch.randn(1, 2, 4, 8, device=d), torch.randn(1, 2, 4, 8, dtype=torch.float64, device=d),
         torch.randn(1, 2, 4, 8, device=d), False, 0.5),

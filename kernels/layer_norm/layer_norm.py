@@ -18,7 +18,7 @@ Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for 
 import torch
 
 from kernels import loader
-from kernels.checks import check_float_tensor, check_same, eps_value
+from kernels.checks import check_float_tensor, check_like_x, check_same, eps_value
 
 loader.load_library()
 
@@ -40,24 +40,17 @@ def _layer_norm_fake(x, weight, bias, eps):
     return x.new_empty(x.shape)
 
 
-def _check_matches_x(op, name, t, x):
-    torch._prims_common.check_same_device(t, x, allow_cpu_scalar_tensors=False)
-    torch._check(t.dtype == x.dtype and t.shape == x.shape,
-                 lambda: f"kernels.{op}: {name} must match x (shape {list(x.shape)}, {x.dtype}), got shape "
-                         f"{list(t.shape)}, {t.dtype}")
-
-
 def _add_layer_norm_fake(x, residual, weight, bias, eps):
     _check_inputs("add_layer_norm", x, weight, bias)
-    _check_matches_x("add_layer_norm", "residual", residual, x)
+    check_like_x("add_layer_norm", "residual", residual, x, " (no broadcasting)")
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 def _layer_norm_backward_fake(grad_y, x, weight, eps, grad_residual=None):
     _check_inputs("layer_norm_backward", x, weight)
-    _check_matches_x("layer_norm_backward", "grad_y", grad_y, x)
+    check_like_x("layer_norm_backward", "grad_y", grad_y, x)
     if grad_residual is not None:
-        _check_matches_x("layer_norm_backward", "grad_residual", grad_residual, x)
+        check_like_x("layer_norm_backward", "grad_residual", grad_residual, x)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 

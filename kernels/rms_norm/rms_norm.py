@@ -12,7 +12,7 @@ Autograd of both ops is C++ (rms_norm_autograd.cpp): the backward kernels for a 
 import torch
 
 from kernels import loader
-from kernels.checks import check_float_tensor, check_same, eps_value
+from kernels.checks import check_float_tensor, check_like_x, check_same, eps_value
 
 loader.load_library()
 
@@ -35,10 +35,7 @@ def _rms_norm_fake(x, weight, eps):
 
 def _rms_norm_backward_fake(grad_y, x, weight, eps):
     _check_inputs("rms_norm_backward", x, weight)
-    torch._prims_common.check_same_device(grad_y, x, allow_cpu_scalar_tensors=False)
-    torch._check(grad_y.dtype == x.dtype and grad_y.shape == x.shape,
-                 lambda: f"kernels.rms_norm_backward: grad_y must match x (shape {list(x.shape)}, {x.dtype}), got "
-                         f"shape {list(grad_y.shape)}, {grad_y.dtype}")
+    check_like_x("rms_norm_backward", "grad_y", grad_y, x)
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
