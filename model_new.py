@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.functional import causal_softmax, leaky_relu
-from kernels.gemm.gemm import FusedLinear, _rewritten_uncounted
+from kernels.gemm.gemm import FusedLinear, _has_hooks, _rewritten_uncounted
 from kernels.nn import GELUTanh
 
 
@@ -78,14 +78,6 @@ class MLPModelNew(nn.Module):
                 x = layers[i](x)
                 i += 1
         return x
-
-
-def _has_hooks(module):
-    """Whether a hook would see `module`'s call: its own, or the global module hooks."""
-    hooks = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
 
 
 class CausalSelfAttentionNew(nn.Module):

@@ -54,7 +54,7 @@ def _build_library():
         raise RuntimeError("kernels candidate: this process already holds an op library `torch.ops.kernels` (the "
                            "kernels package, or another version of this library); run the candidate in a process "
                            "that has not loaded one")
-    if not os.path.exists(os.path.join(build_dir, name + ".so")):  # a first build takes 20-30 s: say so
+    if not os.path.exists(os.path.join(build_dir, name + ".so")):  # a first build takes a while: say so
         print(f"kernels candidate: compiling the op library for {'CUDA' if with_cuda else 'the CPU'} into "
               f"{build_dir} (once per source version)", file=sys.stderr, flush=True)
     load_inline(

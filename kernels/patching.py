@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, _tracing_state, gemm_multiply_leaky_relu
-from kernels.gemm.gemm import linear
+from kernels.gemm.gemm import _has_hooks, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -92,12 +92,6 @@ _LAYER_NORM_MOST_SINGLE_COLUMNS = 2048  # ... where a pointer is not 16-byte ali
 _NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the norm kernels' vectorized path
 
 
-def _has_hooks(module):
-    """Whether a hook would see `module`'s call: its own, or the global module hooks."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _module_hooks._global_forward_hooks
-                or _module_hooks._global_forward_pre_hooks or _module_hooks._global_backward_hooks
-                or _module_hooks._global_backward_pre_hooks)
 
 
 class _RMSNormPatch:

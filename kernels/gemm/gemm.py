@@ -278,6 +278,14 @@ def _no_weight():
 _NO_PLAIN_BOUND = (_no_weight, 0)  # FusedLinear's plain-call bound before it has seen a weight
 
 
+def _has_hooks(module):
+    """Whether a hook would see `module`'s call: its own, or the global module hooks."""
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
 class FusedLinear(nn.Linear):
     """nn.Linear (same parameters, init and state_dict keys; kernels.nn.Linear) with a fusable epilogue: linear(x) is
     x @ W^T + b, linear(x, multiplier=m, negative_slope=s) is leaky_relu((x @ W^T + b) * m, s), one op call each; a

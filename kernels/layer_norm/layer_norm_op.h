@@ -93,16 +93,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_aten(
 // layer_norm_aten's result, a block of rows at a time.
 inline at::Tensor layer_norm_blocked(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                      double eps) {
-  const int64_t columns = x.size(-1), rows = columns > 0 ? x.numel() / columns : 0;
-  const int64_t block = common::rows_per_block(x, columns);
-  if (rows <= block) return layer_norm_aten(x, weight, bias, eps);
-  const at::Tensor x2 = x.reshape({rows, columns});
-  at::Tensor y = at::empty({rows, columns}, x.options());
-  for (int64_t start = 0; start < rows; start += block) {
-    const int64_t n = std::min(block, rows - start);
-    y.narrow(0, start, n).copy_(layer_norm_aten(x2.narrow(0, start, n), weight, bias, eps));
-  }
-  return y.view(x.sizes());
+  return common::by_row_blocks(x, [&](const at::Tensor& rows) { return layer_norm_aten(rows, weight, bias, eps); });
 }
 
 // layer_norm_backward_aten's results, a block of rows at a time: the blocks' parameter sums added in double, then

@@ -77,16 +77,7 @@ inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tenso
 
 // rms_norm_aten's result, a block of rows at a time.
 inline at::Tensor rms_norm_blocked(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const int64_t columns = x.size(-1), rows = columns > 0 ? x.numel() / columns : 0;
-  const int64_t block = common::rows_per_block(x, columns);
-  if (rows <= block) return rms_norm_aten(x, weight, eps);
-  const at::Tensor x2 = x.reshape({rows, columns});
-  at::Tensor y = at::empty({rows, columns}, x.options());
-  for (int64_t start = 0; start < rows; start += block) {
-    const int64_t n = std::min(block, rows - start);
-    y.narrow(0, start, n).copy_(rms_norm_aten(x2.narrow(0, start, n), weight, eps));
-  }
-  return y.view(x.sizes());
+  return common::by_row_blocks(x, [&](const at::Tensor& rows) { return rms_norm_aten(rows, weight, eps); });
 }
 
 // rms_norm_backward_aten's results, a block of rows at a time: the blocks' weight sums added in double, then rounded
