@@ -870,12 +870,13 @@ def _model_gemm_shapes(model, inputs):
 
 def bench_model_gemms(rows, options):
     """Every GEMM shape of the models table: the forward, grad_x's and grad_W's product, each on the path the library
-    takes (named in the variant) against eager's product, with errors against float64. The library's backward products
-    are its backward op's, but where a layer of the shape is all F.linear (plain_linear_suffices: FusedLinear's call
-    and its backward are then eager's own), whose products are eager's calls: the op called from Python would charge
-    them a host cost no model pays."""
+    takes (named in the variant) against eager's product, with errors against float64. The forward is a patched
+    model's layer call against nn.Linear's (kernels.nn.Linear and nn.Linear holding the same weight, no kept split),
+    host work included. The library's backward products are its backward op's, but where a layer of the shape is all
+    F.linear (plain_linear_suffices: FusedLinear's call and its backward are then eager's own), whose products are
+    eager's calls: the op called from Python would charge them a host cost no model pays."""
     import kernels
-    from kernels.gemm.gemm import linear, plain_linear_suffices
+    from kernels.gemm.gemm import plain_linear_suffices
 
     problem = "model GEMMs (fp32)"
     backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
@@ -896,9 +897,12 @@ def bench_model_gemms(rows, options):
             none = torch.empty(0, device=DEVICE)
             eager_grad_x, eager_grad_w = (lambda: grad @ w), (lambda: grad.t() @ x)
             all_eager = plain_linear_suffices(x, w.detach().requires_grad_(True))
+            patched_layer = kernels.nn.Linear(k, n, bias=False, device="meta", cache_weight_split=False)
+            eager_layer = torch.nn.Linear(k, n, bias=False, device="meta")
+            patched_layer.weight = eager_layer.weight = torch.nn.Parameter(w)
             products = {
-                "forward": (lambda: linear(x, w), lambda: torch.nn.functional.linear(x, w),
-                            lambda: x.double() @ w.double().t(), gemm_path(x, w), 2 * m * n * k),
+                "forward": (patched_layer, eager_layer, lambda: x.double() @ w.double().t(), gemm_path(x, w),
+                            2 * m * n * k),
                 "grad_x": (eager_grad_x if all_eager else
                            (lambda: backward(grad, x, w, none, 1.0, 1.0, True, False, False)[0]),
                            eager_grad_x, lambda: grad.double() @ w.double(), gemm_path(grad, w.t()), 2 * m * n * k),
@@ -908,6 +912,8 @@ def bench_model_gemms(rows, options):
                            2 * m * n * k),
             }
             for product, (ours, eager, exact, path, flops) in products.items():
+                if product == "forward":
+                    ours, eager = (lambda layer=ours: layer(x)), (lambda layer=eager: layer(x))
                 case = f"{name.split(' ')[0]} {m}x{k}->{n} {product}"
                 progress(f"{problem}: {case}")
                 with torch.no_grad():
@@ -920,7 +926,7 @@ def bench_model_gemms(rows, options):
                          Rate(lambda v, flops=flops: flops / 1e9, "TFLOP/s", "-"),
                          Reference(y64, outputs[0] if product == "forward" else None))
                 del y64, outputs
-            del x, w, grad
+            del x, w, grad, patched_layer, eager_layer
             torch.cuda.empty_cache()
 
 

@@ -1,8 +1,9 @@
-"""Builds and loads the op library `torch.ops.kernels` with load_inline: one library per family (kernels/manifest.py),
-all built at once. A family's C++ files are joined into one unit and its CUDA files into another, project headers
-("x.h", beside the includer or under kernels/) inlined once with #line directives; system headers take <...>. A build
-is named by a hash of its sources, flags and versions, so it is made once per content; concurrent builders share
-torch's lock, stale locks are removed.
+"""Builds and loads the op library `torch.ops.kernels` with load_inline, all its libraries at once (library_builds):
+with CUDA one library per family (kernels/manifest.py), its C++ files joined into one unit and its CUDA files into
+another; CPU-only, two libraries, the families with CPU loops and the others, each one C++ unit. Project headers
+("x.h", beside the includer or under kernels/) are inlined once with #line directives; system headers take <...>. A
+build is named by a hash of its sources, flags and versions, so it is made once per content; concurrent builders
+share torch's lock, stale locks are removed.
 Env (each names a build of its own): KERNELS_VERBOSE_BUILD=1 (compiler output), KERNELS_LINEINFO=1 (nvcc -lineinfo),
 KERNELS_PTXAS_REPORT=1 (ptxas -v, verbose). KERNELS_BUILD_LOCK_TIMEOUT: seconds to wait for another build (600).
 """
@@ -129,7 +130,8 @@ def build_flags(with_cuda, cpu_loops=True):
 @dataclass(frozen=True)
 class Build:
     """One library: its sources, flags and where it lives."""
-    label: str  # the family's name, or what the caller named a joined build
+    label: str  # the family's name, or the name of a group of families built as one library
+    family_names: tuple  # the families it holds, in the manifest's order
     name: str
     cpp_source: str
     cuda_source: str
@@ -161,13 +163,22 @@ def plan_build(label, families, root=SOURCE_ROOT, with_cuda=None):
         key.update(b"\0")
     name = f"{LIBRARY_PREFIX}_{label}_{'cuda' if with_cuda else 'cpu'}_{key.hexdigest()[:16]}"
     build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Build(label, name, cpp_source, cuda_source, tuple(cflags), tuple(cuda_cflags), tuple(ldflags), with_cuda,
-                 os.path.join(build_root, name))
+    return Build(label, tuple(f.name for f in families), name, cpp_source, cuda_source, tuple(cflags),
+                 tuple(cuda_cflags), tuple(ldflags), with_cuda, os.path.join(build_root, name))
 
 
-def family_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
-    """One Build per family, in the manifest's order."""
-    return [plan_build(family.name, [family], root, with_cuda) for family in families]
+def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
+    """The Builds of the op library. With CUDA, one per family, in the manifest's order: its C++ and CUDA units
+    compile side by side with every other family's. CPU-only, the families with CPU loops as one library (at -O3) and
+    the others as another (at -O1): every C++ unit parses torch's headers, which is most of its compile time, so two
+    units are faster than one per family where the compilers share a few cores (kernels/leaky_relu/NOTES.md,
+    Decisions, "CPU-only builds as two libraries")."""
+    with_cuda = with_cuda_build() if with_cuda is None else with_cuda
+    if with_cuda:
+        return [plan_build(family.name, [family], root, with_cuda) for family in families]
+    groups = {"with_cpu_loops": [f for f in families if f.cpu_loop_sources],
+              "without_cpu_loops": [f for f in families if not f.cpu_loop_sources]}
+    return [plan_build(label, group, root, with_cuda) for label, group in groups.items() if group]
 
 
 def _check_build_tools(with_cuda):
@@ -264,8 +275,10 @@ def build_and_load(builds):
         _check_build_tools(any(b.with_cuda for b in missing))
         target = (f"CUDA ({', '.join(f[f.rindex('=') + 1:] for f in cuda_arch_flags())})"
                   if missing[0].with_cuda else "the CPU only")
-        print(f"kernels: compiling {', '.join(b.label for b in missing)} for "
-              f"{target}, once per source version, into {os.path.dirname(missing[0].build_dir)}",
+        families = [name for b in missing for name in b.family_names]
+        libraries = f" ({len(missing)} libraries)" if len(missing) != len(families) else ""
+        print(f"kernels: compiling {', '.join(families)}{libraries} for {target}, once per source version, into "
+              f"{os.path.dirname(missing[0].build_dir)}",
               file=sys.stderr, flush=True)
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(missing)) as pool:
@@ -295,7 +308,7 @@ def load_library():
     global _loaded
     if _loaded:
         return
-    build_and_load(family_builds())
+    build_and_load(library_builds())
     _loaded = True  # before the imports below: each family module calls load_library() itself
     for family in FAMILIES:
         importlib.import_module(family.python_module)

@@ -190,7 +190,7 @@ from kernels import loader
 from kernels.manifest import Family
 twin = Family(name="twin", cpp_sources=("twin/twin.cpp",), cuda_sources=("twin/twin.cu",), python_module="",
               autograd_sources=("twin/twin_autograd.cpp",))
-(build,) = loader.family_builds([twin], root=sys.argv[2])
+(build,) = loader.library_builds([twin], root=sys.argv[2])
 loader.build_and_load([build])
 x = torch.randn(100)
 assert torch.equal(torch.ops.kernels._test_twin_twice_twice(x), x * 4)
@@ -207,21 +207,31 @@ def test_a_family_with_an_autograd_source_builds_as_one_library_and_runs(library
 
 
 @pytest.mark.parametrize("with_cuda", [False, True])
-def test_each_family_builds_as_one_library_of_all_its_sources(with_cuda):
-    """One library per family, in the manifest's order: its C++ unit holds its CPU loops, torch side and autograd
-    in that order, each file once; its CUDA unit only in a CUDA build; -O3 only where the unit has CPU loops."""
-    builds = loader.family_builds(with_cuda=with_cuda)
-    assert [build.label for build in builds] == [family.name for family in FAMILIES]
-    for family, build in zip(FAMILIES, builds):
-        cpp_files = (*family.cpu_loop_sources, *family.cpp_sources, *family.autograd_sources)
+def test_the_library_builds_hold_every_family_once(with_cuda):
+    """With CUDA, one library per family in the manifest's order; CPU-only, two: the families with CPU loops (at
+    -O3) and the others (at -O1). A family's C++ files (CPU loops, torch side, autograd) lie in that order in its
+    library's C++ unit, each once, and families in the manifest's order; CUDA units only in a CUDA build."""
+    builds = loader.library_builds(with_cuda=with_cuda)
+    if with_cuda:
+        assert [build.family_names for build in builds] == [(family.name,) for family in FAMILIES]
+    else:
+        assert [build.family_names for build in builds] == [
+            tuple(f.name for f in FAMILIES if f.cpu_loop_sources),
+            tuple(f.name for f in FAMILIES if not f.cpu_loop_sources)]
+    held = [name for build in builds for name in build.family_names]
+    assert sorted(held) == sorted(family.name for family in FAMILIES)
+    for build in builds:
+        families = [family for family in FAMILIES if family.name in build.family_names]
+        cpp_files = [path for family in families for path in family.cpp_unit]
         starts = [build.cpp_source.find(f'#line 1 "kernels/{path}"') for path in cpp_files]
-        assert all(start >= 0 for start in starts) and starts == sorted(starts), (family.name, starts)
+        assert all(start >= 0 for start in starts) and starts == sorted(starts), (build.label, starts)
         for path in cpp_files:
             assert build.cpp_source.count(f'#line 1 "kernels/{path}"') == 1, path
-        for path in family.cuda_sources:
+        for path in (path for family in families for path in family.cuda_sources):
             assert build.cuda_source.count(f'#line 1 "kernels/{path}"') == (1 if with_cuda else 0), path
-        assert ("-O3" in build.cflags) == bool(family.cpu_loop_sources), (family.name, build.cflags)
-        assert build.with_cuda == with_cuda and bool(build.cuda_cflags) == bool(with_cuda and family.cuda_sources)
+        assert ("-O3" in build.cflags) == any(family.cpu_loop_sources for family in families), build.label
+        assert build.with_cuda == with_cuda
+        assert bool(build.cuda_cflags) == (with_cuda and any(family.cuda_sources for family in families))
 
 
 def check_cpp_syntax(cpp, tmp_path, cflags=None):
