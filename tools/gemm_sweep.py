@@ -105,6 +105,66 @@ def profile(args):
         print(f"{args.step} step {time_ms(step, samples=30, flush_l2=False):.4f} ms")
 
 
+def model_gaps(args):
+    """A bench.py model's no_grad forward, eager and patched: the synchronized forward's time, the host's time to
+    enqueue one (no synchronization), the kernels' busy time and the GPU's idle time between them, and the largest
+    idle gaps with the host's work that preceded the next launch (torch.profiler, Python stacks); the patched
+    forward's trace into --out (chrome://tracing)."""
+    import copy
+
+    import bench
+    import kernels
+    from kernels.timing import time_ms
+
+    name = next(n for n in bench._model_specs() if n.startswith(args.model))
+    build, inputs, _, logits = bench._model_specs()[name]
+    torch.manual_seed(0)
+    initial = build().cuda().train(not args.eval)  # bench.py's models run in training mode, dropout 0
+    batch = inputs(torch.Generator(device="cuda").manual_seed(0))
+    for variant in ("eager", "patched"):
+        model = copy.deepcopy(initial)
+        if variant == "patched":
+            kernels.patch(model)
+
+        def forward(model=model):
+            with torch.no_grad():
+                logits(model, batch)
+
+        for _ in range(3):
+            forward()
+        torch.cuda.synchronize()
+        enqueue = []
+        for _ in range(10):
+            start = time.perf_counter()
+            forward()
+            enqueue.append((time.perf_counter() - start) * 1e3)
+            torch.cuda.synchronize()
+        synchronized = time_ms(forward, samples=20, warmup=2, flush_l2=False)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+            forward()
+            torch.cuda.synchronize()
+        kernels_ = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                           and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+        busy = sum(e.time_range.elapsed_us() for e in kernels_) / 1e3
+        gaps, busy_until = [], kernels_[0].time_range.end if kernels_ else 0
+        for before, after in zip(kernels_, kernels_[1:]):
+            if after.time_range.start > busy_until:
+                gaps.append((after.time_range.start - busy_until, before, after))
+            busy_until = max(busy_until, after.time_range.end)
+        idle_ms = sum(g[0] for g in gaps) / 1e3
+        mode = "eval" if args.eval else "train"
+        print(f"{name} {variant} ({mode} mode): forward {synchronized:.3f} ms synchronized, host enqueue "
+              f"{min(enqueue):.3f} ms (median {sorted(enqueue)[len(enqueue) // 2]:.3f}), kernels {busy:.3f} ms, idle "
+              f"between them {idle_ms:.3f} ms, {len(kernels_)} kernels", flush=True)
+        if variant == "patched":
+            prof.export_chrome_trace(os.path.join(args.out, f"{args.model}_patched_{mode}.json"))
+            for idle, before, after in sorted(gaps, key=lambda g: -g[0])[:args.gaps]:
+                print(f"  idle {idle:8.1f} us before {after.name[:70]} (after {before.name[:50]})")
+        del model
+        torch.cuda.empty_cache()
+
+
 def draw(kind, m, n, k, g):
     """x, weight and bias of one input kind: randn, rand, wide_rows (randn rows scaled by 10^U(-10, 10)) or kb
     (KernelBench's: rand x, nn.Linear's uniform weight of both signs)."""
@@ -410,6 +470,11 @@ def main():
         sub = add(name, sweep, f"both paths' time and error {summary}")
         sub.add_argument("--outputs", metavar="MxN[,MxN...]", help="these output sizes instead")
         sub.add_argument("--ks", metavar="K[,K...]", help="these K instead")
+    sub = add("model-gaps", model_gaps, "a bench.py model's no_grad forward: host enqueue time, GPU busy and idle")
+    sub.add_argument("model", choices=["LLaMA", "BERT", "ViT", "GPT-2"])
+    sub.add_argument("--gaps", type=int, default=20, help="the largest idle gaps to list (20)")
+    sub.add_argument("--eval", action="store_true", help="the model in eval mode (bench.py's is in training mode)")
+    sub.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the trace ($OUT, else /tmp)")
     add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
     add("gelu", gelu, "an MLP's first layer and GELU without a gradient: eager, two ops, gemm_gelu")
