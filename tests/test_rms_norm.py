@@ -3,16 +3,13 @@ CPU and CUDA; every row layout the kernels take and the rows they leave to ATen,
 autograd to higher orders, forward mode, vmap, torch.compile and bad input. The precision contract: float32 error
 against float64 no larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eager's error."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
 from kernels.functional import rms_norm
 from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
+from memory_helpers import cpu_peak_above_inputs, cuda_peak_above_inputs, float64_blocks_allowance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
@@ -192,42 +189,23 @@ def test_rows_in_many_blocks_match_eager(device, dtype):
         check_accuracy(got, expected, reference, dtype, name, atol=gradient_atol(expected, ALLCLOSE_TOLERANCE[dtype]))
 
 
-# The peak memory of one call of rms_norm (or of its backward op) on float32 inputs, above the memory held before it,
-# in a fresh process: its peak resident set, reset (clear_refs) once its inputs are written, less its resident set then.
-CPU_PEAK_SCRIPT = """
-import gc, sys, torch
+# One call of rms_norm or of its backward op on float32 inputs (rows x columns), for the peak memory.
+CPU_PEAK_SETUP = """
 from kernels.functional import rms_norm
-rows, columns, backward = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "backward"
+rows, columns, backward = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "backward"
 x, grad, weight = torch.randn(rows, columns), torch.randn(rows, columns), torch.randn(columns)
 def call(n):
     return torch.ops.kernels.rms_norm_backward(grad[:n], x[:n], weight, 1e-6) if backward else rms_norm(x[:n], weight)
-def status(key):
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
-call(2)
-gc.collect()
-open("/proc/self/clear_refs", "w").write("5")
-before = status("VmRSS")
-results = call(rows)
-print(status("VmHWM") - before)
 """
 
 
 def peak_above_inputs(device, rows, columns, backward):
     if device == "cpu":
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        result = subprocess.run([sys.executable, "-c", CPU_PEAK_SCRIPT, str(rows), str(columns),
-                                 "backward" if backward else "forward"], cwd=repo, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        return int(result.stdout.split()[-1])
+        return cpu_peak_above_inputs(CPU_PEAK_SETUP, rows, rows, columns, "backward" if backward else "forward")
     x, grad = randn((rows, columns), torch.float32, device), randn((rows, columns), torch.float32, device, seed=2)
     weight = weight_for(columns, torch.float32, device)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    results = torch.ops.kernels.rms_norm_backward(grad, x, weight, EPS) if backward else rms_norm(x, weight)
-    torch.cuda.synchronize()
-    del results
-    return torch.cuda.max_memory_allocated() - before
+    return cuda_peak_above_inputs(
+        lambda: torch.ops.kernels.rms_norm_backward(grad, x, weight, EPS) if backward else rms_norm(x, weight))
 
 
 @pytest.mark.slow
@@ -238,8 +216,7 @@ def test_aten_formulas_take_no_whole_float64_copies(device, backward):
     float32 temporary of that size)."""
     rows, columns = (4096, 4096) if device == "cpu" else (4096, 16384)
     results = rows * columns * 4 + columns * 4 * backward
-    # A block's float64 temporaries (a block: 2^18 elements on the CPU, 2^22 on CUDA), 16 of them at most.
-    allowance = 16 * 8 * (1 << (18 if device == "cpu" else 22))
+    allowance = float64_blocks_allowance(device)
     peak = peak_above_inputs(device, rows, columns, backward)
     assert results <= peak <= results + allowance, f"peak {peak / 2**20:.0f} MiB, results {results / 2**20:.0f} MiB"
 
