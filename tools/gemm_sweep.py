@@ -117,7 +117,7 @@ def model_gaps(args):
     from kernels.timing import time_ms
 
     name = next(n for n in bench._model_specs() if n.startswith(args.model))
-    build, inputs, _, logits = bench._model_specs()[name]
+    build, inputs, loss, logits = bench._model_specs()[name]
     torch.manual_seed(0)
     initial = build().cuda().train(not args.eval)  # bench.py's models run in training mode, dropout 0
     batch = inputs(torch.Generator(device="cuda").manual_seed(0))
@@ -133,6 +133,16 @@ def model_gaps(args):
         for _ in range(3):
             forward()
         torch.cuda.synchronize()
+        if args.after_training:  # bench.py times the forward after its training steps
+            before_training = time_ms(forward, samples=20, warmup=2, flush_l2=False)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for _ in range(args.after_training):
+                optimizer.zero_grad(set_to_none=True)
+                loss(model, batch).backward()
+                optimizer.step()
+            torch.cuda.synchronize()
+            print(f"{name} {variant}: forward {before_training:.3f} ms synchronized before "
+                  f"{args.after_training} AdamW steps")
         enqueue = []
         for _ in range(10):
             start = time.perf_counter()
@@ -474,6 +484,8 @@ def main():
     sub.add_argument("model", choices=["LLaMA", "BERT", "ViT", "GPT-2"])
     sub.add_argument("--gaps", type=int, default=20, help="the largest idle gaps to list (20)")
     sub.add_argument("--eval", action="store_true", help="the model in eval mode (bench.py's is in training mode)")
+    sub.add_argument("--after-training", type=int, default=0, metavar="STEPS",
+                     help="time the forward also before these AdamW steps, the rest after them (bench.py's order)")
     sub.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the trace ($OUT, else /tmp)")
     add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
