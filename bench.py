@@ -52,6 +52,13 @@ class Options:
         self.quick = args.quick
         self.samples = 10 if args.quick else 30
         self.kernelbench_calls = 20 if args.quick else 100
+        self.models = getattr(args, "model", None)
+
+    def model_specs(self):
+        """_model_specs(), only the models --model names (by the start of their names) where it names any."""
+        specs = _model_specs()
+        return {name: spec for name, spec in specs.items()
+                if not self.models or any(name.startswith(start) for start in self.models)}
 
     def wants(self, variant):
         """eager always runs: it is every row's reference."""
@@ -791,7 +798,7 @@ def bench_models(rows, options):
     import kernels
 
     problem = "models (fp32, AdamW)"
-    for name, (build, inputs, loss, logits) in _model_specs().items():
+    for name, (build, inputs, loss, logits) in options.model_specs().items():
         progress(f"{problem}: {name}")
         torch.manual_seed(0)
         initial = build().to(DEVICE).train()
@@ -881,7 +888,7 @@ def bench_model_gemms(rows, options):
     problem = "model GEMMs (fp32)"
     backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
     seen = set()
-    for name, (build, inputs, _, _) in _model_specs().items():
+    for name, (build, inputs, _, _) in options.model_specs().items():
         torch.manual_seed(0)
         model = kernels.patch(build().to(DEVICE))
         batch = inputs(torch.Generator(device=DEVICE).manual_seed(0))
@@ -1463,6 +1470,8 @@ def main():
     parser.add_argument("--problem-file", metavar="PATH", action="append",
                         help="a KernelBench problem file, or a folder of them (repeatable): its Model against the Model "
                         "patched, as `python -m kernels.export --problem PATH` makes its candidate")
+    parser.add_argument("--model", choices=["LLaMA", "BERT", "ViT", "GPT-2"], action="append",
+                        help="the models and model_gemms problems' model to run (repeatable; default: all four)")
     parser.add_argument("--size", help="another shape for the chosen problem: RxC for leaky_relu, MxKxN for the GEMM")
     parser.add_argument("--quick", action="store_true", help="fewer samples, no max-autotune")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
