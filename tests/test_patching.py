@@ -319,6 +319,19 @@ def _transformers():
     return pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
+def test_architectures_check_passes_on_the_cpu(tmp_path):
+    """tools/checks/architectures_check.py (device_check.py's `architectures`), which the GPU runs at sizes where the
+    library's paths engage, at tiny sizes on the CPU: every check runs, and patch() keeps eager's results there."""
+    _transformers()
+    archs = "llama,gpt2,bert,t5,bart,whisper,vit,clip"
+    result = subprocess.run([sys.executable, "tools/checks/architectures_check.py", "--device", "cpu", "--hidden", "64",
+                             "--heads", "4", "--seq", "16", "--batch", "2", "--vocab", "100", "--only", archs,
+                             "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"PASS {len(archs.split(','))}" in result.stdout, result.stdout[-3000:]
+
+
 def tiny_transformers_models():
     t = _transformers()
     return {

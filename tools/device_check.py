@@ -31,7 +31,8 @@ from kernels.env import env_flag  # noqa: E402  (pure Python: builds nothing)
 PYTHON = sys.executable
 IMPORT_LIBRARY = [PYTHON, "-c", "import kernels.functional"]
 # The programs this runner starts (tools/checks/): not entry points of their own.
-CASES, DDP_CHECK, TP_CHECK = (f"tools/checks/{name}.py" for name in ("sanitize_cases", "ddp_check", "tp_check"))
+CASES, DDP_CHECK, TP_CHECK, ARCHITECTURES_CHECK = (
+    f"tools/checks/{name}.py" for name in ("sanitize_cases", "ddp_check", "tp_check", "architectures_check"))
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SMOKE_TEST_LIMIT_S = 180  # a pipeline that deadlocks hangs
 WHEEL_SITE = "/tmp/site"  # where the wheels carried in .whl/ are installed, outside the repository
@@ -301,6 +302,14 @@ def tp(args):
     """Tensor parallelism and FSDP2 on `gemm` against the reference (tools/checks/tp_check.py): 2 GPUs over NCCL, or
     with --cpu the CPU over gloo."""
     return torchrun_check(args, "tp_check", TP_CHECK, {"TP_CHECK_DEVICE": "cpu"} if args.cpu else None)
+
+
+def architectures(args):
+    """kernels.patch() on transformers architectures built from config at sizes where its paths engage, against
+    eager and float64: outputs and gradients over two training calls (tools/checks/architectures_check.py, whose
+    arguments the others are), into architectures.log and architectures.jsonl."""
+    return step("architectures", [PYTHON, ARCHITECTURES_CHECK, "--out", args.out, *args.extra], limit_s=600,
+                log=os.path.join(args.out, "architectures.log"))
 
 
 def rate_rows(calls, samples):
@@ -756,6 +765,8 @@ def parse_arguments(argv):
     sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     add("linear-host", linear_host, "host time of host-bound linear calls: nn.Linear against kernels.nn.Linear")
+    add("architectures", architectures, "kernels.patch() on transformers architectures against eager and float64",
+        extra="CHECK_ARGS")
     add("kernelbench-timing", kernelbench_timing, "the level-3 MLPs' KB ms against their median: host latency, clocks")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):
