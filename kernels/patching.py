@@ -78,6 +78,15 @@ def _llama_mlp_forward(self, x):
     return down_proj
 
 
+def _matmul_linear_forward(self, input):
+    # transformers' FalconLinear.forward, token for token: nn.Linear's product written as a matmul and an add, which
+    # FusedLinear computes as F.linear does (the bias added to the product as F.linear adds it).
+    hidden_states = input @ self.weight.T
+    if self.bias is None:
+        return hidden_states
+    return hidden_states + self.bias
+
+
 def _forward_compiles_to(cls, reference):
     """Whether cls.forward is `reference`'s code: the same bytecode, constants and names."""
     code = getattr(getattr(cls, "forward", None), "__code__", None)
@@ -90,8 +99,6 @@ _RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kerne
 _LAYER_NORM_MOST_COLUMNS = 4096  # the longest rows layer_norm's kernels hold (kernels/layer_norm/layer_norm.h)
 _LAYER_NORM_MOST_SINGLE_COLUMNS = 2048  # ... where a pointer is not 16-byte aligned (single elements a thread)
 _NORM_PACK = 8  # rows of whole 16-byte packs in every dtype: the norm kernels' vectorized path
-
-
 
 
 class _RMSNormPatch:
@@ -461,9 +468,10 @@ def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm, nn.Sequential
     (those holding timm Blocks: _patch_base),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
-    forward (a subclass with a forward of its own computes something else), and the modules whose forward is
-    LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or timm's Mlp's code."""
-    if issubclass(cls, nn.Linear) and cls.forward is nn.Linear.forward and _linear_parameters_are_its_own(cls):
+    forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul and add),
+    and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or timm's Mlp's code."""
+    if (issubclass(cls, nn.Linear) and _linear_parameters_are_its_own(cls)
+            and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
         return _MultiheadAttentionPatch

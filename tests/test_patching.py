@@ -342,6 +342,10 @@ def tiny_transformers_models():
                                                  attention_probs_dropout_prob=0.0)),
         "llama": (t.LlamaForCausalLM, t.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=103)),
+        # every linear layer a FalconLinear: nn.Linear's product as a matmul and an add
+        "falcon": (t.FalconForCausalLM, t.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                       num_kv_heads=2, new_decoder_architecture=True, bias=True,
+                                                       vocab_size=107, hidden_dropout=0.0, attention_dropout=0.0)),
     }
 
 
@@ -384,7 +388,7 @@ def test_transformers_models_trace_as_eager(name, device):
         torch.testing.assert_close(traced(ids), expected, atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "falcon"])
 def test_transformers_models_patch_round_trip(name, device):
     cls, config = tiny_transformers_models()[name]
     torch.manual_seed(0)
@@ -402,6 +406,8 @@ def test_transformers_models_patch_round_trip(name, device):
     if name in ("gpt2", "bert"):  # every nn.LayerNorm on layer_norm
         norms = [m for m in patched.modules() if isinstance(m, nn.LayerNorm)]
         assert norms and all(kernels.is_patched(m) for m in norms)
+    if name == "falcon":  # its FalconLinear layers (nn.Linear's product as a matmul and an add) patched too
+        assert len(layers) == 4 * config.num_hidden_layers + 1 and type(layers[0]).__name__ == "FalconLinear"
     if name == "llama":  # every LlamaRMSNorm on rms_norm (two a layer and the last one), every LlamaMLP on silu_mul
         norms = [m for m in patched.modules() if type(m).__name__ == "LlamaRMSNorm"]
         assert len(norms) == 2 * config.num_hidden_layers + 1 and all(kernels.is_patched(m) for m in norms)
