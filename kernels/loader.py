@@ -172,7 +172,7 @@ def library_builds(families=FAMILIES, root=SOURCE_ROOT, with_cuda=None):
     compile side by side with every other family's. CPU-only, the families with CPU loops as one library (at -O3) and
     the others as another (at -O1): every C++ unit parses torch's headers, which is most of its compile time, so two
     units are faster than one per family where the compilers share a few cores (kernels/leaky_relu/NOTES.md,
-    Decisions, "CPU-only builds as two libraries")."""
+    Decisions, "Build layout")."""
     with_cuda = with_cuda_build() if with_cuda is None else with_cuda
     if with_cuda:
         return [plan_build(family.name, [family], root, with_cuda) for family in families]

@@ -107,9 +107,9 @@ def profile(args):
 
 def model_gaps(args):
     """A bench.py model's no_grad forward, eager and patched: the synchronized forward's time, the host's time to
-    enqueue one (no synchronization), the kernels' busy time and the GPU's idle time between them, and the largest
-    idle gaps with the host's work that preceded the next launch (torch.profiler, Python stacks); the patched
-    forward's trace into --out (chrome://tracing)."""
+    enqueue one (no synchronization), the kernels' busy time and the GPU's idle time between them (torch.profiler),
+    the largest idle gaps by the kernels either side; the patched forward's trace, with the host's Python stacks,
+    into --out (chrome://tracing)."""
     import copy
 
     import bench
