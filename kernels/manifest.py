@@ -3,9 +3,10 @@
 A family is a folder, kernels/<name>/, with one stem per layer: <name>.cu (kernels, no torch headers), <name>.h (host
 launchers), <name>_cpu_loops.cpp/.h (plain CPU loops over raw pointers), <name>.cpp (schemas, checks, dispatch),
 <name>_autograd.cpp, <name>_op.h (dispatcher handles for C++ callers), <name>.py (fakes, Python functions), NOTES.md,
-tests/test_<name>.py. Each family builds as one library: its C++ files joined into one translation unit (CPU loops,
-then the torch side, then autograd), its .cu files into another. Project headers are inlined by the loader, so only
-these files are named.
+tests/test_<name>.py. A family's C++ files are joined into one translation unit (CPU loops, then the torch side, then
+autograd), its .cu files into another: with CUDA one library a family; CPU-only the families with CPU loops make one
+library and the others another (kernels/loader.py). Project headers are inlined by the loader, so only these files
+are named.
 """
 
 from dataclasses import dataclass

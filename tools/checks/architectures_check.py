@@ -8,24 +8,27 @@ library's paths engage (split GEMMs, the norms, silu_mul, gelu_tanh, the q/k/v g
 
 Per architecture, float32 on --device, train mode, every dropout zeroed, TF32 off:
   A = the model (seed 0), B = kernels.patch(deepcopy(A)), A64 = deepcopy(A).double()
+  0. patch() changed at least one module.
   1. no_grad forward of A, B, A64. err(M) = ||y_M - y64|| / ||y64|| over the main output (logits, else
      last_hidden_state; CLIP and SigLIP: logits_per_image and both embeddings, concatenated).
      Pass: err(B) <= 1.25 err(A) + 1e-7, allclose(B, A, rtol=atol=1e-4), all finite.
   2. Training call 1: loss = (out * a fixed randn).mean() (--loss proj; square: out.square().mean(), whose gradient
      before a model's final norm is mostly rounding), backward; every parameter's gradient as one vector: err(B) <=
-     1.25 err(A) + 1e-7, finite, the same parameters with a gradient in A and B.
+     1.25 err(A) + 1e-7; each parameter's: B's error at most 2x A's plus 1e-7 of the whole gradient's norm; finite;
+     the same parameters with a gradient in A and B (paired by name).
   3. An AdamW step (lr 1e-4) on A, B and A64, then training call 2 (the library computes grouped q/k/v projections as
      one product from here): the checks of 1 on its output and of 2 on its gradients.
   Where eager's own gradient error exceeds KINK_ERROR (float32's is ~1e-6), it comes from values at a kink that
   float32 and float64 put on different sides (a ReLU's pre-activations within rounding of zero: T5's and OPT's MLPs),
-  where A and B differ by chance, and an AdamW step turns that into different weights: steps 2 and 3 are then reported,
-  not judged.
+  where A and B differ by chance, and an AdamW step turns that into different weights: steps 2 and 3 then allow B
+  KINK_FACTOR times A's error (a zeroed or scaled gradient still fails), without allclose after the step.
   split f/n: of the first forward's n linear calls (taken by pre-hooks on A: B makes the same calls, and hooks on B
   would change what it groups), those whose product takes a split path; b: those where a backward product may.
 An exception is recorded with its traceback and the next architecture runs. JSON lines into <--out>/architectures.jsonl.
 """
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -374,14 +377,21 @@ def forward(model, inputs, grad):
 
 LOSS = ["proj"]  # --loss
 DETAIL = [False]  # --detail
-# Eager's gradient error above which the gradient checks are reported, not judged (the module docstring says why).
+# Eager's gradient error above which the gradient checks loosen (the module docstring says why) by KINK_FACTOR.
 KINK_ERROR = 1e-5
+KINK_FACTOR = 4.0
+# B's error may exceed A's by this factor: over a whole output or gradient, and per parameter (whose absolute error
+# may also reach PARAMETER_FLOOR of the whole gradient's norm: a parameter with a tiny gradient holds rounding only).
+ERROR_FACTOR = 1.25
+PARAMETER_FACTOR = 2.0
+PARAMETER_FLOOR = 1e-7
 
 
 def loss_of(outs, f64=False):
     """square: sum over main outputs of out.float().square().mean() (float64 for A64). proj: mean of out times a
-    fixed random tensor (seed 5), for outputs a norm ends (a LayerNorm output's mean square is nearly constant, so
-    the gradients before that norm are mostly rounding noise, which AdamW's first step turns into +-lr)."""
+    fixed random tensor (seed 5, its float32 values for every model), for outputs a norm ends (a LayerNorm output's
+    mean square is nearly constant, so the gradients before that norm are mostly rounding noise, which AdamW's first
+    step turns into +-lr)."""
     total = 0
     for v in outs.values():
         v = v.double() if f64 else v.float()
@@ -389,7 +399,7 @@ def loss_of(outs, f64=False):
             total = total + v.square().mean()
         else:
             g = torch.Generator().manual_seed(5)
-            c = torch.randn(v.shape, generator=g, dtype=torch.float64).to(device=v.device, dtype=v.dtype)
+            c = torch.randn(v.shape, generator=g).to(device=v.device, dtype=v.dtype)
             total = total + (v * c).mean()
     return total
 
@@ -412,43 +422,46 @@ def out_stats(ya, yb, y64):
 
 
 def grad_stats(A, B, R):
-    """Norm-wise errors of A's and B's gradients (all parameters, model order, one vector; a missing grad counts as
-    zeros) against R's (float64), finiteness, and which parameters got a grad in A but not B or vice versa."""
-    da = db = dr = 0.0
-    finite, none_diff, n = True, [], 0
-    rows_detail = []
-    for (name, pa), pb, pr in zip(A.named_parameters(), B.parameters(), R.parameters()):
+    """Errors of A's and B's gradients against R's (float64), norm-wise over every parameter as one vector (a missing
+    grad counts as zeros); finiteness; the parameters with a grad in A but not B or the other way round; under "_rows"
+    each parameter's (name, |g64|, |gA - g64|, |gB - g64|) for worse_parameters. Parameters are paired by name."""
+    named = [list(m.named_parameters()) for m in (A, B, R)]
+    names = [[name for name, _ in params] for params in named]
+    assert names[0] == names[1] == names[2], "A, B and A64 name their parameters differently"
+    rows = []
+    finite, none_diff = True, []
+    for (name, pa), (_, pb), (_, pr) in zip(*named):
         ga, gb, gr = pa.grad, pb.grad, pr.grad
         if (ga is None) != (gb is None):
             none_diff.append(name)
         if ga is None and gb is None and gr is None:
             continue
-        n += 1
         gr = gr.double() if gr is not None else torch.zeros(pr.shape, dtype=torch.float64, device=pr.device)
-        for g, which in ((ga, "a"), (gb, "b")):
-            if g is None:
-                d = gr.square().sum().item()
-            else:
+        errors = []
+        for g in (ga, gb):
+            if g is not None:
                 finite = finite and bool(torch.isfinite(g).all())
-                d = (g.double() - gr).square().sum().item()
-            if which == "a":
-                da += d
-                d_a = d
-            else:
-                db += d
-                d_b = d
-        dr += gr.square().sum().item()
-        if DETAIL[0]:
-            rows_detail.append((d_b - d_a, name, gr.norm().item(), d_a ** 0.5, d_b ** 0.5))
-    nref = math.sqrt(dr) or 1.0
-    for diff, name, gnorm, ea, eb in sorted(rows_detail, reverse=True)[:12]:
-        print(f"    {name:60s} |g64| {gnorm:.3e} |gA-g64| {ea:.3e} |gB-g64| {eb:.3e}", flush=True)
-    return {"A": math.sqrt(da) / nref, "B": math.sqrt(db) / nref, "finite": finite, "none_differ": none_diff[:8],
-            "n_grads": n}
+            errors.append((gr if g is None else g.double() - gr).norm().item())
+        rows.append((name, gr.norm().item(), *errors))
+    nref = math.sqrt(sum(r[1] ** 2 for r in rows)) or 1.0
+    if DETAIL[0]:
+        for name, gnorm, ea, eb in sorted(rows, key=lambda r: r[2] - r[3])[:12]:
+            print(f"    {name:60s} |g64| {gnorm:.3e} |gA-g64| {ea:.3e} |gB-g64| {eb:.3e}", flush=True)
+    return {"A": math.sqrt(sum(r[2] ** 2 for r in rows)) / nref, "B": math.sqrt(sum(r[3] ** 2 for r in rows)) / nref,
+            "finite": finite, "none_differ": none_diff[:8], "n_grads": len(rows), "_rows": rows}
 
 
-def err_ok(s):
-    return s["B"] <= 1.25 * s["A"] + 1e-7
+def worse_parameters(stats, factor):
+    """The parameters whose gradient's error in B exceeds `factor` times A's plus PARAMETER_FLOOR of the whole
+    gradient's norm, worst first: (name, B's error, A's error), both relative to that norm."""
+    rows = stats["_rows"]
+    nref = math.sqrt(sum(r[1] ** 2 for r in rows)) or 1.0
+    worse = [(name, eb / nref, ea / nref) for name, _, ea, eb in rows if eb > factor * ea + PARAMETER_FLOOR * nref]
+    return sorted(worse, key=lambda w: -w[1])
+
+
+def err_ok(s, factor=ERROR_FACTOR):
+    return s["B"] <= factor * s["A"] + 1e-7
 
 
 def linear_like(m):
@@ -526,17 +539,22 @@ def run_arch(name, builder, args, kernels, gemm_path, split_may_pay):
             if not ok:
                 rec["fails"].append(f"{key}: {why}")
 
-        def check_out(tag, s, judged=True):
-            if judged:
-                check(f"{tag}:err", err_ok(s), f"err B {s['B']:.3g} > 1.25 * err A {s['A']:.3g} + 1e-7")
+        def check_out(tag, s, factor=ERROR_FACTOR):
+            check(f"{tag}:err", err_ok(s, factor), f"err B {s['B']:.3g} > {factor:g} * err A {s['A']:.3g} + 1e-7")
+            if factor == ERROR_FACTOR:  # under a kink, B's output after the AdamW step is judged by its error alone
                 check(f"{tag}:allclose", s["allclose"], f"max |B-A| {s['max_abs_BA']:.3g}")
             check(f"{tag}:finite", s["finite"], "non-finite output")
 
-        def check_grads(tag, s, judged=True):
-            if judged:
-                check(f"{tag}:err", err_ok(s), f"err B {s['B']:.3g} > 1.25 * err A {s['A']:.3g} + 1e-7")
+        def check_grads(tag, s, factor=ERROR_FACTOR):
+            check(f"{tag}:err", err_ok(s, factor), f"err B {s['B']:.3g} > {factor:g} * err A {s['A']:.3g} + 1e-7")
+            worse = worse_parameters(s, factor * PARAMETER_FACTOR / ERROR_FACTOR)
+            s["worse_parameters"] = [f"{name} {eb:.3g} > {ea:.3g}" for name, eb, ea in worse[:8]]
+            check(f"{tag}:parameters", not worse, f"{len(worse)} parameters' errors (B > A): {s['worse_parameters']}")
             check(f"{tag}:finite", s["finite"], "non-finite grad")
             check(f"{tag}:same_params", not s["none_differ"], f"grad None in one of A/B: {s['none_differ']}")
+            del s["_rows"]
+
+        check("patched", rec["patched"] > 0, "patch() changed no module")
 
         # 1. no_grad forward (split counts from A's identical calls)
         stage = "forward no_grad"
@@ -567,13 +585,13 @@ def run_arch(name, builder, args, kernels, gemm_path, split_may_pay):
                 del o
             if step == 2:
                 rec["fwd2"] = out_stats(*ys)
-                check_out("fwd2", rec["fwd2"], judged=not rec["kink"])
+                check_out("fwd2", rec["fwd2"], KINK_FACTOR if rec["kink"] else ERROR_FACTOR)
             del ys
             g = grad_stats(A, B, R)
             rec[f"grads{step}"] = g
             if step == 1:
                 rec["kink"] = g["A"] > KINK_ERROR
-            check_grads(f"grads{step}", g, judged=not rec["kink"])
+            check_grads(f"grads{step}", g, KINK_FACTOR if rec["kink"] else ERROR_FACTOR)
             if step == 1:
                 rec["groups"] = sum(1 for m in B.modules() if "_projection_group" in m.__dict__)
                 stage = "optimizer step"
@@ -587,7 +605,9 @@ def run_arch(name, builder, args, kernels, gemm_path, split_may_pay):
         rec["seconds"] = round(time.time() - t0, 2)
         if dev.type == "cuda":
             rec["max_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
-        del A, B, R, opa, opb, opr
+        # the loop's own references too (m is A64 after the loop; o and ys hold graphs where a call raised)
+        A = B = R = opa = opb = opr = m = o = ys = None
+        gc.collect()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()
@@ -602,15 +622,16 @@ def fmt(rec):
     sp = rec.get("split")
     split = f"split {sp['fwd_split']}/{sp['calls']} b{sp['bwd_may_split']}" if sp else "split -"
     line = (f"{rec['arch']:14s} {rec['status']:5s} fwd {pair('fwd')}  grad {pair('grads1')}  fwd2 {pair('fwd2')}  "
-            f"grad2 {pair('grads2')}  {split} groups={rec.get('groups', '-')} {rec['seconds']:.1f}s")
+            f"grad2 {pair('grads2')}  {split} patched={rec.get('patched', '-')} groups={rec.get('groups', '-')} "
+            f"{rec['seconds']:.1f}s")
     if rec.get("kink"):
-        line += f" (gradients not judged: eager's own error above {KINK_ERROR:g}, a kink's)"
+        line += f" (gradients within {KINK_FACTOR:g}x eager's: its own error above {KINK_ERROR:g}, a kink's)"
     if "max_mem_gb" in rec:
         line += f" {rec['max_mem_gb']}GB"
     return line
 
 
-class Timeout(Exception):
+class Timeout(BaseException):  # not caught by the checks' `except Exception`
     pass
 
 
