@@ -195,9 +195,10 @@ def candidate_source(problem):
 # ---- a candidate from any problem file ----------------------------------------------------------------------------
 
 class _Cleaned(ast.NodeTransformer):
-    """Drops docstrings, writes `pass` as `...` and a string the static rules' errors match ("pass", "except for") as a
-    sum of pieces ("pa" + "ss"; inside an f-string, a piece as a replacement field): the same program, without the
-    words KernelBench's static rules match in a problem's own text (a docstring saying "Forward pass")."""
+    """Drops docstrings, writes `pass` as `...` and a string or bytes the static rules' errors match ("pass", "except
+    for") as a sum of pieces ("pa" + "ss"; inside an f-string, the match's first character as a replacement field,
+    {112:c}ass): the same program, without the words KernelBench's static rules match in a problem's own text (a
+    docstring saying "Forward pass")."""
 
     def _without_docstring(self, node):
         # Dropped before the visit, which would write a docstring saying "pass" as a sum of pieces.
@@ -214,7 +215,11 @@ class _Cleaned(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(ast.Constant(...)), node)
 
     def visit_Constant(self, node):
-        pieces = _defused(node.value) if isinstance(node.value, str) else None
+        if isinstance(node.value, bytes):  # cut where its Latin-1 text would be
+            pieces = _defused(node.value.decode("latin-1"))
+            pieces = pieces and [piece.encode("latin-1") for piece in pieces]
+        else:
+            pieces = _defused(node.value) if isinstance(node.value, str) else None
         if pieces is None:
             return node
         total = ast.Constant(pieces[0])
@@ -224,26 +229,35 @@ class _Cleaned(ast.NodeTransformer):
 
     def visit_JoinedStr(self, node):
         values = []
-        for value in node.values:  # an f-string's text parts: a piece that would match goes in a replacement field
+        for value in node.values:  # an f-string's text parts: a match's first character as a replacement field
             if not isinstance(value, ast.Constant):
                 values.append(self.visit(value))
                 continue
-            pieces = _defused(value.value) or [value.value]
-            values += [ast.Constant(piece) if index % 2 == 0 else
-                       ast.FormattedValue(ast.Constant(piece), conversion=-1, format_spec=None)
-                       for index, piece in enumerate(pieces)]
-        node.values = values
+            text, start = value.value, 0
+            for cut in _match_starts(text):
+                # {112:c} is "p": an integer and a format spec, so no quote, name or backslash enters the field
+                values += [ast.Constant(text[start:cut]),
+                           ast.FormattedValue(ast.Constant(ord(text[cut])), conversion=-1,
+                                              format_spec=ast.JoinedStr([ast.Constant("c")]))]
+                start = cut + 1
+            values.append(ast.Constant(text[start:]))
+        node.values = [v for v in values if not (isinstance(v, ast.Constant) and v.value == "")]
         return node
 
     def visit_MatchValue(self, node):  # a pattern takes constants only: left as it is
         return node
 
 
+def _match_starts(text):
+    """Where in text the static rules' errors match, in order."""
+    return sorted({match.start() for patterns in STATIC_ERRORS.values() for pattern in patterns
+                   for match in re.finditer(pattern, text)})
+
+
 def _defused(text):
     """text cut in the middle of every match of the static rules' errors (pieces that join to text), or None where
     none matches."""
-    cuts = sorted({match.start() + 1 for patterns in STATIC_ERRORS.values() for pattern in patterns
-                   for match in re.finditer(pattern, text)})
+    cuts = [start + 1 for start in _match_starts(text)]
     if not cuts:
         return None
     bounds = [0, *cuts, len(text)]
@@ -252,10 +266,15 @@ def _defused(text):
 
 def _top_level_bindings(tree):
     """{name: what the module's own statements bind it to}: the module path an import names ("torch.nn.functional"
-    for `import torch.nn.functional as F` and `from torch.nn import functional as F` alike), or "" for anything else
-    (definitions, assignments of any form, for and with targets, walrus), statements nested in if, for, while, with
-    and try blocks included."""
+    for `import torch.nn.functional as F` and `from torch.nn import functional as F` alike; a star import, each public
+    name of the module, which is imported to list them), or "" for anything else (definitions, assignments of any
+    form, for and with targets, walrus, except-as names, match captures, a function's `global` names), statements
+    nested in if, for, while, with, try and match blocks included."""
     bindings = {}
+    for node in ast.walk(tree):  # `global NAME` in a function binds NAME at the top level
+        if isinstance(node, ast.Global):
+            for name in node.names:
+                bindings.setdefault(name, set()).add("")
 
     def bind(name, what):
         bindings.setdefault(name, set()).add(what)
@@ -277,7 +296,11 @@ def _top_level_bindings(tree):
                 continue
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
-                    bind(alias.asname or alias.name, f"{'.' * node.level}{node.module or ''}.{alias.name}")
+                    if alias.name == "*":
+                        for name in _public_names(node):
+                            bind(name, f"{node.module}.{name}")
+                    else:
+                        bind(alias.asname or alias.name, f"{'.' * node.level}{node.module or ''}.{alias.name}")
                 continue
             for field in ("targets", "target", "items"):
                 value = getattr(node, field, None)
@@ -289,10 +312,46 @@ def _top_level_bindings(tree):
             for field in ("body", "orelse", "finalbody"):
                 visit(getattr(node, field, []))
             for handler in getattr(node, "handlers", []):
+                if handler.name:
+                    bind(handler.name, "")
                 visit(handler.body)
+            for case in getattr(node, "cases", []):
+                for pattern in ast.walk(case.pattern):
+                    for name in (getattr(pattern, "name", None), getattr(pattern, "rest", None)):
+                        if name:
+                            bind(name, "")
+                visit(case.body)
 
     visit(tree.body)
     return bindings
+
+
+def _public_names(node):
+    """The names `from module import *` binds: the module's __all__, else its names without a leading underscore."""
+    if node.level:
+        raise ValueError(f"a relative star import (from {'.' * node.level}{node.module or ''} import *) binds names "
+                         "the export cannot list")
+    import importlib
+
+    module = importlib.import_module(node.module)
+    return list(getattr(module, "__all__", [name for name in vars(module) if not name.startswith("_")]))
+
+
+def _builtins_read(source):
+    """The builtins (len, type, any...) that `source`'s functions and classes read: names no scope of it binds."""
+    import builtins
+    import symtable
+
+    read, pending = set(), [symtable.symtable(source, "<library>", "exec")]
+    while pending:
+        table = pending.pop()
+        pending += table.get_children()
+        read |= {symbol.get_name() for symbol in table.get_symbols()
+                 if symbol.is_referenced() and not symbol.is_assigned() and not symbol.is_imported()
+                 and (table.get_type() == "module" or symbol.is_global())}
+    bound = {symbol.get_name() for symbol in symtable.symtable(source, "<library>", "exec").get_symbols()
+             if symbol.is_assigned() or symbol.is_imported()}
+    return {name for name in read - bound if hasattr(builtins, name)}
 
 
 # A family's Python module imported by name: `from kernels.<family>.<family> import ...`.
@@ -376,6 +435,9 @@ def problem_file_candidate(path):
     patching, families = _patching_python()
     library = [*_library_parts(with_requirements(*families)), patching]
     library_bindings = _top_level_bindings(ast.parse("\n\n".join(library)))
+    # A problem that rebinds a builtin the library reads (`type = ...`, `from torch import *`'s any) changes it too.
+    for name in _builtins_read("\n\n".join(library)):
+        library_bindings.setdefault(name, set()).add(f"builtins.{name}")
     library_bindings.update(ModelNew={""}, SPLIT_LAYERS={""})  # the names the candidate adds to the problem's
     # A name both bind clashes unless both import the same module under it (torch, F).
     shared = (bindings.keys() - {"Model", "get_inputs", "get_init_inputs"}) & library_bindings.keys()
@@ -398,7 +460,8 @@ def problem_file_candidate(path):
                           "random numbers\n")
     model_new = (preamble + "class ModelNew(Model):\n    def __init__(self, *args, **kwargs):\n"
                  "        super().__init__(*args, **kwargs)\n" + patching_lines)
-    name = os.path.splitext(os.path.basename(path))[0]
+    # The candidate's header names the problem in word characters only (a name may hold a rule's words or quotes).
+    name = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
 
     def assemble(verdict):
         # The verdict in a comment, which the static rules do not read: it names the rules, whose words they match.

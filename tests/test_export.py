@@ -399,16 +399,21 @@ def test_problem_file_candidate_refuses_a_clash(tmp_path):
     for name, text in (("patch", "def patch(model):\n    return model\n"), ("SPLIT_LAYERS", "SPLIT_LAYERS = []\n"),
                        ("patch", "image_size, patch = 32, 8\n"), ("patch", "patch: int = 8\n"),
                        ("layer_norm", "from torch.nn.functional import layer_norm\n"),
-                       ("F", "import numpy as F\n")):
+                       ("F", "import numpy as F\n"),
+                       # a builtin the library reads, rebound; names bound in a match case or by a function's global
+                       ("type", "type = 'gelu'\n"), ("F", "match 1:\n    case _:\n        F = 1024\n"),
+                       ("F", "def configure():\n    global F\n    F = 8\n"),
+                       # a star import binds the module's public names: torch's any, all, sum... the builtins'
+                       ("all, any, .*sum", "from torch import *\n")):
         problem.write_text(PROBLEM_FILES["mlp"] + "\n\n" + text)
-        with pytest.raises(ValueError, match=f"binds names .*: {name}$"):
+        with pytest.raises(ValueError, match=f"binds names .*: {name}"):
             problem_file_candidate(str(problem))
     # The same module under the same name as the library's is no clash.
     problem.write_text(PROBLEM_FILES["mlp"] + "\n\nimport torch.nn.functional as F\nfrom torch import nn\n")
     assert "class ModelNew(Model)" in problem_file_candidate(str(problem))
 
 
-UNUSUAL_PROBLEM = '''
+UNUSUAL_PROBLEM = r'''
 from __future__ import annotations
 
 import torch
@@ -416,6 +421,8 @@ import torch.nn as nn
 
 print("loading the problem")
 MODES = {"bypass": 0, "pass": 1}
+RAW = b"pass try: except E"
+PATH = f"fc {len(MODES)}x{len(MODES)}\tforward pass\\backward"
 
 
 class Model(nn.Module):
@@ -439,11 +446,14 @@ def get_init_inputs():
 '''
 
 
+UNUSUAL_PROBLEM += 'NESTED = f"""{f' + "'''" + '{f"{f' + "'pass'" + '}"}' + "'''" + '} pass"""\n'
+
+
 def test_problem_file_with_future_imports_prints_and_rule_words_in_strings(tmp_path):
     """A problem with `from __future__ import annotations`, a print at import, and strings holding the words the
     static rules' errors match ("pass", "except ...", in f-strings too): the export's stdout is the candidate alone
     (the print goes to stderr), the candidate compiles (the future import opens it), has no static errors, and its
-    problem part keeps every string's value."""
+    problem part keeps every string's value (bytes, f-strings with a backslash, f-strings nested in every quote)."""
     problem = tmp_path / "unusual.py"
     problem.write_text(UNUSUAL_PROBLEM)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -459,6 +469,8 @@ def test_problem_file_with_future_imports_prints_and_rule_words_in_strings(tmp_p
     namespace = {}
     exec(compile("from __future__ import annotations\n" + part, "problem part", "exec"), namespace)
     assert namespace["MODES"] == {"bypass": 0, "pass": 1} and namespace["get_init_inputs"]() == ["pass"]
+    assert namespace["RAW"] == b"pass try: except E" and namespace["NESTED"] == "pass pass"
+    assert namespace["PATH"] == "fc 2x2\tforward pass\\backward"
     model = namespace["Model"]("other")
     with pytest.raises(ValueError, match=r"all modes except other pass: \['bypass', 'pass'\]"):
         model(*namespace["get_inputs"]())
