@@ -342,15 +342,15 @@ def _builtins_read(source):
     import builtins
     import symtable
 
-    read, pending = set(), [symtable.symtable(source, "<library>", "exec")]
+    module = symtable.symtable(source, "<library>", "exec")
+    read, pending = set(), [module]
     while pending:
         table = pending.pop()
         pending += table.get_children()
         read |= {symbol.get_name() for symbol in table.get_symbols()
                  if symbol.is_referenced() and not symbol.is_assigned() and not symbol.is_imported()
                  and (table.get_type() == "module" or symbol.is_global())}
-    bound = {symbol.get_name() for symbol in symtable.symtable(source, "<library>", "exec").get_symbols()
-             if symbol.is_assigned() or symbol.is_imported()}
+    bound = {symbol.get_name() for symbol in module.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
     return {name for name in read - bound if hasattr(builtins, name)}
 
 
@@ -434,9 +434,10 @@ def problem_file_candidate(path):
         raise ValueError(f"{path}: not a KernelBench problem file: it defines no {', '.join(sorted(missing))}")
     patching, families = _patching_python()
     library = [*_library_parts(with_requirements(*families)), patching]
-    library_bindings = _top_level_bindings(ast.parse("\n\n".join(library)))
+    library_source = "\n\n".join(library)
+    library_bindings = _top_level_bindings(ast.parse(library_source))
     # A problem that rebinds a builtin the library reads (`type = ...`, `from torch import *`'s any) changes it too.
-    for name in _builtins_read("\n\n".join(library)):
+    for name in _builtins_read(library_source):
         library_bindings.setdefault(name, set()).add(f"builtins.{name}")
     library_bindings.update(ModelNew={""}, SPLIT_LAYERS={""})  # the names the candidate adds to the problem's
     # A name both bind clashes unless both import the same module under it (torch, F).

@@ -18,9 +18,9 @@ Per architecture, float32 on --device, train mode, every dropout zeroed, TF32 of
      the same parameters with a gradient in A and B (paired by name).
   3. An AdamW step (lr 1e-4) on A, B and A64, then training call 2 (the library computes grouped q/k/v projections as
      one product from here): the checks of 1 on its output and of 2 on its gradients.
-  Where eager's own gradient error exceeds KINK_ERROR (float32's is ~1e-6), it comes from values at a kink that
-  float32 and float64 put on different sides (a ReLU's pre-activations within rounding of zero: T5's and OPT's MLPs),
-  where A and B differ by chance, and an AdamW step turns that into different weights: steps 2 and 3 then allow B
+  Where eager's own gradient error exceeds KINK_ERROR (far above float32's rounding), it comes from values at a kink
+  that float32 and float64 put on different sides (a ReLU's pre-activations within rounding of zero: T5's and OPT's
+  MLPs), where A and B differ by chance, and an AdamW step turns that into different weights: steps 2 and 3 then allow B
   KINK_FACTOR times A's error (a zeroed or scaled gradient still fails), without allclose after the step.
   split f/n: of the first forward's n linear calls (taken by pre-hooks on A: B makes the same calls, and hooks on B
   would change what it groups), those whose product takes a split path; b: those where a backward product may.
