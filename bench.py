@@ -1129,12 +1129,12 @@ def _problem_files(paths):
 
 def bench_problem_files(rows, options, paths):
     """Each KernelBench problem file as the export makes its candidate (python -m kernels.export --problem): the
-    file's Model against ModelNew, the Model after kernels.patch of the layers a split takes at get_inputs()'s shapes;
+    file's Model against ModelNew, the Model after kernels.patch of the layers a split takes at get_inputs()'s shapes,
+    its forward under fp32_gemm() where it makes functional products a split takes (kernels.export.problem_plan);
     eager and ModelNew (torch.compile only where asked for with --variant)."""
     import os
 
-    import kernels
-    from kernels.export import problem_split_layers
+    from kernels.export import problem_model_new, problem_plan
 
     for path in _problem_files(paths):
         try:  # one problem that cannot be read, built or run leaves the others' rows
@@ -1142,10 +1142,10 @@ def bench_problem_files(rows, options, paths):
             with open(path, encoding="utf-8") as f:
                 exec(compile(f.read(), path, "exec"), namespace)
             model_class = namespace["Model"]
-            layers = problem_split_layers(path, namespace)  # those the candidate patches
+            model_new = problem_model_new(model_class, problem_plan(path, namespace))  # the candidate's ModelNew
             add_kernelbench_rows(rows, "problem files (the Model patched: kernels.export --problem)",
                                  os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),
-                                 lambda init: kernels.patch(model_class(*init), layers=layers), namespace["get_inputs"],
+                                 lambda init: model_new(*init), namespace["get_inputs"],
                                  namespace["get_init_inputs"], options,
                                  with_compile=options.variants is not None and "torch.compile" in options.variants)
         except Exception as e:  # noqa: BLE001

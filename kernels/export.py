@@ -12,6 +12,7 @@ The file works exec'd from a string, in a process that has not imported `kernels
 
 import argparse
 import ast
+import collections
 import contextlib
 import inspect
 import os
@@ -372,17 +373,24 @@ def _patching_python():
     return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text, families
 
 
-def problem_split_layers(path, namespace=None):
-    """The layers of the problem file's Model that ModelNew patches: kernels.split_layer_names of the Model at
-    get_inputs()'s shapes, run on the meta device (shapes only, no data). The Model is built there too, or, where its
-    __init__ reads values (`.item()`), on the CPU and then moved there; the random states (torch's on the CPU and the
-    GPUs, Python's, NumPy's) are left as they were. namespace: the file's globals where the caller has run it already
-    (bench.py), else the file is run here.
-    None, for every layer patch() knows, where the Model cannot run on the meta device (an op without a meta kernel,
-    control flow on the data) or the file does not run here."""
+class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_products")):
+    """What a problem file's candidate applies: layers, the names of the Model's layers that ModelNew patches
+    (kernels.split_layer_names at get_inputs()'s shapes), or None for every layer patch() knows; functional_products,
+    whether the Model's forward makes products through functions that fp32_gemm() routes (matmul, @, mm, addmm,
+    F.linear) at shapes where a split may pay (kernels.patching.functional_products_split), which ModelNew's forward
+    then runs under fp32_gemm()."""
+
+
+def problem_plan(path, namespace=None):
+    """The problem file's ProblemPlan, its Model run at get_inputs()'s shapes on the meta device (shapes only, no
+    data). The Model is built there too, or, where its __init__ reads values (`.item()`), on the CPU and then moved
+    there; the random states (torch's on the CPU and the GPUs, Python's, NumPy's) are left as they were. namespace: the
+    file's globals where the caller has run it already (bench.py), else the file is run here. ProblemPlan(None,
+    False) where the Model cannot run on the meta device (an op without a meta kernel, control flow on the data) or
+    the file does not run here: every layer patched, each choosing per call, and no mode around the forward."""
     import torch
 
-    from kernels.patching import split_layer_names
+    from kernels.patching import functional_products_split, split_layer_names
 
     code = None
     if namespace is None:
@@ -405,19 +413,41 @@ def problem_split_layers(path, namespace=None):
                     model = model_class(*init)
             except Exception:  # noqa: BLE001
                 model = model_class(*init).to("meta")
-            return split_layer_names(model, *inputs)
+            return ProblemPlan(split_layer_names(model, *inputs), functional_products_split(model, *inputs))
         except Exception:  # noqa: BLE001
-            return None
+            return ProblemPlan(None, False)
         finally:
             random.setstate(python_state)
             if numpy_state is not None:
                 numpy.random.set_state(numpy_state)
 
 
+def problem_model_new(model_class, plan):
+    """The candidate's ModelNew for a Model class and its ProblemPlan, as a class (bench.py times it): the class the
+    export writes out as text."""
+    from kernels.patching import _patch_base, fp32_gemm, patch
+
+    class ModelNew(model_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if plan.layers is None:
+                patch(self)
+            else:
+                names = {name for name, module in self.named_modules(remove_duplicate=False) if _patch_base(module)}
+                patch(self, layers=[name for name in plan.layers if name in names])
+
+        if plan.functional_products:
+            def forward(self, *args, **kwargs):
+                with fp32_gemm():
+                    return super().forward(*args, **kwargs)
+
+    return ModelNew
+
+
 def problem_file_candidate(path):
     """The text of a candidate for the KernelBench problem file at `path`: the problem's Model, get_inputs and
     get_init_inputs as the file defines them (docstrings dropped, `pass` as `...`), and ModelNew, the Model with the
-    library applied (kernels.patch on the layers a split takes at get_inputs()'s shapes, problem_split_layers: those
+    library applied (kernels.patch on the layers a split takes at get_inputs()'s shapes, problem_plan: those
     run on the GEMM family's FusedLinear; everything else runs as in the Model), built in the Model's own RNG order.
     A comment after its docstring carries the static rules' verdict."""
     with open(path, encoding="utf-8") as f:
@@ -446,7 +476,8 @@ def problem_file_candidate(path):
                      if len(bindings[name] | library_bindings[name]) > 1 or "" in bindings[name])
     if clashes:
         raise ValueError(f"{path}: the problem binds names the library's inlined code uses: {', '.join(clashes)}")
-    layers = problem_split_layers(path)
+    plan = problem_plan(path)
+    layers = plan.layers
     if layers is None:
         preamble = ""
         patching_lines = "        patch(self)  # the linear layers on the library's GEMM; no random numbers drawn\n"
@@ -459,8 +490,13 @@ def problem_file_candidate(path):
                           "                 if _patch_base(module)}\n"
                           "        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # draws no "
                           "random numbers\n")
+    forward_lines = ("" if not plan.functional_products else
+                     "\n    def forward(self, *args, **kwargs):\n"
+                     "        # the Model's own products (matmul, @, mm, addmm, F.linear) take the split where it pays\n"
+                     "        with fp32_gemm():\n"
+                     "            return super().forward(*args, **kwargs)\n")
     model_new = (preamble + "class ModelNew(Model):\n    def __init__(self, *args, **kwargs):\n"
-                 "        super().__init__(*args, **kwargs)\n" + patching_lines)
+                 "        super().__init__(*args, **kwargs)\n" + patching_lines + forward_lines)
     # The candidate's header names the problem in word characters only (a name may hold a rule's words or quotes).
     name = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
 
@@ -558,7 +594,7 @@ def main():
     args = parser.parse_args()
     if (args.problem is None) == (args.problem_file is None):
         parser.error("name one problem: a problem of reference.py, or --problem PATH")
-    # What the problem's code prints while it runs here (problem_split_layers) goes to stderr, not into the candidate.
+    # What the problem's code prints while it runs here (problem_plan) goes to stderr, not into the candidate.
     with contextlib.redirect_stdout(sys.stderr):
         source = candidate_source(args.problem) if args.problem else problem_file_candidate(args.problem_file)
     label = args.problem or args.problem_file

@@ -877,6 +877,53 @@ def split_layer_names(model, *inputs):
     return sorted(taking)
 
 
+def functional_products_split(model, *inputs):
+    """Whether model(*inputs) makes a float32 product through a function fp32_gemm() routes (F.linear, matmul, @, mm,
+    addmm) outside the layers patch() turns, at a shape where a split may pay: shapes only, so `model` and `inputs`
+    may live on the meta device. Run as split_layer_names runs it (once, no gradients, eval mode, the model's modes,
+    hooks and random states left as they were)."""
+    found, depth = [], [0]
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            operands = _PRODUCT_OPERANDS.get(func)
+            product = operands(*args, **kwargs) if operands is not None and not depth[0] else None
+            if product is not None:
+                x, weight = product[0], product[1]
+                n, k = weight.shape
+                if x.dtype == torch.float32 and k and split_may_pay(x.numel() // k, n, k):
+                    found.append(func)
+            return func(*args, **kwargs)
+
+    def enter(module, args):
+        depth[0] += 1
+
+    def leave(module, args, output):
+        depth[0] -= 1
+
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
+    gpus = sorted({t.device.index for t in tensors if t.is_cuda})
+    modes = [(module, module.training) for module in model.modules()]
+    with contextlib.ExitStack() as restore:  # on the way out, an exception's too
+        restore.enter_context(torch.random.fork_rng(devices=gpus))
+        restore.enter_context(torch.no_grad())
+        for module in model.modules():
+            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch):
+                restore.callback(module.register_forward_pre_hook(enter).remove)
+                restore.callback(module.register_forward_hook(leave).remove)
+
+        def restore_modes():
+            for module, training in modes:
+                module.training = training
+
+        restore.callback(restore_modes)
+        model.eval()
+        with Probe():
+            model(*inputs)
+    return bool(found)
+
+
 def unpatch(model):
     """Undoes patch(): every patched layer of `model` gets its own class back (and drops its kept split)."""
     if not isinstance(model, nn.Module):
@@ -917,37 +964,59 @@ def _plain(*tensors):
     return all((type(t) is torch.Tensor or type(t) is nn.Parameter) and not t.is_nested for t in tensors)
 
 
-# The routes take the parameters of the torch functions they stand for, by the same names (keyword calls). Any other
-# argument (extra, options: one this torch's function has and the route does not know, such as mm's out_dtype, or a
-# mistake) leaves the call to eager, which computes or refuses it.
-def _linear_route(input, weight, bias=None, *extra, **options):
+# The products' routes: each function's operands as a linear layer's (x, weight of n x k, bias or None), or None where
+# the call stays with eager. They take the parameters of the torch functions they stand for, by the same names
+# (keyword calls); any other argument (extra, options: one this torch's function has and the route does not know,
+# such as mm's out_dtype, or a mistake) leaves the call to eager, which computes or refuses it.
+def _linear_operands(input, weight, bias=None, *extra, **options):
     # A bias F.linear broadcasts (a scalar, one element) stays with eager: the library's op takes one per output.
     if not extra and not options and _plain(input, weight) and weight.dim() == 2 and input.dim() >= 1 and (
-            bias is None or (_plain(bias) and bias.shape == weight.shape[:1])) and (
-            not plain_linear_suffices(input, weight)):
-        return gemm_multiply_leaky_relu(input, weight, bias, 1.0, 1.0)
-    return NotImplemented
+            bias is None or (_plain(bias) and bias.shape == weight.shape[:1])):
+        return input, weight, bias
+    return None
 
 
-def _matmul_route(input, other, *extra, **options):
+def _matmul_operands(input, other, *extra, **options):
     # input (..., k) times a matrix other (k x n): the linear layer of weight other^T. Batched products stay with eager.
     if not extra and not options and _plain(input, other) and other.dim() == 2 and input.dim() >= 2:
-        return _linear_route(input, other.t())
-    return NotImplemented
+        return input, other.t(), None
+    return None
 
 
-def _mm_route(input, mat2, *extra, **options):
+def _mm_operands(input, mat2, *extra, **options):
     if not extra and not options and _plain(input, mat2) and input.dim() == 2 and mat2.dim() == 2:
-        return _linear_route(input, mat2.t())
-    return NotImplemented
+        return input, mat2.t(), None
+    return None
 
 
-def _addmm_route(input, mat1, mat2, *deprecated, beta=1, alpha=1, **options):
+def _addmm_operands(input, mat1, mat2, *deprecated, beta=1, alpha=1, **options):
     # deprecated: torch.addmm's old positional form (beta, input, alpha, mat1, mat2), left to eager.
     if not deprecated and not options and beta == 1 and alpha == 1 and _plain(input, mat1, mat2) and (
             mat1.dim() == 2 and mat2.dim() == 2 and input.dim() == 1 and input.shape[0] == mat2.shape[1]):
-        return _linear_route(mat1, mat2.t(), input)
-    return NotImplemented
+        return mat1, mat2.t(), input
+    return None
+
+
+_PRODUCT_OPERANDS = {
+    F.linear: _linear_operands,
+    torch.matmul: _matmul_operands,
+    torch.Tensor.matmul: _matmul_operands,
+    torch.Tensor.__matmul__: _matmul_operands,
+    torch.mm: _mm_operands,
+    torch.Tensor.mm: _mm_operands,
+    torch.addmm: _addmm_operands,
+    torch.Tensor.addmm: _addmm_operands,
+}
+
+
+def _product_route(operands):
+    """A route for one of _PRODUCT_OPERANDS's functions: the library's GEMM where no plain F.linear suffices."""
+    def route(*args, **kwargs):
+        found = operands(*args, **kwargs)
+        if found is None or plain_linear_suffices(found[0], found[1]):
+            return NotImplemented
+        return gemm_multiply_leaky_relu(*found, 1.0, 1.0)
+    return route
 
 
 _CAPABLE_DEVICES = {}  # device index -> whether the attention kernels run there
@@ -1141,14 +1210,7 @@ def _multi_head_attention_route(query, key, value, embed_dim_to_check, num_heads
 _ROUTES = {
     F.scaled_dot_product_attention: _attention_route,
     F.multi_head_attention_forward: _multi_head_attention_route,
-    F.linear: _linear_route,
-    torch.matmul: _matmul_route,
-    torch.Tensor.matmul: _matmul_route,
-    torch.Tensor.__matmul__: _matmul_route,
-    torch.mm: _mm_route,
-    torch.Tensor.mm: _mm_route,
-    torch.addmm: _addmm_route,
-    torch.Tensor.addmm: _addmm_route,
+    **{function: _product_route(operands) for function, operands in _PRODUCT_OPERANDS.items()},
 }
 
 

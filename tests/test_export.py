@@ -331,6 +331,29 @@ def get_inputs():
 def get_init_inputs():
     return [64, 4, 16]
 ''',
+    "matmul": '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """x @ W with W a Parameter: the forward pass's product is a function's call, not a layer's."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(k, n) / k ** 0.5)
+
+    def forward(self, x):
+        return torch.relu(torch.matmul(x, self.weight))
+
+
+def get_inputs():
+    return [torch.rand(2048, 1024)]
+
+
+def get_init_inputs():
+    return [1024, 2048]
+''',
 }
 
 # Execs the candidate twice (a harness judging several samples), builds Model and ModelNew after the same seed each
@@ -386,9 +409,12 @@ def test_problem_file_candidate(name, tmp_path):
     assert result.returncode == 0 and "PROBLEM FILE OK" in result.stdout, result.stderr[-5000:]
     # The layers a split takes at get_inputs()'s shapes (the MLP's 1024 x 1024 one; conv's Model is built on the CPU,
     # as its __init__ reads a value); every layer where the Model cannot run on the meta device.
-    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2}[name]
+    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2, "matmul": 0}[name]
     assert f"[{linear_layers}, {linear_layers}]" in result.stdout, result.stdout
     assert ("SPLIT_LAYERS" not in source) == (name == "branching")
+    # A product through a function at a size a split takes (the matmul problem's 2048 x 1024 x 2048; the attention
+    # problem's q @ k^T is batched, and small): ModelNew's forward runs under fp32_gemm().
+    assert ("with fp32_gemm():" in source) == (name == "matmul")
 
 
 def test_problem_file_candidate_refuses_a_clash(tmp_path):
@@ -476,32 +502,32 @@ def test_problem_file_with_future_imports_prints_and_rule_words_in_strings(tmp_p
         model(*namespace["get_inputs"]())
 
 
-def test_problem_split_layers_leaves_the_random_state(tmp_path):
+def test_problem_plan_leaves_the_random_state(tmp_path):
     """The export's probe builds a Model whose __init__ reads a value on the CPU (drawing its weights): the caller's
     random numbers are the same as without it."""
     import torch
 
-    from kernels.export import problem_split_layers
+    from kernels.export import problem_plan
 
     problem = tmp_path / "conv.py"
     problem.write_text(PROBLEM_FILES["conv"])
     torch.manual_seed(0)
     expected = torch.rand(4)
     torch.manual_seed(0)
-    assert problem_split_layers(str(problem)) == []
+    assert problem_plan(str(problem)) == ([], False)
     assert torch.equal(torch.rand(4), expected)
 
 
-def test_problem_split_layers_takes_a_namespace_already_run(tmp_path):
+def test_problem_plan_takes_a_namespace_already_run(tmp_path):
     """bench.py runs a problem file once: given the file's globals, the probe uses them and does not run it again."""
-    from kernels.export import problem_split_layers
+    from kernels.export import problem_plan
 
     problem = tmp_path / "mlp.py"
     problem.write_text(PROBLEM_FILES["mlp"])
-    layers = problem_split_layers(str(problem))
-    assert layers  # the problem's layers a split takes
+    plan = problem_plan(str(problem))
+    assert plan.layers  # the problem's layers a split takes
     namespace = {"__name__": "problem"}
     exec(compile(problem.read_text(), str(problem), "exec"), namespace)
     problem.write_text("raise RuntimeError('the file ran again')\n")  # run again, the probe would give None
-    assert problem_split_layers(str(problem)) is None
-    assert problem_split_layers(str(problem), namespace) == layers
+    assert problem_plan(str(problem)) == (None, False)
+    assert problem_plan(str(problem), namespace) == plan
