@@ -19,6 +19,7 @@ import os
 import random
 import re
 import sys
+import textwrap
 
 from kernels import checks, loader
 from kernels.env import env_flag
@@ -373,12 +374,90 @@ def _patching_python():
     return "# ---- kernels.patching " + "-" * 85 + "\n\n" + text, families
 
 
-class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_products")):
+class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_products trial", defaults=(None,))):
     """What a problem file's candidate applies: layers, the names of the Model's layers that ModelNew patches
     (kernels.split_layer_names at get_inputs()'s shapes), or None for every layer patch() knows; functional_products,
     whether the Model's forward makes products through functions that fp32_gemm() routes (matmul, @, mm, addmm,
     F.linear) at shapes where a split may pay (kernels.patching.functional_products_split), which ModelNew's forward
-    then runs under fp32_gemm()."""
+    then runs under fp32_gemm(); trial, what exact_output_trial found where it ran (None where nothing was routed)."""
+
+
+# KernelBench's check: a candidate's output allclose to the Model's at atol = rtol = this.
+HARNESS_TOLERANCE = 1e-4
+# The trial holds eager's error to this fraction of the tolerance: a candidate's own error adds to it, and the
+# harness draws five inputs where the trial draws one.
+TRIAL_MARGIN = 0.5
+# Without a GPU the trial runs on the CPU only within these: a float32 and a float64 forward of a few seconds.
+TRIAL_CPU_FLOPS = 2e11
+TRIAL_CPU_BYTES = 4 << 30
+
+
+def exact_output_trial(model_class, init, get_inputs, flops, parameters):
+    """Whether KernelBench's check accepts the problem's exact output: the Model's float64 output, rounded to float32,
+    allclose to the float32 Model's at half the harness's tolerance (TRIAL_MARGIN), on one draw of get_inputs() (no
+    gradients, the Model's own mode, a GPU where there is one). Where it is not, eager's own rounding exceeds that tolerance, and a
+    product more accurate than eager's fails the check as surely (KernelBench's 14_Gemm_Divide_Sum_Scaling: a sum
+    over 8192 products' outputs). Returns (verdict, why): verdict None where the trial did not run (no room on the
+    CPU for `flops` and `parameters` elements, or the Model does not run in float64). The caller keeps the random
+    states."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and (flops > TRIAL_CPU_FLOPS or 12 * parameters > TRIAL_CPU_BYTES):
+        return None, (f"not tried: no GPU here, and a float32 and a float64 forward take {flops / 1e9:.0f} GFLOP and "
+                      f"{12 * parameters / 2**30:.1f} GiB of weights on the CPU")
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = model_class(*init)
+        inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in get_inputs()]
+        with torch.no_grad():
+            outputs = tree_leaves(model(*inputs))
+            again = tree_leaves(model(*inputs))
+            model.double()
+            torch.set_default_dtype(torch.float64)  # tensors the forward makes itself
+            exact = tree_leaves(model(*[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                        for t in inputs]))
+    except Exception as e:  # noqa: BLE001  (a Model that does not run in float64, or no room for it)
+        return None, f"not tried: the Model in float64 raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    finally:
+        torch.set_default_dtype(default_dtype)
+        model = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    tolerance = dict(atol=TRIAL_MARGIN * HARNESS_TOLERANCE, rtol=TRIAL_MARGIN * HARNESS_TOLERANCE, equal_nan=True)
+
+    def outside(wanted):  # values of `outputs` outside the trial's tolerance of `wanted`'s, and their count
+        bad = total = 0
+        for got, want in zip(outputs, wanted):
+            if isinstance(got, torch.Tensor) and got.is_floating_point():
+                total += got.numel()
+                same_shape = got.shape == want.shape
+                bad += int((~torch.isclose(want.to(got.dtype), got, **tolerance)).sum()) if same_shape else got.numel()
+        return bad, total
+
+    if outside(again)[0]:  # dropout in training mode: no candidate matches it, the library changes nothing there
+        return None, "not judged: the Model's float32 output differs from call to call (random draws in its forward)"
+    bad, total = outside(exact)
+    if bad:
+        return False, (f"the Model's float64 output is outside half KernelBench's tolerance (atol = rtol = "
+                       f"{HARNESS_TOLERANCE:g}) of its float32 output at {bad} of {total} values: eager's own rounding "
+                       "is about the check's tolerance, so a product more accurate than eager's would fail it too")
+    return True, "tried: the Model's float64 output is within half KernelBench's tolerance of its float32 output"
+
+
+def _forward_flops(model, inputs):
+    """The floating-point operations of model(*inputs) that torch's FlopCounterMode counts (products, convolutions,
+    attention): on the meta device, shapes only."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(*inputs)
+    return counter.get_total_flops()
 
 
 def problem_plan(path, namespace=None):
@@ -387,7 +466,9 @@ def problem_plan(path, namespace=None):
     there; the random states (torch's on the CPU and the GPUs, Python's, NumPy's) are left as they were. namespace: the
     file's globals where the caller has run it already (bench.py), else the file is run here. ProblemPlan(None,
     False) where the Model cannot run on the meta device (an op without a meta kernel, control flow on the data) or
-    the file does not run here: every layer patched, each choosing per call, and no mode around the forward."""
+    the file does not run here: every layer patched, each choosing per call, and no mode around the forward. Where
+    the plan routes anything, exact_output_trial runs the Model for real (on a GPU where there is one); where eager's
+    own rounding fails KernelBench's check, the plan routes nothing: ProblemPlan([], False, why)."""
     import torch
 
     from kernels.patching import functional_products_split, split_layer_names
@@ -413,7 +494,14 @@ def problem_plan(path, namespace=None):
                     model = model_class(*init)
             except Exception:  # noqa: BLE001
                 model = model_class(*init).to("meta")
-            return ProblemPlan(split_layer_names(model, *inputs), functional_products_split(model, *inputs))
+            plan = ProblemPlan(split_layer_names(model, *inputs), functional_products_split(model, *inputs))
+            if not plan.layers and not plan.functional_products:
+                return plan
+            parameters = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+            verdict, why = exact_output_trial(model_class, init, namespace["get_inputs"],
+                                              _forward_flops(model, inputs), parameters)
+            # Where eager's own rounding fails the check, the candidate leaves every product to eager.
+            return ProblemPlan([], False, why) if verdict is False else plan._replace(trial=why)
         except Exception:  # noqa: BLE001
             return ProblemPlan(None, False)
         finally:
@@ -482,9 +570,11 @@ def problem_file_candidate(path):
         preamble = ""
         patching_lines = "        patch(self)  # the linear layers on the library's GEMM; no random numbers drawn\n"
     else:
+        trial = "" if plan.trial is None else "".join(
+            f"# {line}\n" for line in textwrap.wrap(f"At export, {plan.trial}.", 112))
         preamble = ("# The layers a split takes at get_inputs()'s shapes (split_layer_names, run at export on the\n"
                     "# meta device): the others gain nothing from the library there and stay PyTorch's.\n"
-                    f"SPLIT_LAYERS = {layers!r}\n\n\n")
+                    f"{trial}SPLIT_LAYERS = {layers!r}\n\n\n")
         patching_lines = ("        # other init inputs may name other layers: those patch() turns, of SPLIT_LAYERS\n"
                           "        names = {name for name, module in self.named_modules(remove_duplicate=False)\n"
                           "                 if _patch_base(module)}\n"

@@ -354,6 +354,30 @@ def get_inputs():
 def get_init_inputs():
     return [1024, 2048]
 ''',
+    "cancellation": '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """x @ (A - B) written as the difference of two products: values far below either product's rounding."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(k, n) * 100)
+        self.second = nn.Parameter(self.first.detach() + torch.randn(k, n) * 1e-3)
+
+    def forward(self, x):
+        return torch.matmul(x, self.first) - torch.matmul(x, self.second)
+
+
+def get_inputs():
+    return [torch.rand(2048, 1024)]
+
+
+def get_init_inputs():
+    return [1024, 2048]
+''',
 }
 
 # Execs the candidate twice (a harness judging several samples), builds Model and ModelNew after the same seed each
@@ -409,12 +433,14 @@ def test_problem_file_candidate(name, tmp_path):
     assert result.returncode == 0 and "PROBLEM FILE OK" in result.stdout, result.stderr[-5000:]
     # The layers a split takes at get_inputs()'s shapes (the MLP's 1024 x 1024 one; conv's Model is built on the CPU,
     # as its __init__ reads a value); every layer where the Model cannot run on the meta device.
-    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2, "matmul": 0}[name]
+    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2, "matmul": 0, "cancellation": 0}[name]
     assert f"[{linear_layers}, {linear_layers}]" in result.stdout, result.stdout
     assert ("SPLIT_LAYERS" not in source) == (name == "branching")
     # A product through a function at a size a split takes (the matmul problem's 2048 x 1024 x 2048; the attention
-    # problem's q @ k^T is batched, and small): ModelNew's forward runs under fp32_gemm().
+    # problem's q @ k^T is batched, and small): ModelNew's forward runs under fp32_gemm(). The cancellation problem's
+    # products are as large, but eager's own rounding fails the harness's check there: the library is left off.
     assert ("with fp32_gemm():" in source) == (name == "matmul")
+    assert ("eager's own rounding" in source) == (name == "cancellation")
 
 
 def test_problem_file_candidate_refuses_a_clash(tmp_path):
@@ -514,8 +540,34 @@ def test_problem_plan_leaves_the_random_state(tmp_path):
     torch.manual_seed(0)
     expected = torch.rand(4)
     torch.manual_seed(0)
-    assert problem_plan(str(problem)) == ([], False)
+    assert problem_plan(str(problem))[:2] == ([], False)
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_exact_output_trial():
+    """The trial's three verdicts: a product whose exact output eager's rounding keeps within the harness's
+    tolerance; a difference of two products eager's rounding swamps; dropout, whose output no candidate matches."""
+    import torch
+
+    from kernels.export import exact_output_trial
+
+    namespace = {"__name__": "problem"}
+    exec(PROBLEM_FILES["cancellation"], namespace)
+
+    class Dropout(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, 0.5, self.training)
+
+    def inputs():
+        return [torch.rand(64, 256)]
+
+    verdict, why = exact_output_trial(namespace["Model"], [256, 128], inputs, flops=1e7, parameters=65536)
+    assert verdict is False and "eager's own rounding" in why, why
+    assert exact_output_trial(torch.nn.Linear, [256, 128], inputs, flops=1e7, parameters=32896)[0] is True
+    verdict, why = exact_output_trial(Dropout, [], inputs, flops=0, parameters=0)
+    assert verdict is None and "random draws" in why, why
+    verdict, why = exact_output_trial(torch.nn.Linear, [256, 128], inputs, flops=1e13, parameters=32896)
+    assert verdict is (True if torch.cuda.is_available() else None), why  # no room on the CPU: not run
 
 
 def test_problem_plan_takes_a_namespace_already_run(tmp_path):
@@ -529,5 +581,5 @@ def test_problem_plan_takes_a_namespace_already_run(tmp_path):
     namespace = {"__name__": "problem"}
     exec(compile(problem.read_text(), str(problem), "exec"), namespace)
     problem.write_text("raise RuntimeError('the file ran again')\n")  # run again, the probe would give None
-    assert problem_plan(str(problem)) == (None, False)
+    assert problem_plan(str(problem)) == (None, False, None)
     assert problem_plan(str(problem), namespace) == plan
