@@ -1142,7 +1142,10 @@ def bench_problem_files(rows, options, paths):
             with open(path, encoding="utf-8") as f:
                 exec(compile(f.read(), path, "exec"), namespace)
             model_class = namespace["Model"]
-            model_new = problem_model_new(model_class, problem_plan(path, namespace))  # the candidate's ModelNew
+            plan = problem_plan(path, namespace)
+            if plan.trial is not None:
+                progress(f"{os.path.basename(path)}: {plan.trial}")
+            model_new = problem_model_new(model_class, plan)  # the candidate's ModelNew
             add_kernelbench_rows(rows, "problem files (the Model patched: kernels.export --problem)",
                                  os.path.splitext(os.path.basename(path))[0], lambda init: model_class(*init),
                                  lambda init: model_new(*init), namespace["get_inputs"],

@@ -382,11 +382,6 @@ class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_produ
     then runs under fp32_gemm(); trial, what exact_output_trial found where it ran (None where nothing was routed)."""
 
 
-# KernelBench's check: a candidate's output allclose to the Model's at atol = rtol = this.
-HARNESS_TOLERANCE = 1e-4
-# The trial holds eager's error to this fraction of the tolerance: a candidate's own error adds to it, and the
-# harness draws five inputs where the trial draws one.
-TRIAL_MARGIN = 0.5
 # Without a GPU the trial runs on the CPU only within these: a float32 and a float64 forward of a few seconds.
 TRIAL_CPU_FLOPS = 2e11
 TRIAL_CPU_BYTES = 4 << 30
@@ -394,14 +389,16 @@ TRIAL_CPU_BYTES = 4 << 30
 
 def exact_output_trial(model_class, init, get_inputs, flops, parameters):
     """Whether KernelBench's check accepts the problem's exact output: the Model's float64 output, rounded to float32,
-    allclose to the float32 Model's at half the harness's tolerance (TRIAL_MARGIN), on one draw of get_inputs() (no
-    gradients, the Model's own mode, a GPU where there is one). Where it is not, eager's own rounding exceeds that tolerance, and a
+    allclose to the float32 Model's at the harness's tolerance, on one draw of get_inputs() (no gradients, the
+    Model's own mode, a GPU where there is one). Where it is not, eager's own rounding exceeds that tolerance, and a
     product more accurate than eager's fails the check as surely (KernelBench's 14_Gemm_Divide_Sum_Scaling: a sum
     over 8192 products' outputs). Returns (verdict, why): verdict None where the trial did not run (no room on the
     CPU for `flops` and `parameters` elements, or the Model does not run in float64). The caller keeps the random
     states."""
     import torch
     from torch.utils._pytree import tree_leaves
+
+    from kernels.precision import ALLCLOSE_TOLERANCE
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and (flops > TRIAL_CPU_FLOPS or 12 * parameters > TRIAL_CPU_BYTES):
@@ -427,7 +424,8 @@ def exact_output_trial(model_class, init, get_inputs, flops, parameters):
         model = None
         if device == "cuda":
             torch.cuda.empty_cache()
-    tolerance = dict(atol=TRIAL_MARGIN * HARNESS_TOLERANCE, rtol=TRIAL_MARGIN * HARNESS_TOLERANCE, equal_nan=True)
+    harness = ALLCLOSE_TOLERANCE[torch.float32]  # KernelBench's check: atol = rtol = 1e-4
+    tolerance = dict(atol=harness, rtol=harness, equal_nan=True)
 
     def outside(wanted):  # values of `outputs` outside the trial's tolerance of `wanted`'s, and their count
         bad = total = 0
@@ -442,10 +440,10 @@ def exact_output_trial(model_class, init, get_inputs, flops, parameters):
         return None, "not judged: the Model's float32 output differs from call to call (random draws in its forward)"
     bad, total = outside(exact)
     if bad:
-        return False, (f"the Model's float64 output is outside half KernelBench's tolerance (atol = rtol = "
-                       f"{HARNESS_TOLERANCE:g}) of its float32 output at {bad} of {total} values: eager's own rounding "
-                       "is about the check's tolerance, so a product more accurate than eager's would fail it too")
-    return True, "tried: the Model's float64 output is within half KernelBench's tolerance of its float32 output"
+        return False, (f"the Model's float64 output is outside KernelBench's tolerance (atol = rtol = "
+                       f"{harness:g}) of its float32 output at {bad} of {total} values: eager's own rounding "
+                       "exceeds the check's tolerance, so a product more accurate than eager's would fail it too")
+    return True, "tried: the Model's float64 output is within KernelBench's tolerance of its float32 output"
 
 
 def _forward_flops(model, inputs):
