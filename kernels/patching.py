@@ -835,6 +835,38 @@ def _clear_shared_products(parent, group):
             child.__dict__.pop("_shared_product", None)
 
 
+def _split_may_take(x, n, k):
+    # A float32 product of x against an n x k weight at a shape where a split may pay.
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and k > 0 and split_may_pay(x.numel() // k, n, k)
+
+
+def _patchable_layers(model):
+    # (qualified name, module) of every layer patch() turns, shared layers under each of their names.
+    return [(name, module) for name, module in model.named_modules(remove_duplicate=False)
+            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch)]
+
+
+@contextlib.contextmanager
+def _probe_run(model, inputs):
+    """The setting of a probe's one run of model(*inputs): no gradients, eval mode; on the way out (an exception's
+    too) the model's modes and the random states of the CPU and of the GPUs it uses as they were. Yields the
+    ExitStack that removes the probe's hooks then."""
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
+    gpus = sorted({t.device.index for t in tensors if t.is_cuda})
+    modes = [(module, module.training) for module in model.modules()]
+
+    def restore_modes():
+        for module, training in modes:
+            module.training = training
+
+    with contextlib.ExitStack() as restore:
+        restore.enter_context(torch.random.fork_rng(devices=gpus))
+        restore.enter_context(torch.no_grad())
+        restore.callback(restore_modes)
+        model.eval()
+        yield restore
+
+
 def split_layer_names(model, *inputs):
     """The qualified names (model.named_modules()'s, shared layers under each of theirs) of the linear and attention
     layers of `model` that patch() turns and whose forward a split takes at the shapes of `inputs`: shapes only, so
@@ -853,35 +885,22 @@ def split_layer_names(model, *inputs):
                 n, k = module.weight.shape
             else:  # Conv1D: its weight stored as (in, out)
                 k, n = module.weight.shape
-            if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and k and split_may_pay(x.numel() // k, n, k):
+            if _split_may_take(x, n, k):
                 taking.add(name)
         return module.register_forward_pre_hook(hook, with_kwargs=True)
 
-    tensors = [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
-    gpus = sorted({t.device.index for t in tensors if t.is_cuda})
-    modes = [(module, module.training) for module in model.modules()]
-    with contextlib.ExitStack() as restore:  # on the way out, an exception's too
-        restore.enter_context(torch.random.fork_rng(devices=gpus))
-        restore.enter_context(torch.no_grad())
-        for name, module in model.named_modules(remove_duplicate=False):
-            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch):
-                restore.callback(record(name, module).remove)
-
-        def restore_modes():
-            for module, training in modes:
-                module.training = training
-
-        restore.callback(restore_modes)
-        model.eval()
+    with _probe_run(model, inputs) as restore:
+        for name, module in _patchable_layers(model):
+            restore.callback(record(name, module).remove)
         model(*inputs)
     return sorted(taking)
 
 
 def functional_products_split(model, *inputs):
     """Whether model(*inputs) makes a float32 product through a function fp32_gemm() routes (F.linear, matmul, @, mm,
-    addmm) outside the layers patch() turns, at a shape where a split may pay: shapes only, so `model` and `inputs`
-    may live on the meta device. Run as split_layer_names runs it (once, no gradients, eval mode, the model's modes,
-    hooks and random states left as they were)."""
+    addmm, einsum) outside the layers patch() turns, at a shape where a split may pay: shapes only, so `model` and
+    `inputs` may live on the meta device. Run as split_layer_names runs it (once, no gradients, eval mode, the
+    model's modes, hooks and random states left as they were)."""
     found, depth = [], [0]
 
     class Probe(TorchFunctionMode):
@@ -889,11 +908,8 @@ def functional_products_split(model, *inputs):
             kwargs = kwargs or {}
             operands = _PRODUCT_OPERANDS.get(func)
             product = operands(*args, **kwargs) if operands is not None and not depth[0] else None
-            if product is not None:
-                x, weight = product[0], product[1]
-                n, k = weight.shape
-                if x.dtype == torch.float32 and k and split_may_pay(x.numel() // k, n, k):
-                    found.append(func)
+            if product is not None and _split_may_take(product[0], *product[1].shape):
+                found.append(func)
             return func(*args, **kwargs)
 
     def enter(module, args):
@@ -902,23 +918,10 @@ def functional_products_split(model, *inputs):
     def leave(module, args, output):
         depth[0] -= 1
 
-    tensors = [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
-    gpus = sorted({t.device.index for t in tensors if t.is_cuda})
-    modes = [(module, module.training) for module in model.modules()]
-    with contextlib.ExitStack() as restore:  # on the way out, an exception's too
-        restore.enter_context(torch.random.fork_rng(devices=gpus))
-        restore.enter_context(torch.no_grad())
-        for module in model.modules():
-            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch):
-                restore.callback(module.register_forward_pre_hook(enter).remove)
-                restore.callback(module.register_forward_hook(leave).remove)
-
-        def restore_modes():
-            for module, training in modes:
-                module.training = training
-
-        restore.callback(restore_modes)
-        model.eval()
+    with _probe_run(model, inputs) as restore:
+        for _, module in _patchable_layers(model):
+            restore.callback(module.register_forward_pre_hook(enter).remove)
+            restore.callback(module.register_forward_hook(leave).remove)
         with Probe():
             model(*inputs)
     return bool(found)
