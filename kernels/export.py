@@ -382,19 +382,44 @@ class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_produ
     then runs under fp32_gemm(); trial, what exact_output_trial found where it ran (None where nothing was routed)."""
 
 
-# Without a GPU the trial runs on the CPU only within these: a float32 and a float64 forward of a few seconds.
+# Without a GPU the trial runs on the CPU only within these: three forwards of a few seconds.
 TRIAL_CPU_FLOPS = 2e11
 TRIAL_CPU_BYTES = 4 << 30
 
 
+def _exact_products():
+    """A torch function mode that computes the products the library would take (those of fp32_gemm()'s routes, an
+    nn.Linear's F.linear included, at shapes where a split may pay) in float64, rounded once to float32: the
+    candidate's products without their own error. Everything else runs as it does in float32."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from kernels.patching import _PRODUCT_OPERANDS, _split_may_take
+
+    class ExactProducts(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            operands = _PRODUCT_OPERANDS.get(func)
+            found = operands(*args, **kwargs) if operands is not None else None
+            if found is not None and found[1].dtype == torch.float32 and _split_may_take(found[0], *found[1].shape):
+                x, weight, bias = found
+                return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
+            return func(*args, **kwargs)
+
+    return ExactProducts()
+
+
 def exact_output_trial(model_class, init, get_inputs, flops, parameters):
-    """Whether KernelBench's check accepts the problem's exact output: the Model's float64 output, rounded to float32,
-    allclose to the float32 Model's at the harness's tolerance, on one draw of get_inputs() (no gradients, the
-    Model's own mode, a GPU where there is one). Where it is not, eager's own rounding exceeds that tolerance, and a
-    product more accurate than eager's fails the check as surely (KernelBench's 14_Gemm_Divide_Sum_Scaling: a sum
-    over 8192 products' outputs). Returns (verdict, why): verdict None where the trial did not run (no room on the
-    CPU for `flops` and `parameters` elements, or the Model does not run in float64). The caller keeps the random
-    states."""
+    """Whether KernelBench's check accepts the problem's output with exact products: the Model's output with the
+    products the library would take computed exactly (_exact_products) allclose to the float32 Model's at the
+    harness's tolerance, on one draw of get_inputs() (no gradients, the Model's own mode, a GPU where there is one).
+    Where it is not, eager's own rounding of those products exceeds that tolerance, and products more accurate than
+    eager's fail the check as surely (KernelBench's 14_Gemm_Divide_Sum_Scaling: a sum over 8192 outputs of a product
+    of K = 8192). The rest of the Model (convolutions, norms) runs in float32 on both sides, as in the candidate.
+    Returns (verdict, why): verdict None where the trial did not run (no room on the CPU for `flops` and
+    `parameters` elements, or the Model raised) or the Model's output changes from call to call. The caller keeps
+    the random states."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -402,48 +427,55 @@ def exact_output_trial(model_class, init, get_inputs, flops, parameters):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and (flops > TRIAL_CPU_FLOPS or 12 * parameters > TRIAL_CPU_BYTES):
-        return None, (f"not tried: no GPU here, and a float32 and a float64 forward take {flops / 1e9:.0f} GFLOP and "
-                      f"{12 * parameters / 2**30:.1f} GiB of weights on the CPU")
-    default_dtype = torch.get_default_dtype()
+        return None, (f"not tried: no GPU here, and three forwards take {flops / 1e9:.0f} GFLOP each and about "
+                      f"{12 * parameters / 2**30:.1f} GiB on the CPU")
     try:
         torch.manual_seed(0)
         with torch.device(device):
             model = model_class(*init)
         inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in get_inputs()]
+
+        def run():  # each run on inputs of its own: a forward may write into its inputs
+            return tree_leaves(model(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]))
+
         with torch.no_grad():
-            outputs = tree_leaves(model(*inputs))
-            again = tree_leaves(model(*inputs))
-            model.double()
-            torch.set_default_dtype(torch.float64)  # tensors the forward makes itself
-            exact = tree_leaves(model(*[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                                        for t in inputs]))
-    except Exception as e:  # noqa: BLE001  (a Model that does not run in float64, or no room for it)
-        return None, f"not tried: the Model in float64 raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            outputs, again = run(), run()
+            with _exact_products():
+                exact = run()
+    except Exception as e:  # noqa: BLE001  (no room for the Model, or it raised)
+        return None, f"not tried: the Model raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     finally:
-        torch.set_default_dtype(default_dtype)
         model = None
         if device == "cuda":
             torch.cuda.empty_cache()
     harness = ALLCLOSE_TOLERANCE[torch.float32]  # KernelBench's check: atol = rtol = 1e-4
     tolerance = dict(atol=harness, rtol=harness, equal_nan=True)
 
-    def outside(wanted):  # values of `outputs` outside the trial's tolerance of `wanted`'s, and their count
+    def outside(wanted):  # values of `outputs` outside the harness's tolerance of `wanted`'s, and their count
         bad = total = 0
         for got, want in zip(outputs, wanted):
-            if isinstance(got, torch.Tensor) and got.is_floating_point():
-                total += got.numel()
-                same_shape = got.shape == want.shape
-                bad += int((~torch.isclose(want.to(got.dtype), got, **tolerance)).sum()) if same_shape else got.numel()
+            if not isinstance(got, (torch.Tensor, bool, int, float, complex)):
+                continue
+            got, want = torch.as_tensor(got), torch.as_tensor(want)
+            total += got.numel()
+            if got.shape != want.shape or got.dtype != want.dtype:
+                bad += got.numel()
+            elif got.is_floating_point() or got.is_complex():
+                bad += int((~torch.isclose(want, got, **tolerance)).sum())
+            else:  # bool and integer values (a comparison's, an argmax's) must agree exactly
+                bad += int((want != got).sum())
         return bad, total
 
-    if outside(again)[0]:  # dropout in training mode: no candidate matches it, the library changes nothing there
+    if len(outputs) != len(again) or outside(again)[0]:  # dropout in training mode: no candidate matches it
         return None, "not judged: the Model's float32 output differs from call to call (random draws in its forward)"
+    if outside(exact)[1] == 0:
+        return None, "not judged: the Model's output holds no tensor or number"
     bad, total = outside(exact)
     if bad:
-        return False, (f"the Model's float64 output is outside KernelBench's tolerance (atol = rtol = "
-                       f"{harness:g}) of its float32 output at {bad} of {total} values: eager's own rounding "
-                       "exceeds the check's tolerance, so a product more accurate than eager's would fail it too")
-    return True, "tried: the Model's float64 output is within KernelBench's tolerance of its float32 output"
+        return False, (f"with its products exact, the Model's output is outside KernelBench's tolerance (atol = rtol "
+                       f"= {harness:g}) of its float32 output at {bad} of {total} values: eager's own rounding exceeds "
+                       "the check's tolerance, so products more accurate than eager's would fail it too")
+    return True, "tried: with its products exact, the Model's output is within KernelBench's tolerance of eager's"
 
 
 def _forward_flops(model, inputs):

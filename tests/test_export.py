@@ -544,12 +544,15 @@ def test_problem_plan_leaves_the_random_state(tmp_path):
     assert torch.equal(torch.rand(4), expected)
 
 
-def test_exact_output_trial():
+def test_exact_output_trial(monkeypatch):
     """The trial's three verdicts: a product whose exact output eager's rounding keeps within the harness's
     tolerance; a difference of two products eager's rounding swamps; dropout, whose output no candidate matches."""
     import torch
 
+    from kernels import patching
     from kernels.export import exact_output_trial
+
+    monkeypatch.setattr(patching, "split_may_pay", lambda m, n, k: True)  # every product one the library takes
 
     namespace = {"__name__": "problem"}
     exec(PROBLEM_FILES["cancellation"], namespace)
@@ -568,6 +571,49 @@ def test_exact_output_trial():
     assert verdict is None and "random draws" in why, why
     verdict, why = exact_output_trial(torch.nn.Linear, [256, 128], inputs, flops=1e13, parameters=32896)
     assert verdict is (True if torch.cuda.is_available() else None), why  # no room on the CPU: not run
+
+
+def test_exact_output_trial_judges_what_the_candidate_changes(monkeypatch):
+    """Only the products the library takes are made exact (an input rounded by other ops stays as rounded on both
+    sides); a comparison's bool output is compared too; a forward that writes into its input gets inputs of its own
+    each run; an output without numbers is not judged."""
+    import torch
+
+    from kernels import patching
+    from kernels.export import exact_output_trial
+
+    monkeypatch.setattr(patching, "split_may_pay", lambda m, n, k: True)  # every product one the library takes
+    namespace = {"__name__": "problem"}
+    exec(PROBLEM_FILES["cancellation"], namespace)
+
+    class Rounded(torch.nn.Linear):
+        def forward(self, x):  # the sum rounds x (to about 2^-12), in the candidate as in eager
+            return super().forward((x + 3000.0) - 3000.0)
+
+    class Signs(namespace["Model"]):
+        def forward(self, x):
+            return super().forward(x) > 0
+
+    class InPlace(torch.nn.Linear):
+        def forward(self, x):
+            return x.add_(super().forward(x))
+
+    class Text(torch.nn.Linear):
+        def forward(self, x):
+            return "no numbers"
+
+    def inputs():
+        return [torch.rand(64, 256)]
+
+    def trial(model_class, init):
+        return exact_output_trial(model_class, init, inputs, flops=1e7, parameters=65536)
+
+    assert trial(Rounded, [256, 128])[0] is True
+    verdict, why = trial(Signs, [256, 128])
+    assert verdict is False and "eager's own rounding" in why, why
+    assert trial(InPlace, [256, 256])[0] is True
+    verdict, why = trial(Text, [256, 128])
+    assert verdict is None and "no tensor" in why, why
 
 
 def test_problem_plan_takes_a_namespace_already_run(tmp_path):
