@@ -474,7 +474,8 @@ def exact_output_trial(model_class, init, get_inputs, flops, parameters):
     if bad:
         return False, (f"with its products exact, the Model's output is outside KernelBench's tolerance (atol = rtol "
                        f"= {harness:g}) of its float32 output at {bad} of {total} values: eager's own rounding exceeds "
-                       "the check's tolerance, so products more accurate than eager's would fail it too")
+                       "the check's tolerance, so products more accurate than eager's would fail it too: the "
+                       "candidate leaves them to eager")
     return True, "tried: with its products exact, the Model's output is within KernelBench's tolerance of eager's"
 
 
