@@ -387,6 +387,32 @@ TRIAL_CPU_FLOPS = 2e11
 TRIAL_CPU_BYTES = 4 << 30
 
 
+def values_outside(outputs, expected):
+    """(values of `outputs` outside KernelBench's check against `expected`, values compared): two lists of a model's
+    output leaves (tensors, numbers; others skipped). Floating and complex values compare at the harness's
+    tolerance, bool and integer ones (a comparison's, an argmax's) exactly; a leaf of another shape or dtype counts
+    whole."""
+    import torch
+
+    from kernels.precision import ALLCLOSE_TOLERANCE
+
+    harness = ALLCLOSE_TOLERANCE[torch.float32]  # KernelBench's check: atol = rtol = 1e-4
+    tolerance = dict(atol=harness, rtol=harness, equal_nan=True)
+    bad = total = 0
+    for got, want in zip(outputs, expected):
+        if not isinstance(got, (torch.Tensor, bool, int, float, complex)):
+            continue
+        got, want = torch.as_tensor(got), torch.as_tensor(want)
+        total += got.numel()
+        if got.shape != want.shape or got.dtype != want.dtype:
+            bad += got.numel()
+        elif got.is_floating_point() or got.is_complex():
+            bad += int((~torch.isclose(want, got, **tolerance)).sum())
+        else:
+            bad += int((want != got).sum())
+    return bad, total
+
+
 def _exact_products():
     """A torch function mode that computes the products the library would take (those of fp32_gemm()'s routes, an
     nn.Linear's F.linear included, at shapes where a split may pay) in float64, rounded once to float32: the
@@ -423,8 +449,6 @@ def exact_output_trial(model_class, init, get_inputs, flops, parameters):
     import torch
     from torch.utils._pytree import tree_leaves
 
-    from kernels.precision import ALLCLOSE_TOLERANCE
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and (flops > TRIAL_CPU_FLOPS or 12 * parameters > TRIAL_CPU_BYTES):
         return None, (f"not tried: no GPU here, and three forwards take {flops / 1e9:.0f} GFLOP each and about "
@@ -448,32 +472,14 @@ def exact_output_trial(model_class, init, get_inputs, flops, parameters):
         model = None
         if device == "cuda":
             torch.cuda.empty_cache()
-    harness = ALLCLOSE_TOLERANCE[torch.float32]  # KernelBench's check: atol = rtol = 1e-4
-    tolerance = dict(atol=harness, rtol=harness, equal_nan=True)
-
-    def outside(wanted):  # values of `outputs` outside the harness's tolerance of `wanted`'s, and their count
-        bad = total = 0
-        for got, want in zip(outputs, wanted):
-            if not isinstance(got, (torch.Tensor, bool, int, float, complex)):
-                continue
-            got, want = torch.as_tensor(got), torch.as_tensor(want)
-            total += got.numel()
-            if got.shape != want.shape or got.dtype != want.dtype:
-                bad += got.numel()
-            elif got.is_floating_point() or got.is_complex():
-                bad += int((~torch.isclose(want, got, **tolerance)).sum())
-            else:  # bool and integer values (a comparison's, an argmax's) must agree exactly
-                bad += int((want != got).sum())
-        return bad, total
-
-    if len(outputs) != len(again) or outside(again)[0]:  # dropout in training mode: no candidate matches it
+    if len(outputs) != len(again) or values_outside(outputs, again)[0]:  # dropout: no candidate matches it
         return None, "not judged: the Model's float32 output differs from call to call (random draws in its forward)"
-    if outside(exact)[1] == 0:
+    bad, total = values_outside(outputs, exact)
+    if total == 0:
         return None, "not judged: the Model's output holds no tensor or number"
-    bad, total = outside(exact)
     if bad:
         return False, (f"with its products exact, the Model's output is outside KernelBench's tolerance (atol = rtol "
-                       f"= {harness:g}) of its float32 output at {bad} of {total} values: eager's own rounding exceeds "
+                       f"= 1e-4) of its float32 output at {bad} of {total} values: eager's own rounding exceeds "
                        "the check's tolerance, so products more accurate than eager's would fail it too: the "
                        "candidate leaves them to eager")
     return True, "tried: with its products exact, the Model's output is within KernelBench's tolerance of eager's"

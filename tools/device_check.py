@@ -701,6 +701,66 @@ def kernelbench_timing(args):
     return []
 
 
+def export_trial(args):
+    """The export's trial (kernels.export.exact_output_trial) against the harness's check, per KernelBench problem
+    file: the trial's verdict; then over 5 seeded draws of get_inputs() (seeds 42 to 46, both models built after seed
+    42 on the CPU and moved to the GPU, as bench.py's --problem-file does), the values of the float32 Model outside
+    the harness's tolerance of its output with exact products (what the trial counts on its one draw) and the values
+    on which the candidate, its products on the library whatever the trial says, fails the harness's check against
+    the Model. Where the trial refuses a problem, the second count should not be all zeros, and where it accepts
+    one, it should; a disagreement fails the subcommand (on a GPU: on the CPU the library's products are eager's)."""
+    import unittest.mock
+
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from kernels import export
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(torch.cuda.get_device_name() if device == "cuda" else "CPU")
+    paths = []
+    for path in args.problems:
+        paths += sorted(glob.glob(os.path.join(path, "*.py"))) if os.path.isdir(path) else [path]
+    failed = []
+    for path in paths:
+        name = os.path.splitext(os.path.basename(path))[0]
+        namespace = {"__name__": "problem"}
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), namespace)
+        plan = export.problem_plan(path, namespace)
+        print(f"{name}: {plan.trial or 'nothing routed, no trial'}")
+        if plan.trial is None:
+            continue
+        with unittest.mock.patch.object(export, "exact_output_trial", lambda *a, **k: (True, None)):
+            forced = export.problem_plan(path, namespace)  # the products on the library whatever the trial says
+        init = namespace["get_init_inputs"]()
+        torch.manual_seed(42)
+        model = namespace["Model"](*init).to(device)
+        torch.manual_seed(42)
+        candidate = export.problem_model_new(namespace["Model"], forced)(*init).to(device)
+        counts = []
+        with torch.no_grad():
+            for seed in range(42, 47):
+                torch.manual_seed(seed)
+                inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in namespace["get_inputs"]()]
+                eager = tree_leaves(model(*inputs))
+                with export._exact_products():
+                    exact = tree_leaves(model(*inputs))
+                ours = tree_leaves(candidate(*inputs))
+                counts.append((export.values_outside(eager, exact)[0], export.values_outside(ours, eager)[0]))
+        print(f"  per draw, values of eager outside the tolerance of exact products / values failing the harness's "
+              f"check: {', '.join(f'{a} / {b}' for a, b in counts)}")
+        refused = (plan.layers, plan.functional_products) != (forced.layers, forced.functional_products)
+        # On the CPU the library's products are eager's: nothing to compare the verdict with.
+        if device == "cuda" and not plan.trial.startswith("not ") and refused != any(b for _, b in counts):
+            print("  the trial's verdict and the harness's outcome disagree")
+            failed.append(name)
+        del model, candidate
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return failed
+
+
 def run_all(args):
     """build, tests, sanitize and bench in that order on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -768,6 +828,8 @@ def parse_arguments(argv):
     add("architectures", architectures, "kernels.patch() on transformers architectures against eager and float64",
         extra="CHECK_ARGS")
     add("kernelbench-timing", kernelbench_timing, "the level-3 MLPs' KB ms against their median: host latency, clocks")
+    sub = add("export-trial", export_trial, "the export's exact-output trial against the harness's check, per problem")
+    sub.add_argument("problems", nargs="+", metavar="PATH", help="KernelBench problem files, or folders of them")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):
         flag(sub, f"--skip-{name}", f"no {name}", f"SKIP_{name.upper()}")
