@@ -417,21 +417,19 @@ def _exact_products():
     """A torch function mode that computes the products the library would take (those of fp32_gemm()'s routes, an
     nn.Linear's F.linear included, at shapes where a split may pay) in float64, rounded once to float32: the
     candidate's products without their own error. Everything else runs as it does in float32."""
-    import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from kernels.patching import _PRODUCT_OPERANDS, _split_may_take
+    from kernels.patching import split_product_operands
 
     class ExactProducts(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            operands = _PRODUCT_OPERANDS.get(func)
-            found = operands(*args, **kwargs) if operands is not None else None
-            if found is not None and found[1].dtype == torch.float32 and _split_may_take(found[0], *found[1].shape):
-                x, weight, bias = found
-                return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
-            return func(*args, **kwargs)
+            found = split_product_operands(func, args, kwargs)
+            if found is None:
+                return func(*args, **kwargs)
+            x, weight, bias = found
+            return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
 
     return ExactProducts()
 

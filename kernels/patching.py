@@ -906,9 +906,7 @@ def functional_products_split(model, *inputs):
     class Probe(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            operands = _PRODUCT_OPERANDS.get(func)
-            product = operands(*args, **kwargs) if operands is not None and not depth[0] else None
-            if product is not None and _split_may_take(product[0], *product[1].shape):
+            if not depth[0] and split_product_operands(func, args, kwargs) is not None:
                 found.append(func)
             return func(*args, **kwargs)
 
@@ -1010,6 +1008,16 @@ _PRODUCT_OPERANDS = {
     torch.addmm: _addmm_operands,
     torch.Tensor.addmm: _addmm_operands,
 }
+
+
+def split_product_operands(func, args, kwargs):
+    """The operands (x, weight of n x k, bias or None) of a call of one of fp32_gemm()'s product functions, float32,
+    at a shape where a split may pay; else None."""
+    operands = _PRODUCT_OPERANDS.get(func)
+    found = operands(*args, **kwargs) if operands is not None else None
+    if found is None or found[1].dtype != torch.float32 or not _split_may_take(found[0], *found[1].shape):
+        return None
+    return found
 
 
 def _product_route(operands):
