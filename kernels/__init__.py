@@ -3,7 +3,7 @@ folder (kernels/manifest.py lists them).
 
     import kernels
     kernels.patch(model)                 # nn.Linear / Conv1D on the fp32-accurate fast GEMM; NewGELU in one kernel
-    with kernels.fp32_gemm(): ...        # functional products (F.linear, matmul, @, mm, addmm) too
+    with kernels.fp32_gemm(): ...        # functional products (F.linear, matmul, @, mm, addmm, einsum) too
     from kernels.functional import leaky_relu, gemm_multiply_leaky_relu
 
 Importing this package alone builds nothing (pure-Python helpers such as kernels.precision import without a

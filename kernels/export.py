@@ -377,7 +377,7 @@ def _patching_python():
 class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_products trial", defaults=(None,))):
     """What a problem file's candidate applies: layers, the names of the Model's layers that ModelNew patches
     (kernels.split_layer_names at get_inputs()'s shapes), or None for every layer patch() knows; functional_products,
-    whether the Model's forward makes products through functions that fp32_gemm() routes (matmul, @, mm, addmm,
+    whether the Model's forward makes products through functions that fp32_gemm() routes (matmul, @, mm, addmm, einsum,
     F.linear) at shapes where a split may pay (kernels.patching.functional_products_split), which ModelNew's forward
     then runs under fp32_gemm(); trial, what exact_output_trial found where it ran (None where nothing was routed)."""
 
@@ -617,7 +617,7 @@ def problem_file_candidate(path):
                           "random numbers\n")
     forward_lines = ("" if not plan.functional_products else
                      "\n    def forward(self, *args, **kwargs):\n"
-                     "        # the Model's own products (matmul, @, mm, addmm, F.linear) take the split where it pays\n"
+                     "        # the Model's own products (matmul, @, mm, addmm, einsum, F.linear) split where it pays\n"
                      "        with fp32_gemm():\n"
                      "            return super().forward(*args, **kwargs)\n")
     model_new = (preamble + "class ModelNew(Model):\n    def __init__(self, *args, **kwargs):\n"

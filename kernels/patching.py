@@ -1,10 +1,10 @@
 """Any model on the library's GEMM: patch() turns a model's linear and attention layers into the library's, in place,
-and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, nn.MultiheadAttention's
-projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
+and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, einsum,
+nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP,
                                   # BERT's MLP; timm's LayerNorm, Attention, Mlp and Block
-    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, multi_head_attention_forward, sdpa
+    with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
 A patched layer keeps its Parameters, hooks and state_dict keys and stays an instance of its class (its class becomes
@@ -12,8 +12,10 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
+import collections
 import contextlib
 import math
+import string
 import sys
 
 import torch
@@ -998,6 +1000,57 @@ def _addmm_operands(input, mat1, mat2, *deprecated, beta=1, alpha=1, **options):
     return None
 
 
+_EINSUM_LETTERS = frozenset(string.ascii_letters)
+
+
+def _einsum_subscripts(subscripts):
+    # An operand's or the output's subscripts as a list, the ellipsis one item ("..."); None where a letter repeats
+    # (a diagonal or a trace) or anything but letters and one ellipsis appears.
+    head, ellipsis, tail = subscripts.partition("...")
+    items = [*head, *(["..."] if ellipsis else []), *tail]
+    letters = [item for item in items if item != "..."]
+    if "." in tail or not _EINSUM_LETTERS.issuperset(letters) or len(set(letters)) != len(letters):
+        return None
+    return items
+
+
+def _einsum_operands(equation, *operands, **options):
+    # A tensor times a matrix written as einsum ("bijl,lk->bijk", "...d,nd->...n"): the linear layer of weight the
+    # matrix (n x k, or its transpose where it is k x n), where the contracted index is the tensor's last and the
+    # output lists the tensor's other indices in their order, then the matrix's free one. Every other einsum (batched
+    # products, more operands, reordered outputs) stays with eager.
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):  # einsum(equation, [a, b])
+        operands = tuple(operands[0])
+    if options or not isinstance(equation, str) or len(operands) != 2:
+        return None
+    x, matrix = operands
+    if not (isinstance(x, torch.Tensor) and isinstance(matrix, torch.Tensor) and _plain(x, matrix)):
+        return None
+    inputs, arrow, output = equation.replace(" ", "").partition("->")
+    parts = inputs.split(",")
+    if len(parts) != 2:
+        return None
+    a, b = (_einsum_subscripts(part) for part in parts)
+    if a is None or b is None or len(b) != 2 or "..." in b or not a or a[-1] == "...":
+        return None
+    if not arrow:  # the implicit output: the ellipsis, then the letters that appear once, in alphabetical order
+        counts = collections.Counter(item for item in a + b if item != "...")
+        output = "".join(["..."] * ("..." in a) + sorted(item for item, count in counts.items() if count == 1))
+    out = _einsum_subscripts(output)
+    contracted = a[-1]
+    if out is None or contracted not in b or contracted in out:
+        return None
+    free = b[1] if b[0] == contracted else b[0]
+    # The ellipsis stands for any number of dimensions, none included.
+    rank_fits = x.dim() >= len(a) - 1 if "..." in a else x.dim() == len(a)
+    if free in a or out != a[:-1] + [free] or not rank_fits or matrix.dim() != 2:
+        return None
+    weight = matrix if b == [free, contracted] else matrix.t()
+    if weight.shape[1] != x.shape[-1]:  # eager raises, or broadcasts a dimension of one
+        return None
+    return x, weight, None
+
+
 _PRODUCT_OPERANDS = {
     F.linear: _linear_operands,
     torch.matmul: _matmul_operands,
@@ -1007,6 +1060,7 @@ _PRODUCT_OPERANDS = {
     torch.Tensor.mm: _mm_operands,
     torch.addmm: _addmm_operands,
     torch.Tensor.addmm: _addmm_operands,
+    torch.einsum: _einsum_operands,
 }
 
 
@@ -1226,7 +1280,7 @@ _ROUTES = {
 
 
 class fp32_gemm(TorchFunctionMode):
-    """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm, and
+    """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm, einsum, and
     F.multi_head_attention_forward's projections without bias_k / bias_v, zero attention or training dropout) take
     the library's GEMM where gemm_path.cpp's choice says it pays, and F.scaled_dot_product_attention without a mask,
     dropout or a gradient to compute (head dim 64, 512 keys or more, 2048 under a causal mask) the library's

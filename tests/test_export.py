@@ -354,6 +354,29 @@ def get_inputs():
 def get_init_inputs():
     return [1024, 2048]
 ''',
+    "einsum": '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """A 3-D tensor times a weight written as einsum."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(k, n) / k ** 0.5)
+
+    def forward(self, x):
+        return torch.einsum("bil,lk->bik", x, self.weight)
+
+
+def get_inputs():
+    return [torch.randn(2, 1024, 1024)]
+
+
+def get_init_inputs():
+    return [1024, 2048]
+''',
     "cancellation": '''
 import torch
 import torch.nn as nn
@@ -433,13 +456,14 @@ def test_problem_file_candidate(name, tmp_path):
     assert result.returncode == 0 and "PROBLEM FILE OK" in result.stdout, result.stderr[-5000:]
     # The layers a split takes at get_inputs()'s shapes (the MLP's 1024 x 1024 one; conv's Model is built on the CPU,
     # as its __init__ reads a value); every layer where the Model cannot run on the meta device.
-    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2, "matmul": 0, "cancellation": 0}[name]
+    linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2, "matmul": 0, "einsum": 0,
+                     "cancellation": 0}[name]
     assert f"[{linear_layers}, {linear_layers}]" in result.stdout, result.stdout
     assert ("SPLIT_LAYERS" not in source) == (name == "branching")
     # A product through a function at a size a split takes (the matmul problem's 2048 x 1024 x 2048; the attention
     # problem's q @ k^T is batched, and small): ModelNew's forward runs under fp32_gemm(). The cancellation problem's
     # products are as large, but eager's own rounding fails the harness's check there: the library is left off.
-    assert ("with fp32_gemm():" in source) == (name == "matmul")
+    assert ("with fp32_gemm():" in source) == (name in ("matmul", "einsum"))
     assert ("eager's own rounding" in source) == (name == "cancellation")
 
 

@@ -1216,6 +1216,14 @@ FUNCTIONAL_CALLS = {
     "Tensor.matmul by keyword": lambda x, w, b: x.matmul(other=w.t()) + b,
     "mm by keyword": lambda x, w, b: torch.mm(x.flatten(0, -2), mat2=w.t()).view(*x.shape[:-1], -1) + b,
     "addmm by keyword": lambda x, w, b: torch.addmm(b, mat1=x.flatten(0, -2), mat2=w.t()).view(*x.shape[:-1], -1),
+    # einsum's forms of the same product: the weight n x k or k x n, an ellipsis, an implicit output, a list of
+    # operands, and the sublist form (which reaches the mode as an equation).
+    "einsum": lambda x, w, b: torch.einsum("bil,kl->bik", x, w) + b,
+    "einsum k x n": lambda x, w, b: torch.einsum("bil,lk->bik", x, w.t()) + b,
+    "einsum ellipsis": lambda x, w, b: torch.einsum("...l,kl->...k", x, w) + b,
+    "einsum implicit output": lambda x, w, b: torch.einsum("bil,kl", x, w) + b,
+    "einsum list": lambda x, w, b: torch.einsum("b i l, k l -> b i k", [x, w]) + b,
+    "einsum sublist": lambda x, w, b: torch.einsum(x, [0, 1, 2], w, [3, 2], [0, 1, 3]) + b,
 }
 
 
@@ -1558,6 +1566,42 @@ def test_fp32_gemm_mode_leaves_batched_products_to_eager(device):
     with kernels.fp32_gemm():
         assert torch.equal(q @ k.transpose(-2, -1), expected)
         assert torch.equal(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)), expected.flatten(0, 1))
+        assert torch.equal(torch.einsum("bhid,bhjd->bhij", q, k), expected)
+
+
+def test_fp32_gemm_mode_einsum_forms(monkeypatch):
+    """With the routes' size gate open (the library's CPU op then computes what a split-paying CUDA call would): the
+    einsums that are a tensor times a matrix get einsum's result through the library's op; the others (an output in
+    another order, a batched matrix, a diagonal, three operands, sizes eager refuses) get eager's result or error."""
+    monkeypatch.setattr(patching, "plain_linear_suffices", lambda x, w: False)
+    x, w, v, u = torch.randn(2, 3, 4, 5), torch.randn(5, 6), torch.randn(6), torch.randn(4, 5)
+    routed = ["bijl,lk->bijk", "bijl,kl->bijk", "...l,lk->...k", "b...l,lk->b...k", "bijl,lk", "ijl,lk->ijk"]
+    for equation in routed:
+        matrix = w.t() if ",kl" in equation else w
+        operand = x[0] if equation.startswith("ijl") else x
+        with kernels.fp32_gemm():
+            names = ops_called(lambda: torch.einsum(equation, operand, matrix))
+            got = torch.einsum(equation, operand, matrix)
+        assert any("kernels.gemm_multiply_leaky_relu" in n for n in names), (equation, names)
+        torch.testing.assert_close(got, torch.einsum(equation, operand, matrix), atol=TOL, rtol=TOL, msg=equation)
+    eager = {
+        "another order": lambda: torch.einsum("bijl,lk->bikj", x, w),
+        "batched matrix": lambda: torch.einsum("bijl,blk->bijk", x, w.expand(2, 5, 6)),
+        "diagonal": lambda: torch.einsum("biil,lk->bik", x[:, :, :3, :].expand(2, 3, 3, 5), w),
+        "three operands": lambda: torch.einsum("bijl,lk,k->bij", x, w, v),
+        "contracted twice": lambda: torch.einsum("bijl,jl->bi", x, u),
+        "sizes refused": lambda: torch.einsum("bijl,lk->bijk", x, u),
+    }
+    for name, call in eager.items():
+        expected = _outcome(call)
+        with kernels.fp32_gemm():
+            names = ops_called(lambda: _outcome(call))
+            got = _outcome(call)
+        assert not any("kernels.gemm_multiply_leaky_relu" in n for n in names), (name, names)
+        if isinstance(expected, torch.Tensor):
+            assert torch.equal(got, expected), name
+        else:
+            assert got is expected, (name, got, expected)
 
 
 # ---- the shapes real models bring, on the GPU ------------------------------------------------------------------------
