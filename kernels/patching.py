@@ -12,10 +12,8 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
-import collections
 import contextlib
 import math
-import string
 import sys
 
 import torch
@@ -1000,7 +998,7 @@ def _addmm_operands(input, mat1, mat2, *deprecated, beta=1, alpha=1, **options):
     return None
 
 
-_EINSUM_LETTERS = frozenset(string.ascii_letters)
+_EINSUM_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")  # einsum's subscripts
 
 
 def _einsum_subscripts(subscripts):
@@ -1026,7 +1024,11 @@ def _einsum_operands(equation, *operands, **options):
     x, matrix = operands
     if not (isinstance(x, torch.Tensor) and isinstance(matrix, torch.Tensor) and _plain(x, matrix)):
         return None
-    inputs, arrow, output = equation.replace(" ", "").partition("->")
+    squeezed = equation.replace(" ", "")
+    # einsum ignores spaces between subscripts, but refuses them inside an ellipsis or an arrow
+    if any(squeezed.count(token) != equation.count(token) for token in ("...", "->")):
+        return None
+    inputs, arrow, output = squeezed.partition("->")
     parts = inputs.split(",")
     if len(parts) != 2:
         return None
@@ -1034,8 +1036,8 @@ def _einsum_operands(equation, *operands, **options):
     if a is None or b is None or len(b) != 2 or "..." in b or not a or a[-1] == "...":
         return None
     if not arrow:  # the implicit output: the ellipsis, then the letters that appear once, in alphabetical order
-        counts = collections.Counter(item for item in a + b if item != "...")
-        output = "".join(["..."] * ("..." in a) + sorted(item for item, count in counts.items() if count == 1))
+        once = sorted(item for item in set(a + b) if item != "..." and (a + b).count(item) == 1)
+        output = "".join(["..."] * ("..." in a) + once)
     out = _einsum_subscripts(output)
     contracted = a[-1]
     if out is None or contracted not in b or contracted in out:

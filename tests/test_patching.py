@@ -1591,6 +1591,8 @@ def test_fp32_gemm_mode_einsum_forms(monkeypatch):
         "three operands": lambda: torch.einsum("bijl,lk,k->bij", x, w, v),
         "contracted twice": lambda: torch.einsum("bijl,jl->bi", x, u),
         "sizes refused": lambda: torch.einsum("bijl,lk->bijk", x, u),
+        "a space in the ellipsis": lambda: torch.einsum("bij. ..l,lk->bij...k", x, w),
+        "a space in the arrow": lambda: torch.einsum("bijl,lk- >bijk", x, w),
     }
     for name, call in eager.items():
         expected = _outcome(call)
