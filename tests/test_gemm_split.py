@@ -496,6 +496,36 @@ def test_row_split_staged_is_the_generic_one(sweep, cols):
             assert (padding == 0).all()
 
 
+@requires_cuda
+@pytest.mark.parametrize("rows,cols,row_stride", [(4096, 1024, 1024), (12608, 768, 768), (8200, 1000, 1024)])
+def test_column_split_staged_is_the_read_twice_one(rows, cols, row_stride):
+    # Matrices whose column tiles fit the resident grid take the staged kernel (each element read once, held in shared
+    # memory between the maxima and the split): bit for bit the kernel that reads each element twice, with columns far
+    # from 1, non-finite values, rows and columns past the tiles' ends (8200 x 1000) and rows further apart than
+    # their length (a view of a wider matrix).
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    src = torch.randn(rows, row_stride, device="cuda", generator=g)[:, :cols]
+    src[:, 1] *= 1e-30
+    src[:, 130] *= 1e30
+    src[rows // 2, 5] = float("inf")
+    src[rows - 1, 700] = float("nan")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        split = torch.ops.kernels._gemm_split_sweep(src, "columns")
+        torch.cuda.synchronize()
+    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("split_columns_staged_kernel" in name for name in kernels), kernels
+    twice = torch.ops.kernels._gemm_split_sweep(src, "columns_read_twice")
+    for got, want in zip(split, twice):  # as bytes: the NaN column's sum is NaN in both
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    values, padding = split_sweep_values(*split[:3], rows)
+    exact = src.t().double()
+    finite = torch.ones(cols, dtype=torch.bool, device="cuda")
+    finite[[5, 700]] = False
+    assert (split[2][~finite] == split[2].max()).all()  # flagged: kNonFiniteRow
+    assert ((values - exact).abs() <= exact.abs().amax(1, keepdim=True) * 2.0 ** -21)[finite].all()
+    assert (padding == 0).all()
+
+
 @pytest.mark.parametrize("src,sweep,message", [
     (torch.zeros(4, 8), "diagonal", "sweep must be one of"),
     (torch.zeros(2, 4, 8), "rows", "2-D float32"),

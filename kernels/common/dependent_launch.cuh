@@ -76,23 +76,37 @@ cudaError_t raise_shared_memory_limit(int device, std::size_t bytes) {
 }
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...) on the current device, as a programmatic dependent launch
-// where the device takes one. Returns the launch's error.
+// where the device takes one; `cooperative`: all of the grid's blocks resident at once, or no launch
+// (cudaErrorCooperativeLaunchTooLarge), for a kernel whose blocks wait for each other. Returns the launch's error.
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes,
-                             cudaStream_t stream, Args... args) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch_dependent_as(bool cooperative, void (*kernel)(Params...), dim3 grid, dim3 block,
+                                std::size_t shared_bytes, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (dependent_launch_supported()) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cooperative) {
+    attributes[count].id = cudaLaunchAttributeCooperative;
+    attributes[count++].val.cooperative = 1;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = dependent_launch_supported() ? 1 : 0;
+  config.attrs = attributes;
+  config.numAttrs = count;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
   if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by a later launch's check
   return err;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes,
+                             cudaStream_t stream, Args... args) {
+  return launch_dependent_as(false, kernel, grid, block, shared_bytes, stream, args...);
 }
 
 }  // namespace kernels

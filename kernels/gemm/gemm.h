@@ -93,10 +93,12 @@ bool split_rows_gelu_backward_supported(std::int64_t rows, std::int64_t cols, co
 // exponent[c]; column_sums[c] (if not null) gets the column's float32 sum (compensated, in a fixed order: the same
 // bits on every run). For the products of the backward, whose reduction runs down the columns of grad_pre.
 // workspace: split_columns_workspace_bytes(rows, cols) bytes of device memory, 16-byte aligned, any contents, not used
-// by another launch on another stream meanwhile. hi and lo 4-byte aligned (cudaErrorInvalidValue else).
+// by another launch on another stream meanwhile. hi and lo 4-byte aligned (cudaErrorInvalidValue else). Each element
+// read once from DRAM where the matrix is 16-byte aligned and its tiles fit the device's resident grid, else (or where
+// staged is false: for tests) twice, the second time from L2; the same bits either way.
 cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                                  void* hi, void* lo, std::int32_t* exponent, float* column_sums, void* workspace,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, bool staged = true);
 
 // The bytes of workspace launch_split_columns needs for a rows x cols matrix (about 1/32 of its float32 bytes).
 std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols);

@@ -318,14 +318,18 @@ int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k) {
 //   "rows", "rows_natural": launch_split_rows of src (x's split; split_position's order or k's) -> hi, lo, exponent;
 //   "rows_read_twice", "rows_natural_read_twice": the same by the generic kernels for rows not held in registers
 //   "columns": launch_split_columns of src (grad_pre's for grad_W) -> hi, lo, exponent, column sums
+//   "columns_read_twice": the same by the kernel that reads each element twice (the one for matrices the staged
+//   kernel does not take)
 //   "chunks", "chunks_natural": launch_split_chunks of src as w (n x k) -> hi, lo, chunk exponents, row flags
 //   "chunks_transposed": launch_split_chunks of w given as its transpose (src k x n) -> the same
 std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep) {
   static const char* const kSweeps[] = {"rows", "rows_natural", "rows_read_twice", "rows_natural_read_twice",
-                                        "columns", "chunks", "chunks_natural", "chunks_transposed"};
+                                        "columns", "columns_read_twice", "chunks", "chunks_natural",
+                                        "chunks_transposed"};
   TORCH_CHECK(std::find(std::begin(kSweeps), std::end(kSweeps), sweep) != std::end(kSweeps),
               "kernels._gemm_split_sweep: sweep must be one of rows, rows_natural, rows_read_twice, "
-              "rows_natural_read_twice, columns, chunks, chunks_natural, chunks_transposed, got '", sweep, "'");
+              "rows_natural_read_twice, columns, columns_read_twice, chunks, chunks_natural, chunks_transposed, got '",
+              sweep, "'");
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat,
               "kernels._gemm_split_sweep: src must be a 2-D float32 matrix, got a ", std::to_string(src.dim()),
               "-D ", common::dtype_str(src.scalar_type()), " tensor");
@@ -338,9 +342,9 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
   const auto half = src.options().dtype(at::kHalf);
   const auto int32 = src.options().dtype(at::kInt);
-  if (sweep.rfind("rows", 0) == 0 || sweep == "columns") {
+  if (sweep.rfind("rows", 0) == 0 || sweep.rfind("columns", 0) == 0) {
     const at::Tensor s = src.stride(1) == 1 ? src : src.contiguous();  // as split_fp16_product gives it
-    const bool columns = sweep == "columns";
+    const bool columns = sweep.rfind("columns", 0) == 0;
     const int64_t rows = s.size(columns ? 1 : 0), length = split_row_length(s.size(columns ? 0 : 1));
     at::Tensor hi = at::empty({rows, length}, half), lo = at::empty({rows, length}, half);
     at::Tensor exponent = at::empty({rows}, int32);
@@ -358,7 +362,7 @@ std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::strin
     check_launch(launch_split_columns(s.const_data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
                                       hi.mutable_data_ptr(), lo.mutable_data_ptr(),
                                       exponent.mutable_data_ptr<int32_t>(), sums.mutable_data_ptr<float>(),
-                                      workspace.mutable_data_ptr(), stream),
+                                      workspace.mutable_data_ptr(), stream, sweep == "columns"),
                  "split (columns)");
     return {hi, lo, exponent, sums};
   }

@@ -52,9 +52,32 @@ std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols)
   return column_split_layout(rows, cols).bytes;
 }
 
+// The grid of split_columns_staged_kernel on `device` (the current one): as many blocks as its multiprocessors hold at
+// once, its shared-memory limit raised once; 0 where a block's shared memory cannot hold its slots or a query fails.
+std::int64_t staged_column_blocks(int device) {
+  const std::optional<std::int64_t> blocks = once_per_device(device, [](int d) -> std::optional<std::int64_t> {
+    int block_limit = 0, per_multiprocessor = 0, multiprocessors = 0;
+    if (cudaDeviceGetAttribute(&block_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, d) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query leaves no error for a later launch's check to report
+      return std::nullopt;
+    }
+    if (static_cast<std::size_t>(block_limit) < sizeof(StagedColumnShared)) return 0;
+    if (raise_shared_memory_limit<split_columns_staged_kernel>(d, sizeof(StagedColumnShared)) != cudaSuccess)
+      return std::nullopt;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, split_columns_staged_kernel,
+                                                      kColumnTileThreads, sizeof(StagedColumnShared)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    return std::int64_t{per_multiprocessor} * multiprocessors;
+  });
+  return blocks.value_or(0);
+}
+
 cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
                                  void* hi, void* lo, std::int32_t* exponent, float* column_sums, void* workspace,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, bool staged) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const ColumnSplitLayout layout = column_split_layout(rows, cols);
   const std::int64_t items = layout.tiles * layout.slabs;
@@ -63,10 +86,24 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
     return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(workspace, 0, layout.counters_bytes, stream);
   if (err != cudaSuccess) return err;
-  // B items at least a whole column tile of slabs behind A's (column_item: a B block waits only on earlier blocks).
-  const std::int64_t lag = layout.slabs + kColumnLagItems, lag_items = lag < items ? lag : items;
   const bool aligned =
       cols % 4 == 0 && row_stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
+  if (staged && aligned) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError();
+    const std::int64_t blocks = staged_column_blocks(device);
+    // Each tile within two rounds of the grid (the kernel's condition), and a round of items at least (fewer are
+    // split faster by the kernel below).
+    if (blocks > 0 && layout.slabs <= blocks && items >= blocks) {
+      err = launch_dependent_as(true, split_columns_staged_kernel, dim3(static_cast<unsigned>(blocks)),
+                                dim3(kColumnTileThreads), sizeof(StagedColumnShared), stream, src, rows, cols,
+                                row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums,
+                                static_cast<unsigned char*>(workspace));
+      if (err != cudaErrorCooperativeLaunchTooLarge) return err;  // else not all resident here: the kernel below
+    }
+  }
+  // B items at least a whole column tile of slabs behind A's (column_item: a B block waits only on earlier blocks).
+  const std::int64_t lag = layout.slabs + kColumnLagItems, lag_items = lag < items ? lag : items;
   const auto kernel = aligned ? split_columns_kernel<true> : split_columns_kernel<false>;
   return launch_dependent(kernel, dim3(static_cast<unsigned>(2 * items)), dim3(kColumnTileThreads), 0, stream, src,
                           rows, cols, row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent,

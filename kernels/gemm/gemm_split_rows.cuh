@@ -536,5 +536,205 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
   if (threadIdx.x == 0) arrive(arrivals + tile);
 }
 
+// The column split with each item read from DRAM once (launch_split_columns where the whole grid is resident): a
+// persistent block holds its items in a ring of kStagedColumnSlots shared-memory slots, loading two ahead, running
+// an item's A phase one item ahead of its B phase; tile t's sums by block t mod blocks after its last item. A and B
+// compute what split_columns_kernel's blocks do, in the same order: the same bits. A block's B waits for A phases of
+// other blocks at most one of their items ahead, so every tile must lie within two rounds of the grid (slabs <=
+// blocks) and every block must be resident (a cooperative launch).
+constexpr int kStagedColumnSlots = 3;
+constexpr int kStagedItemPacks = kColumnTileRows * kColumnTileColumns / 4;  // packs of 4 floats per item (32 KB)
+
+struct StagedColumnShared {
+  float4 slot[kStagedColumnSlots][kStagedItemPacks];
+  float2 partial_sums[kColumnTileWarps][kColumnTileColumns];  // A: each warp's compensated sums, maxima and flags
+  float partial_max[kColumnTileWarps][kColumnTileColumns];
+  unsigned char partial_bad[kColumnTileWarps][kColumnTileColumns];
+  float2 half_sums[kColumnTileColumns];
+  PowerOfTwo scale[kColumnTileColumns];  // B: the tile's columns' scales
+};
+
+// A slot's place for pack q (columns 4q .. 4q + 3) of the item's row r, swizzled: a warp reading one row's 32 packs
+// (A) and one reading a pack of rows 2l and 2l + 1 (B) are both free of bank conflicts.
+__device__ __forceinline__ int staged_column_pack(int r, int q) { return r * 32 + (q ^ ((r >> 1) & 7)); }
+
+// Starts the loads of item `index` into `slot` (16 bytes a copy, zeros outside the matrix; aligned matrices only).
+__device__ __forceinline__ void stage_column_item(float4* slot, const float* __restrict__ src, std::int64_t rows,
+                                                  std::int64_t cols, std::int64_t row_stride, std::int64_t slabs,
+                                                  std::int64_t index) {
+  const std::int64_t first_column = index / slabs * kColumnTileColumns, first_row = index % slabs * kColumnTileRows;
+  const int q = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kStagedItemPacks / kColumnTileThreads; ++j) {
+    const int r = threadIdx.x / 32 + kColumnTileWarps * j;
+    const std::int64_t row = first_row + r, column = first_column + 4 * q;
+    const bool in_range = row < rows && column < cols;
+    const float* from = src + (in_range ? row * row_stride + column : 0);
+    float4* to = slot + staged_column_pack(r, q);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(to))),
+                 "l"(from), "r"(in_range ? 16 : 0) : "memory");
+#else
+    *to = in_range ? *reinterpret_cast<const float4*>(from) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#endif
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until the thread's loads have arrived, but for the last item's where `but_last` (the caller then syncs the
+// block).
+__device__ __forceinline__ void wait_for_staged_items(bool but_last) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (but_last)
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  else
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+__global__ void __launch_bounds__(kColumnTileThreads, 2)
+split_columns_staged_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
+                            std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
+                            std::int32_t* __restrict__ exponent, float* __restrict__ column_sums,
+                            unsigned char* __restrict__ workspace) {
+  wait_for_previous_grid();  // launched with a programmatic dependency where the device takes one
+  allow_next_grid();
+  extern __shared__ __align__(16) unsigned char staged_bytes[];
+  StagedColumnShared& shared = *reinterpret_cast<StagedColumnShared*>(staged_bytes);
+  const ColumnSplitLayout layout = column_split_layout(rows, cols);
+  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace);
+  unsigned* const max_bits = reinterpret_cast<unsigned*>(workspace + layout.max_offset);
+  unsigned* const bad = reinterpret_cast<unsigned*>(workspace + layout.bad_offset);
+  float2* const sums = reinterpret_cast<float2*>(workspace + layout.sums_offset);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t items = layout.tiles * layout.slabs, blocks = gridDim.x;
+  const std::int64_t mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / blocks + 1 : 0;
+  const auto item_of = [&](std::int64_t k) { return blockIdx.x + k * blocks; };  // the block's k-th item
+  const auto stage = [&](std::int64_t k) {
+    stage_column_item(shared.slot[k % kStagedColumnSlots], src, rows, cols, row_stride, layout.slabs, item_of(k));
+  };
+
+  // A (split_columns_kernel's): the item's columns' maxima and flags into the workspace, its compensated sums, its
+  // tile's arrival.
+  const auto fold_item = [&](std::int64_t k) {
+    const std::int64_t index = item_of(k), tile = index / layout.slabs;
+    const float4* slot = shared.slot[k % kStagedColumnSlots];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float max_abs = 0.0f, sum = 0.0f, error = 0.0f, plain_sum = 0.0f;
+      bool non_finite = false;
+#pragma unroll
+      for (int i = 0; i < kColumnTilePairsPerWarp; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float v = element(slot[staged_column_pack(2 * (warp + kColumnTileWarps * i) + h, lane)], e);
+          fold(v, max_abs, non_finite);
+          const float next = sum + v, v_part = next - sum;
+          error += (sum - (next - v_part)) + (v - v_part);
+          sum = next;
+          plain_sum += v;
+        }
+      }
+      const bool finite = is_finite(sum);
+      shared.partial_sums[warp][4 * lane + e] = make_float2(finite ? sum : plain_sum, finite ? error : 0.0f);
+      shared.partial_max[warp][4 * lane + e] = max_abs;
+      shared.partial_bad[warp][4 * lane + e] = non_finite;
+    }
+    __syncthreads();
+    if (threadIdx.x < kColumnTileColumns) {
+      const float2 first = shared.partial_sums[0][threadIdx.x];
+      float max_abs = shared.partial_max[0][threadIdx.x];
+      CompensatedSum sum{first.x, first.y};
+      bool non_finite = shared.partial_bad[0][threadIdx.x] != 0;
+#pragma unroll
+      for (int w = 1; w < kColumnTileWarps; ++w) {
+        max_abs = fmaxf(max_abs, shared.partial_max[w][threadIdx.x]);
+        add(sum, shared.partial_sums[w][threadIdx.x]);
+        non_finite |= shared.partial_bad[w][threadIdx.x] != 0;
+      }
+      const std::int64_t at = tile * kColumnTileColumns + threadIdx.x;
+      if (max_abs > 0.0f) atomicMax(max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as bits
+      if (non_finite) atomicOr(bad + at, 1u);
+      sums[index * kColumnTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
+    }
+    __syncthreads();  // the partials free again; the writes above, then (thread 0's release) the arrival
+    if (threadIdx.x == 0) arrive(arrivals + tile);
+  };
+
+  // B (split_columns_kernel's): once the tile's A phases have all arrived, the item's split from its slot, each warp
+  // a pack of 4 columns at a time, each lane a pair of rows: 128 bytes of hi and of lo per column.
+  const auto split_item = [&](std::int64_t k) {
+    const std::int64_t index = item_of(k), tile = index / layout.slabs;
+    const std::int64_t first_column = tile * kColumnTileColumns, first_row = index % layout.slabs * kColumnTileRows;
+    const float4* slot = shared.slot[k % kStagedColumnSlots];
+    if (threadIdx.x == 0)
+      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
+    __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A phases' writes
+    if (threadIdx.x < kColumnTileColumns)
+      shared.scale[threadIdx.x] =
+          power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + threadIdx.x))));
+    __syncthreads();
+    const std::int64_t length = split_row_length(rows);
+#pragma unroll
+    for (int j = 0; j < kColumnTileColumns / 4 / kColumnTileWarps; ++j) {
+      const int q = warp + kColumnTileWarps * j;
+      const float4 v0 = slot[staged_column_pack(2 * lane, q)], v1 = slot[staged_column_pack(2 * lane + 1, q)];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t column = first_column + 4 * q + e;
+        if (column >= cols) break;
+        const SplitPair split = split_pair(clean(element(v0, e)), clean(element(v1, e)), shared.scale[4 * q + e]);
+        const std::int64_t at = column * length + first_row;
+        __stcs(reinterpret_cast<unsigned*>(hi + at) + lane, bits(split.hi));
+        __stcs(reinterpret_cast<unsigned*>(lo + at) + lane, bits(split.lo));
+      }
+    }
+    __syncthreads();  // the slot and the scales free again
+  };
+
+  // At step k the slots hold items k (split), k + 1 (folded) and k + 2 (loading).
+  for (std::int64_t k = 0; k < 2; ++k)
+    if (k < mine) stage(k);
+  if (mine > 0) {
+    wait_for_staged_items(mine > 1);
+    __syncthreads();
+    fold_item(0);
+  }
+  for (std::int64_t k = 0; k < mine; ++k) {
+    if (k + 2 < mine) stage(k + 2);
+    wait_for_staged_items(k + 2 < mine);
+    __syncthreads();
+    if (k + 1 < mine) fold_item(k + 1);
+    split_item(k);
+  }
+
+  // Tile t's column sums, exponents and flags (split_columns_kernel's first B block's), by block t mod blocks: the
+  // slabs' sums added in slab order in two halves, then the halves in order.
+  for (std::int64_t tile = blockIdx.x; tile < layout.tiles; tile += blocks) {
+    if (threadIdx.x == 0)
+      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
+    __syncthreads();
+    const int column_in_tile = threadIdx.x % kColumnTileColumns, half = threadIdx.x / kColumnTileColumns;
+    const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
+    const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
+    const float2* from = sums + tile * layout.slabs * kColumnTileColumns + column_in_tile;
+    CompensatedSum sum{0.0f, 0.0f};
+#pragma unroll 16
+    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kColumnTileColumns));
+    if (half == 1) shared.half_sums[column_in_tile] = make_float2(sum.total, sum.error);
+    __syncthreads();
+    const std::int64_t column = tile * kColumnTileColumns + column_in_tile;
+    if (half == 0 && column < cols) {
+      add(sum, shared.half_sums[column_in_tile]);
+      const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
+      exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
+      if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;  // IEEE's
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
 }  // namespace kernels::gemm
