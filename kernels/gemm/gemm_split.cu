@@ -53,7 +53,8 @@ std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols)
 }
 
 // The grid of split_columns_staged_kernel on `device` (the current one): as many blocks as its multiprocessors hold at
-// once, its shared-memory limit raised once; 0 where a block's shared memory cannot hold its slots or a query fails.
+// once, its shared-memory limit raised once; 0 where a multiprocessor holds fewer than two (one block alone lost to the
+// kernel that reads twice: NOTES.md) or a query fails.
 std::int64_t staged_column_blocks(int device) {
   const std::optional<std::int64_t> blocks = once_per_device(device, [](int d) -> std::optional<std::int64_t> {
     int block_limit = 0, per_multiprocessor = 0, multiprocessors = 0;
@@ -70,7 +71,7 @@ std::int64_t staged_column_blocks(int device) {
       (void)cudaGetLastError();
       return std::nullopt;
     }
-    return std::int64_t{per_multiprocessor} * multiprocessors;
+    return per_multiprocessor >= 2 ? std::int64_t{per_multiprocessor} * multiprocessors : 0;
   });
   return blocks.value_or(0);
 }

@@ -122,6 +122,14 @@ def gemm_cases():
             for name, got, expected in zip(("y", "grad x", "grad weight"), ours, eager):
                 check(f"gemm plain {path} {m}x{k}->{n}{' transposed' if transposed else ''} {name}", got, expected,
                       tol=1e-3)
+    # grad_W's column split where the staged kernel takes it (a round of items of its resident grid at least: 4096 x
+    # 640 on a GPU of up to 160 multiprocessors), with a non-finite value: the kernel that reads twice, bit for bit.
+    src = torch.randn(4096, 640, device="cuda")
+    src[100, 7] = float("inf")
+    staged = torch.ops.kernels._gemm_split_sweep(src, "columns")
+    for name, got, expected in zip(("hi", "lo", "exponent", "sums"), staged,
+                                   torch.ops.kernels._gemm_split_sweep(src, "columns_read_twice")):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), f"column split staged: {name}"
 
 
 def causal_softmax_cases():
