@@ -431,69 +431,37 @@ __device__ __forceinline__ unsigned arrived(const unsigned* counter) {
   return value;
 }
 
-template <bool kAligned>
-__global__ void __launch_bounds__(kColumnTileThreads)
-split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
-                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
-                     float* __restrict__ column_sums, unsigned char* __restrict__ workspace, std::int64_t lag) {
-  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
-  allow_next_grid();
-  static_assert(kColumnTileThreads == 2 * kColumnTileColumns, "the sums are added in two halves of the slabs");
-  union Shared {
-    ColumnTileStage stage;
-    float4 partials[kColumnTileWarps][kColumnTileColumns];  // a thread's max, sum (total, error) and flag per column
-  };
-  __shared__ Shared shared;
-  __shared__ float2 half_sums[kColumnTileColumns];
-  const ColumnSplitLayout layout = column_split_layout(rows, cols);
-  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace);
-  unsigned* const max_bits = reinterpret_cast<unsigned*>(workspace + layout.max_offset);
-  unsigned* const bad = reinterpret_cast<unsigned*>(workspace + layout.bad_offset);
-  float2* const sums = reinterpret_cast<float2*>(workspace + layout.sums_offset);
+// What both column-split kernels do with an item and a tile, in one order (the same bits): the workspace's pointers,
+// each warp's partials of an A phase, the A phase's fold and publication, the B phase's wait and stores, and a tile's
+// sums.
+struct ColumnWorkspace {
+  ColumnSplitLayout layout;
+  unsigned* arrivals;  // per tile
+  unsigned* max_bits;  // per column: the largest finite |v|, as float bits
+  unsigned* bad;       // per column: a non-finite value seen
+  float2* sums;        // per item and column: the compensated sum (total, error)
+
+  __device__ ColumnWorkspace(std::int64_t rows, std::int64_t cols, unsigned char* workspace)
+      : layout(column_split_layout(rows, cols)),
+        arrivals(reinterpret_cast<unsigned*>(workspace)),
+        max_bits(reinterpret_cast<unsigned*>(workspace + layout.max_offset)),
+        bad(reinterpret_cast<unsigned*>(workspace + layout.bad_offset)),
+        sums(reinterpret_cast<float2*>(workspace + layout.sums_offset)) {}
+};
+
+struct ColumnPartials {
+  float2 sums[kColumnTileWarps][kColumnTileColumns];
+  float max_abs[kColumnTileWarps][kColumnTileColumns];
+  unsigned char bad[kColumnTileWarps][kColumnTileColumns];
+};
+
+// A, per thread: the compensated sums over its 8 rows of its 4 columns (rows 2 (warp + kColumnTileWarps i) + h, as
+// row_pair(i, h) gives them), in row order, each add's rounding error kept exactly (Knuth's two-sum: Kahan's drops
+// some where a value outweighs the running sum, as it often does over 8 rows); the plain sums beside them give IEEE's
+// inf or NaN where a value is not finite or a sum overflows.
+template <typename RowPair>
+__device__ __forceinline__ void fold_column_values(RowPair row_pair, ColumnPartials& partials) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const ColumnItem item = column_item(blockIdx.x, layout.tiles * layout.slabs, lag);
-  const std::int64_t tile = item.index / layout.slabs, slab = item.index % layout.slabs;
-  const std::int64_t first_column = tile * kColumnTileColumns, first_row = slab * kColumnTileRows;
-
-  if (item.split) {
-    const ColumnTile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
-    if (threadIdx.x == 0)
-      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
-    __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A blocks' writes
-    PowerOfTwo scale[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      scale[e] = power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + 4 * lane + e))));
-    stage_split(values, scale, shared.stage);
-    __syncthreads();
-    store_tile(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
-    if (slab != 0) return;
-
-    // The tile's first B block: each column's slab sums added in slab order, in two halves, then the halves in order.
-    const int column_in_tile = threadIdx.x % kColumnTileColumns, half = threadIdx.x / kColumnTileColumns;
-    const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
-    const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
-    const float2* from = sums + tile * layout.slabs * kColumnTileColumns + column_in_tile;
-    CompensatedSum sum{0.0f, 0.0f};
-#pragma unroll 8
-    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kColumnTileColumns));
-    if (half == 1) half_sums[column_in_tile] = make_float2(sum.total, sum.error);
-    __syncthreads();
-    const std::int64_t column = first_column + column_in_tile;
-    if (half == 0 && column < cols) {
-      add(sum, half_sums[column_in_tile]);
-      const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
-      exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
-      // An inf or NaN total is IEEE's, as the plain sums'.
-      if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;
-    }
-    return;
-  }
-
-  // A: each thread's compensated sums over its 8 rows of its 4 columns, in row order, each add's rounding error kept
-  // exactly (Knuth's two-sum: Kahan's drops some where a value outweighs the running sum, as it often does over 8
-  // rows); the plain sums beside them give IEEE's inf or NaN where a value is not finite or a sum overflows.
-  const ColumnTile values = load_tile<kAligned, false>(src, rows, cols, row_stride, first_row, first_column);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     float max_abs = 0.0f, sum = 0.0f, error = 0.0f, plain_sum = 0.0f;
@@ -502,7 +470,7 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
     for (int i = 0; i < kColumnTilePairsPerWarp; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float v = element(values.v[i][h], e);
+        const float v = element(row_pair(i, h), e);
         fold(v, max_abs, non_finite);
         const float next = sum + v, v_part = next - sum;
         error += (sum - (next - v_part)) + (v - v_part);
@@ -511,45 +479,126 @@ split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int6
       }
     }
     const bool finite = is_finite(sum);
-    shared.partials[warp][4 * lane + e] = make_float4(max_abs, finite ? sum : plain_sum, finite ? error : 0.0f,
-                                                      non_finite ? 1.0f : 0.0f);
+    partials.sums[warp][4 * lane + e] = make_float2(finite ? sum : plain_sum, finite ? error : 0.0f);
+    partials.max_abs[warp][4 * lane + e] = max_abs;
+    partials.bad[warp][4 * lane + e] = non_finite;
   }
+}
+
+// A, per block, after fold_column_values: the warps' partials combined in warp order, the columns' maxima and flags
+// folded into the workspace (atomics: order-independent), the item's sums written, then its tile's arrival.
+__device__ __forceinline__ void publish_column_item(const ColumnPartials& partials, const ColumnWorkspace& work,
+                                                   std::int64_t index) {
+  const std::int64_t tile = index / work.layout.slabs;
   __syncthreads();
   if (threadIdx.x < kColumnTileColumns) {
-    const float4 first = shared.partials[0][threadIdx.x];
-    float max_abs = first.x;
-    CompensatedSum sum{first.y, first.z};
-    bool non_finite = first.w != 0.0f;
+    const float2 first = partials.sums[0][threadIdx.x];
+    float max_abs = partials.max_abs[0][threadIdx.x];
+    CompensatedSum sum{first.x, first.y};
+    bool non_finite = partials.bad[0][threadIdx.x] != 0;
 #pragma unroll
     for (int w = 1; w < kColumnTileWarps; ++w) {
-      const float4 part = shared.partials[w][threadIdx.x];
-      max_abs = fmaxf(max_abs, part.x);
-      add(sum, make_float2(part.y, part.z));
-      non_finite |= part.w != 0.0f;
+      max_abs = fmaxf(max_abs, partials.max_abs[w][threadIdx.x]);
+      add(sum, partials.sums[w][threadIdx.x]);
+      non_finite |= partials.bad[w][threadIdx.x] != 0;
     }
-    const std::int64_t at = first_column + threadIdx.x;
-    if (max_abs > 0.0f) atomicMax(max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as their bits
-    if (non_finite) atomicOr(bad + at, 1u);
-    sums[item.index * kColumnTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
+    const std::int64_t at = tile * kColumnTileColumns + threadIdx.x;
+    if (max_abs > 0.0f) atomicMax(work.max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as bits
+    if (non_finite) atomicOr(work.bad + at, 1u);
+    work.sums[index * kColumnTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
   }
-  __syncthreads();  // the block's writes above, then (thread 0's release) its arrival
-  if (threadIdx.x == 0) arrive(arrivals + tile);
+  __syncthreads();  // the partials free again; the writes above, then (thread 0's release) the arrival
+  if (threadIdx.x == 0) arrive(work.arrivals + tile);
+}
+
+// B: waits until all of the tile's A phases have arrived (thread 0's acquire, then the block's barrier, orders the
+// reads after their writes).
+__device__ __forceinline__ void wait_for_column_tile(const ColumnWorkspace& work, std::int64_t tile) {
+  if (threadIdx.x == 0)
+    while (arrived(work.arrivals + tile) != work.layout.slabs) __nanosleep(64);
+  __syncthreads();
+}
+
+// The scale of `column` once its tile has arrived.
+__device__ __forceinline__ PowerOfTwo column_scale(const ColumnWorkspace& work, std::int64_t column) {
+  return power_of_two(scale_exponent(__uint_as_float(__ldcg(work.max_bits + column))));
+}
+
+// A tile's end, once it has arrived: each column's slab sums added in slab order in two halves (a thread each), then
+// the halves in order (half_sums: kColumnTileColumns in shared memory), its exponent and flag, its sum.
+__device__ __forceinline__ void finish_column_tile(const ColumnWorkspace& work, std::int64_t tile, std::int64_t cols,
+                                                   std::int32_t* __restrict__ exponent,
+                                                   float* __restrict__ column_sums, float2* half_sums) {
+  static_assert(kColumnTileThreads == 2 * kColumnTileColumns, "the sums are added in two halves of the slabs");
+  const std::int64_t slabs = work.layout.slabs;
+  const int column_in_tile = threadIdx.x % kColumnTileColumns, half = threadIdx.x / kColumnTileColumns;
+  const std::int64_t half_slabs = (slabs + 1) / 2, begin = half * half_slabs;
+  const std::int64_t end = begin + half_slabs < slabs ? begin + half_slabs : slabs;
+  const float2* from = work.sums + tile * slabs * kColumnTileColumns + column_in_tile;
+  CompensatedSum sum{0.0f, 0.0f};
+#pragma unroll 16
+  for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kColumnTileColumns));
+  if (half == 1) half_sums[column_in_tile] = make_float2(sum.total, sum.error);
+  __syncthreads();
+  const std::int64_t column = tile * kColumnTileColumns + column_in_tile;
+  if (half == 0 && column < cols) {
+    add(sum, half_sums[column_in_tile]);
+    const int e = scale_exponent(__uint_as_float(__ldcg(work.max_bits + column)));
+    exponent[column] = __ldcg(work.bad + column) != 0 ? kNonFiniteRow : e;
+    // An inf or NaN total is IEEE's, as the plain sums'.
+    if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;
+  }
+  __syncthreads();  // half_sums free again
+}
+
+template <bool kAligned>
+__global__ void __launch_bounds__(kColumnTileThreads)
+split_columns_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                     __half* __restrict__ hi, __half* __restrict__ lo, std::int32_t* __restrict__ exponent,
+                     float* __restrict__ column_sums, unsigned char* __restrict__ workspace, std::int64_t lag) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
+  union Shared {
+    ColumnTileStage stage;
+    ColumnPartials partials;
+  };
+  __shared__ Shared shared;
+  __shared__ float2 half_sums[kColumnTileColumns];
+  const ColumnWorkspace work(rows, cols, workspace);
+  const int lane = threadIdx.x % 32;
+  const ColumnItem item = column_item(blockIdx.x, work.layout.tiles * work.layout.slabs, lag);
+  const std::int64_t tile = item.index / work.layout.slabs, slab = item.index % work.layout.slabs;
+  const std::int64_t first_column = tile * kColumnTileColumns, first_row = slab * kColumnTileRows;
+
+  if (item.split) {
+    const ColumnTile values = load_tile<kAligned, true>(src, rows, cols, row_stride, first_row, first_column);
+    wait_for_column_tile(work, tile);
+    PowerOfTwo scale[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) scale[e] = column_scale(work, first_column + 4 * lane + e);
+    stage_split(values, scale, shared.stage);
+    __syncthreads();
+    store_tile(shared.stage, hi, lo, split_row_length(rows), first_column, cols, first_row);
+    if (slab == 0) finish_column_tile(work, tile, cols, exponent, column_sums, half_sums);
+    return;
+  }
+
+  const ColumnTile values = load_tile<kAligned, false>(src, rows, cols, row_stride, first_row, first_column);
+  fold_column_values([&](int i, int h) { return values.v[i][h]; }, shared.partials);
+  publish_column_item(shared.partials, work, item.index);
 }
 
 // The column split with each item read from DRAM once (launch_split_columns where the whole grid is resident): a
 // persistent block holds its items in a ring of kStagedColumnSlots shared-memory slots, loading two ahead, running
-// an item's A phase one item ahead of its B phase; tile t's sums by block t mod blocks after its last item. A and B
-// compute what split_columns_kernel's blocks do, in the same order: the same bits. A block's B waits for A phases of
-// other blocks at most one of their items ahead, so every tile must lie within two rounds of the grid (slabs <=
-// blocks) and every block must be resident (a cooperative launch).
+// an item's A phase one item ahead of its B phase; tile t's sums by block t mod blocks after its last item. A block's
+// B waits for A phases of other blocks at most one of their items ahead, so every tile must lie within two rounds of
+// the grid (slabs <= blocks) and every block must be resident (a cooperative launch).
 constexpr int kStagedColumnSlots = 3;
 constexpr int kStagedItemPacks = kColumnTileRows * kColumnTileColumns / 4;  // packs of 4 floats per item (32 KB)
 
 struct StagedColumnShared {
   float4 slot[kStagedColumnSlots][kStagedItemPacks];
-  float2 partial_sums[kColumnTileWarps][kColumnTileColumns];  // A: each warp's compensated sums, maxima and flags
-  float partial_max[kColumnTileWarps][kColumnTileColumns];
-  unsigned char partial_bad[kColumnTileWarps][kColumnTileColumns];
+  ColumnPartials partials;
   float2 half_sums[kColumnTileColumns];
   PowerOfTwo scale[kColumnTileColumns];  // B: the tile's columns' scales
 };
@@ -603,78 +652,29 @@ split_columns_staged_kernel(const float* __restrict__ src, std::int64_t rows, st
   allow_next_grid();
   extern __shared__ __align__(16) unsigned char staged_bytes[];
   StagedColumnShared& shared = *reinterpret_cast<StagedColumnShared*>(staged_bytes);
-  const ColumnSplitLayout layout = column_split_layout(rows, cols);
-  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace);
-  unsigned* const max_bits = reinterpret_cast<unsigned*>(workspace + layout.max_offset);
-  unsigned* const bad = reinterpret_cast<unsigned*>(workspace + layout.bad_offset);
-  float2* const sums = reinterpret_cast<float2*>(workspace + layout.sums_offset);
+  const ColumnWorkspace work(rows, cols, workspace);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t items = layout.tiles * layout.slabs, blocks = gridDim.x;
+  const std::int64_t slabs = work.layout.slabs, items = work.layout.tiles * slabs, blocks = gridDim.x;
   const std::int64_t mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / blocks + 1 : 0;
   const auto item_of = [&](std::int64_t k) { return blockIdx.x + k * blocks; };  // the block's k-th item
-  const auto stage = [&](std::int64_t k) {
-    stage_column_item(shared.slot[k % kStagedColumnSlots], src, rows, cols, row_stride, layout.slabs, item_of(k));
-  };
+  const auto slot_of = [&](std::int64_t k) { return shared.slot[k % kStagedColumnSlots]; };
 
-  // A (split_columns_kernel's): the item's columns' maxima and flags into the workspace, its compensated sums, its
-  // tile's arrival.
+  // A: the item's maxima, flags and sums, from its slot.
   const auto fold_item = [&](std::int64_t k) {
-    const std::int64_t index = item_of(k), tile = index / layout.slabs;
-    const float4* slot = shared.slot[k % kStagedColumnSlots];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float max_abs = 0.0f, sum = 0.0f, error = 0.0f, plain_sum = 0.0f;
-      bool non_finite = false;
-#pragma unroll
-      for (int i = 0; i < kColumnTilePairsPerWarp; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float v = element(slot[staged_column_pack(2 * (warp + kColumnTileWarps * i) + h, lane)], e);
-          fold(v, max_abs, non_finite);
-          const float next = sum + v, v_part = next - sum;
-          error += (sum - (next - v_part)) + (v - v_part);
-          sum = next;
-          plain_sum += v;
-        }
-      }
-      const bool finite = is_finite(sum);
-      shared.partial_sums[warp][4 * lane + e] = make_float2(finite ? sum : plain_sum, finite ? error : 0.0f);
-      shared.partial_max[warp][4 * lane + e] = max_abs;
-      shared.partial_bad[warp][4 * lane + e] = non_finite;
-    }
-    __syncthreads();
-    if (threadIdx.x < kColumnTileColumns) {
-      const float2 first = shared.partial_sums[0][threadIdx.x];
-      float max_abs = shared.partial_max[0][threadIdx.x];
-      CompensatedSum sum{first.x, first.y};
-      bool non_finite = shared.partial_bad[0][threadIdx.x] != 0;
-#pragma unroll
-      for (int w = 1; w < kColumnTileWarps; ++w) {
-        max_abs = fmaxf(max_abs, shared.partial_max[w][threadIdx.x]);
-        add(sum, shared.partial_sums[w][threadIdx.x]);
-        non_finite |= shared.partial_bad[w][threadIdx.x] != 0;
-      }
-      const std::int64_t at = tile * kColumnTileColumns + threadIdx.x;
-      if (max_abs > 0.0f) atomicMax(max_bits + at, __float_as_uint(max_abs));  // non-negative floats order as bits
-      if (non_finite) atomicOr(bad + at, 1u);
-      sums[index * kColumnTileColumns + threadIdx.x] = make_float2(sum.total, sum.error);
-    }
-    __syncthreads();  // the partials free again; the writes above, then (thread 0's release) the arrival
-    if (threadIdx.x == 0) arrive(arrivals + tile);
+    const float4* slot = slot_of(k);
+    fold_column_values([&](int i, int h) { return slot[staged_column_pack(2 * (warp + kColumnTileWarps * i) + h, lane)]; },
+                       shared.partials);
+    publish_column_item(shared.partials, work, item_of(k));
   };
 
-  // B (split_columns_kernel's): once the tile's A phases have all arrived, the item's split from its slot, each warp
-  // a pack of 4 columns at a time, each lane a pair of rows: 128 bytes of hi and of lo per column.
+  // B: once the tile has arrived, the item's split from its slot, each warp a pack of 4 columns at a time, each lane
+  // a pair of rows: 128 bytes of hi and of lo per column, as store_tile writes them.
   const auto split_item = [&](std::int64_t k) {
-    const std::int64_t index = item_of(k), tile = index / layout.slabs;
-    const std::int64_t first_column = tile * kColumnTileColumns, first_row = index % layout.slabs * kColumnTileRows;
-    const float4* slot = shared.slot[k % kStagedColumnSlots];
-    if (threadIdx.x == 0)
-      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
-    __syncthreads();  // with thread 0's acquire, orders the reads below after the tile's A phases' writes
-    if (threadIdx.x < kColumnTileColumns)
-      shared.scale[threadIdx.x] =
-          power_of_two(scale_exponent(__uint_as_float(__ldcg(max_bits + first_column + threadIdx.x))));
+    const std::int64_t index = item_of(k), tile = index / slabs;
+    const std::int64_t first_column = tile * kColumnTileColumns, first_row = index % slabs * kColumnTileRows;
+    const float4* slot = slot_of(k);
+    wait_for_column_tile(work, tile);
+    if (threadIdx.x < kColumnTileColumns) shared.scale[threadIdx.x] = column_scale(work, first_column + threadIdx.x);
     __syncthreads();
     const std::int64_t length = split_row_length(rows);
 #pragma unroll
@@ -695,44 +695,23 @@ split_columns_staged_kernel(const float* __restrict__ src, std::int64_t rows, st
   };
 
   // At step k the slots hold items k (split), k + 1 (folded) and k + 2 (loading).
-  for (std::int64_t k = 0; k < 2; ++k)
-    if (k < mine) stage(k);
+  for (std::int64_t k = 0; k < 2 && k < mine; ++k)
+    stage_column_item(slot_of(k), src, rows, cols, row_stride, slabs, item_of(k));
   if (mine > 0) {
     wait_for_staged_items(mine > 1);
     __syncthreads();
     fold_item(0);
   }
   for (std::int64_t k = 0; k < mine; ++k) {
-    if (k + 2 < mine) stage(k + 2);
+    if (k + 2 < mine) stage_column_item(slot_of(k + 2), src, rows, cols, row_stride, slabs, item_of(k + 2));
     wait_for_staged_items(k + 2 < mine);
     __syncthreads();
     if (k + 1 < mine) fold_item(k + 1);
     split_item(k);
   }
-
-  // Tile t's column sums, exponents and flags (split_columns_kernel's first B block's), by block t mod blocks: the
-  // slabs' sums added in slab order in two halves, then the halves in order.
-  for (std::int64_t tile = blockIdx.x; tile < layout.tiles; tile += blocks) {
-    if (threadIdx.x == 0)
-      while (arrived(arrivals + tile) != layout.slabs) __nanosleep(64);
-    __syncthreads();
-    const int column_in_tile = threadIdx.x % kColumnTileColumns, half = threadIdx.x / kColumnTileColumns;
-    const std::int64_t half_slabs = (layout.slabs + 1) / 2, begin = half * half_slabs;
-    const std::int64_t end = begin + half_slabs < layout.slabs ? begin + half_slabs : layout.slabs;
-    const float2* from = sums + tile * layout.slabs * kColumnTileColumns + column_in_tile;
-    CompensatedSum sum{0.0f, 0.0f};
-#pragma unroll 16
-    for (std::int64_t s = begin; s < end; ++s) add(sum, __ldcg(from + s * kColumnTileColumns));
-    if (half == 1) shared.half_sums[column_in_tile] = make_float2(sum.total, sum.error);
-    __syncthreads();
-    const std::int64_t column = tile * kColumnTileColumns + column_in_tile;
-    if (half == 0 && column < cols) {
-      add(sum, shared.half_sums[column_in_tile]);
-      const int e = scale_exponent(__uint_as_float(__ldcg(max_bits + column)));
-      exponent[column] = __ldcg(bad + column) != 0 ? kNonFiniteRow : e;
-      if (column_sums) column_sums[column] = is_finite(sum.total) ? sum.total + sum.error : sum.total;  // IEEE's
-    }
-    __syncthreads();
+  for (std::int64_t tile = blockIdx.x; tile < work.layout.tiles; tile += blocks) {
+    wait_for_column_tile(work, tile);
+    finish_column_tile(work, tile, cols, exponent, column_sums, shared.half_sums);
   }
 }
 
