@@ -93,8 +93,8 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError();
     const std::int64_t blocks = staged_column_blocks(device);
-    // Each tile within two rounds of the grid (the kernel's condition), and a round of items at least (fewer are
-    // split faster by the kernel below).
+    // Each tile within two rounds of the grid (the kernel's condition), and a round of items at least (under one,
+    // staging gained nothing where measured: NOTES.md).
     if (blocks > 0 && layout.slabs <= blocks && items >= blocks) {
       err = launch_dependent_as(true, split_columns_staged_kernel, dim3(static_cast<unsigned>(blocks)),
                                 dim3(kColumnTileThreads), sizeof(StagedColumnShared), stream, src, rows, cols,
