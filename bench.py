@@ -1304,7 +1304,9 @@ def legend(rows):
                      + ").")
     if any(r["problem"].startswith("split sweeps") for r in rows):
         lines.append("split sweeps: each sweep and the copy beside it replayed from a CUDA graph (the GPU's time alone, "
-                     "as in a model, where the host runs ahead); both read 4 bytes an element and write 4.")
+                     "as in a model, where the host runs ahead); both read 4 bytes an element and write 4. The "
+                     "columns' split sweep reads each element once where it can (staged in shared memory); read "
+                     "twice: the kernel that reads it a second time from L2, for the matrices the other cannot take.")
     if any(r["problem"].startswith("models") for r in rows):
         lines.append(f"models: eager fp32, eager with TF32 allowed (float32 matmul precision \"high\"), and the model "
                      f"after kernels.patch(model); median times of back-to-back steps (no L2 flush); logits error "
