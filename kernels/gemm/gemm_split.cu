@@ -53,17 +53,18 @@ std::int64_t split_columns_workspace_bytes(std::int64_t rows, std::int64_t cols)
 }
 
 // The grid of split_columns_staged_kernel on `device` (the current one): as many blocks as its multiprocessors hold at
-// once, its shared-memory limit raised once; 0 where a multiprocessor holds fewer than two (one block alone lost to the
-// kernel that reads twice: NOTES.md) or a query fails.
+// once, its shared-memory limit raised once; 0 where the device takes no cooperative launch, where a multiprocessor
+// holds fewer than two blocks (one block alone lost to the kernel that reads twice: NOTES.md) or a query fails.
 std::int64_t staged_column_blocks(int device) {
   const std::optional<std::int64_t> blocks = once_per_device(device, [](int d) -> std::optional<std::int64_t> {
-    int block_limit = 0, per_multiprocessor = 0, multiprocessors = 0;
-    if (cudaDeviceGetAttribute(&block_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess ||
+    int cooperative = 0, block_limit = 0, per_multiprocessor = 0, multiprocessors = 0;
+    if (cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&block_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess ||
         cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, d) != cudaSuccess) {
       (void)cudaGetLastError();  // a failed query leaves no error for a later launch's check to report
       return std::nullopt;
     }
-    if (static_cast<std::size_t>(block_limit) < sizeof(StagedColumnShared)) return 0;
+    if (!cooperative || static_cast<std::size_t>(block_limit) < sizeof(StagedColumnShared)) return 0;
     if (raise_shared_memory_limit<split_columns_staged_kernel>(d, sizeof(StagedColumnShared)) != cudaSuccess)
       return std::nullopt;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, split_columns_staged_kernel,
@@ -93,14 +94,14 @@ cudaError_t launch_split_columns(const float* src, std::int64_t rows, std::int64
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError();
     const std::int64_t blocks = staged_column_blocks(device);
-    // Each tile within two rounds of the grid (the kernel's condition), and a round of items at least (under one,
-    // staging gained nothing where measured: NOTES.md).
+    // Each tile within two rounds of the grid (enough for the kernel's waits to end), and a round of items at least
+    // (under one, staging gained nothing where measured: NOTES.md).
     if (blocks > 0 && layout.slabs <= blocks && items >= blocks) {
       err = launch_dependent_as(true, split_columns_staged_kernel, dim3(static_cast<unsigned>(blocks)),
                                 dim3(kColumnTileThreads), sizeof(StagedColumnShared), stream, src, rows, cols,
                                 row_stride, static_cast<__half*>(hi), static_cast<__half*>(lo), exponent, column_sums,
                                 static_cast<unsigned char*>(workspace));
-      if (err != cudaErrorCooperativeLaunchTooLarge) return err;  // else not all resident here: the kernel below
+      if (err == cudaSuccess) return err;  // else (the grid not resident at once here, say) the kernel below
     }
   }
   // B items at least a whole column tile of slabs behind A's (column_item: a B block waits only on earlier blocks).
