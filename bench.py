@@ -1115,21 +1115,6 @@ def bench_level3_problem(name):
     return bench
 
 
-def _problem_files(paths):
-    """The .py files named, a folder's in KernelBench's order (by their number)."""
-    import os
-    import re
-
-    files = []
-    for path in paths:
-        if os.path.isdir(path):
-            found = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")]
-            files += sorted(found, key=lambda f: (int(re.match(r"\d*", os.path.basename(f)).group(0) or 0), f))
-        else:
-            files.append(path)
-    return files
-
-
 def bench_problem_files(rows, options, paths):
     """Each KernelBench problem file as the export makes its candidate (python -m kernels.export --problem): the
     file's Model against ModelNew, the Model after kernels.patch of the layers a split takes at get_inputs()'s shapes,
@@ -1137,9 +1122,9 @@ def bench_problem_files(rows, options, paths):
     eager and ModelNew (torch.compile only where asked for with --variant)."""
     import os
 
-    from kernels.export import problem_model_new, problem_plan
+    from kernels.export import problem_files, problem_model_new, problem_plan
 
-    for path in _problem_files(paths):
+    for path in problem_files(paths):
         try:  # one problem that cannot be read, built or run leaves the others' rows
             namespace = {"__name__": "problem"}
             with open(path, encoding="utf-8") as f:

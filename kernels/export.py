@@ -495,6 +495,18 @@ def _forward_flops(model, inputs):
     return counter.get_total_flops()
 
 
+def problem_files(paths):
+    """The .py files named, a folder's in KernelBench's order (by their number)."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")]
+            files += sorted(found, key=lambda f: (int(re.match(r"\d*", os.path.basename(f)).group(0) or 0), f))
+        else:
+            files.append(path)
+    return files
+
+
 def problem_plan(path, namespace=None):
     """The problem file's ProblemPlan, its Model run at get_inputs()'s shapes on the meta device (shapes only, no
     data). The Model is built there too, or, where its __init__ reads values (`.item()`), on the CPU and then moved

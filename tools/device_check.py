@@ -718,11 +718,8 @@ def export_trial(args):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(torch.cuda.get_device_name() if device == "cuda" else "CPU")
-    paths = []
-    for path in args.problems:
-        paths += sorted(glob.glob(os.path.join(path, "*.py"))) if os.path.isdir(path) else [path]
     failed = []
-    for path in paths:
+    for path in export.problem_files(args.problems):
         name = os.path.splitext(os.path.basename(path))[0]
         namespace = {"__name__": "problem"}
         with open(path, encoding="utf-8") as f:
