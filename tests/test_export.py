@@ -451,8 +451,10 @@ def test_problem_file_candidate(name, tmp_path):
     path = tmp_path / "candidate.py"
     path.write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", PROBLEM_FILE_RUNNER, str(path), "cuda" if HAS_CUDA else "cpu"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    # -X faulthandler: a crash, even one while the interpreter exits, prints each thread's Python stack into the
+    # failure's message.
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", PROBLEM_FILE_RUNNER, str(path),
+                             "cuda" if HAS_CUDA else "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0 and "PROBLEM FILE OK" in result.stdout, result.stderr[-5000:]
     # The layers a split takes at get_inputs()'s shapes (the MLP's 1024 x 1024 one; conv's Model is built on the CPU,
     # as its __init__ reads a value); every layer where the Model cannot run on the meta device.
