@@ -12,7 +12,7 @@ from kernels.functional import gemm_multiply_leaky_relu
 from kernels.gemm.gemm import forced_gemm_path, gemm_path
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
-from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, forced_k_slices, make_pair, over_split_paths,
+from gemm_helpers import (SPLIT_KERNELS, STREAM_K, automatic_split_path, forced_k_slices, make_pair, over_split_paths,
                           slow_problem_shape, special_inputs)
 
 
@@ -136,7 +136,7 @@ def test_split_k_weight_gradient_as_accurate_as_eager_and_the_same_bits_every_ru
     inputs; on rand inputs (all positive), whose sums eager rounds to under the split's floor, within
     max(eager's, the floor), as the unsplit product is."""
     n, k, m = SPLIT_K_SHAPES[shape]
-    assert torch.ops.kernels._gemm_k_slices(n, k, m) > 1  # split_gemm_k_slices splits K at these shapes
+    assert torch.ops.kernels._gemm_k_slices(n, k, m) != 1  # split_gemm_k_slices splits K at these shapes
     g = torch.Generator(device="cuda").manual_seed(5)
     draw = torch.rand if kind == "rand" else torch.randn
     grad_pre, x = draw(m, n, device="cuda", generator=g), draw(m, k, device="cuda", generator=g)
@@ -160,13 +160,15 @@ def test_split_k_weight_gradient_as_accurate_as_eager_and_the_same_bits_every_ru
 
 
 @requires_hopper_split
-@pytest.mark.parametrize("slices", [2, 3, 7])
+@pytest.mark.parametrize("slices", [2, 3, 7, STREAM_K])
 def test_split_k_forced_on_tails_and_on_each_kernel(slices):
     """Slices of K forced on plain products with tails (rows and columns past the tiles' ends, a last chunk in part,
-    slices of unequal length, 7 slices of 16 chunks taken as 6 of 3): grad_W with w in registers (given transposed)
-    and from x's split made ahead (the presplit kernel), and a plain forward with w in registers, each with a
-    non-finite value in w's last slice of K (its row flagged by that slice alone). Each within max(eager's error, the
-    split's floor) of float64, NaN and Inf where eager's are, and close to the product over all of K."""
+    slices of unequal length, 7 slices of 16 chunks taken as 6 of 3; stream-K's tiles cut into a head and shares of
+    the rest, up to 10 parts a tile, or K whole where grad_W's 64 chunks of work are fewer than the multiprocessors): grad_W with w in
+    registers (given transposed) and from x's split made ahead (the presplit kernel), and a plain forward with w in
+    registers, each with a non-finite value in w's last slice of K (its row flagged by that slice alone). Each within
+    max(eager's error, the split's floor) of float64, NaN and Inf where eager's are, close to the product over all of
+    K, and the same bits on a second run."""
     g = torch.Generator(device="cuda").manual_seed(6)
     cases = {  # name: (product's operands, the product)
         "grad_w": (200, 136, 1000),  # (n, k, m) of grad_W, 16 chunks of the batch
@@ -178,7 +180,8 @@ def test_split_k_forced_on_tails_and_on_each_kernel(slices):
         with forced_k_slices(1):
             whole = weight_gradient(grad_pre, x, n)
         with forced_k_slices(slices):
-            ours = weight_gradient(grad_pre, x, n)
+            ours, again = weight_gradient(grad_pre, x, n), weight_gradient(grad_pre, x, n)
+        assert torch.equal(ours.view(torch.int32), again.view(torch.int32)), name
         check_split_k(ours, whole, grad_pre.t().mm(x), grad_pre.double().t() @ x.double(), name)
     x, weight = torch.randn(300, 2056, device="cuda", generator=g), torch.randn(520, 2056, device="cuda", generator=g)
     weight[7, 2000] = float("inf")
@@ -186,17 +189,19 @@ def test_split_k_forced_on_tails_and_on_each_kernel(slices):
         with forced_k_slices(1):
             whole = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
         with forced_k_slices(slices):
-            ours = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
+            ours, again = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0), gemm_multiply_leaky_relu(x, weight, None,
+                                                                                                     1.0, 1.0)
+    assert torch.equal(ours.view(torch.int32), again.view(torch.int32))
     check_split_k(ours, whole, F.linear(x, weight), F.linear(x.double(), weight.double()), "forward")
 
 
 @requires_hopper_split
-@pytest.mark.parametrize("slices", [0, 2, 3])
+@pytest.mark.parametrize("slices", [0, 2, 3, STREAM_K])
 def test_split_k_forward_applies_the_epilogue_to_the_sum(slices):
     """A forward with bias, multiplier and LeakyReLU (slopes 0.1 and 0, ReLU) whose K is split: the slices' plain
-    partials summed, then the epilogue and the mask. Slices forced (2, 3) or automatic (0: 128 rows, 16 tiles over 64
-    chunks) on w in registers and on w's split made ahead (2100 rows; n = 1030 too), each with an Inf in w's last
-    slice of K. Each
+    partials summed, then the epilogue and the mask. Slices forced (2, 3, stream-K) or automatic (0: 128 rows, 16
+    tiles over 64 chunks) on w in registers and on w's split made ahead (2100 rows; n = 1030 too: the scalar sum),
+    each with an Inf in w's last slice of K. Each
     within max(eager's error, the split's floor) of float64, close to the product over all of K, NaN and Inf where
     eager's are, the mask where y > 0."""
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -209,7 +214,7 @@ def test_split_k_forward_applies_the_epilogue_to_the_sum(slices):
         bias = torch.randn(n, device="cuda", generator=g)
         weight[7, k - 40] = float("inf")
         if slices == 0:
-            assert torch.ops.kernels._gemm_k_slices(m, n, k) > 1
+            assert torch.ops.kernels._gemm_k_slices(m, n, k) != 1
         for slope in (0.1, 0.0):
             with torch.no_grad(), forced_gemm_path("split_fp16"):
                 with forced_k_slices(1):

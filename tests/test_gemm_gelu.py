@@ -11,7 +11,7 @@ from torch import nn
 
 import kernels
 from conftest import HAS_CUDA, poison_allocator, requires_cuda
-from gemm_helpers import SPLIT_KERNELS, forced_k_slices
+from gemm_helpers import SPLIT_KERNELS, STREAM_K, forced_k_slices
 from kernels.functional import gemm_gelu, gemm_multiply_leaky_relu, gelu_tanh
 from kernels.gemm.gemm import FusedLinear, forced_gemm_path
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, gradient_atol, relative_error
@@ -86,6 +86,9 @@ def test_gemm_gelu_with_k_split(approximate):
     for slices in (4, 1):
         with forced_k_slices(slices):
             check(x, w, b, approximate, "split_fp16")
+    x, w, b = operands(256, 4096, 256)  # stream-K: 4 tiles over 64 chunks, 33 parts a tile
+    with forced_k_slices(STREAM_K):
+        check(x, w, b, approximate, "split_fp16")
 
 
 @requires_cuda

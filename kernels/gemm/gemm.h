@@ -204,23 +204,30 @@ bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, s
 // its plain outputs (scaled back by x's row power of two: a true partial of y) written to a workspace; a second kernel
 // then adds the slices' partials in slice order (0, 1, ...) into y, so that every run gives the same bits, and applies
 // the epilogue (bias, multiplier, activation, mask) to the sum. launch_nonfinite_outputs runs after it as after the
-// other launchers. With k_slices 1 these launchers are the launchers above, bit for bit.
+// other launchers. With k_slices 1 these launchers are the launchers above, bit for bit. With k_slices kStreamK
+// (stream-K), the whole rounds' tiles are computed whole, and the last round's tiles are cut along K so that every
+// multiprocessor takes an equal share of them instead of idling through a partial round (gemm_sm90_tile_scheduler.cuh,
+// StreamK); each tile's parts are its slices.
+constexpr int kStreamK = -1;
 
 // The slices the Hopper GEMM's (m x n) product of reduction k takes on `device` (1: K not split): the count from 1 to
-// 16, each slice of at least 16 chunks, that minimises a model of the product's time, in chunk-times of a CTA: the
-// rounds of (tile, slice) units over the multiprocessors, times a slice's chunks plus a unit's fixed cost (its
-// epilogue and pipeline start), plus the sum's pass over the partials (gemm_sm90.cu, split_k_cost).
+// 16, each slice of at least 16 chunks, or kStreamK, that minimises a model of the product's time, in chunk-times of
+// a CTA: the rounds of (tile, slice) units over the multiprocessors, times a slice's chunks plus a unit's fixed cost
+// (its epilogue and pipeline start), plus the sum's pass over the partials (gemm_sm90.cu, split_k_cost,
+// stream_k_cost).
 int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t k);
 
-// The bytes of workspace a split-K launch of an (m x n) output over k_slices slices needs (0 for one slice): k_slices
-// slices of m rows rounded up to whole tiles of 128, n floats a row.
-std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_slices);
+// The bytes of workspace a split-K launch of an (m x n) output of reduction k over k_slices slices (or kStreamK) needs
+// on `device` (0 for one slice): a slice per slice (stream-K: per part of the tile with the most) of m rows rounded
+// up to whole tiles of 128, n floats a row.
+std::int64_t split_gemm_k_workspace_bytes(int device, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices);
 
 // launch_split_gemm_multiply_leaky_relu with K split into at most k_slices slices of whole chunks (as evenly as whole
-// chunks allow; fewer where K has fewer chunks), through `workspace` (split_gemm_k_workspace_bytes(m, n, k_slices)
-// bytes, 16-byte aligned, any contents, not used by another launch meanwhile). w_flags as there: the rows of w
-// flagged over all of K. Returns cudaErrorInvalidValue where k_slices < 1 or the workspace is missing or misaligned,
-// cudaErrorNotSupported where split_gemm_supported() is false.
+// chunks allow; fewer where K has fewer chunks), or stream-K's shares (kStreamK; K whole where the output has fewer
+// chunks than the device has multiprocessors), through `workspace` (split_gemm_k_workspace_bytes(device, m, n, k,
+// k_slices) bytes, 16-byte aligned, any contents, not used by another launch meanwhile). w_flags as there: the rows of
+// w flagged over all of K. Returns cudaErrorInvalidValue where k_slices < 1 (not kStreamK) or the workspace is missing
+// or misaligned, cudaErrorNotSupported where split_gemm_supported() is false.
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                       const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
                                       const float* bias, float* y, std::uint8_t* positive, std::int64_t m,

@@ -41,12 +41,13 @@ std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Ten
 }
 
 // The slices of K every later product on split_fp16 takes (0: split_gemm_k_slices's choice; n >= 1: at most n,
-// fewer where K has fewer chunks); returns the previous setting. For tests and tools/gemm_sweep.py.
+// fewer where K has fewer chunks; -1, kStreamK: stream-K's shares); returns the previous setting. For tests and
+// tools/gemm_sweep.py.
 std::atomic<int64_t> forced_k_slices{0};
 
 int64_t force_k_slices(int64_t slices) {
-  TORCH_CHECK(slices >= 0 && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
-              "choice) or 1 to 1024, got ", std::to_string(slices));
+  TORCH_CHECK(slices >= kStreamK && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
+              "choice), 1 to 1024, or -1 (stream-K), got ", std::to_string(slices));
   return forced_k_slices.exchange(slices);
 }
 
@@ -102,7 +103,7 @@ bool splits_w_ahead(Path path, int64_t m, int64_t n, int64_t k, bool w_transpose
 // is set (force_k_slices), else split_gemm_k_slices's choice.
 int product_k_slices(int device, int64_t m, int64_t n, int64_t k) {
   const int64_t forced = forced_k_slices.load();
-  return forced > 0 ? static_cast<int>(forced) : split_gemm_k_slices(device, m, n, k);
+  return forced != 0 ? static_cast<int>(forced) : split_gemm_k_slices(device, m, n, k);
 }
 
 // Byte offsets of a call's temporaries within one allocation, each part 256-byte aligned (TMA reads 16-byte aligned
@@ -170,7 +171,9 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const int64_t x_exponent_at = layout.add(m, 4);
   const int64_t w_flags_at = w_split == nullptr ? layout.add(n, 4) : 0;
   const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m), 1) : 0;
-  const int64_t partials_at = k_slices > 1 ? layout.add(split_gemm_k_workspace_bytes(m, n, k_slices), 1) : 0;
+  const int64_t partials_bytes =
+      k_slices != 1 ? split_gemm_k_workspace_bytes(x.device().index(), m, n, k, k_slices) : 0;
+  const int64_t partials_at = partials_bytes > 0 ? layout.add(partials_bytes, 1) : 0;
   const at::Tensor temporaries = at::empty({layout.bytes}, x.options().dtype(at::kByte));
   std::uint8_t* const base = temporaries.mutable_data_ptr<std::uint8_t>();
   void* const x_hi = base + x_hi_at;
@@ -193,8 +196,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                "split (x)");
   // The product's float32 x from here on (the fix-up's operand): the pass's grad_pre where it made one.
   const at::Tensor& x_read = gelu_rows != nullptr ? gelu_rows->grad_pre : x2;
-  if (k_slices > 1) {
-    float* const partials = reinterpret_cast<float*>(base + partials_at);
+  if (k_slices != 1) {
+    float* const partials = partials_bytes > 0 ? reinterpret_cast<float*>(base + partials_at) : nullptr;
     check_launch(w_split != nullptr
                      ? launch_split_gemm_presplit_split_k(
                            x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),

@@ -23,6 +23,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 
@@ -32,8 +33,9 @@ namespace {
 // Warpgroup 0 loads every chunk of the CTA's units into the stages (load_tiles); warpgroups 1 and 2 each multiply
 // their 64 rows of w of a unit's tile (multiply_tile, or multiply_tile_presplit where w's split is given: then w_map
 // is w_hi's, and w_lo_map and w_exponent_map are read) and store those outputs (store_tile), unit after unit. A unit
-// is a tile over all of K (slices = 1), or over one of `slices` slices of slice_chunks chunks, whose plain outputs go
-// to y, then the partials' workspace, at slice * slice_rows rows (launch_split_gemm_split_k).
+// is a tile over all of K (slices = 1), or over one of `slices` slices of slice_chunks chunks, or, with stream, the
+// part of a tile within the CTA's share of all tiles' chunks (gemm_sm90_tile_scheduler.cuh), whose plain outputs go
+// to the partials' workspace at slice * slice_rows rows instead of y (launch_split_gemm_split_k).
 template <bool kTransposed, bool kPresplit>
 __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
@@ -42,7 +44,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
                   const __grid_constant__ CUtensorMap pre_map, bool y_by_tma,
                   const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
-                  int n, int k, Epilogue epilogue, int slices, int slice_chunks, int slice_rows) {
+                  int n, int k, Epilogue epilogue, int slices, int slice_chunks, int slice_rows, bool stream) {
 #if KERNELS_SM90A_DEVICE
   using namespace sm90;
   extern __shared__ unsigned char shared_raw[];
@@ -54,7 +56,7 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   std::uint64_t* empty = full + kStages;
 
   const int chunks = static_cast<int>(split_row_length(k) / kBlockK);
-  const TileScheduler scheduler(m, n, chunks, slices, slice_chunks);
+  const TileScheduler scheduler(m, n, chunks, slices, slice_chunks, stream);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -81,8 +83,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   const ConsumerThread thread(warpgroup, /*paired_rows=*/kTransposed);
   const std::uint32_t shared_base = smem_address(shared);
   const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, epilogue.pre != nullptr ? &pre_map : nullptr,
-                                             x_exponent, w_flags, /*w_flags_set_only=*/slices > 1, bias, y, positive,
-                                             m, n, slice_rows, epilogue};
+                                             x_exponent, w_flags, /*w_flags_set_only=*/slices > 1 || stream, bias, y,
+                                             positive, m, n, slice_rows, epilogue};
   float accumulator[64], total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) accumulator[i] = 0.0f;
@@ -150,27 +152,46 @@ bool make_exponent_map(CUtensorMap* map, const std::int32_t* exponent, std::int6
                               CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Where K is split (launch_split_gemm_split_k): the slices, each of slice_chunks chunks (the last may hold fewer), the
-// partials' workspace (slices x slice_rows rows of n floats) and its rows per slice.
+// Where K is split (launch_split_gemm_split_k): equal slices, each of slice_chunks chunks (the last may hold fewer),
+// or stream-K's shares (then `slices` is the most parts a tile is cut into); the partials' workspace (slices x
+// slice_rows rows of n floats) and its rows per slice.
 struct KSlices {
   int slices = 1;
   int slice_chunks = 0;  // all of K's chunks where slices is 1
+  bool stream = false;
   std::int64_t slice_rows = 0;
   float* workspace = nullptr;
+  bool split() const { return slices > 1 || stream; }
 };
 
 // m rounded up to whole tiles of x: a slice's rows in the workspace, so that a tile's TMA stores past m stay in its
 // own slice.
 std::int64_t split_k_slice_rows(std::int64_t m) { return (m + kBlockX - 1) / kBlockX * kBlockX; }
 
-// K's chunks taken as at most `slices` slices of whole chunks, every slice holding at least one.
-KSlices split_k_slices(std::int64_t m, std::int64_t k, int slices, float* workspace) {
-  const std::int64_t chunks = split_row_length(k) / kSplitChunk;
+// Stream-K's work on `processors` CTAs (StreamK), and the most parts any of its tiles has: the workspace's slices.
+int stream_k_most_parts(const StreamK& streamk) {
+  int most = 1;
+  for (int tile = streamk.dp_tiles; tile < streamk.tiles; ++tile) most = std::max(most, streamk.parts(tile));
+  return most;
+}
+
+// K's chunks taken as at most `slices` slices of whole chunks, every slice holding at least one; or, with kStreamK,
+// stream-K's work where it fits (else K whole).
+KSlices split_k_slices(std::int64_t m, std::int64_t n, std::int64_t k, int slices, int processors,
+                       float* workspace) {
+  const std::int64_t chunks = split_row_length(k) / kSplitChunk, tiles = tile_count(m, n);
   KSlices split;
-  split.slice_chunks = static_cast<int>((chunks + slices - 1) / slices);
-  split.slices = static_cast<int>((chunks + split.slice_chunks - 1) / split.slice_chunks);
   split.slice_rows = split_k_slice_rows(m);
-  split.workspace = split.slices > 1 ? workspace : nullptr;
+  if (slices == kStreamK) {
+    const StreamK streamk(static_cast<int>(tiles), static_cast<int>(chunks), processors);
+    split.stream = processors > 0 && tiles < (std::int64_t{1} << 31) && streamk.fits();
+    split.slices = split.stream ? stream_k_most_parts(streamk) : 1;
+    split.slice_chunks = static_cast<int>(chunks);
+  } else {
+    split.slice_chunks = static_cast<int>((chunks + slices - 1) / slices);
+    split.slices = static_cast<int>((chunks + split.slice_chunks - 1) / split.slice_chunks);
+  }
+  split.workspace = split.split() ? workspace : nullptr;
   return split;
 }
 
@@ -214,7 +235,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
   if (!make_tile_map(&maps[3], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_hi, m, x_row, x_row * 2, kBlockX) ||
       !make_tile_map(&maps[4], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, x_lo, m, x_row, x_row * 2, kBlockX))
     return cudaErrorInvalidValue;
-  const bool split = k_slices.slices > 1;
+  const bool split = k_slices.split();
   // A GELU takes the kernels that read w's split or w transposed, or K split (the sum applies it).
   if (epilogue.activation != Activation::kLeakyReLU && !w_transposed && !presplit && !split)
     return cudaErrorNotSupported;
@@ -237,7 +258,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
   cudaError_t err = raise_shared_memory_limit<split_gemm_kernel<false, true>, split_gemm_kernel<true, false>,
                                               split_gemm_kernel<false, false>>(device, kSharedBytes);
   if (err != cudaSuccess) return err;
-  const std::int64_t units = tile_count(m, n) * k_slices.slices;
+  const std::int64_t tiles = tile_count(m, n), units = tiles * k_slices.slices;
   const int processors = multiprocessor_count(device);
   if (processors <= 0) return cudaErrorInvalidDevice;
   // Each slice flags the rows of w it sees: the flags start at 0 and are only set.
@@ -245,20 +266,22 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
     err = cudaMemsetAsync(w_flags, 0, n * sizeof(std::int32_t), stream);
     if (err != cudaSuccess) return err;
   }
-  const std::int64_t ctas = units < processors ? units : processors;  // persistent: one CTA per multiprocessor
+  // Persistent: one CTA per multiprocessor (stream-K's shares were cut for exactly that many).
+  const std::int64_t ctas = k_slices.stream || units >= processors ? processors : units;
   const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
   // Where K is split the slices store plain partials, and the sum applies the epilogue.
   err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
                          maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], y_by_tma, x_exponent, w_flags,
                          split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
                          static_cast<int>(n), static_cast<int>(k), split ? Epilogue{} : epilogue,
-                         k_slices.slices, slice_chunks,
-                         static_cast<int>(k_slices.slice_rows));
+                         k_slices.slices, slice_chunks, static_cast<int>(k_slices.slice_rows), k_slices.stream);
   if (err != cudaSuccess || !split) return err;
   const std::int64_t count = m * n, slice_stride = k_slices.slice_rows * n;
   const bool plain = bias == nullptr && is_identity_epilogue(epilogue) && positive == nullptr;
+  // (Stream-K's sum reads a vector's tile from its first output: n % 4 == 0 keeps the four in one row.)
   const bool vectors = count % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % 16 == 0 &&
                        reinterpret_cast<std::uintptr_t>(out) % 16 == 0 &&  // slice_stride: whole tiles of rows
+                       (!k_slices.stream || n % 4 == 0) &&
                        (plain || (n % 4 == 0 && reinterpret_cast<std::uintptr_t>(positive) % 4 == 0 &&
                                   epilogue.activation == Activation::kLeakyReLU));
   const std::int64_t needed = ((vectors ? count / 4 : count) + kSplitKSumThreads - 1) / kSplitKSumThreads;
@@ -266,8 +289,11 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
   const unsigned blocks = static_cast<unsigned>(needed < most ? needed : most);
   const auto sum = plain ? (vectors ? split_k_sum_kernel<true, false> : split_k_sum_kernel<false, false>)
                          : (vectors ? split_k_sum_kernel<true, true> : split_k_sum_kernel<false, true>);
-  return launch_dependent(sum, dim3(blocks), dim3(kSplitKSumThreads), 0, stream, out, slice_stride, k_slices.slices, y,
-                          count, SplitKEpilogue{bias, epilogue, positive, n});
+  const SplitKParts parts{k_slices.slices, k_slices.stream, n,
+                          StreamK(static_cast<int>(tiles), static_cast<int>(x_row / kSplitChunk), processors),
+                          static_cast<int>((m + kBlockX - 1) / kBlockX), static_cast<int>((n + kBlockW - 1) / kBlockW)};
+  return launch_dependent(sum, dim3(blocks), dim3(kSplitKSumThreads), 0, stream, out, slice_stride, parts, y, count,
+                          SplitKEpilogue{bias, epilogue, positive, n});
 }
 
 // Whether ptxas gave `kernel` registers enough for the roles' budgets (gemm_sm90_layout.cuh,
@@ -363,12 +389,15 @@ cudaError_t launch_with_w_split(const void* x_hi, const void* x_lo, const std::i
                        bias, y, positive, m, n, k, epilogue, device, stream, k_slices);
 }
 
-// The slices of a split-K launch, checked: k_slices >= 1, a workspace 16-byte aligned where K is split, and the
-// workspace's rows within TMA's int coordinates.
-bool split_k_arguments(std::int64_t m, std::int64_t k, int k_slices, float* workspace, KSlices& split) {
-  if (k_slices < 1 || m <= 0 || k <= 0) return false;
-  split = split_k_slices(m, k, k_slices, workspace);
-  if (split.slices == 1) return true;
+// The slices of a split-K launch, checked: k_slices >= 1 or kStreamK, a workspace 16-byte aligned where K is split,
+// and the workspace's rows within TMA's int coordinates.
+bool split_k_arguments(std::int64_t m, std::int64_t n, std::int64_t k, int k_slices, float* workspace,
+                       KSlices& split) {
+  if ((k_slices < 1 && k_slices != kStreamK) || m <= 0 || n <= 0 || k <= 0) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  split = split_k_slices(m, n, k, k_slices, multiprocessor_count(device), workspace);
+  if (!split.split()) return true;
   return workspace != nullptr && reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0 &&
          split.slices * split.slice_rows < (std::int64_t{1} << 31);
 }
@@ -380,6 +409,7 @@ constexpr int kSplitKMinSliceChunks = 16;    // below this a unit's fixed cost i
 constexpr int kSplitKMaxSlices = 16;         // bounds the workspace: at most 16 times the output's bytes
 constexpr int kSplitKUnitCostChunks = 4;     // a unit's epilogue and pipeline start, in chunk-times
 constexpr int kSplitKSumTilesPerChunk = 32;  // tiles of 128 x 128 floats the sum reads or writes in a chunk-time
+constexpr int kStreamKMarginDivisor = 16;    // stream-K where the model gives it 1/16 less time than equal slices
 
 std::int64_t split_k_cost(std::int64_t tiles, std::int64_t chunks, std::int64_t slices, int processors) {
   const std::int64_t slice_chunks = (chunks + slices - 1) / slices;
@@ -387,6 +417,18 @@ std::int64_t split_k_cost(std::int64_t tiles, std::int64_t chunks, std::int64_t 
   const std::int64_t sum = slices > 1 ? ((slices + 1) * tiles + kSplitKSumTilesPerChunk - 1) / kSplitKSumTilesPerChunk
                                       : 0;
   return rounds * (slice_chunks + kSplitKUnitCostChunks) + sum;
+}
+
+// The same model for stream-K: the whole rounds, then the longer of a tail tile's block 0 and a block-1 share, the
+// most units a share holds, and the sum over every tile's parts.
+std::int64_t stream_k_cost(const StreamK& streamk) {
+  const std::int64_t share = (streamk.rest() + streamk.rest_ctas() - 1) / streamk.rest_ctas();
+  const std::int64_t units = (share + streamk.rest_chunks() - 1) / streamk.rest_chunks() + 1;
+  const std::int64_t sum =
+      (2 * streamk.tiles + streamk.ctas - 1 + kSplitKSumTilesPerChunk - 1) / kSplitKSumTilesPerChunk;
+  const std::int64_t rounds = streamk.dp_tiles / streamk.ctas;
+  return rounds * (streamk.chunks + kSplitKUnitCostChunks) + std::max<std::int64_t>(streamk.head, share) +
+         units * kSplitKUnitCostChunks + sum;
 }
 
 }  // namespace
@@ -429,12 +471,21 @@ int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t
     const std::int64_t cost = split_k_cost(tiles, chunks, slices, processors);
     if (cost < best_cost) best = slices, best_cost = cost;
   }
+  if (tiles < (std::int64_t{1} << 31)) {
+    const StreamK streamk(static_cast<int>(tiles), static_cast<int>(chunks), processors);
+    // Only by a margin (its block-1 shares read their chunks at staggered times, which the model leaves out), and with
+    // its workspace, like equal slices', at most kSplitKMaxSlices times the output's bytes.
+    if (streamk.fits() && stream_k_cost(streamk) * kStreamKMarginDivisor < best_cost * (kStreamKMarginDivisor - 1) &&
+        stream_k_most_parts(streamk) <= kSplitKMaxSlices)
+      return kStreamK;
+  }
   return static_cast<int>(best);
 }
 
-std::int64_t split_gemm_k_workspace_bytes(std::int64_t m, std::int64_t n, int k_slices) {
-  if (k_slices <= 1 || m <= 0 || n <= 0) return 0;
-  return k_slices * split_k_slice_rows(m) * n * static_cast<std::int64_t>(sizeof(float));
+std::int64_t split_gemm_k_workspace_bytes(int device, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices) {
+  if ((k_slices <= 1 && k_slices != kStreamK) || m <= 0 || n <= 0 || k <= 0) return 0;
+  const KSlices split = split_k_slices(m, n, k, k_slices, multiprocessor_count(device), nullptr);
+  return split.split() ? split.slices * split.slice_rows * n * static_cast<std::int64_t>(sizeof(float)) : 0;
 }
 
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
@@ -443,8 +494,8 @@ cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const 
                                       std::int64_t n, std::int64_t k, Epilogue epilogue,
                                       int k_slices, float* workspace, cudaStream_t stream) {
   KSlices split;
-  if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
-  if (split.slices > 1 && epilogue.pre != nullptr) return cudaErrorNotSupported;
+  if (!split_k_arguments(m, n, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
+  if (split.split() && epilogue.pre != nullptr) return cudaErrorNotSupported;
   return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
                        epilogue, stream, split);
 }
@@ -455,8 +506,8 @@ cudaError_t launch_split_gemm_presplit_split_k(const void* x_hi, const void* x_l
                                                std::int64_t n, std::int64_t k, Epilogue epilogue, int k_slices,
                                                float* workspace, cudaStream_t stream) {
   KSlices split;
-  if (!split_k_arguments(m, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
-  if (split.slices > 1 && epilogue.pre != nullptr) return cudaErrorNotSupported;
+  if (!split_k_arguments(m, n, k, k_slices, workspace, split)) return cudaErrorInvalidValue;
+  if (split.split() && epilogue.pre != nullptr) return cudaErrorNotSupported;
   return launch_with_w_split(x_hi, x_lo, x_exponent, w_hi, w_lo, w_exponent, bias, y, positive, m, n, k, epilogue,
                              stream, split);
 }

@@ -1,12 +1,13 @@
 // The second kernel of a split-K product (gemm.h, launch_split_gemm_split_k): y = the sum of the slices' partial
 // products, added in slice order (0, then 1, ...), so that every run gives the same bits; then, for a forward, the
-// fused epilogue (split_numerics.cuh) on the sum. Portable.
+// fused epilogue (split_numerics.cuh) on the sum. Portable (its tile order is the Hopper GEMM's).
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "common/dependent_launch.cuh"
+#include "gemm_sm90_tile_scheduler.cuh"
 #include "split_numerics.cuh"
 
 namespace kernels::gemm {
@@ -24,6 +25,21 @@ struct SplitKEpilogue {
   std::int64_t n;
 };
 
+// The partials output i (row i / n, column i % n of y) adds: `slices` of equal slices, or, under stream-K, as many as
+// its tile has parts (gemm_sm90_tile_scheduler.cuh, StreamK::parts).
+struct SplitKParts {
+  int slices;
+  bool stream;
+  std::int64_t n;
+  StreamK streamk;
+  int x_tiles, w_tiles;
+  __device__ __forceinline__ int of(std::int64_t i) const {
+    if (!stream) return slices;
+    const std::int64_t row = i / n, column = i - row * n;
+    return streamk.parts(tile_of(static_cast<int>(row / kBlockX), static_cast<int>(column / kBlockW), x_tiles, w_tiles));
+  }
+};
+
 // One output of the sum: the sum itself for a plain product, else apply_epilogue()'s value, and its mask byte.
 template <bool kEpilogue, Activation kActivation>
 __device__ __forceinline__ float split_k_output(float sum, std::int64_t i, const SplitKEpilogue& e) {
@@ -36,14 +52,14 @@ __device__ __forceinline__ float split_k_output(float sum, std::int64_t i, const
   }
 }
 
-// y[i] = output of ((partials[i] + partials[stride + i]) + partials[2 stride + i]) + ..., for i < count: slice s's
-// partial at partials + s * stride; the output is the sum itself for a plain product (kEpilogue false), else
-// apply_epilogue()'s. kVectors: 4 floats at a time (count, stride and both pointers in whole 16-byte units; with
-// kEpilogue, n too, the mask 4-byte aligned and the activation LeakyReLU).
+// y[i] = output of ((partials[i] + partials[stride + i]) + partials[2 stride + i]) + ..., parts.of(i) terms, for
+// i < count: slice s's partial at partials + s * stride; the output is the sum itself for a plain product (kEpilogue
+// false), else apply_epilogue()'s. kVectors: 4 floats at a time (count, stride and both pointers in whole 16-byte
+// units; with kEpilogue or stream-K, n too, the mask 4-byte aligned and the activation LeakyReLU).
 template <bool kVectors, bool kEpilogue>
 __global__ void __launch_bounds__(kSplitKSumThreads)
-split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int slices, float* __restrict__ y,
-                   std::int64_t count, SplitKEpilogue e) {
+split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, SplitKParts parts,
+                   float* __restrict__ y, std::int64_t count, SplitKEpilogue e) {
   wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
   allow_next_grid();
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kSplitKSumThreads;
@@ -54,6 +70,7 @@ split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int 
     for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kSplitKSumThreads) + threadIdx.x; i < vectors;
          i += step) {
       float4 sum = __ldcs(in + i);  // each partial is read once: streamed past L2's kept lines
+      const int slices = parts.of(i * 4);  // the 4 outputs share a row, so a tile
       for (int s = 1; s < slices; ++s) {
         const float4 part = __ldcs(in + s * vector_stride + i);
         sum.x += part.x;
@@ -85,6 +102,7 @@ split_k_sum_kernel(const float* __restrict__ partials, std::int64_t stride, int 
       for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(kSplitKSumThreads) + threadIdx.x; i < count;
            i += step) {
         float sum = __ldcs(partials + i);
+        const int slices = parts.of(i);
         for (int s = 1; s < slices; ++s) sum += __ldcs(partials + s * stride + i);
         y[i] = split_k_output<kEpilogue, decltype(activation)::value>(sum, i, e);
       }
