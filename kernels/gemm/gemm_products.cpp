@@ -46,7 +46,8 @@ std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Ten
 std::atomic<int64_t> forced_k_slices{0};
 
 int64_t force_k_slices(int64_t slices) {
-  TORCH_CHECK(slices >= kStreamK && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
+  // -1 is gemm.h's kStreamK, which a build without CUDA does not include.
+  TORCH_CHECK(slices >= -1 && slices <= 1024, "kernels._gemm_force_k_slices: slices must be 0 (the automatic "
               "choice), 1 to 1024, or -1 (stream-K), got ", std::to_string(slices));
   return forced_k_slices.exchange(slices);
 }
