@@ -223,8 +223,8 @@ int split_gemm_k_slices(int device, std::int64_t m, std::int64_t n, std::int64_t
 std::int64_t split_gemm_k_workspace_bytes(int device, std::int64_t m, std::int64_t n, std::int64_t k, int k_slices);
 
 // launch_split_gemm_multiply_leaky_relu with K split into at most k_slices slices of whole chunks (as evenly as whole
-// chunks allow; fewer where K has fewer chunks), or stream-K's shares (kStreamK; K whole where the output has fewer
-// chunks than the device has multiprocessors), through `workspace` (split_gemm_k_workspace_bytes(device, m, n, k,
+// chunks allow; fewer where K has fewer chunks), or by stream-K (kStreamK; K whole where StreamK does not fit: no
+// partial last round, or fewer chunks in it than multiprocessors), through `workspace` (split_gemm_k_workspace_bytes(device, m, n, k,
 // k_slices) bytes, 16-byte aligned, any contents, not used by another launch meanwhile). w_flags as there: the rows of
 // w flagged over all of K. Returns cudaErrorInvalidValue where k_slices < 1 (not kStreamK) or the workspace is missing
 // or misaligned, cudaErrorNotSupported where split_gemm_supported() is false.

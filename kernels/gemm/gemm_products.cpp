@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Ten
 }
 
 // The slices of K every later product on split_fp16 takes (0: split_gemm_k_slices's choice; n >= 1: at most n,
-// fewer where K has fewer chunks; -1, kStreamK: stream-K's shares); returns the previous setting. For tests and
+// fewer where K has fewer chunks; -1, kStreamK: stream-K); returns the previous setting. For tests and
 // tools/gemm_sweep.py.
 std::atomic<int64_t> forced_k_slices{0};
 

@@ -33,9 +33,9 @@ namespace {
 // Warpgroup 0 loads every chunk of the CTA's units into the stages (load_tiles); warpgroups 1 and 2 each multiply
 // their 64 rows of w of a unit's tile (multiply_tile, or multiply_tile_presplit where w's split is given: then w_map
 // is w_hi's, and w_lo_map and w_exponent_map are read) and store those outputs (store_tile), unit after unit. A unit
-// is a tile over all of K (slices = 1), or over one of `slices` slices of slice_chunks chunks, or, with stream, the
-// part of a tile within the CTA's share of all tiles' chunks (gemm_sm90_tile_scheduler.cuh), whose plain outputs go
-// to the partials' workspace at slice * slice_rows rows instead of y (launch_split_gemm_split_k).
+// is a tile over all of K (slices = 1), or over one of `slices` slices of slice_chunks chunks, or, with stream, a
+// whole tile or a part of a last-round tile (gemm_sm90_tile_scheduler.cuh, StreamK); where K is split its plain
+// outputs go to the partials' workspace at slice * slice_rows rows instead of y (launch_split_gemm_split_k).
 template <bool kTransposed, bool kPresplit>
 __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
@@ -153,7 +153,7 @@ bool make_exponent_map(CUtensorMap* map, const std::int32_t* exponent, std::int6
 }
 
 // Where K is split (launch_split_gemm_split_k): equal slices, each of slice_chunks chunks (the last may hold fewer),
-// or stream-K's shares (then `slices` is the most parts a tile is cut into); the partials' workspace (slices x
+// or stream-K (then `slices` is the most parts a tile is cut into); the partials' workspace (slices x
 // slice_rows rows of n floats) and its rows per slice.
 struct KSlices {
   int slices = 1;
