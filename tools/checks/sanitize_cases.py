@@ -78,6 +78,14 @@ def gemm_cases():
             torch.ops.kernels._gemm_force_k_slices(previous)
             y_view = torch.ops.kernels.gemm_gelu(x[:, :136], stored.t(), None, "tanh")
         check(f"gemm_gelu {path} K split", y, F.gelu(F.linear(x, weight, bias)))
+        # Stream-K (forced): 4 tiles over 48 chunks, each tile in a head part and block-1 shares of 1-2 chunks.
+        x_wide = torch.randn(256, 3072, device="cuda")
+        weight_wide = torch.randn(256, 3072, device="cuda") / 3072 ** 0.5
+        with forced_gemm_path(path):
+            previous = torch.ops.kernels._gemm_force_k_slices(-1)
+            y_stream = torch.ops.kernels.gemm_gelu(x_wide, weight_wide, None, "none")
+            torch.ops.kernels._gemm_force_k_slices(previous)
+        check(f"gemm_gelu {path} stream-K", y_stream, F.gelu(F.linear(x_wide, weight_wide)))
         check(f"gemm_gelu {path} transposed weight", y_view, F.gelu(x[:, :136] @ stored, approximate="tanh"))
         # The backward's products (on the split path: w and x read transposed by the kernel), slope 1 so that no
         # branch flip can move a gradient.
