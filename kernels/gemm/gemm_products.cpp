@@ -152,7 +152,12 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const int64_t split_k = split_row_length(k);
   // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
   // reduction is the batch; a forward over few rows).
-  const int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
+  int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
+  // The temporaries of K split: none where the count leaves K whole (a forced count over fewer chunks, a forced
+  // stream-K that does not fit), which then is K whole for every choice below.
+  const int64_t partials_bytes =
+      k_slices != 1 ? split_gemm_k_workspace_bytes(x.device().index(), m, n, k, k_slices) : 0;
+  if (partials_bytes == 0) k_slices = 1;
   WeightSplit w_split_made;
   // A GELU on split_fp16 takes w's split made ahead where w is not transposed and K is whole (the kernel that reads
   // the float32 w untransposed has no GELU epilogue: launch_split_gemm_multiply_leaky_relu; with K split the sum
@@ -172,8 +177,6 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const int64_t x_exponent_at = layout.add(m, 4);
   const int64_t w_flags_at = w_split == nullptr ? layout.add(n, 4) : 0;
   const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m), 1) : 0;
-  const int64_t partials_bytes =
-      k_slices != 1 ? split_gemm_k_workspace_bytes(x.device().index(), m, n, k, k_slices) : 0;
   const int64_t partials_at = partials_bytes > 0 ? layout.add(partials_bytes, 1) : 0;
   const at::Tensor temporaries = at::empty({layout.bytes}, x.options().dtype(at::kByte));
   std::uint8_t* const base = temporaries.mutable_data_ptr<std::uint8_t>();
@@ -198,7 +201,7 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // The product's float32 x from here on (the fix-up's operand): the pass's grad_pre where it made one.
   const at::Tensor& x_read = gelu_rows != nullptr ? gelu_rows->grad_pre : x2;
   if (k_slices != 1) {
-    float* const partials = partials_bytes > 0 ? reinterpret_cast<float*>(base + partials_at) : nullptr;
+    float* const partials = reinterpret_cast<float*>(base + partials_at);
     check_launch(w_split != nullptr
                      ? launch_split_gemm_presplit_split_k(
                            x_hi, x_lo, x_exponent, w_split->hi.const_data_ptr(), w_split->lo.const_data_ptr(),
