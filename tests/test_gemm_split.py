@@ -191,6 +191,101 @@ def test_unscale_is_ldexpf_bit_for_bit_host_program(tmp_path):
     assert "wrong 0" in result.stdout
 
 
+# The Hopper GEMM's stream-K schedule (gemm_sm90_tile_scheduler.cuh) run on the host: the header's device functions
+# compiled as host code, blockIdx, gridDim and threadIdx plain variables. For each (tiles, chunks, CTAs) where StreamK fits, every
+# CTA walks its units as the kernel's producer and consumers do; every (tile, chunk) must be taken once, each tile's
+# slices must run 0, 1, ... along K and number StreamK::parts (what the sum adds), and tile_of must invert the tile
+# order.
+STREAM_K_CHECK = r"""
+#define __host__
+#define __device__
+#define __forceinline__ inline
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+struct Index { unsigned x; };
+static Index blockIdx, gridDim, threadIdx;
+using std::min;
+#include "gemm/gemm_sm90_tile_scheduler.cuh"
+using namespace kernels::gemm;
+
+static long wrong = 0;
+#define EXPECT(ok, ...) do { if (!(ok) && wrong++ < 10) { std::printf(__VA_ARGS__); std::printf("\n"); } } while (0)
+
+int main() {
+  long fitted = 0;
+  for (int ctas : {132, 78, 16, 3}) {
+    for (int tiles = 1; tiles <= 300; ++tiles) {
+      for (int chunks : {1, 2, 3, 5, 8, 16, 17, 33, 64, 197}) {
+        const StreamK streamk(tiles, chunks, ctas);
+        EXPECT(!(tiles % ctas == 0 && streamk.fits()), "fits without a partial round: %d tiles, %d CTAs", tiles, ctas);
+        if (!streamk.fits()) continue;
+        ++fitted;
+        std::vector<int> slice_of(static_cast<size_t>(tiles) * chunks, -1);
+        gridDim.x = ctas;
+        for (int cta = 0; cta < ctas; ++cta) {
+          blockIdx.x = cta;
+          const TileScheduler scheduler(tiles * kBlockX, kBlockW, chunks, 1, chunks, true);  // tiles x 1 tiles
+          int units = 0;
+          for (int unit = scheduler.first(); unit < scheduler.units; unit = scheduler.next(unit), ++units) {
+            const int tile = scheduler.tile(unit), first = scheduler.first_chunk(unit);
+            const int count = scheduler.unit_chunks(unit), slice = scheduler.slice(unit);
+            EXPECT(count >= 1 && first >= 0 && first + count <= chunks && tile >= 0 && tile < tiles,
+                   "unit %d of CTA %d: tile %d, chunks %d + %d (%d tiles, %d chunks)", unit, cta, tile, first, count,
+                   tiles, chunks);
+            EXPECT(scheduler.is_last(unit) == (scheduler.next(unit) >= scheduler.units), "is_last");
+            if (count < 1 || first < 0 || first + count > chunks || tile < 0 || tile >= tiles || units > tiles * chunks)
+              break;
+            for (int chunk = first; chunk < first + count; ++chunk) {
+              int& taken = slice_of[static_cast<size_t>(tile) * chunks + chunk];
+              EXPECT(taken == -1, "tile %d chunk %d taken twice (%d tiles, %d chunks, %d CTAs)", tile, chunk, tiles,
+                     chunks, ctas);
+              taken = slice;
+            }
+          }
+          EXPECT(units >= 1, "CTA %d has no unit (%d tiles, %d chunks)", cta, tiles, chunks);
+        }
+        for (int tile = 0; tile < tiles; ++tile) {
+          int expected = 0;
+          for (int chunk = 0; chunk < chunks; ++chunk) {
+            const int slice = slice_of[static_cast<size_t>(tile) * chunks + chunk];
+            if (slice == expected + 1) ++expected;
+            EXPECT(slice == expected, "tile %d chunk %d: slice %d, expected %d (%d tiles, %d chunks, %d CTAs)", tile,
+                   chunk, slice, expected, tiles, chunks, ctas);
+          }
+          EXPECT(expected + 1 == streamk.parts(tile), "tile %d: %d slices, parts %d", tile, expected + 1,
+                 streamk.parts(tile));
+        }
+      }
+    }
+  }
+  for (int x_tiles = 1; x_tiles <= 24; ++x_tiles)
+    for (int w_tiles = 1; w_tiles <= 24; ++w_tiles)
+      for (int tile = 0; tile < x_tiles * w_tiles; ++tile)
+        EXPECT(tile_of(tile_x_of(tile, x_tiles, w_tiles), tile_w_of(tile, x_tiles, w_tiles), x_tiles, w_tiles) == tile,
+               "tile_of(%d) in %d x %d tiles", tile, x_tiles, w_tiles);
+  std::printf("fitted %ld, wrong %ld\n", fitted, wrong);
+  return wrong == 0 && fitted > 0 ? 0 : 1;
+}
+"""
+
+
+@requires_nvcc
+def test_stream_k_schedule_takes_every_chunk_once_host_program(tmp_path):
+    from kernels import loader
+
+    source = tmp_path / "stream_k_check.cpp"
+    source.write_text(STREAM_K_CHECK)
+    program = tmp_path / "stream_k_check"
+    # nvcc hands a .cpp file to the host compiler as plain C++, with CUDA's headers on its include path.
+    built = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", loader.SOURCE_ROOT, str(source), "-o", str(program)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-4000:]
+    result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "wrong 0" in result.stdout
+
+
 @over_split_paths
 @pytest.mark.parametrize("rows,features", [(24, 40), (600, 24)])  # the second computed transposed on split_fp16
 def test_split_path_propagates_nan_and_inf_like_eager(path, rows, features):
