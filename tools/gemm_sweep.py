@@ -222,21 +222,27 @@ def sweep(args):
 # grad_W's products (out_features x in_features over the batch's rows): BERT/GPT-2 and ViT-B layers at 12608 and
 # 4096-8192 rows, and outputs around split_pays_off's smallest.
 SPLIT_K_SHAPES = ((1024, 1024, 8192), (1024, 1024, 4096), (768, 3072, 12608), (3072, 768, 12608), (768, 768, 12608),
-                  (768, 768, 8192), (768, 768, 4096), (512, 1024, 12608), (512, 512, 12608))
-SPLIT_K_SLICES = (1, 2, 3, 4, 5, 6, 8)
+                  (768, 768, 8192), (768, 768, 4096), (512, 1024, 12608), (512, 512, 12608), (2304, 768, 12608),
+                  (3072, 1024, 4096), (4096, 1024, 8192))
+SPLIT_K_SLICES = (1, 2, 3, 4, 5, 6, 8, -1)  # -1: stream-K (gemm.h's kStreamK)
+
+
+def slices_name(slices):
+    return "stream" if slices == -1 else str(slices)
 
 
 def split_k(args):
-    """grad_W through the backward op on the split path with K split into S slices (forced, then split_gemm_k_slices's
-    choice "auto") against eager's grad_pre.t().mm(x): times, errors against float64, whether two runs agree bit for
-    bit."""
+    """grad_W through the backward op on the split path with K split into S slices or by stream-K (forced, then
+    split_gemm_k_slices's choice "auto") against eager's grad_pre.t().mm(x): times, errors against float64, whether two
+    runs agree bit for bit."""
     from kernels.gemm.gemm import forced_gemm_path
     from kernels.precision import relative_error
     from kernels.timing import time_each_ms
 
     backward, force = torch.ops.kernels.gemm_multiply_leaky_relu_backward, torch.ops.kernels._gemm_force_k_slices
-    print(f"{'n':>5} {'k':>5} {'m':>6} {'auto':>4} {'eager':>7} " + " ".join(f"{f'S={s}':>7}" for s in SPLIT_K_SLICES)
-          + f" {'S=auto':>7} {'speedup':>7} {'inputs':>6} {'ours':>9} {'eager':>9} {'bits':>4}")
+    print(f"{'n':>5} {'k':>5} {'m':>6} {'auto':>6} {'eager':>7} "
+          + " ".join(f"{'S=' + slices_name(s):>8}" for s in SPLIT_K_SLICES)
+          + f" {'S=auto':>8} {'speedup':>7} {'inputs':>6} {'ours':>9} {'eager':>9} {'bits':>4}")
     for n, k, m in SPLIT_K_SHAPES:
         torch.manual_seed(0)
         weight, empty = torch.empty(n, k, device="cuda"), torch.empty(0, device="cuda")
@@ -254,8 +260,8 @@ def split_k(args):
                 row = time_each_ms([lambda: grad_pre.t().mm(x)] + [lambda s=s: ours(s) for s in (*SPLIT_K_SLICES, 0)])
             grad_w, again, reference = ours(0), ours(0), grad_pre.double().t() @ x.double()
             bits = "same" if torch.equal(grad_w.view(torch.int32), again.view(torch.int32)) else "DIFF"
-            print(f"{n:>5} {k:>5} {m:>6} {torch.ops.kernels._gemm_k_slices(n, k, m):>4} "
-                  + " ".join(f"{t:7.4f}" for t in row) + f" {row[0] / row[-1]:7.3f} {kind:>6} "
+            print(f"{n:>5} {k:>5} {m:>6} {slices_name(torch.ops.kernels._gemm_k_slices(n, k, m)):>6} "
+                  + f"{row[0]:7.4f} " + " ".join(f"{t:8.4f}" for t in row[1:]) + f" {row[0] / row[-1]:7.3f} {kind:>6} "
                   f"{relative_error(grad_w, reference):9.3e} {relative_error(grad_pre.t().mm(x), reference):9.3e} "
                   f"{bits:>4}", flush=True)
 
