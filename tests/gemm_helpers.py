@@ -109,7 +109,8 @@ STREAM_K = -1  # forced_k_slices's value for stream-K (gemm.h, kStreamK)
 
 class forced_k_slices:
     """with forced_k_slices(s): every split_fp16 product in the block splits K into at most s slices, or, with
-    STREAM_K, into stream-K's shares (K whole where the product has fewer chunks than the GPU has multiprocessors)."""
+    STREAM_K, by stream-K (K whole where it does not fit: no partial last round of tiles, or fewer of its chunks than
+    the GPU has multiprocessors)."""
 
     def __init__(self, slices):
         self.slices, self.previous = slices, None

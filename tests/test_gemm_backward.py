@@ -164,11 +164,11 @@ def test_split_k_weight_gradient_as_accurate_as_eager_and_the_same_bits_every_ru
 def test_split_k_forced_on_tails_and_on_each_kernel(slices):
     """Slices of K forced on plain products with tails (rows and columns past the tiles' ends, a last chunk in part,
     slices of unequal length, 7 slices of 16 chunks taken as 6 of 3; stream-K's tiles cut into a head and shares of
-    the rest, up to 10 parts a tile, or K whole where grad_W's 64 chunks of work are fewer than the multiprocessors): grad_W with w in
-    registers (given transposed) and from x's split made ahead (the presplit kernel), and a plain forward with w in
-    registers, each with a non-finite value in w's last slice of K (its row flagged by that slice alone). Each within
-    max(eager's error, the split's floor) of float64, NaN and Inf where eager's are, close to the product over all of
-    K, and the same bits on a second run."""
+    the rest, up to 10 parts a tile, or K whole where grad_W's 64 chunks of work are fewer than the multiprocessors):
+    grad_W with w in registers (given transposed) and from x's split made ahead (the presplit kernel), and a plain
+    forward with w in registers, each with a non-finite value in w's last slice of K (its row flagged by that slice
+    alone). Each within max(eager's error, the split's floor) of float64, NaN and Inf where eager's are, close to the
+    product over all of K, and the same bits on a second run."""
     g = torch.Generator(device="cuda").manual_seed(6)
     cases = {  # name: (product's operands, the product)
         "grad_w": (200, 136, 1000),  # (n, k, m) of grad_W, 16 chunks of the batch
@@ -189,8 +189,8 @@ def test_split_k_forced_on_tails_and_on_each_kernel(slices):
         with forced_k_slices(1):
             whole = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
         with forced_k_slices(slices):
-            ours, again = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0), gemm_multiply_leaky_relu(x, weight, None,
-                                                                                                     1.0, 1.0)
+            ours = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
+            again = gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
     assert torch.equal(ours.view(torch.int32), again.view(torch.int32))
     check_split_k(ours, whole, F.linear(x, weight), F.linear(x.double(), weight.double()), "forward")
 

@@ -192,10 +192,10 @@ def test_unscale_is_ldexpf_bit_for_bit_host_program(tmp_path):
 
 
 # The Hopper GEMM's stream-K schedule (gemm_sm90_tile_scheduler.cuh) run on the host: the header's device functions
-# compiled as host code, blockIdx, gridDim and threadIdx plain variables. For each (tiles, chunks, CTAs) where StreamK fits, every
-# CTA walks its units as the kernel's producer and consumers do; every (tile, chunk) must be taken once, each tile's
-# slices must run 0, 1, ... along K and number StreamK::parts (what the sum adds), and tile_of must invert the tile
-# order.
+# compiled as host code, blockIdx, gridDim and threadIdx plain variables. For each (tiles, chunks, CTAs) where StreamK
+# fits, every CTA walks its units as the kernel's producer and consumers do; every (tile, chunk) must be taken once,
+# each tile's slices must run 0, 1, ... along K and number StreamK::parts (what the sum adds), and tile_of must invert
+# the tile order.
 STREAM_K_CHECK = r"""
 #define __host__
 #define __device__

@@ -87,7 +87,7 @@ struct StreamK {
 struct TileScheduler {
   int x_tiles, w_tiles, tiles;
   int chunks;        // K's chunks
-  int slice_chunks;  // a slice's chunks (the last slice's may be fewer): chunks where K is not split; unused by stream-K
+  int slice_chunks;  // a slice's chunks (the last may hold fewer): chunks where K is not split; unused by stream-K
   bool stream;       // stream-K (launch_split_gemm_split_k with kStreamK)
   StreamK streamk;   // its work, where stream
   // The units' end: tiles times the slices; with stream-K, the end of this CTA's share, where a unit is a whole tile
@@ -113,9 +113,9 @@ struct TileScheduler {
       return unit + static_cast<int>(gridDim.x) < streamk.dp_tiles
                  ? unit + static_cast<int>(gridDim.x)
                  : streamk.dp_tiles + static_cast<int>(streamk.share_begin(blockIdx.x));
-    const int g = unit - streamk.dp_tiles, block0 = streamk.tail_tiles * streamk.head;
-    return streamk.dp_tiles + (g < block0 ? (g / streamk.head + 1) * streamk.head
-                                          : block0 + ((g - block0) / streamk.rest_chunks() + 1) * streamk.rest_chunks());
+    const int g = unit - streamk.dp_tiles, block0 = streamk.tail_tiles * streamk.head, rest = streamk.rest_chunks();
+    return streamk.dp_tiles +
+           (g < block0 ? (g / streamk.head + 1) * streamk.head : block0 + ((g - block0) / rest + 1) * rest);
   }
   __device__ __forceinline__ bool is_last(int unit) const { return next(unit) >= units; }
   __device__ __forceinline__ int tile(int unit) const {

@@ -36,7 +36,8 @@ struct SplitKParts {
   __device__ __forceinline__ int of(std::int64_t i) const {
     if (!stream) return slices;
     const std::int64_t row = i / n, column = i - row * n;
-    return streamk.parts(tile_of(static_cast<int>(row / kBlockX), static_cast<int>(column / kBlockW), x_tiles, w_tiles));
+    const int tile_x = static_cast<int>(row / kBlockX), tile_w = static_cast<int>(column / kBlockW);
+    return streamk.parts(tile_of(tile_x, tile_w, x_tiles, w_tiles));
   }
 };
 
