@@ -175,20 +175,27 @@ int main() {
 """
 
 
-@requires_nvcc
-@pytest.mark.slow
-def test_unscale_is_ldexpf_bit_for_bit_host_program(tmp_path):
+def run_host_program(tmp_path, name, text):
+    """Builds `name` (a .cu or .cpp file of `text`, the library's sources on its include path) with nvcc, runs it, and
+    returns its output, asserting both succeeded. nvcc hands a .cpp file to the host compiler as plain C++, with
+    CUDA's headers on its include path."""
     from kernels import loader
 
-    source = tmp_path / "unscale_check.cu"
-    source.write_text(UNSCALE_CHECK)
-    program = tmp_path / "unscale_check"
+    source = tmp_path / name
+    source.write_text(text)
+    program = tmp_path / source.stem
     built = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", loader.SOURCE_ROOT, str(source), "-o", str(program)],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]
     result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "wrong 0" in result.stdout
+    return result.stdout
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_unscale_is_ldexpf_bit_for_bit_host_program(tmp_path):
+    assert "wrong 0" in run_host_program(tmp_path, "unscale_check.cu", UNSCALE_CHECK)
 
 
 # The Hopper GEMM's stream-K schedule (gemm_sm90_tile_scheduler.cuh) run on the host: the header's device functions
@@ -272,18 +279,7 @@ int main() {
 
 @requires_nvcc
 def test_stream_k_schedule_takes_every_chunk_once_host_program(tmp_path):
-    from kernels import loader
-
-    source = tmp_path / "stream_k_check.cpp"
-    source.write_text(STREAM_K_CHECK)
-    program = tmp_path / "stream_k_check"
-    # nvcc hands a .cpp file to the host compiler as plain C++, with CUDA's headers on its include path.
-    built = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", loader.SOURCE_ROOT, str(source), "-o", str(program)],
-                           capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-4000:]
-    result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "wrong 0" in result.stdout
+    assert "wrong 0" in run_host_program(tmp_path, "stream_k_check.cpp", STREAM_K_CHECK)
 
 
 @over_split_paths

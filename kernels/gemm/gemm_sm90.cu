@@ -183,12 +183,13 @@ KSlices split_k_slices(std::int64_t m, std::int64_t n, std::int64_t k, int slice
   KSlices split;
   split.slice_rows = split_k_slice_rows(m);
   if (slices == kStreamK) {
-    // (StreamK divides by the CTAs: no multiprocessor count read, no stream-K.)
-    split.stream = processors > 0 && tiles < (std::int64_t{1} << 31) &&
-                   StreamK(static_cast<int>(tiles), static_cast<int>(chunks), processors).fits();
-    split.slices =
-        split.stream ? stream_k_most_parts(StreamK(static_cast<int>(tiles), static_cast<int>(chunks), processors)) : 1;
     split.slice_chunks = static_cast<int>(chunks);
+    // (StreamK divides by the CTAs: no multiprocessor count read, no stream-K.)
+    if (processors > 0 && tiles < (std::int64_t{1} << 31)) {
+      const StreamK streamk(static_cast<int>(tiles), static_cast<int>(chunks), processors);
+      split.stream = streamk.fits();
+      if (split.stream) split.slices = stream_k_most_parts(streamk);
+    }
   } else {
     split.slice_chunks = static_cast<int>((chunks + slices - 1) / slices);
     split.slices = static_cast<int>((chunks + split.slice_chunks - 1) / split.slice_chunks);
