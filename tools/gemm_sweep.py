@@ -266,6 +266,42 @@ def split_k(args):
                   f"{bits:>4}", flush=True)
 
 
+# (rows, in_features, out_features): the models' products whose speedup is lowest (kernels/gemm/NOTES.md).
+PRODUCT_SHAPES = ((4096, 1024, 1024), (8192, 1024, 1024), (4096, 1024, 3072))
+
+
+def products(args):
+    """The forward's, grad_x's and grad_W's products of a linear layer, each through the library's op on the path it
+    takes, against eager's product (L2 flushed), then each call's kernels (with KERNELS_DEPENDENT_LAUNCH=0: else each
+    kernel's time includes its wait on the one before); and x's row split against a copy, a read and a write of the
+    same matrix (the pass's floor at these sizes)."""
+    import kernels.functional  # noqa: F401 (the op library)
+    from kernels.timing import time_each_ms
+
+    forward = torch.ops.kernels.gemm_multiply_leaky_relu.default
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else PRODUCT_SHAPES
+    for m, k, n in shapes:
+        torch.manual_seed(0)
+        x, grad = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
+        w, empty = torch.randn(n, k, device="cuda") / k ** 0.5, torch.empty(0, device="cuda")
+        calls = {"forward": (lambda: forward(x, w, None, 1.0, 1.0, False), lambda: x @ w.t()),
+                 "grad_x": (lambda: backward(grad, x, w, empty, 1.0, 1.0, True, False, False), lambda: grad @ w),
+                 "grad_W": (lambda: backward(grad, x, w, empty, 1.0, 1.0, False, True, False), lambda: grad.t() @ x)}
+        for product, (ours, eager) in calls.items():
+            ours_ms, eager_ms = time_each_ms([ours, eager], samples=40)
+            print(f"{m} x {k} -> {n} {product}: {ours_ms * 1e3:.1f} us against eager's {eager_ms * 1e3:.1f} "
+                  f"({eager_ms / ours_ms:.3f}x)")
+            print_kernels(ours, count=8)
+        out = torch.empty_like(x)
+        floor = {"x's row split": lambda: torch.ops.kernels._gemm_split_sweep(x, "rows"), "copy": lambda: out.copy_(x),
+                 "read (sum)": lambda: x.sum(), "write (fill)": lambda: out.fill_(1.0)}
+        times = time_each_ms(list(floor.values()), samples=40)
+        print(f"{m} x {k}: " + ", ".join(f"{name} {ms * 1e3:.1f} us" for name, ms in zip(floor, times)), flush=True)
+        del x, grad, w, out
+        torch.cuda.empty_cache()
+
+
 def coherence(args):
     """The part of a linear layer's error that every row shares (nn.Linear's weights; rand, rand - 0.5 and randn x),
     ours against eager: normwise error, the error of the mean over rows, and ||mean error|| sqrt(rows) / ||error||
@@ -494,6 +530,8 @@ def main():
                      help="time the forward also before these AdamW steps, the rest after them (bench.py's order)")
     sub.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the trace ($OUT, else /tmp)")
     add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
+    sub = add("products", products, "a linear layer's three products at the models' slowest shapes, and their kernels")
+    sub.add_argument("--shapes", metavar="MxKxN[,MxKxN...]", help="these (rows x in x out) instead")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
     add("gelu", gelu, "an MLP's first layer and GELU without a gradient: eager, two ops, gemm_gelu")
     add("gelu-training", gelu_training, "an MLP's first layer and GELU while training: two steps against one op each")
