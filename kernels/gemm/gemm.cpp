@@ -26,6 +26,18 @@ using common::check_float_tensor;
 using common::check_same;
 using common::shape_str;
 
+// A split product's result, or nullopt where the memory for its temporaries (the operands' splits, K slices'
+// partials) could not be had: the caller then computes eager's product, which needs none past its outputs, so that a
+// split never raises an out-of-memory error that eager would not. Nothing is written before those allocations.
+template <class Product>
+auto unless_out_of_memory(Product&& product) -> std::optional<decltype(product())> {
+  try {
+    return product();
+  } catch (const c10::OutOfMemoryError&) {
+    return std::nullopt;
+  }
+}
+
 void check_gemm_arguments(const char* op, const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
   check_float_tensor(op, "x", x);
@@ -58,11 +70,14 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
 #ifdef KERNELS_WITH_CUDA
   const Path path = choose_path(x, linear_shape(x, weight));
   const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
-  if (is_split(path))
-    return split_fp16_gemm_multiply_leaky_relu(
-        path, x, weight, b, Epilogue{static_cast<float>(multiplier), static_cast<float>(negative_slope)}, return_mask,
-        w_split.has_value() ? &*w_split : nullptr);
-  if (path == Path::kCublasBf16x9) {
+  if (is_split(path)) {
+    auto result = unless_out_of_memory([&] {
+      return split_fp16_gemm_multiply_leaky_relu(
+          path, x, weight, b, Epilogue{static_cast<float>(multiplier), static_cast<float>(negative_slope)},
+          return_mask, w_split.has_value() ? &*w_split : nullptr);
+    });
+    if (result.has_value()) return *result;
+  } else if (path == Path::kCublasBf16x9) {
     const int64_t m = gemm_rows(x), k = weight.size(1);
     std::vector<int64_t> out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
@@ -75,6 +90,14 @@ std::tuple<at::Tensor, at::Tensor> gemm_multiply_leaky_relu(const at::Tensor& x,
 #endif
   return cublas_gemm_multiply_leaky_relu(x, weight, b, multiplier, negative_slope, return_mask);
 }
+
+#ifdef KERNELS_WITH_CUDA
+// x @ weight^T + bias on cuBLAS: a GELU's product where the memory for its split could not be had.
+at::Tensor cublas_product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return std::get<0>(cublas_gemm_multiply_leaky_relu(x, weight, bias.has_value() ? *bias : at::Tensor(), 1.0, 1.0,
+                                                     /*return_mask=*/false));
+}
+#endif
 
 // gemm_gelu's activation where its epilogue does not apply it: at::gelu ("none"), kernels::gelu_tanh ("tanh").
 at::Tensor gelu_of(const at::Tensor& pre, c10::string_view approximate) {
@@ -98,10 +121,13 @@ at::Tensor gemm_gelu(const at::Tensor& x, const at::Tensor& weight, const std::o
   if (is_split(path)) {
     const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
     const Epilogue epilogue{1.0f, 1.0f, approximate == "tanh" ? Activation::kGeluTanh : Activation::kGeluErf};
-    return std::get<0>(split_fp16_gemm_multiply_leaky_relu(path, x, weight,
-                                                           bias.has_value() ? *bias : at::Tensor(), epilogue,
-                                                           /*return_mask=*/false,
-                                                           w_split.has_value() ? &*w_split : nullptr));
+    auto y = unless_out_of_memory([&] {
+      return std::get<0>(split_fp16_gemm_multiply_leaky_relu(path, x, weight, bias.has_value() ? *bias : at::Tensor(),
+                                                             epilogue, /*return_mask=*/false,
+                                                             w_split.has_value() ? &*w_split : nullptr));
+    });
+    if (y.has_value()) return *y;
+    return gelu_of(cublas_product(x, weight, bias), approximate);
   }
 #endif
   return gelu_of(std::get<0>(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0, /*return_mask=*/false,
@@ -109,30 +135,38 @@ at::Tensor gemm_gelu(const at::Tensor& x, const at::Tensor& weight, const std::o
                  approximate);
 }
 
+#ifdef KERNELS_WITH_CUDA
+// input_gradient's product on a split path where w is a transposed view or gelu_rows is given (below).
+at::Tensor split_input_gradient(Path path, const at::Tensor& grad_pre, const at::Tensor& weight,
+                                const GeluBackwardRows* gelu_rows) {
+  at::Tensor grad_x = at::empty({grad_pre.size(0), weight.size(1)}, grad_pre.options());
+  const bool w_view = is_transposed_weight(weight);
+  split_fp16_product(path, grad_pre, /*x_transposed=*/false, w_view ? weight.t() : weight, /*w_transposed=*/!w_view,
+                     at::Tensor(), Epilogue{}, grad_x, /*positive=*/nullptr, /*x_column_sums=*/nullptr,
+                     /*w_split=*/nullptr, gelu_rows);
+  return grad_x;
+}
+#endif
+
 // grad_x = grad_pre w (grad_pre m x n, w n x k) on `path`: w read as it is (n x k), or, where it is a transposed view,
 // as the row-major (k x n) matrix it views, whose rows are then the product's. With gelu_rows (a split path, on
 // which gelu_backward_rows_supported held), grad_pre is the GELU's output gradient, and x's split pass makes the
 // GELU's input gradient, gelu_rows->grad_pre, on the way.
 at::Tensor input_gradient(Path path, const at::Tensor& grad_pre, const at::Tensor& weight,
                           const GeluBackwardRows* gelu_rows = nullptr) {
-  const int64_t m = grad_pre.size(0), k = weight.size(1);
 #ifdef KERNELS_WITH_CUDA
-  if (is_split(path) && (gelu_rows != nullptr || is_transposed_weight(weight))) {
-    at::Tensor grad_x = at::empty({m, k}, grad_pre.options());
-    const bool w_view = is_transposed_weight(weight);
-    split_fp16_product(path, grad_pre, /*x_transposed=*/false, w_view ? weight.t() : weight,
-                       /*w_transposed=*/!w_view, at::Tensor(), Epilogue{}, grad_x, /*positive=*/nullptr,
-                       /*x_column_sums=*/nullptr, /*w_split=*/nullptr, gelu_rows);
-    return grad_x;
+  // With gelu_rows an out-of-memory error goes to the caller, whose fallback makes grad_pre too.
+  if (is_split(path) && gelu_rows != nullptr) return split_input_gradient(path, grad_pre, weight, gelu_rows);
+  if (is_split(path)) {
+    auto grad_x = unless_out_of_memory([&] {
+      return is_transposed_weight(weight) ? split_input_gradient(path, grad_pre, weight, nullptr)
+                                          : split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight);
+    });
+    if (grad_x.has_value()) return *grad_x;
   }
-#else
-  (void)m;
-  (void)k;
 #endif
   TORCH_CHECK(gelu_rows == nullptr, "kernels: a GELU's backward is made by the split paths' row split only");
-  return is_split(path)                   ? split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight)
-         : path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight)
-                                       : grad_pre.mm(weight);
+  return path == Path::kCublasBf16x9 ? cublas_bf16x9_matmul(grad_pre, weight) : grad_pre.mm(weight);
 }
 
 // The path grad_x = grad_pre (m x n) w takes, as a forward of its shape would.
@@ -159,12 +193,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> product_gradients(const at::Tenso
   bool bias_done = false;
   if (weight_grad) {
     const Path path = choose_path(grad_pre, {n, k, m, true}, /*strict=*/false);
+    std::optional<at::Tensor> split_grad_weight;
     if (is_split(path)) {
       // grad_pre's columns are split as they are read; their sums, made on the way, are grad_bias.
       if (bias_grad) grad_bias = at::empty({n}, x.options());
-      grad_weight = split_fp16_matmul(path, grad_pre, /*a_transposed=*/true, x2,
-                                      bias_grad ? grad_bias.mutable_data_ptr<float>() : nullptr);
-      bias_done = bias_grad;
+      split_grad_weight = unless_out_of_memory([&] {
+        return split_fp16_matmul(path, grad_pre, /*a_transposed=*/true, x2,
+                                 bias_grad ? grad_bias.mutable_data_ptr<float>() : nullptr);
+      });
+      bias_done = bias_grad && split_grad_weight.has_value();
+    }
+    if (split_grad_weight.has_value()) {
+      grad_weight = *split_grad_weight;
     } else if (path == Path::kCublasBf16x9) {
       grad_weight = cublas_bf16x9_matmul(grad_pre.t(), x2);
     } else {
@@ -200,14 +240,19 @@ std::tuple<at::Tensor, at::Tensor> gemm_gelu_with_pre(const at::Tensor& x, const
     const std::optional<WeightSplit> w_split = usable_weight_split(weight_split, path, x, weight);
     std::vector<int64_t> out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
-    at::Tensor pre = at::empty(out_shape, x.options());
-    const Epilogue epilogue{1.0f, 1.0f, approximate == "tanh" ? Activation::kGeluTanh : Activation::kGeluErf,
-                            pre.mutable_data_ptr<float>()};
-    at::Tensor y = std::get<0>(split_fp16_gemm_multiply_leaky_relu(path, x, weight,
-                                                                   bias.has_value() ? *bias : at::Tensor(), epilogue,
-                                                                   /*return_mask=*/false,
-                                                                   w_split.has_value() ? &*w_split : nullptr));
-    return {y, pre};
+    auto made = unless_out_of_memory([&] {
+      at::Tensor pre = at::empty(out_shape, x.options());
+      const Epilogue epilogue{1.0f, 1.0f, approximate == "tanh" ? Activation::kGeluTanh : Activation::kGeluErf,
+                              pre.mutable_data_ptr<float>()};
+      at::Tensor y = std::get<0>(split_fp16_gemm_multiply_leaky_relu(path, x, weight,
+                                                                     bias.has_value() ? *bias : at::Tensor(),
+                                                                     epilogue, /*return_mask=*/false,
+                                                                     w_split.has_value() ? &*w_split : nullptr));
+      return std::make_tuple(y, pre);
+    });
+    if (made.has_value()) return *made;
+    const at::Tensor pre = cublas_product(x, weight, bias);
+    return {gelu_of(pre, approximate), pre};
   }
 #endif
   at::Tensor pre = std::get<0>(gemm_multiply_leaky_relu(x, weight, bias, 1.0, 1.0, /*return_mask=*/false,
@@ -257,9 +302,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_gelu_backward(const at::Tens
     const at::Tensor grad_y2 = grad_y.reshape({m, n}), pre2 = pre.reshape({m, n});
     const Path path = input_gradient_path(grad_y2, weight);
     if (is_split(path) && gelu_backward_rows_supported(grad_y2, pre2)) {
-      grad_pre = at::empty({m, n}, grad_y.options());
-      const GeluBackwardRows rows{pre2, approximate == "tanh", grad_pre};
-      grad_x = input_gradient(path, grad_y2, weight, &rows);
+      // Out of memory for the split: grad_pre by the activation's backward and grad_x by eager's product, below.
+      auto made = unless_out_of_memory([&] {
+        at::Tensor gradient = at::empty({m, n}, grad_y.options());
+        const GeluBackwardRows rows{pre2, approximate == "tanh", gradient};
+        return std::make_tuple(gradient, input_gradient(path, grad_y2, weight, &rows));
+      });
+      if (made.has_value()) std::tie(grad_pre, grad_x) = *made;
     }
   }
 #endif
