@@ -1123,10 +1123,7 @@ def _attention_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return NotImplemented
     if not _attention_runs_on(query.device):
         return NotImplemented
-    try:
-        return attention(query, key, value, is_causal, scale)
-    except torch.OutOfMemoryError:  # the split's workspace (q, k and v split), which eager's call does not take
-        return NotImplemented
+    return attention(query, key, value, is_causal, scale)
 
 
 def _attention(query, key, value, is_causal=False):

@@ -1,8 +1,6 @@
-"""What the memory tests share: the peak memory of one call above what was held before it, a limit on the device
-memory the process may reserve, and the bound on the blocked ATen formulas' float64 temporaries
-(kernels/common/row_blocks.h)."""
+"""What the norms' memory tests share: the peak memory of one call above what was held before it, and the bound on
+the blocked ATen formulas' float64 temporaries (kernels/common/row_blocks.h)."""
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -52,27 +50,3 @@ def float64_blocks_allowance(device):
     block: 2^18 elements on the CPU, 2^22 on CUDA), and on the CPU what the call's first parallel region maps (OpenMP
     threads' stacks, malloc arenas), which the resident set counts and other test workers' load varies."""
     return 16 * 8 * (1 << (18 if device == "cpu" else 22)) + (8 << 20 if device == "cpu" else 0)
-
-
-def reserved_peak(call):
-    """The peak of reserved device memory (what the caching allocator holds from CUDA, which memory_limit bounds)
-    during call(), above what was reserved before it with the cache emptied, and call()'s result."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    result = call()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_reserved() - before, result
-
-
-@contextlib.contextmanager
-def memory_limit(nbytes):
-    """Within it, the caching allocator reserves at most nbytes more than it holds on entry (the cache emptied)."""
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + nbytes) / total)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA, requires_cuda
-from memory_helpers import memory_limit, reserved_peak
 from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel, LeakyReLUModel
@@ -185,6 +184,18 @@ def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
         f"a call reading the kept split peaks at {mib(third_peak)}, the reference's {mib(reference_peak)}")
 
 
+def reserved_peak(call):
+    """The peak of reserved device memory (what the caching allocator holds from CUDA, which a memory fraction
+    bounds) during call(), above what was reserved before it with the cache emptied, and call()'s result."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    result = call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_reserved() - before, result
+
+
 @pytest.mark.parametrize("path", [p for p in GEMM_PATHS if p in SPLIT_PATHS])
 @pytest.mark.slow
 def test_split_products_out_of_memory_give_eagers_results(path):
@@ -194,6 +205,7 @@ def test_split_products_out_of_memory_give_eagers_results(path):
     each result bit for bit the cuBLAS path's (or the split's, for a product whose split still fits). Each op is
     tested at a shape where its split needs more than eager's call: a tall x (its split as large as x) and a wide w
     (split ahead of the GEMM, as large as w)."""
+    total = torch.cuda.get_device_properties(0).total_memory
     slack = 24 << 20  # the allocator's rounding of each block it reserves
     tested, peaks = set(), {}
     for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192)):
@@ -221,11 +233,15 @@ def test_split_products_out_of_memory_give_eagers_results(path):
             if split_peak <= eager_peak + slack:  # the split fits wherever eager's call does
                 continue
             tested.add(name)
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + eager_peak + slack) / total)
             try:
-                with forced_gemm_path(path), memory_limit(eager_peak + slack):
+                with forced_gemm_path(path):
                     got = call()
             except torch.OutOfMemoryError as error:
                 raise AssertionError(f"{case} raised under the limit (peaks split, eager: {peaks[case]})") from error
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0)
             # Each product on its own: one whose split still fits gives the split's result, the others cuBLAS's.
             assert all(torch.equal(a, e) or torch.equal(a, s) for a, e, s in zip(got, eagers, splits)), case
             del eagers, splits, got
