@@ -4,6 +4,9 @@ calls, a forward's peak memory no higher than the reference's, no out-of-memory 
 tensors of more than 2^31 elements. Each test runs both LeakyReLU and the GEMM family, on every GEMM path
 the GPU has."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,9 +187,22 @@ def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
         f"a call reading the kept split peaks at {mib(third_peak)}, the reference's {mib(reference_peak)}")
 
 
+# Run in a fresh process, whose caching allocator holds no segments from other tests (a limit on reserved memory means
+# what it says only there): each op under a limit between eager's peak and its split's, at shapes where the split's
+# temporaries take more than eager's call; prints the ops so tested, or raises.
+_OUT_OF_MEMORY_SCRIPT = r"""
+import sys
+import torch
+import torch.nn.functional as F
+import kernels.functional
+from kernels.gemm.gemm import forced_gemm_path
+
+path = sys.argv[1]
+ops = torch.ops.kernels
+slack = 24 << 20  # the allocator's rounding of each block it reserves
+
+
 def reserved_peak(call):
-    """The peak of reserved device memory (what the caching allocator holds from CUDA, which a memory fraction
-    bounds) during call(), above what was reserved before it with the cache emptied, and call()'s result."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
@@ -194,6 +210,48 @@ def reserved_peak(call):
     result = call()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_reserved() - before, result
+
+
+tested = set()
+for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192)):
+    torch.manual_seed(0)
+    x, grad = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
+    w, b = torch.randn(n, k, device="cuda") / k ** 0.5, torch.randn(n, device="cuda")
+    with forced_gemm_path("cublas"):
+        y = ops.gemm_multiply_leaky_relu(x, w, b, 2.0, 0.1, False)[0]  # the LeakyReLU backward's saved output
+        pre = F.linear(x, w, b)
+    calls = {
+        "forward": lambda: ops.gemm_multiply_leaky_relu(x, w, b, 2.0, 0.1, True),
+        "gemm_gelu": lambda: (ops.gemm_gelu(x, w, b, "none"),),
+        "_gemm_gelu_with_pre": lambda: ops._gemm_gelu_with_pre(x, w, b, "tanh"),
+        "backward": lambda: ops.gemm_multiply_leaky_relu_backward(grad, x, w, y, 2.0, 0.1, True, True, True),
+        "gemm_gelu_backward": lambda: ops.gemm_gelu_backward(grad, x, w, pre, "none", True, True, True),
+    }
+    for name, call in calls.items():
+        case = f"{name} {m}x{k}->{n}"
+        with forced_gemm_path("cublas"):
+            eager_peak, eagers = reserved_peak(call)
+        with forced_gemm_path(path):
+            split_peak, splits = reserved_peak(call)
+        if split_peak <= eager_peak + slack:  # the split fits wherever eager's call does
+            continue
+        tested.add(name)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + eager_peak + slack) / total)
+        try:
+            with forced_gemm_path(path):
+                got = call()
+        except torch.OutOfMemoryError as error:
+            raise AssertionError(f"{case} raised under the limit (split {split_peak}, eager {eager_peak})") from error
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        # Each product on its own: one whose split still fits gives the split's result, the others cuBLAS's.
+        assert all(torch.equal(a, e) or torch.equal(a, s) for a, e, s in zip(got, eagers, splits)), case
+        del eagers, splits, got
+    del x, grad, w, b, y, pre
+print("TESTED", " ".join(sorted(tested)))
+"""
 
 
 @pytest.mark.parametrize("path", [p for p in GEMM_PATHS if p in SPLIT_PATHS])
@@ -205,48 +263,11 @@ def test_split_products_out_of_memory_give_eagers_results(path):
     each result bit for bit the cuBLAS path's (or the split's, for a product whose split still fits). Each op is
     tested at a shape where its split needs more than eager's call: a tall x (its split as large as x) and a wide w
     (split ahead of the GEMM, as large as w)."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    slack = 24 << 20  # the allocator's rounding of each block it reserves
-    tested, peaks = set(), {}
-    for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192)):
-        torch.manual_seed(0)
-        x, grad = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
-        w, b = torch.randn(n, k, device="cuda") / k ** 0.5, torch.randn(n, device="cuda")
-        ops = torch.ops.kernels
-        with forced_gemm_path("cublas"):
-            y = ops.gemm_multiply_leaky_relu(x, w, b, 2.0, 0.1, False)[0]  # the LeakyReLU backward's saved output
-            pre = F.linear(x, w, b)
-        calls = {
-            "forward": lambda: ops.gemm_multiply_leaky_relu(x, w, b, 2.0, 0.1, True),
-            "gemm_gelu": lambda: (ops.gemm_gelu(x, w, b, "none"),),
-            "_gemm_gelu_with_pre": lambda: ops._gemm_gelu_with_pre(x, w, b, "tanh"),
-            "backward": lambda: ops.gemm_multiply_leaky_relu_backward(grad, x, w, y, 2.0, 0.1, True, True, True),
-            "gemm_gelu_backward": lambda: ops.gemm_gelu_backward(grad, x, w, pre, "none", True, True, True),
-        }
-        for name, call in calls.items():
-            case = f"{name} {m}x{k}->{n}"
-            with forced_gemm_path("cublas"):
-                eager_peak, eagers = reserved_peak(call)
-            with forced_gemm_path(path):
-                split_peak, splits = reserved_peak(call)
-            peaks[case] = (mib(split_peak), mib(eager_peak))
-            if split_peak <= eager_peak + slack:  # the split fits wherever eager's call does
-                continue
-            tested.add(name)
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + eager_peak + slack) / total)
-            try:
-                with forced_gemm_path(path):
-                    got = call()
-            except torch.OutOfMemoryError as error:
-                raise AssertionError(f"{case} raised under the limit (peaks split, eager: {peaks[case]})") from error
-            finally:
-                torch.cuda.set_per_process_memory_fraction(1.0)
-            # Each product on its own: one whose split still fits gives the split's result, the others cuBLAS's.
-            assert all(torch.equal(a, e) or torch.equal(a, s) for a, e, s in zip(got, eagers, splits)), case
-            del eagers, splits, got
-        del x, grad, w, b, y, pre
-    assert tested == set(calls), peaks
+    result = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY_SCRIPT, path], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tested = result.stdout.split("TESTED", 1)[1].split()
+    assert sorted(tested) == sorted(["forward", "gemm_gelu", "_gemm_gelu_with_pre", "backward", "gemm_gelu_backward"])
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
