@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_CUDA, requires_cuda
+from memory_helpers import REPO
 from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path, gemm_paths
 from model_new import GemmMultiplyLeakyReLUModelNew, LeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel, LeakyReLUModel
@@ -239,6 +240,7 @@ for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192)):
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + eager_peak + slack) / total)
+        failed_allocations = torch.cuda.memory_stats().get("num_ooms", 0)
         try:
             with forced_gemm_path(path):
                 got = call()
@@ -246,8 +248,14 @@ for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192)):
             raise AssertionError(f"{case} raised under the limit (split {split_peak}, eager {eager_peak})") from error
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
-        # Each product on its own: one whose split still fits gives the split's result, the others cuBLAS's.
-        assert all(torch.equal(a, e) or torch.equal(a, s) for a, e, s in zip(got, eagers, splits)), case
+        # The limit bit: a split's allocation failed, and the call went on without it.
+        assert torch.cuda.memory_stats().get("num_ooms", 0) > failed_allocations, case
+        # Each product on its own: one whose split still fits gives the split's result, the others cuBLAS's (a
+        # GELU's backward whose grad_x fell back reads grad_pre from the activation's op: eager's within rounding).
+        for a, e, s in zip(got, eagers, splits):
+            assert torch.equal(a, e) or torch.equal(a, s) or (
+                name == "gemm_gelu_backward" and torch.allclose(a, e, rtol=1e-4, atol=1e-4 * e.abs().max().item())
+            ), case
         del eagers, splits, got
     del x, grad, w, b, y, pre
 print("TESTED", " ".join(sorted(tested)))

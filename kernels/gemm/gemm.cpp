@@ -28,7 +28,7 @@ using common::shape_str;
 
 // A split product's result, or nullopt where the memory for its temporaries (the operands' splits, K slices'
 // partials) could not be had: the caller then computes eager's product, which needs none past its outputs, so that a
-// split never raises an out-of-memory error that eager would not. Nothing is written before those allocations.
+// split never raises an out-of-memory error that eager would not. No output is written before those allocations.
 template <class Product>
 auto unless_out_of_memory(Product&& product) -> std::optional<decltype(product())> {
   try {
@@ -193,18 +193,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> product_gradients(const at::Tenso
   bool bias_done = false;
   if (weight_grad) {
     const Path path = choose_path(grad_pre, {n, k, m, true}, /*strict=*/false);
-    std::optional<at::Tensor> split_grad_weight;
+    std::optional<std::tuple<at::Tensor, at::Tensor>> split_made;
     if (is_split(path)) {
       // grad_pre's columns are split as they are read; their sums, made on the way, are grad_bias.
-      if (bias_grad) grad_bias = at::empty({n}, x.options());
-      split_grad_weight = unless_out_of_memory([&] {
-        return split_fp16_matmul(path, grad_pre, /*a_transposed=*/true, x2,
-                                 bias_grad ? grad_bias.mutable_data_ptr<float>() : nullptr);
+      split_made = unless_out_of_memory([&] {
+        at::Tensor sums = bias_grad ? at::empty({n}, x.options()) : at::Tensor();
+        at::Tensor product = split_fp16_matmul(path, grad_pre, /*a_transposed=*/true, x2,
+                                               bias_grad ? sums.mutable_data_ptr<float>() : nullptr);
+        return std::make_tuple(product, sums);
       });
-      bias_done = bias_grad && split_grad_weight.has_value();
     }
-    if (split_grad_weight.has_value()) {
-      grad_weight = *split_grad_weight;
+    if (split_made.has_value()) {
+      grad_weight = std::get<0>(*split_made);
+      if (bias_grad) grad_bias = std::get<1>(*split_made);
+      bias_done = bias_grad;
     } else if (path == Path::kCublasBf16x9) {
       grad_weight = cublas_bf16x9_matmul(grad_pre.t(), x2);
     } else {
