@@ -175,6 +175,11 @@ def model_gaps(args):
         torch.cuda.empty_cache()
 
 
+def sizes(text):
+    """"AxB,CxD..." as [(A, B), (C, D), ...] (any number of sizes per item): the subcommands' shape options."""
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+
+
 def draw(kind, m, n, k, g):
     """x, weight and bias of one input kind: randn, rand, wide_rows (randn rows scaled by 10^U(-10, 10)) or kb
     (KernelBench's: rand x, nn.Linear's uniform weight of both signs)."""
@@ -195,7 +200,7 @@ def sweep(args):
     from kernels.timing import time_each_ms
 
     outputs, ks, kinds, (multiplier, slope) = SWEEPS[args.subcommand]
-    outputs = [tuple(int(v) for v in mn.split("x")) for mn in args.outputs.split(",")] if args.outputs else outputs
+    outputs = sizes(args.outputs) if args.outputs else outputs
     ks = [int(k) for k in args.ks.split(",")] if args.ks else ks
 
     def on(path, x, weight, bias):
@@ -280,7 +285,7 @@ def products(args):
 
     forward = torch.ops.kernels.gemm_multiply_leaky_relu.default
     backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else PRODUCT_SHAPES
+    shapes = sizes(args.shapes) if args.shapes else PRODUCT_SHAPES
     for m, k, n in shapes:
         torch.manual_seed(0)
         x, grad = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
