@@ -191,15 +191,11 @@ def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
 # Run in a fresh process, whose caching allocator holds no segments from other tests (a limit on reserved memory means
 # what it says only there): each op under a limit between eager's peak and its split's, at shapes where the split's
 # temporaries take more than eager's call; prints the ops so tested, or raises.
-_OUT_OF_MEMORY_SCRIPT = r"""
-import sys
+# Run in a fresh process each (a limit on the process's memory means what it says only there): the memory a call
+# holds, and a limit between two calls' needs.
+_MEMORY_LIMIT_HELPERS = r"""
 import torch
-import torch.nn.functional as F
-import kernels.functional
-from kernels.gemm.gemm import forced_gemm_path
 
-path = sys.argv[1]
-ops = torch.ops.kernels
 slack = 24 << 20  # the allocator's rounding of each block it reserves
 
 
@@ -213,6 +209,28 @@ def allocated_peak(call):
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before, result
 
+
+# A limit halfway between eager's peak and the fast path's: eager's call fits with room for the allocator's rounding,
+# the fast path's not. It counts the free space inside the segments still reserved, which a call's smaller blocks may
+# take (the caller moves what it keeps off the GPU first).
+def limit_between(eager_peak, fast_peak):
+    torch.cuda.empty_cache()
+    limit = torch.cuda.memory_allocated() + (eager_peak + fast_peak) // 2
+    torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+
+
+def failed_allocations():
+    return torch.cuda.memory_stats().get("num_ooms", 0)
+"""
+
+_OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
+import sys
+import torch.nn.functional as F
+import kernels.functional
+from kernels.gemm.gemm import forced_gemm_path
+
+path = sys.argv[1]
+ops = torch.ops.kernels
 
 tested = set()
 for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192), (8192, 4096, 1024)):
@@ -239,14 +257,9 @@ for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192), (8192, 4096, 1024)):
         if split_peak <= eager_peak + 2 * slack:  # the split fits wherever eager's call does
             print(peaks, "(not tested)")
             continue
-        # A limit halfway between the two: eager's call fits with room for the allocator's rounding, the split's not.
-        # It counts the free space inside the segments still reserved, which a call's smaller blocks may take.
         eagers, splits = [e.cpu() for e in eagers], [s.cpu() for s in splits]
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        limit = torch.cuda.memory_allocated() + (eager_peak + split_peak) // 2
-        torch.cuda.set_per_process_memory_fraction(limit / total)
-        failed_allocations = torch.cuda.memory_stats().get("num_ooms", 0)
+        limit_between(eager_peak, split_peak)
+        failed_before = failed_allocations()
         try:
             with forced_gemm_path(path):
                 got = call()
@@ -255,7 +268,7 @@ for m, k, n in ((16384, 1024, 1024), (2048, 8192, 8192), (8192, 4096, 1024)):
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
         # The limit bit: a split's allocation failed, and the call went on without it.
-        assert torch.cuda.memory_stats().get("num_ooms", 0) > failed_allocations, peaks
+        assert failed_allocations() > failed_before, peaks
         print(peaks)
         tested.add(name)
         # Each product on its own: one whose split still fits gives the split's result, the others cuBLAS's (a
@@ -289,6 +302,50 @@ def test_split_products_out_of_memory_give_eagers_results(path):
     if path == "split_fp16_sm80":
         expected |= {"backward", "gemm_gelu_backward"}
     assert expected <= tested, result.stdout
+
+
+_ATTENTION_OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
+import kernels.functional
+
+for is_causal in (False, True):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(16, 16, 512, 64, device="cuda") for _ in range(3))
+    rows = q.shape[2]
+    calls = {
+        "kernel": lambda: torch.ops.kernels.attention(q, k, v, is_causal, 0.125),
+        "eager": lambda: torch.ops.aten._efficient_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0, int(is_causal),
+            True, scale=0.125)[:2],
+    }
+    kernel_peak, kernels_result = allocated_peak(calls["kernel"])
+    eager_peak, (eager_out, eager_lse) = allocated_peak(calls["eager"])
+    case = f"causal {is_causal}: peaks kernel {kernel_peak >> 20} MiB, eager {eager_peak >> 20} MiB"
+    assert kernel_peak > eager_peak + 2 * slack, case  # the split's workspace, as large as q, k and v
+    eager_out, eager_lse = eager_out.transpose(1, 2).cpu(), eager_lse[..., :rows].cpu()
+    del kernels_result
+    limit_between(eager_peak, kernel_peak)
+    failed_before = failed_allocations()
+    try:
+        out, lse = calls["kernel"]()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert failed_allocations() > failed_before, case  # the limit bit
+    assert torch.equal(out.cpu(), eager_out) and torch.equal(lse[..., :rows].cpu(), eager_lse), case
+    assert out.stride() == torch.ops.kernels.attention(q, k, v, is_causal, 0.125)[0].stride(), case
+    print(case)
+print("DONE")
+"""
+
+
+@pytest.mark.slow
+def test_attention_out_of_memory_gives_eagers_result():
+    """Under a memory limit that eager's memory-efficient attention fits but the split attention's workspace (q, k and
+    v split) does not, torch.ops.kernels.attention returns eager's own output and logsumexp, bit for bit and in the
+    op's layout, instead of raising an out-of-memory error eager would not; causal too."""
+    result = subprocess.run([sys.executable, "-c", _ATTENTION_OUT_OF_MEMORY_SCRIPT], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DONE" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])

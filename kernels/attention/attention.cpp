@@ -23,12 +23,16 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 
+#include "common/out_of_memory.h"
 #include "common/torch_checks.h"
 
 #ifdef KERNELS_WITH_CUDA
+#include <ATen/ops/_efficient_attention_forward.h>
+#include <ATen/ops/repeat_interleave.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -105,6 +109,21 @@ bool takes_kernel(const at::Tensor& q, const at::Tensor& k) {
 
 OperandStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// Eager's own memory-efficient attention, output and logsumexp in this op's layout (the same as its own): for calls
+// whose split workspace cannot be had, as it needs no memory past them. Grouped heads read key and value repeated
+// per head, as eager's grouped call does on its math path.
+std::tuple<at::Tensor, at::Tensor> attention_efficient(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool is_causal, double scale) {
+  const std::int64_t group = q.size(1) / k.size(1);
+  const auto per_head = [group](const at::Tensor& t) { return group == 1 ? t : t.repeat_interleave(group, 1); };
+  constexpr std::int64_t kNoMask = 0, kCausalFromTopLeft = 1;  // ATen's custom_mask_type
+  const auto result = at::_efficient_attention_forward(
+      q.transpose(1, 2), per_head(k).transpose(1, 2), per_head(v).transpose(1, 2), std::nullopt, std::nullopt,
+      std::nullopt, std::nullopt, std::nullopt, 0.0, is_causal ? kCausalFromTopLeft : kNoMask,
+      /*compute_log_sumexp=*/true, scale);
+  return {std::get<0>(result).transpose(1, 2), std::get<1>(result)};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
                                                   const at::Tensor& value, bool is_causal, double scale) {
   const c10::cuda::CUDAGuard guard(query.device());
@@ -112,13 +131,17 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
   const auto rows_of = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const at::Tensor q = rows_of(query), k = rows_of(key), v = rows_of(value);
   const AttentionShape shape{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  // The workspace (q, k and v split) is memory eager's call does not take: where it cannot be had, eager's call runs.
+  // It is asked for first, so that nothing of this call's is held while that runs.
+  std::optional<at::Tensor> workspace = common::unless_out_of_memory(
+      [&] { return at::empty({attention_workspace(shape).bytes}, q.options().dtype(at::kByte)); });
+  if (!workspace.has_value()) return attention_efficient(q, k, v, is_causal, scale);
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
   at::Tensor lse = at::empty({q.size(0), q.size(1), lse_stride(q.size(2))}, q.options());
-  at::Tensor workspace = at::empty({attention_workspace(shape).bytes}, q.options().dtype(at::kByte));
   const cudaError_t err = launch_attention(
       q.const_data_ptr<float>(), strides_of(q), k.const_data_ptr<float>(), strides_of(k), v.const_data_ptr<float>(),
       strides_of(v), out.mutable_data_ptr<float>(), strides_of(out), lse.mutable_data_ptr<float>(), shape, is_causal,
-      static_cast<float>(scale), forced_plain.load(), workspace.mutable_data_ptr(),
+      static_cast<float>(scale), forced_plain.load(), workspace->mutable_data_ptr(),
       c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "kernels: the attention kernels failed to launch: ", cudaGetErrorString(err));
   return {out, lse};

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/out_of_memory.h"
 #include "common/torch_checks.h"
 #include "gemm_internal.h"
 #include "gemm_op.h"
@@ -25,18 +26,9 @@ namespace {
 using common::check_float_tensor;
 using common::check_same;
 using common::shape_str;
-
-// A split product's result, or nullopt where the memory for its temporaries (the operands' splits, K slices'
-// partials) could not be had: the caller then computes eager's product, which needs none past its outputs, so that a
-// split never raises an out-of-memory error that eager would not. No output is written before those allocations.
-template <class Product>
-auto unless_out_of_memory(Product&& product) -> std::optional<decltype(product())> {
-  try {
-    return product();
-  } catch (const c10::OutOfMemoryError&) {
-    return std::nullopt;
-  }
-}
+// A split product's temporaries (the operands' splits, K slices' partials) are memory eager's product does not take:
+// where they cannot be had, the product runs eager's way.
+using common::unless_out_of_memory;
 
 void check_gemm_arguments(const char* op, const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
