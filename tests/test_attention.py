@@ -3,6 +3,7 @@ eager fp32's, allclose at 1e-4), forward, logsumexp and gradients, on CPU and CU
 kernel (forced, and for heads holding non-finite or out-of-range values), grouped kv heads, the fp32_gemm route,
 torch.compile and bad input."""
 
+import contextlib
 import math
 
 import pytest
@@ -81,6 +82,29 @@ def test_logsumexp(causal):
     expected = scores.logsumexp(-1)
     assert lse.shape == (2, 4, 64)
     torch.testing.assert_close(lse[..., :37].double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backend", ["default", "math"])
+def test_calls_the_kernels_do_not_take_run_eagers_own(causal, dtype, backend):
+    """On CUDA, calls the split kernels do not take (head dim 128, float16) run eager's own attention, as its
+    dispatcher chooses under the caller's sdpa_kernel: the output bit for bit eager's, the logsumexp in the query's
+    dtype within its rounding of float64's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.to(dtype) for t in operands(SHAPES["head dim 128"], "cuda", seed=3))
+    with sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext():
+        out, lse = torch.ops.kernels.attention(q, k, v, causal, 0.125)
+        reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.125)
+    assert torch.equal(out, reference)
+    scores = (q.double() @ k.double().transpose(-2, -1)) * 0.125
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device="cuda").triu(1), -math.inf)
+    assert lse.dtype == dtype and lse.shape == (2, 8, 256)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=tolerance, rtol=tolerance)
 
 
 @requires_cuda

@@ -1,6 +1,7 @@
 // The torch side of the attention family of `torch.ops.kernels`: schema, argument checks, and the dispatch to the CUDA
-// kernels (attention.h; float32 on sm_80 or later, head dim 64) or to ATen's ops (every other case: CPU, other
-// dtypes and head dims). Fakes and the autograd formula are registered in attention.py.
+// kernels (attention.h; float32 on sm_80 or later, head dim 64) or, in every other case (CPU, other dtypes and head
+// dims), to eager's own: PyTorch's memory-efficient attention where eager's call takes it, else ATen's ops. Fakes and
+// the autograd formula are registered in attention.py.
 //
 // Ops: attention(query, key, value, is_causal, scale) -> (output, logsumexp): softmax(query key^T * scale, causal
 // mask from the top left) value for query (batch, heads, query rows, head dim) and key, value (batch, kv heads, key
@@ -32,6 +33,7 @@
 
 #ifdef KERNELS_WITH_CUDA
 #include <ATen/ops/_efficient_attention_forward.h>
+#include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/repeat_interleave.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -109,19 +111,27 @@ bool takes_kernel(const at::Tensor& q, const at::Tensor& k) {
 
 OperandStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// Eager's own memory-efficient attention, output and logsumexp in this op's layout (the same as its own): for calls
-// whose split workspace cannot be had, as it needs no memory past them. Grouped heads read key and value repeated
-// per head, as eager's grouped call does on its math path.
-std::tuple<at::Tensor, at::Tensor> attention_efficient(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       bool is_causal, double scale) {
-  const std::int64_t group = q.size(1) / k.size(1);
-  const auto per_head = [group](const at::Tensor& t) { return group == 1 ? t : t.repeat_interleave(group, 1); };
+// Whether eager's F.scaled_dot_product_attention runs this call on PyTorch's memory-efficient kernel, as its own
+// dispatcher decides (inputs, layouts, the caller's sdpa_kernel choice). Grouped heads never do: eager's grouped
+// call runs its math path.
+bool eager_takes_efficient(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                           double scale) {
+  constexpr std::int64_t kEfficientAttention = 2;  // sdp::SDPBackend::efficient_attention
+  return q.is_cuda() && q.numel() > 0 && k.numel() > 0 && q.size(1) == k.size(1) &&
+         at::_fused_sdp_choice(q, k, v, std::nullopt, 0.0, is_causal, scale) == kEfficientAttention;
+}
+
+// Eager's own call where eager_takes_efficient: its output and logsumexp at once, in this op's layout (the same as
+// its own), with no scores in memory; else the ATen path, as eager's math path computes it.
+std::tuple<at::Tensor, at::Tensor> attention_eager(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   bool is_causal, double scale) {
+  if (!eager_takes_efficient(q, k, v, is_causal, scale)) return attention_aten(q, k, v, is_causal, scale);
   constexpr std::int64_t kNoMask = 0, kCausalFromTopLeft = 1;  // ATen's custom_mask_type
   const auto result = at::_efficient_attention_forward(
-      q.transpose(1, 2), per_head(k).transpose(1, 2), per_head(v).transpose(1, 2), std::nullopt, std::nullopt,
-      std::nullopt, std::nullopt, std::nullopt, 0.0, is_causal ? kCausalFromTopLeft : kNoMask,
-      /*compute_log_sumexp=*/true, scale);
-  return {std::get<0>(result).transpose(1, 2), std::get<1>(result)};
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+      std::nullopt, 0.0, is_causal ? kCausalFromTopLeft : kNoMask, /*compute_log_sumexp=*/true, scale);
+  // Its logsumexp is float32 whatever the inputs' dtype; this op's is the query's.
+  return {std::get<0>(result).transpose(1, 2), std::get<1>(result).to(q.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
@@ -135,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
   // It is asked for first, so that nothing of this call's is held while that runs.
   std::optional<at::Tensor> workspace = common::unless_out_of_memory(
       [&] { return at::empty({attention_workspace(shape).bytes}, q.options().dtype(at::kByte)); });
-  if (!workspace.has_value()) return attention_efficient(q, k, v, is_causal, scale);
+  if (!workspace.has_value()) return attention_eager(q, k, v, is_causal, scale);
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
   at::Tensor lse = at::empty({q.size(0), q.size(1), lse_stride(q.size(2))}, q.options());
   const cudaError_t err = launch_attention(
@@ -155,6 +165,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::
   check_operands(query, key, value);
 #ifdef KERNELS_WITH_CUDA
   if (takes_kernel(query, key)) return attention_cuda(query, key, value, is_causal, scale);
+  if (query.is_cuda()) return attention_eager(query, key, value, is_causal, scale);
 #endif
   TORCH_CHECK(query.is_cpu() || query.is_cuda(), "kernels.attention: no implementation for tensors on ",
               query.device().str());
