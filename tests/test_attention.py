@@ -87,24 +87,32 @@ def test_logsumexp(causal):
 @requires_cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("backend", ["default", "math"])
+@pytest.mark.parametrize("backend", ["default", "efficient", "math"])
 def test_calls_the_kernels_do_not_take_run_eagers_own(causal, dtype, backend):
     """On CUDA, calls the split kernels do not take (head dim 128, float16) run eager's own attention, as its
     dispatcher chooses under the caller's sdpa_kernel: the output bit for bit eager's, the logsumexp in the query's
-    dtype within its rounding of float64's."""
+    dtype within its rounding of float64's, and where eager's call is the memory-efficient kernel, that kernel's own."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (t.to(dtype) for t in operands(SHAPES["head dim 128"], "cuda", seed=3))
-    with sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext():
+    chosen = {"default": contextlib.nullcontext(), "efficient": sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION),
+              "math": sdpa_kernel(SDPBackend.MATH)}[backend]
+    with chosen:
         out, lse = torch.ops.kernels.attention(q, k, v, causal, 0.125)
         reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.125)
     assert torch.equal(out, reference)
+    assert out.stride() == (256 * 8 * 128, 128, 8 * 128, 1)  # (batch, rows, heads, head dim) in memory
     scores = (q.double() @ k.double().transpose(-2, -1)) * 0.125
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device="cuda").triu(1), -math.inf)
     assert lse.dtype == dtype and lse.shape == (2, 8, 256)
     tolerance = 1e-6 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=tolerance, rtol=tolerance)
+    if backend == "efficient" or (backend == "default" and dtype == torch.float32):
+        efficient_lse = torch.ops.aten._efficient_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0, int(causal),
+            True, scale=0.125)[1]
+        assert torch.equal(lse, efficient_lse.to(dtype))
 
 
 @requires_cuda

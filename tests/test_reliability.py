@@ -1,8 +1,8 @@
 """What long training jobs rely on, on the GPU: no host synchronisation inside any op, correct ordering with the
 caller's stream, capture in a CUDA graph (forward and backward) replayed with new inputs, flat memory over many
-calls, a forward's peak memory no higher than the reference's, no out-of-memory error where eager's products fit, and
-tensors of more than 2^31 elements. Each test runs both LeakyReLU and the GEMM family, on every GEMM path
-the GPU has."""
+calls, a forward's peak memory no higher than the reference's, no out-of-memory error where eager's products (and
+attention) fit, and tensors of more than 2^31 elements. The tests run LeakyReLU and the GEMM family, on every GEMM
+path the GPU has, and the out-of-memory case the split attention too."""
 
 import subprocess
 import sys
@@ -188,11 +188,8 @@ def test_gemm_forward_peak_memory_is_no_more_than_the_reference(grad, path):
         f"a call reading the kept split peaks at {mib(third_peak)}, the reference's {mib(reference_peak)}")
 
 
-# Run in a fresh process, whose caching allocator holds no segments from other tests (a limit on reserved memory means
-# what it says only there): each op under a limit between eager's peak and its split's, at shapes where the split's
-# temporaries take more than eager's call; prints the ops so tested, or raises.
-# Run in a fresh process each (a limit on the process's memory means what it says only there): the memory a call
-# holds, and a limit between two calls' needs.
+# For scripts run in a fresh process each, whose caching allocator holds no segments from other tests (a limit on the
+# process's memory means what it says only there): the memory a call holds, and a limit between two calls' needs.
 _MEMORY_LIMIT_HELPERS = r"""
 import torch
 
@@ -223,6 +220,8 @@ def failed_allocations():
     return torch.cuda.memory_stats().get("num_ooms", 0)
 """
 
+# Each op under a limit between eager's peak and its split's, at shapes where the split's temporaries take more than
+# eager's call; prints the ops so tested, or raises.
 _OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
 import sys
 import torch.nn.functional as F
@@ -304,7 +303,9 @@ def test_split_products_out_of_memory_give_eagers_results(path):
     assert expected <= tested, result.stdout
 
 
-_ATTENTION_OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
+_ATTENTION# Each op under a limit between eager's peak and its split's, at shapes where the split's temporaries take more than
+# eager's call; prints the ops so tested, or raises.
+_OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
 import kernels.functional
 
 for is_causal in (False, True):
@@ -337,6 +338,8 @@ print("DONE")
 """
 
 
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (8, 0),
+                    reason="the split attention kernels run from sm_80 on")
 @pytest.mark.slow
 def test_attention_out_of_memory_gives_eagers_result():
     """Under a memory limit that eager's memory-efficient attention fits but the split attention's workspace (q, k and

@@ -7,8 +7,8 @@
 // mask from the top left) value for query (batch, heads, query rows, head dim) and key, value (batch, kv heads, key
 // rows, head dim), head h reading kv head h / (heads / kv heads); output (batch, heads, query rows, head dim) laid out
 // as (batch, query rows, heads, head dim) in memory, as PyTorch's memory-efficient attention lays out its own;
-// logsumexp (batch, heads, query rows rounded up to 32) in the query's dtype, each row's log-sum-exp of its scaled
-// scores. _attention_force_plain(plain) -> the previous setting: every head on the plain kernel, for tests.
+// logsumexp (batch, heads, query rows rounded up to 32, the padding's values unspecified) in the query's dtype, each
+// row's log-sum-exp of its scaled scores. _attention_force_plain(plain) -> the previous setting: every head on the plain kernel, for tests.
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
@@ -34,7 +34,6 @@
 #ifdef KERNELS_WITH_CUDA
 #include <ATen/ops/_efficient_attention_forward.h>
 #include <ATen/ops/_fused_sdp_choice.h>
-#include <ATen/ops/repeat_interleave.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -112,8 +111,8 @@ bool takes_kernel(const at::Tensor& q, const at::Tensor& k) {
 OperandStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // Whether eager's F.scaled_dot_product_attention runs this call on PyTorch's memory-efficient kernel, as its own
-// dispatcher decides (inputs, layouts, the caller's sdpa_kernel choice). Grouped heads never do: eager's grouped
-// call runs its math path.
+// dispatcher decides (inputs, layouts, the caller's sdpa_kernel choice). Grouped heads never do: that kernel takes
+// none (eager's grouped calls run flash or cuDNN attention, or its math path).
 bool eager_takes_efficient(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                            double scale) {
   constexpr std::int64_t kEfficientAttention = 2;  // sdp::SDPBackend::efficient_attention
@@ -137,15 +136,15 @@ std::tuple<at::Tensor, at::Tensor> attention_eager(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
                                                   const at::Tensor& value, bool is_causal, double scale) {
   const c10::cuda::CUDAGuard guard(query.device());
+  const AttentionShape shape{query.size(0), query.size(1), key.size(1), query.size(2), key.size(2), query.size(3)};
+  // The workspace (q, k and v split) is memory eager's call does not take: where it cannot be had, eager's call runs
+  // on the caller's tensors. It is asked for first, so that nothing of this call's is held while that runs.
+  std::optional<at::Tensor> workspace = common::unless_out_of_memory(
+      [&] { return at::empty({attention_workspace(shape).bytes}, query.options().dtype(at::kByte)); });
+  if (!workspace.has_value()) return attention_eager(query, key, value, is_causal, scale);
   // The kernels read rows whose head dim is contiguous.
   const auto rows_of = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const at::Tensor q = rows_of(query), k = rows_of(key), v = rows_of(value);
-  const AttentionShape shape{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
-  // The workspace (q, k and v split) is memory eager's call does not take: where it cannot be had, eager's call runs.
-  // It is asked for first, so that nothing of this call's is held while that runs.
-  std::optional<at::Tensor> workspace = common::unless_out_of_memory(
-      [&] { return at::empty({attention_workspace(shape).bytes}, q.options().dtype(at::kByte)); });
-  if (!workspace.has_value()) return attention_eager(q, k, v, is_causal, scale);
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
   at::Tensor lse = at::empty({q.size(0), q.size(1), lse_stride(q.size(2))}, q.options());
   const cudaError_t err = launch_attention(

@@ -4,7 +4,8 @@ Op (schema in attention.cpp):
   attention(query, key, value, is_causal, scale) -> (output, logsumexp)
       softmax(query key^T * scale (causal mask from the top left), dim=-1) value, fp32-accurate on fp16 tensor cores
       for float32 CUDA tensors with head dim 64; logsumexp: each row's log-sum-exp of its scaled scores
-      (batch, heads, rows rounded up to 32), as PyTorch's memory-efficient attention keeps it.
+      (batch, heads, rows rounded up to 32, the padding's values unspecified), as PyTorch's memory-efficient
+      attention keeps it.
   _attention_force_plain(plain) -> previous: every head on the plain fp32 kernel (tests).
 
 The gradient: eager's (float32 CUDA with as many kv heads as heads: PyTorch's memory-efficient attention, its forward
