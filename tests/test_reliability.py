@@ -303,9 +303,7 @@ def test_split_products_out_of_memory_give_eagers_results(path):
     assert expected <= tested, result.stdout
 
 
-_ATTENTION# Each op under a limit between eager's peak and its split's, at shapes where the split's temporaries take more than
-# eager's call; prints the ops so tested, or raises.
-_OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
+_ATTENTION_OUT_OF_MEMORY_SCRIPT = _MEMORY_LIMIT_HELPERS + r"""
 import kernels.functional
 
 for is_causal in (False, True):
