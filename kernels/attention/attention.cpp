@@ -8,7 +8,8 @@
 // rows, head dim), head h reading kv head h / (heads / kv heads); output (batch, heads, query rows, head dim) laid out
 // as (batch, query rows, heads, head dim) in memory, as PyTorch's memory-efficient attention lays out its own;
 // logsumexp (batch, heads, query rows rounded up to 32, the padding's values unspecified) in the query's dtype, each
-// row's log-sum-exp of its scaled scores. _attention_force_plain(plain) -> the previous setting: every head on the plain kernel, for tests.
+// row's log-sum-exp of its scaled scores. _attention_force_plain(plain) -> the previous setting: every head on the
+// plain kernel, for tests.
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
