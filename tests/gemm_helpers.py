@@ -102,22 +102,3 @@ def split_sweep_values(hi, lo, exponent, cols):
     else:
         scale = scale[:, None]
     return (value * torch.exp2(-scale))[:, :cols], value[:, cols:]
-
-
-STREAM_K = -1  # forced_k_slices's value for stream-K (gemm.h, kStreamK)
-
-
-class forced_k_slices:
-    """with forced_k_slices(s): every split_fp16 product in the block splits K into at most s slices, or, with
-    STREAM_K, by stream-K (K whole where it does not fit: no partial last round of tiles, or fewer of its chunks than
-    the GPU has multiprocessors)."""
-
-    def __init__(self, slices):
-        self.slices, self.previous = slices, None
-
-    def __enter__(self):
-        self.previous = torch.ops.kernels._gemm_force_k_slices(self.slices)
-
-    def __exit__(self, *exc_info):
-        torch.ops.kernels._gemm_force_k_slices(self.previous)
-        return False

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from conftest import poison_allocator
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, relative_error
 from kernels.functional import gemm_multiply_leaky_relu
-from kernels.gemm.gemm import forced_gemm_path, gemm_path
+from kernels.gemm.gemm import STREAM_K, forced_gemm_path, forced_k_slices, gemm_path
 from model_new import GemmMultiplyLeakyReLUModelNew
 from reference import GemmMultiplyLeakyReLUModel
-from gemm_helpers import (SPLIT_KERNELS, STREAM_K, automatic_split_path, forced_k_slices, make_pair, over_split_paths,
-                          slow_problem_shape, special_inputs)
+from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, make_pair, over_split_paths, slow_problem_shape,
+                          special_inputs)
 
 
 def float64_gradients(x, weight, grad_y, positive, multiplier, slope):

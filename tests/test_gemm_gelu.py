@@ -11,9 +11,9 @@ from torch import nn
 
 import kernels
 from conftest import HAS_CUDA, poison_allocator, requires_cuda
-from gemm_helpers import SPLIT_KERNELS, STREAM_K, forced_k_slices
+from gemm_helpers import SPLIT_KERNELS
 from kernels.functional import gemm_gelu, gemm_multiply_leaky_relu, gelu_tanh
-from kernels.gemm.gemm import FusedLinear, forced_gemm_path
+from kernels.gemm.gemm import STREAM_K, FusedLinear, forced_gemm_path, forced_k_slices
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, gradient_atol, relative_error
 
 APPROXIMATIONS = ["none", "tanh"]

@@ -229,24 +229,25 @@ def sweep(args):
 SPLIT_K_SHAPES = ((1024, 1024, 8192), (1024, 1024, 4096), (768, 3072, 12608), (3072, 768, 12608), (768, 768, 12608),
                   (768, 768, 8192), (768, 768, 4096), (512, 1024, 12608), (512, 512, 12608), (2304, 768, 12608),
                   (3072, 1024, 4096), (4096, 1024, 8192))
-SPLIT_K_SLICES = (1, 2, 3, 4, 5, 6, 8, -1)  # -1: stream-K (gemm.h's kStreamK)
+SPLIT_K_SLICES = (1, 2, 3, 4, 5, 6, 8)  # the slice counts forced; stream-K is timed after them
 
 
 def slices_name(slices):
-    return "stream" if slices == -1 else str(slices)
+    return "stream" if slices < 0 else str(slices)
 
 
 def split_k(args):
     """grad_W through the backward op on the split path with K split into S slices or by stream-K (forced, then
     split_gemm_k_slices's choice "auto") against eager's grad_pre.t().mm(x): times, errors against float64, whether two
     runs agree bit for bit."""
-    from kernels.gemm.gemm import forced_gemm_path
+    from kernels.gemm.gemm import STREAM_K, forced_gemm_path, forced_k_slices
     from kernels.precision import relative_error
     from kernels.timing import time_each_ms
 
-    backward, force = torch.ops.kernels.gemm_multiply_leaky_relu_backward, torch.ops.kernels._gemm_force_k_slices
+    backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    slice_counts = (*SPLIT_K_SLICES, STREAM_K)
     print(f"{'n':>5} {'k':>5} {'m':>6} {'auto':>6} {'eager':>7} "
-          + " ".join(f"{'S=' + slices_name(s):>8}" for s in SPLIT_K_SLICES)
+          + " ".join(f"{'S=' + slices_name(s):>8}" for s in slice_counts)
           + f" {'S=auto':>8} {'speedup':>7} {'inputs':>6} {'ours':>9} {'eager':>9} {'bits':>4}")
     for n, k, m in SPLIT_K_SHAPES:
         torch.manual_seed(0)
@@ -255,14 +256,11 @@ def split_k(args):
             grad_pre, x = getattr(torch, kind)(m, n, device="cuda"), getattr(torch, kind)(m, k, device="cuda")
 
             def ours(s):
-                with forced_gemm_path(SPLIT_PATH):
-                    previous = force(s)
-                    grad_w = backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True, False)[1]
-                    force(previous)
-                return grad_w
+                with forced_gemm_path(SPLIT_PATH), forced_k_slices(s):
+                    return backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True, False)[1]
 
             if kind == "randn":
-                row = time_each_ms([lambda: grad_pre.t().mm(x)] + [lambda s=s: ours(s) for s in (*SPLIT_K_SLICES, 0)])
+                row = time_each_ms([lambda: grad_pre.t().mm(x)] + [lambda s=s: ours(s) for s in (*slice_counts, 0)])
             grad_w, again, reference = ours(0), ours(0), grad_pre.double().t() @ x.double()
             bits = "same" if torch.equal(grad_w.view(torch.int32), again.view(torch.int32)) else "DIFF"
             print(f"{n:>5} {k:>5} {m:>6} {slices_name(torch.ops.kernels._gemm_k_slices(n, k, m)):>6} "

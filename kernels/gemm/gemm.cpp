@@ -147,9 +147,9 @@ at::Tensor split_input_gradient(Path path, const at::Tensor& grad_pre, const at:
 at::Tensor input_gradient(Path path, const at::Tensor& grad_pre, const at::Tensor& weight,
                           const GeluBackwardRows* gelu_rows = nullptr) {
 #ifdef KERNELS_WITH_CUDA
-  // With gelu_rows an out-of-memory error goes to the caller, whose fallback makes grad_pre too.
-  if (is_split(path) && gelu_rows != nullptr) return split_input_gradient(path, grad_pre, weight, gelu_rows);
   if (is_split(path)) {
+    // With gelu_rows an out-of-memory error goes to the caller, whose fallback makes grad_pre too.
+    if (gelu_rows != nullptr) return split_input_gradient(path, grad_pre, weight, gelu_rows);
     auto grad_x = unless_out_of_memory([&] {
       return is_transposed_weight(weight) ? split_input_gradient(path, grad_pre, weight, nullptr)
                                           : split_fp16_matmul(path, grad_pre, /*a_transposed=*/false, weight);

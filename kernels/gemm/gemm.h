@@ -224,10 +224,11 @@ std::int64_t split_gemm_k_workspace_bytes(int device, std::int64_t m, std::int64
 
 // launch_split_gemm_multiply_leaky_relu with K split into at most k_slices slices of whole chunks (as evenly as whole
 // chunks allow; fewer where K has fewer chunks), or by stream-K (kStreamK; K whole where StreamK does not fit: no
-// partial last round, or fewer chunks in it than multiprocessors), through `workspace` (split_gemm_k_workspace_bytes(device, m, n, k,
-// k_slices) bytes, 16-byte aligned, any contents, not used by another launch meanwhile). w_flags as there: the rows of
-// w flagged over all of K. Returns cudaErrorInvalidValue where k_slices < 1 (not kStreamK) or the workspace is missing
-// or misaligned, cudaErrorNotSupported where split_gemm_supported() is false.
+// partial last round, or fewer chunks in it than multiprocessors), through `workspace`
+// (split_gemm_k_workspace_bytes(device, m, n, k, k_slices) bytes, 16-byte aligned, any contents, not used by another
+// launch meanwhile). w_flags as there: the rows of w flagged over all of K. Returns cudaErrorInvalidValue where
+// k_slices < 1 (not kStreamK) or the workspace is missing or misaligned, cudaErrorNotSupported where
+// split_gemm_supported() is false.
 cudaError_t launch_split_gemm_split_k(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                       const float* w, std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags,
                                       const float* bias, float* y, std::uint8_t* positive, std::int64_t m,

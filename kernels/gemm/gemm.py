@@ -195,6 +195,26 @@ class forced_gemm_path:
         return False
 
 
+STREAM_K = -1  # forced_k_slices's value for stream-K (gemm.h's kStreamK)
+
+
+class forced_k_slices:
+    """with forced_k_slices(s): every split_fp16 product in the block splits K into at most s slices, or, with
+    STREAM_K, by stream-K (K whole where it does not fit: no partial last round of tiles, or fewer of its chunks than
+    the GPU has multiprocessors); 0 is the automatic choice. For tests and tools."""
+
+    def __init__(self, slices):
+        self.slices, self.previous = slices, None
+
+    def __enter__(self):
+        self.previous = torch.ops.kernels._gemm_force_k_slices(self.slices)
+        return self
+
+    def __exit__(self, *exc_info):
+        torch.ops.kernels._gemm_force_k_slices(self.previous)
+        return False
+
+
 # The path forced_gemm_path sets ("auto" by default): part of FusedLinear's key for the weight's split, whose layout
 # is the path's.
 _forced_path = "auto"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels.functional import (add_layer_norm, attention, causal_softmax, gelu_tanh, gemm_gelu,
                                 gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm, silu_mul)
-from kernels.gemm.gemm import forced_gemm_path, gemm_paths
+from kernels.gemm.gemm import STREAM_K, forced_gemm_path, forced_k_slices, gemm_paths
 
 
 def check(name, got, expected, tol=1e-4):
@@ -73,18 +73,15 @@ def gemm_cases():
         weight, bias = torch.randn(136, 3072, device="cuda") / 3072 ** 0.5, torch.randn(136, device="cuda")
         stored = torch.randn(136, 200, device="cuda") / 136 ** 0.5
         with forced_gemm_path(path):
-            previous = torch.ops.kernels._gemm_force_k_slices(3)
-            y = torch.ops.kernels.gemm_gelu(x, weight, bias, "none")
-            torch.ops.kernels._gemm_force_k_slices(previous)
+            with forced_k_slices(3):
+                y = torch.ops.kernels.gemm_gelu(x, weight, bias, "none")
             y_view = torch.ops.kernels.gemm_gelu(x[:, :136], stored.t(), None, "tanh")
         check(f"gemm_gelu {path} K split", y, F.gelu(F.linear(x, weight, bias)))
         # Stream-K (forced): 4 tiles over 48 chunks, each tile in a head part and block-1 shares of 1-2 chunks.
         x_wide = torch.randn(256, 3072, device="cuda")
         weight_wide = torch.randn(256, 3072, device="cuda") / 3072 ** 0.5
-        with forced_gemm_path(path):
-            previous = torch.ops.kernels._gemm_force_k_slices(-1)
+        with forced_gemm_path(path), forced_k_slices(STREAM_K):
             y_stream = torch.ops.kernels.gemm_gelu(x_wide, weight_wide, None, "none")
-            torch.ops.kernels._gemm_force_k_slices(previous)
         check(f"gemm_gelu {path} stream-K", y_stream, F.gelu(F.linear(x_wide, weight_wide)))
         check(f"gemm_gelu {path} transposed weight", y_view, F.gelu(x[:, :136] @ stored, approximate="tanh"))
         # The backward's products (on the split path: w and x read transposed by the kernel), slope 1 so that no
