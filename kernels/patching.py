@@ -334,6 +334,15 @@ def _packed_gradient(grads, packed):
     return torch.stack(grads, 2)
 
 
+def _packed_split_attention(packed, scale):
+    """The split attention kernels' output for a packed (batch, tokens, 3, heads, head dim) qkv tensor where
+    _attention_route takes its call (no gradient to compute, heads of 64, enough keys), in (batch, tokens, heads, head
+    dim); q, k and v read as they lie. None where the route leaves the call to eager's kernels."""
+    query, key, value = (part.transpose(1, 2) for part in packed.unbind(2))
+    out = _attention_route(query, key, value, scale=scale)
+    return None if out is NotImplemented else out.transpose(1, 2)
+
+
 def _packed_attention_takes(x, heads, head_dim):
     """Whether _PackedAttention computes what F.scaled_dot_product_attention would for the qkv projection of x: eager
     float32 CUDA tensors for which that function takes the memory-efficient kernels (it is enabled, head dims a
@@ -347,8 +356,9 @@ def _packed_attention_takes(x, heads, head_dim):
 
 class _TimmAttentionPatch:
     """timm's Attention (ViT's) where it runs F.scaled_dot_product_attention without a mask, dropout, gate or
-    normalization: its qkv projection's output goes to _PackedAttention as it lies and the output to its proj layer
-    as it comes, with the results eager's attention computes; its own forward otherwise."""
+    normalization: its qkv projection's output goes as it lies to the split attention kernels where the call computes
+    no gradient and _attention_route takes it (more accurate than eager's), else to _PackedAttention (the results
+    eager's attention computes), and the output to its proj layer as it comes; its own forward otherwise."""
 
     def forward(self, x, *args, **kwargs):
         # (x, attn_mask=None, is_causal=False) in timm 1.0.26 on, (x, attn_mask=None) before.
@@ -363,7 +373,10 @@ class _TimmAttentionPatch:
             batch, tokens, _ = x.shape
             packed = self.qkv(x)
             if packed.shape == (batch, tokens, 3 * heads * head_dim) and packed.is_contiguous():
-                out = _PackedAttention.apply(packed.view(batch, tokens, 3, heads, head_dim), head_dim ** -0.5)
+                view = packed.view(batch, tokens, 3, heads, head_dim)
+                out = _packed_split_attention(view, head_dim ** -0.5)
+                if out is None:
+                    out = _PackedAttention.apply(view, head_dim ** -0.5)
             else:  # eager's steps on the projection's output
                 q, k, v = packed.reshape(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
                 out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
@@ -1098,8 +1111,8 @@ def _attention_runs_on(device):
 
 # The fewest keys with which the split attention kernels beat eager's (kernels/attention/NOTES.md, Decisions): a
 # causal mask halves the work but not the splits of q, k and v.
-_ATTENTION_MIN_KEYS = 512
-_CAUSAL_ATTENTION_MIN_KEYS = 2048
+_ATTENTION_MIN_KEYS = 192
+_CAUSAL_ATTENTION_MIN_KEYS = 384
 
 
 def _attention_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -1285,7 +1298,7 @@ class fp32_gemm(TorchFunctionMode):
     """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm, einsum, and
     F.multi_head_attention_forward's projections without bias_k / bias_v, zero attention or training dropout) take
     the library's GEMM where gemm_path.cpp's choice says it pays, and F.scaled_dot_product_attention without a mask,
-    dropout or a gradient to compute (head dim 64, 512 keys or more, 2048 under a causal mask) the library's
+    dropout or a gradient to compute (head dim 64, 192 keys or more, 384 under a causal mask) the library's
     attention; everything else, batched products included (bmm, matmul of two batched tensors), runs as without the
     mode."""
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import patching
 from conftest import poison_allocator, requires_cuda
 from kernels.attention.attention import _reference
 from kernels.functional import attention
@@ -243,19 +244,22 @@ def test_meta_and_mixed_devices_autocast_and_no_head_dim(device):
 def test_fp32_gemm_routes_sdpa():
     q, k, v = operands((1, 4, 4, 512, 512, 64), "cuda", seed=8)
     long = operands((1, 2, 2, 2048, 2048, 64), "cuda", seed=9)
-    short = operands(SHAPES["ViT rows (197)"], "cuda", seed=10)
+    short = operands((2, 4, 4, patching._ATTENTION_MIN_KEYS - 1, patching._ATTENTION_MIN_KEYS - 1, 64), "cuda",
+                     seed=10)
+    few_causal = operands((1, 4, 4, 512, patching._CAUSAL_ATTENTION_MIN_KEYS - 1, 64), "cuda", seed=11)
     mask = torch.ones(512, 512, dtype=torch.bool, device="cuda").tril()
     with kernels.fp32_gemm():
         routed = F.scaled_dot_product_attention(q, k, v)
         causal = F.scaled_dot_product_attention(*long, is_causal=True, scale=0.3)
         masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # a mask: eager's
-        few_keys = F.scaled_dot_product_attention(*short)  # under 512 keys: eager's
-        short_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # under 2048 keys: eager's
+        few_keys = F.scaled_dot_product_attention(*short)  # too few keys: eager's
+        short_causal = F.scaled_dot_product_attention(*few_causal, is_causal=True)  # too few keys when causal: eager's
     torch.testing.assert_close(routed, attention(q, k, v), atol=0, rtol=0)
     torch.testing.assert_close(causal, attention(*long, True, 0.3), atol=0, rtol=0)
     torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=0, rtol=0)
     torch.testing.assert_close(few_keys, F.scaled_dot_product_attention(*short), atol=0, rtol=0)
-    torch.testing.assert_close(short_causal, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=0, rtol=0)
+    torch.testing.assert_close(short_causal, F.scaled_dot_product_attention(*few_causal, is_causal=True), atol=0,
+                               rtol=0)
     # A call that computes a gradient stays eager's (outputs bit for bit).
     q.requires_grad_()
     with kernels.fp32_gemm():
@@ -281,9 +285,12 @@ def test_empty_rows(device):
 def test_empty_batch_and_heads(device, shape):
     """As eager's (enable_gqa): an empty output and gradients, and the op's fake agrees."""
     q, k, v = (t.requires_grad_() for t in operands(shape, device))
+    # Eager's CPU kernel before torch 2.13 divides by the heads' count (a floating-point exception with none): there
+    # the output's shape is checked against q's alone.
+    eager_runs = not (device == "cpu" and shape[1] == 0 and torch.__version__ < (2, 13))
     for causal in (False, True):
         y = attention(q, k, v, causal)
-        assert y.shape == q.shape and y.shape == eager(q, k, v, causal).shape
+        assert y.shape == q.shape and (not eager_runs or y.shape == eager(q, k, v, causal).shape)
         grads = torch.autograd.grad(y.sum(), (q, k, v))
         assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
     torch.library.opcheck(torch.ops.kernels.attention.default, (q, k, v, True, 0.125))

@@ -1184,6 +1184,31 @@ def test_packed_attention_is_eagers_attention(batch, tokens, heads, head_dim):
         assert torch.equal(patching._PackedAttention.apply(view, head_dim ** -0.5), eager)
 
 
+@requires_cuda
+def test_packed_split_attention_without_a_gradient():
+    """A packed qkv tensor with heads of 64 over enough keys, with no gradient to compute, takes the split attention
+    kernels, q, k and v read as they lie: kernels.attention's output bit for bit, in (batch, tokens, heads, head dim),
+    no less accurate than eager's. Fewer keys, or a gradient to compute, are left to eager's kernels (None)."""
+    from kernels.attention.attention import _reference, attention
+
+    tokens = patching._ATTENTION_MIN_KEYS
+    g = torch.Generator(device="cuda").manual_seed(0)
+    packed = torch.randn(2, tokens, 3 * 4 * 64, device="cuda", generator=g)
+    view = packed.view(2, tokens, 3, 4, 64)
+    q, k, v = view.permute(2, 0, 3, 1, 4).unbind(0)
+    out = patching._packed_split_attention(view, 0.125)
+    assert out.shape == (2, tokens, 4, 64) and out.is_contiguous()
+    assert torch.equal(out, attention(q.contiguous(), k.contiguous(), v.contiguous()).transpose(1, 2))
+    y64 = _reference(q.double(), k.double(), v.double(), False, 0.125).transpose(1, 2)
+    eager = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    assert relative_error(out, y64) <= relative_error(eager, y64)
+    assert patching._packed_split_attention(view[:, :tokens - 1], 0.125) is None
+    packed.requires_grad_()
+    assert patching._packed_split_attention(packed.view(view.shape), 0.125) is None
+    with torch.no_grad():
+        assert torch.equal(patching._packed_split_attention(packed.view(view.shape), 0.125), out)
+
+
 def test_packed_gradient_takes_the_shared_buffer_as_it_lies():
     """_packed_gradient returns the buffer q's, k's and v's gradients share where they lie in the packed layout (no
     copy), and stacks them otherwise: apart, at another offset or with other strides."""

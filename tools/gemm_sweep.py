@@ -108,8 +108,8 @@ def profile(args):
 def model_gaps(args):
     """A bench.py model's no_grad forward, eager and patched: the synchronized forward's time, the host's time to
     enqueue one (no synchronization), the kernels' busy time and the GPU's idle time between them (torch.profiler),
-    the largest idle gaps by the kernels either side; the patched forward's trace, with the host's Python stacks,
-    into --out (chrome://tracing)."""
+    the largest idle gaps by the kernels either side, with --kernels the kernels of most time; the patched forward's
+    trace, with the host's Python stacks, into --out (chrome://tracing)."""
     import copy
 
     import bench
@@ -167,6 +167,8 @@ def model_gaps(args):
         print(f"{name} {variant} ({mode} mode): forward {synchronized:.3f} ms synchronized, host enqueue "
               f"{min(enqueue):.3f} ms (median {sorted(enqueue)[len(enqueue) // 2]:.3f}), kernels {busy:.3f} ms, idle "
               f"between them {idle_ms:.3f} ms, {len(kernels_)} kernels", flush=True)
+        if args.kernels:
+            print_kernels(forward, count=args.kernels)
         if variant == "patched":
             prof.export_chrome_trace(os.path.join(args.out, f"{args.model}_patched_{mode}.json"))
             for idle, before, after in sorted(gaps, key=lambda g: -g[0])[:args.gaps]:
@@ -528,6 +530,7 @@ def main():
     sub = add("model-gaps", model_gaps, "a bench.py model's no_grad forward: host enqueue time, GPU busy and idle")
     sub.add_argument("model", choices=["LLaMA", "BERT", "ViT", "GPT-2"])
     sub.add_argument("--gaps", type=int, default=20, help="the largest idle gaps to list (20)")
+    sub.add_argument("--kernels", type=int, default=0, metavar="N", help="also the N kernels of most device time")
     sub.add_argument("--eval", action="store_true", help="the model in eval mode (bench.py's is in training mode)")
     sub.add_argument("--after-training", type=int, default=0, metavar="STEPS",
                      help="time the forward also before these AdamW steps, the rest after them (bench.py's order)")

@@ -6,9 +6,11 @@
 //   padded to kAttentionTile with zeros. Heads whose values the split cannot take are flagged.
 // - The kernel: a CTA per 64 query rows of a head, a warp per 16 rows, 64 keys a step, two stages of cp.async.
 //   Scores: per 16 of the head dim three m16n8k16 products, the large one in a fresh accumulator each; then the
-//   scale and both powers of two, the causal mask, the online softmax in fp32 (expf). Probabilities, times 2^13,
-//   are split in registers into the next products' operands; the running output is multiplied by the softmax's
-//   correction, then the products with v are added to it the same way.
+//   scale and both powers of two, the causal mask (on the last key tile only), the online softmax in fp32 with
+//   base-2 exponentials of the scores times log2(e) less a per-row shift (an FFMA and exp2f a score), as flash
+//   attention computes them. Probabilities, times 2^13, are split in registers into the next products' operands;
+//   the running output is multiplied by the softmax's correction, then the products with v are added to it the same
+//   way.
 // - Flagged heads: the same CTAs compute them on the plain path, a thread per query row, fp32 throughout.
 #include "attention.h"
 
@@ -44,6 +46,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRowPad = 8;  // fp16 values after each shared-memory row: a quad's rows fall in distinct banks
 // Probabilities are split as p * 2^13: p <= 1, so the largest is in [2^12, 2^13] as the split's scaled values are.
 constexpr int kProbabilityExponent = 13;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 constexpr int kSplitThreads = 256;
 
 // A row or column the split takes: finite, and its largest |value| 0 or within [2^-40, 2^40), where every power of
@@ -325,12 +328,14 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
         q_lo[step][i] = load_pair(lo + at);
       }
   }
-  // Rows g and g + 8: scale * 2^-e (exact: a power of two within range), the row maxima and sums.
-  float row_factor[2], row_max[2], row_sum[2];
+  // Rows g and g + 8: scale * 2^-e (exact: a power of two within range); each row's shift, its largest score so far
+  // times log2(e) (rounded once), so that its probabilities are 2^(score log2(e) - shift), an argument near 0 (a
+  // small rounding) for the largest of them; the sums of those.
+  float row_factor[2], row_shift[2], row_sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_factor[h] = scale * exact_power_of_two(-ops.q_exponent[head * q_padded + first_row + g + 8 * h]);
-    row_max[h] = -INFINITY;
+    row_shift[h] = -INFINITY;
     row_sum[h] = 0.0f;
   }
   float out_acc[kDim / 8][4];
@@ -388,29 +393,40 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
 #pragma unroll
         for (int c = 0; c < 4; ++c) score[j + i][c] += small[i][c];
     }
-    // Unscale (one rounding: the scale's), mask, and the rows' new maxima.
+    // Unscale (one rounding: the scale's). The thread's keys 8 j + 2t, + 1 have adjacent exponents.
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j) {
+      const int2 exponents = reinterpret_cast<const int2*>(key_exponent)[4 * j + t];
+      const float key_factor[2] = {exact_power_of_two(-exponents.x), exact_power_of_two(-exponents.y)};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) score[j][c] = score[j][c] * row_factor[c / 2] * key_factor[c % 2];
+    }
+    // Masked keys lie in the last key tile only: the padding past the keys, and under the causal mask the keys past
+    // each row (a query tile's key tiles end at its own).
+    if (key_tile + 1 == key_tiles) {
+      const std::int64_t first_key = key_tile * kTile;
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const std::int64_t key = first_key + 8 * j + 2 * t + c % 2;
+          if (key >= shape.key_rows || (causal && key > first_row + g + 8 * (c / 2))) score[j][c] = -INFINITY;
+        }
+    }
+    // The rows' new maxima.
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kTile / 8; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key_in_tile = 8 * j + 2 * t + c % 2;
-        const std::int64_t key = key_tile * kTile + key_in_tile;
-        const std::int64_t row = first_row + g + 8 * (c / 2);
-        const float value =
-            score[j][c] * row_factor[c / 2] * exact_power_of_two(-key_exponent[key_in_tile]);
-        const bool masked = key >= shape.key_rows || (causal && key > row);
-        score[j][c] = masked ? -INFINITY : value;
-        tile_max[c / 2] = fmaxf(tile_max[c / 2], score[j][c]);
-      }
+      for (int c = 0; c < 4; ++c) tile_max[c / 2] = fmaxf(tile_max[c / 2], score[j][c]);
     float correction[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-      const float new_max = fmaxf(row_max[h], tile_max[h]);
-      correction[h] = expf(row_max[h] - new_max);  // 0 at the first step (row_max -inf)
-      row_max[h] = new_max;
+      const float new_shift = fmaxf(row_shift[h], tile_max[h] * kLog2e);
+      correction[h] = exp2f(row_shift[h] - new_shift);  // 0 at the first step (the shift -inf)
+      row_shift[h] = new_shift;
       row_sum[h] *= correction[h];
     }
     // Probabilities, split as the A fragments of the products with v: key step s holds n-fragments 2s and 2s + 1.
@@ -420,7 +436,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
       float p[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        p[c] = expf(score[j][c] - row_max[c / 2]);
+        p[c] = exp2f(fmaf(score[j][c], kLog2e, -row_shift[c / 2]));
         row_sum[c / 2] += p[c];
       }
       const float factor = exact_power_of_two(kProbabilityExponent);
@@ -477,7 +493,8 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     }
   }
 
-  // The rows' sums over the quad, then out = acc * 2^-(13 + e_column) / sum (one rounding: the division's).
+  // The rows' sums over the quad, then out = acc * 2^-(13 + e_column) / sum (one rounding: the division's), and the
+  // logsumexp, shift ln 2 + ln sum.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
@@ -499,7 +516,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
         target[column] = (out_acc[n][2 * h + i] * unscale) / row_sum[h];
       }
     if (plain.logsumexp != nullptr && t == 0)
-      plain.logsumexp[head * logsumexp_stride(shape.query_rows) + row] = row_max[h] + logf(row_sum[h]);
+      plain.logsumexp[head * logsumexp_stride(shape.query_rows) + row] = fmaf(row_shift[h], kLn2, logf(row_sum[h]));
   }
 #endif
 }
