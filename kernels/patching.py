@@ -1111,7 +1111,7 @@ def _attention_runs_on(device):
 
 # The fewest keys with which the split attention kernels beat eager's (kernels/attention/NOTES.md, Decisions): a
 # causal mask halves the work but not the splits of q, k and v.
-_ATTENTION_MIN_KEYS = 192
+_ATTENTION_MIN_KEYS = 160
 _CAUSAL_ATTENTION_MIN_KEYS = 384
 
 
@@ -1298,7 +1298,7 @@ class fp32_gemm(TorchFunctionMode):
     """with kernels.fp32_gemm(): float32 CUDA products in the block (F.linear, torch.matmul, @, mm, addmm, einsum, and
     F.multi_head_attention_forward's projections without bias_k / bias_v, zero attention or training dropout) take
     the library's GEMM where gemm_path.cpp's choice says it pays, and F.scaled_dot_product_attention without a mask,
-    dropout or a gradient to compute (head dim 64, 192 keys or more, 384 under a causal mask) the library's
+    dropout or a gradient to compute (head dim 64, 160 keys or more, 384 under a causal mask) the library's
     attention; everything else, batched products included (bmm, matmul of two batched tensors), runs as without the
     mode."""
 

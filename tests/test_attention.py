@@ -165,6 +165,10 @@ def test_non_finite(where):
     torch.testing.assert_close(y[finite], reference[finite], atol=1e-5, rtol=1e-5)
     # The other heads stay on the split kernels: bit for bit as without the non-finite value elsewhere.
     assert y[0].isfinite().all()
+    if where.startswith("q"):
+        # A query row the split cannot take sends its own tile of 64 rows to the plain path, not its head's others.
+        clean = operands((2, 4, 4, 70, 70, 64), "cuda", seed=5)
+        assert torch.equal(y[1, 2, 64:], attention(*clean)[1, 2, 64:])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -1,17 +1,18 @@
 // fp32-accurate attention on fp16 tensor cores (contract: attention.h), the GEMM family's split method
 // (gemm/split_numerics.cuh) in a flash-attention loop on sm_80 instructions (mma.sync, cp.async), so it runs from
 // the A100 on.
-// - Passes split the operands ahead: q's and k's rows over the head dim, each with its power of two; v's columns over
-//   the keys, written transposed (head dim x keys) so that the products read their pairs along the keys. Rows are
-//   padded to kAttentionTile with zeros. Heads whose values the split cannot take are flagged.
-// - The kernel: a CTA per 64 query rows of a head, a warp per 16 rows, 64 keys a step, two stages of cp.async.
-//   Scores: per 16 of the head dim three m16n8k16 products, the large one in a fresh accumulator each; then the
-//   scale and both powers of two, the causal mask (on the last key tile only), the online softmax in fp32 with
-//   base-2 exponentials of the scores times log2(e) less a per-row shift (an FFMA and exp2f a score), as flash
-//   attention computes them. Probabilities, times 2^13, are split in registers into the next products' operands;
-//   the running output is multiplied by the softmax's correction, then the products with v are added to it the same
-//   way.
-// - Flagged heads: the same CTAs compute them on the plain path, a thread per query row, fp32 throughout.
+// - Passes split k and v ahead: k's rows over the head dim, each with its power of two; v's columns over the keys,
+//   written transposed (head dim x keys) so that the products read their pairs along the keys. Rows are padded to
+//   kAttentionTile with zeros. Heads whose values the split cannot take are flagged.
+// - The kernel: a CTA per 64 query rows of a head, a warp per 16 rows, 64 keys a step, two stages of cp.async. It
+//   splits its own query rows (each is read by one CTA) into registers as the pass splits k's. Scores: per 16 of the
+//   head dim three m16n8k16 products, the large one in a fresh accumulator each; then the scale and both powers of two,
+//   the causal mask (on the last key tile only), the online softmax in fp32 with base-2 exponentials of the scores
+//   times log2(e) less a per-row shift (an FFMA and exp2f a score), as flash attention computes them. Probabilities,
+//   times 2^13, are split in registers into the next products' operands; the running output is multiplied by the
+//   softmax's correction, then the products with v are added to it the same way.
+// - Flagged heads, and tiles whose query rows the split cannot take: the same CTAs compute them on the plain path, a
+//   thread per query row, fp32 throughout.
 #include "attention.h"
 
 #include <cuda_fp16.h>
@@ -66,13 +67,9 @@ __device__ __forceinline__ HeadIndex head_index(const AttentionShape& shape, std
   return {batch, head_in_batch, batch * shape.kv_heads + head_in_batch / (shape.heads / shape.kv_heads)};
 }
 
-__device__ __forceinline__ std::uint32_t load_pair(const __half* p) {
-  return *reinterpret_cast<const std::uint32_t*>(p);
-}
-
 // ---- the passes ---------------------------------------------------------------------------------------------------
 
-// q's or k's rows (heads x padded rows): a warp per row; hi and lo (heads, padded rows, kDim) fp16, the power of
+// k's rows (heads x padded rows): a warp per row; hi and lo (heads, padded rows, kDim) fp16, the power of
 // two per row. Padding rows are zeros with exponent 0.
 template <int kDim>
 __global__ void __launch_bounds__(kSplitThreads)
@@ -237,8 +234,8 @@ attention_plain_kernel(PlainOperands ops, AttentionShape shape, std::int64_t que
 // ---- the split kernel ---------------------------------------------------------------------------------------------
 
 struct SplitOperands {
-  const __half *q_hi, *q_lo, *k_hi, *k_lo, *v_hi, *v_lo;
-  const std::int32_t *q_exponent, *k_exponent, *v_exponent, *flags;
+  const __half *k_hi, *k_lo, *v_hi, *v_lo;
+  const std::int32_t *k_exponent, *v_exponent, *flags;  // flags: per kv head
 };
 
 template <int kDim>
@@ -267,19 +264,21 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
   using S = Stage<kDim>;
   wait_for_previous_grid();
   allow_next_grid();
-  const std::int64_t q_heads = shape.batch * shape.heads;
   const std::int64_t head = blockIdx.x / query_tiles;
   // The longest tiles (the last, under a causal mask) first.
   const std::int64_t tile = query_tiles - 1 - blockIdx.x % query_tiles;
   const auto [batch, head_in_batch, kv_head] = head_index(shape, head);
-  if (ops.flags[head] != 0 || ops.flags[q_heads + kv_head] != 0) {  // a head the split cannot take
+  const auto plain_tile = [&] {
     const std::int64_t row = tile * kTile + threadIdx.x;
     if (threadIdx.x < kTile && row < shape.query_rows) plain_row(plain, shape, head, row, causal, scale);
+  };
+  if (ops.flags[kv_head] != 0) {  // k or v holds values the split cannot take
+    plain_tile();
     return;
   }
   extern __shared__ __align__(16) unsigned char shared[];
   const std::uint32_t shared_base = shared_address(shared);
-  const std::int64_t q_padded = padded(shape.query_rows), k_padded = padded(shape.key_rows);
+  const std::int64_t k_padded = padded(shape.key_rows);
   const std::int64_t key_tiles_all = k_padded / kTile;
   const std::int64_t key_tiles = causal ? min(key_tiles_all, tile + 1) : key_tiles_all;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -313,28 +312,63 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
   load_stage(0, 0);
   commit_copies();
 
-  // The warp's 16 query rows as A fragments: per 16 of the head dim, rows g and g + 8 at pairs 2t and 2t + 8.
+  // The warp's 16 query rows, split here (this CTA alone reads them) as split_rows_kernel splits k's, into A
+  // fragments: per 16 of the head dim, rows g and g + 8 (h = 0, 1) at pairs 2t and 2t + 8 (p = 0, 1), fragment
+  // register 2p + h. A row's 64 values lie in its quad's four lanes; rows past the queries are zeros. A tile with a
+  // value the split cannot take (non-finite, or a row's largest |value| out of range) runs on the plain path.
   const std::int64_t first_row = tile * kTile + warp * 16;
   std::uint32_t q_hi[kDim / 16][4], q_lo[kDim / 16][4];
+  float row_factor[2];
   {
-    const __half* hi = ops.q_hi + (head * q_padded + first_row) * kDim + 2 * t;
-    const __half* lo = ops.q_lo + (head * q_padded + first_row) * kDim + 2 * t;
+    float q_value[kDim / 16][4][2];
+    float max_abs[2] = {0.0f, 0.0f};
+    bool finite = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t row = first_row + g + 8 * h;
+      const float* source = plain.q + batch * plain.q_strides.batch + head_in_batch * plain.q_strides.head +
+                            row * plain.q_strides.row + 2 * t;
+#pragma unroll
+      for (int step = 0; step < kDim / 16; ++step)
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float value = row < shape.query_rows ? source[16 * step + 8 * p + e] : 0.0f;
+            q_value[step][2 * p + h][e] = value;
+            max_abs[h] = fmaxf(max_abs[h], fabsf(value));
+            finite = finite && is_finite(value);
+          }
+      max_abs[h] = fmaxf(max_abs[h], __shfl_xor_sync(0xffffffffu, max_abs[h], 1));
+      max_abs[h] = fmaxf(max_abs[h], __shfl_xor_sync(0xffffffffu, max_abs[h], 2));
+    }
+    if (__syncthreads_or(!(splittable(max_abs[0], finite) && splittable(max_abs[1], true)))) {
+      wait_copies<0>();  // the first stage's copies land before the CTA leaves
+      plain_tile();
+      return;
+    }
+    float factor[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = scale_exponent(max_abs[h]);
+      factor[h] = exact_power_of_two(e);
+      row_factor[h] = scale * exact_power_of_two(-e);  // exact: a power of two within range
+    }
 #pragma unroll
     for (int step = 0; step < kDim / 16; ++step)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int at = (g + 8 * (i % 2)) * kDim + step * 16 + 8 * (i / 2);
-        q_hi[step][i] = load_pair(hi + at);
-        q_lo[step][i] = load_pair(lo + at);
+        const SplitPair pair = split_pair(q_value[step][i][0] * factor[i % 2], q_value[step][i][1] * factor[i % 2]);
+        q_hi[step][i] = bits(pair.hi);
+        q_lo[step][i] = bits(pair.lo);
       }
   }
-  // Rows g and g + 8: scale * 2^-e (exact: a power of two within range); each row's shift, its largest score so far
-  // times log2(e) (rounded once), so that its probabilities are 2^(score log2(e) - shift), an argument near 0 (a
-  // small rounding) for the largest of them; the sums of those.
-  float row_factor[2], row_shift[2], row_sum[2];
+  // Rows g and g + 8: each row's shift, its largest score so far times log2(e) (rounded once), so that its
+  // probabilities are 2^(score log2(e) - shift), an argument near 0 (a small rounding) for the largest of them; the
+  // sums of those.
+  float row_shift[2], row_sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    row_factor[h] = scale * exact_power_of_two(-ops.q_exponent[head * q_padded + first_row + g + 8 * h]);
     row_shift[h] = -INFINITY;
     row_sum[h] = 0.0f;
   }
@@ -532,34 +566,27 @@ cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape
   if (err != cudaSuccess) return err;
   const std::int64_t q_heads = shape.batch * shape.heads, kv_heads = shape.batch * shape.kv_heads;
   const std::int64_t q_padded = padded(shape.query_rows), k_padded = padded(shape.key_rows);
-  auto* q_split = reinterpret_cast<__half*>(workspace + layout.q_split);
   auto* k_split = reinterpret_cast<__half*>(workspace + layout.k_split);
   auto* v_split = reinterpret_cast<__half*>(workspace + layout.v_split);
-  auto* q_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.q_exponent);
   auto* k_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.k_exponent);
   auto* v_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.v_exponent);
   auto* flags = reinterpret_cast<std::int32_t*>(workspace + layout.flags);
-  const std::int64_t q_values = q_heads * q_padded * kDim, kv_values = kv_heads * k_padded * kDim;
-  err = cudaMemsetAsync(flags, 0, 4 * (q_heads + kv_heads), stream);
+  const std::int64_t kv_values = kv_heads * k_padded * kDim;
+  err = cudaMemsetAsync(flags, 0, 4 * kv_heads, stream);
   if (err != cudaSuccess) return err;
   const auto row_blocks = [](std::int64_t rows) {
     const std::int64_t blocks = (rows + kSplitThreads / 32 - 1) / (kSplitThreads / 32);
     return dim3(static_cast<unsigned>(blocks < 65536 ? blocks : 65536));
   };
-  err = launch_dependent(split_rows_kernel<kDim>, row_blocks(q_heads * q_padded), dim3(kSplitThreads), 0, stream,
-                         plain.q, plain.q_strides, shape.heads, shape.query_rows, q_padded, q_heads * q_padded,
-                         q_split, q_split + q_values, q_exponent, flags);
-  if (err != cudaSuccess) return err;
   err = launch_dependent(split_rows_kernel<kDim>, row_blocks(kv_heads * k_padded), dim3(kSplitThreads), 0, stream,
                          plain.k, plain.k_strides, shape.kv_heads, shape.key_rows, k_padded, kv_heads * k_padded,
-                         k_split, k_split + kv_values, k_exponent, flags + q_heads);
+                         k_split, k_split + kv_values, k_exponent, flags);
   if (err != cudaSuccess) return err;
   err = launch_dependent(split_columns_kernel<kDim>, dim3(static_cast<unsigned>(kv_heads)), dim3(kSplitThreads), 0,
                          stream, plain.v, plain.v_strides, shape.kv_heads, shape.key_rows, k_padded, v_split,
-                         v_split + kv_values, v_exponent, flags + q_heads);
+                         v_split + kv_values, v_exponent, flags);
   if (err != cudaSuccess) return err;
-  const SplitOperands ops{q_split, q_split + q_values, k_split, k_split + kv_values, v_split, v_split + kv_values,
-                          q_exponent, k_exponent, v_exponent, flags};
+  const SplitOperands ops{k_split, k_split + kv_values, v_split, v_split + kv_values, k_exponent, v_exponent, flags};
   const std::int64_t query_tiles = q_padded / kTile;
   return launch_dependent(kernel, dim3(static_cast<unsigned>(q_heads * query_tiles)), dim3(kThreads),
                           attention_shared_bytes<kDim>(), stream, ops, plain, shape, query_tiles, causal, scale);

@@ -5,9 +5,10 @@
 // softmax(q k^T * scale, causal mask) v for float32 q (batch, heads, query rows, head dim), k and v (batch,
 // kv_heads, key rows, head dim), head h reading kv head h / (heads / kv_heads), on the GEMM family's split method
 // (gemm/split_numerics.cuh): each operand split into fp16 hi/lo with powers of two (per row of q and k over the head
-// dim, per column of v over the keys), three fp16 products per product, accumulated in fp32. Heads holding a
-// non-finite value, or a row or column whose largest |value| lies outside [2^-40, 2^40] (the range in which the
-// scores' powers of two are exact floats), are computed in plain fp32 instead (IEEE arithmetic, as eager's sum).
+// dim, per column of v over the keys), three fp16 products per product, accumulated in fp32. Heads whose k or v holds
+// a non-finite value, or a row or column whose largest |value| lies outside [2^-40, 2^40] (the range in which the
+// scores' powers of two are exact floats), and tiles of 64 query rows whose q does, are computed in plain fp32
+// instead (IEEE arithmetic, as eager's sum).
 #pragma once
 
 #include <cstdint>
@@ -40,16 +41,16 @@ struct AttentionShape {
   std::int64_t batch, heads, kv_heads, query_rows, key_rows, head_dim;
 };
 
-// The workspace of one call: the operands' splits, their powers of two and the heads' flags, in one allocation.
+// The workspace of one call: k's and v's splits, their powers of two and the kv heads' flags, in one allocation (q is
+// split by the kernel that reads it).
 struct AttentionWorkspace {
-  std::int64_t q_split, k_split, v_split;  // byte offsets of each operand's hi then lo (fp16, one after the other)
-  std::int64_t q_exponent, k_exponent, v_exponent, flags;  // int32 arrays
+  std::int64_t k_split, v_split;  // byte offsets of each operand's hi then lo (fp16, one after the other)
+  std::int64_t k_exponent, v_exponent, flags;  // int32 arrays
   std::int64_t bytes;
 };
 
 inline AttentionWorkspace attention_workspace(const AttentionShape& s) {
-  const std::int64_t q_heads = s.batch * s.heads, kv_heads = s.batch * s.kv_heads;
-  const std::int64_t q_values = q_heads * padded(s.query_rows) * s.head_dim;
+  const std::int64_t kv_heads = s.batch * s.kv_heads;
   const std::int64_t kv_values = kv_heads * padded(s.key_rows) * s.head_dim;
   AttentionWorkspace w{};
   std::int64_t at = 0;
@@ -58,13 +59,11 @@ inline AttentionWorkspace attention_workspace(const AttentionShape& s) {
     at += (bytes + 255) / 256 * 256;
     return start;
   };
-  w.q_split = take(2 * 2 * q_values);
   w.k_split = take(2 * 2 * kv_values);
   w.v_split = take(2 * 2 * kv_values);
-  w.q_exponent = take(4 * q_heads * padded(s.query_rows));
   w.k_exponent = take(4 * kv_heads * padded(s.key_rows));
   w.v_exponent = take(4 * kv_heads * s.head_dim);
-  w.flags = take(4 * (q_heads + kv_heads));
+  w.flags = take(4 * kv_heads);
   w.bytes = at;
   return w;
 }
