@@ -23,6 +23,7 @@ SHAPES = {
     "ViT rows (197)": (4, 12, 12, 197, 197, 64),
     "odd rows, more keys": (2, 4, 4, 37, 45, 64),
     "more queries than keys": (1, 2, 2, 130, 70, 64),
+    "600 keys": (1, 4, 4, 64, 600, 64),
     "head dim 128": (2, 8, 8, 256, 256, 128),
     "grouped kv heads": (2, 8, 2, 100, 100, 64),
     "one row": (3, 2, 2, 1, 1, 64),
@@ -70,6 +71,20 @@ def test_forward_against_float64(device, name, causal, kind):
     assert not y.isnan().any()
     assert allclose(y, reference)
     assert relative_error(y, y64) <= relative_error(reference, y64)
+
+
+@requires_cuda
+def test_operands_at_any_offset_and_stride():
+    """q, k and v as views at an odd offset with rows 66 floats apart give the bits of their contiguous copies."""
+    q, k, v = operands(SHAPES["ViT rows (197)"], "cuda", seed=12)
+    wide = [torch.zeros(*t.shape[:3], 66, device="cuda") for t in (q, k, v)]
+    views = []
+    for t, storage in zip((q, k, v), wide):
+        storage[..., 1:65] = t
+        views.append(storage[..., 1:65])
+    assert views[2].data_ptr() % 16 != 0
+    for causal in (False, True):
+        assert torch.equal(attention(*views, causal), attention(q, k, v, causal))
 
 
 @requires_cuda
