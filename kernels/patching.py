@@ -1110,7 +1110,7 @@ def _attention_runs_on(device):
 
 
 # The fewest keys with which the split attention kernels beat eager's (kernels/attention/NOTES.md, Decisions): a
-# causal mask halves the work but not the splits of q, k and v.
+# causal mask halves the work but not the passes that split k and v.
 _ATTENTION_MIN_KEYS = 160
 _CAUSAL_ATTENTION_MIN_KEYS = 384
 
