@@ -7,10 +7,10 @@
 // - The kernel: a CTA per 64 query rows of a head, a warp per 16 rows, 64 keys a step, two stages of cp.async. It
 //   splits its own query rows (each is read by one CTA) into registers as the pass splits k's. Scores: per 16 of the
 //   head dim three m16n8k16 products, the large one in a fresh accumulator each; then the scale and both powers of two,
-//   the causal mask (on the last key tile only), the online softmax in fp32 with base-2 exponentials of the scores
-//   times log2(e) less a per-row shift (an FFMA and exp2f a score), as flash attention computes them. Probabilities,
-//   times 2^13, are split in registers into the next products' operands; the running output is multiplied by the
-//   softmax's correction, then the products with v are added to it the same way.
+//   the causal mask (on the last key tile only), the online softmax in fp32: exp(score - row max) as exp2f((score - row
+//   max) log2(e)), which is at most 1 (its split times 2^13 stays within fp16) and exactly 1 for the largest score.
+//   Probabilities, times 2^13, are split in registers into the next products' operands; the running output is
+//   multiplied by the softmax's correction, then the products with v are added to it the same way.
 // - Flagged heads, and tiles whose query rows the split cannot take: the same CTAs compute them on the plain path, a
 //   thread per query row, fp32 throughout.
 #include "attention.h"
@@ -47,7 +47,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRowPad = 8;  // fp16 values after each shared-memory row: a quad's rows fall in distinct banks
 // Probabilities are split as p * 2^13: p <= 1, so the largest is in [2^12, 2^13] as the split's scaled values are.
 constexpr int kProbabilityExponent = 13;
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kSplitThreads = 256;
 
 // A row or column the split takes: finite, and its largest |value| 0 or within [2^-40, 2^40), where every power of
@@ -363,13 +363,11 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
         q_lo[step][i] = bits(pair.lo);
       }
   }
-  // Rows g and g + 8: each row's shift, its largest score so far times log2(e) (rounded once), so that its
-  // probabilities are 2^(score log2(e) - shift), an argument near 0 (a small rounding) for the largest of them; the
-  // sums of those.
-  float row_shift[2], row_sum[2];
+  // Rows g and g + 8: the largest score so far and the sum of exp(score - that largest).
+  float row_max[2], row_sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    row_shift[h] = -INFINITY;
+    row_max[h] = -INFINITY;
     row_sum[h] = 0.0f;
   }
   float out_acc[kDim / 8][4];
@@ -458,9 +456,9 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     for (int h = 0; h < 2; ++h) {
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-      const float new_shift = fmaxf(row_shift[h], tile_max[h] * kLog2e);
-      correction[h] = exp2f(row_shift[h] - new_shift);  // 0 at the first step (the shift -inf)
-      row_shift[h] = new_shift;
+      const float new_max = fmaxf(row_max[h], tile_max[h]);
+      correction[h] = exp2f((row_max[h] - new_max) * kLog2e);  // 0 at the first step (row_max -inf)
+      row_max[h] = new_max;
       row_sum[h] *= correction[h];
     }
     // Probabilities, split as the A fragments of the products with v: key step s holds n-fragments 2s and 2s + 1.
@@ -470,7 +468,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
       float p[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        p[c] = exp2f(fmaf(score[j][c], kLog2e, -row_shift[c / 2]));
+        p[c] = exp2f((score[j][c] - row_max[c / 2]) * kLog2e);
         row_sum[c / 2] += p[c];
       }
       const float factor = exact_power_of_two(kProbabilityExponent);
@@ -528,7 +526,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
   }
 
   // The rows' sums over the quad, then out = acc * 2^-(13 + e_column) / sum (one rounding: the division's), and the
-  // logsumexp, shift ln 2 + ln sum.
+  // logsumexp, the row's largest score + ln sum.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
@@ -550,7 +548,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
         target[column] = (out_acc[n][2 * h + i] * unscale) / row_sum[h];
       }
     if (plain.logsumexp != nullptr && t == 0)
-      plain.logsumexp[head * logsumexp_stride(shape.query_rows) + row] = fmaf(row_shift[h], kLn2, logf(row_sum[h]));
+      plain.logsumexp[head * logsumexp_stride(shape.query_rows) + row] = row_max[h] + logf(row_sum[h]);
   }
 #endif
 }
