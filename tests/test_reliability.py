@@ -319,7 +319,7 @@ for is_causal in (False, True):
     kernel_peak, kernels_result = allocated_peak(calls["kernel"])
     eager_peak, (eager_out, eager_lse) = allocated_peak(calls["eager"])
     case = f"causal {is_causal}: peaks kernel {kernel_peak >> 20} MiB, eager {eager_peak >> 20} MiB"
-    assert kernel_peak > eager_peak + 2 * slack, case  # the split's workspace, as large as q, k and v
+    assert kernel_peak > eager_peak + 2 * slack, case  # the split's workspace, as large as k and v
     eager_out, eager_lse = eager_out.transpose(1, 2).cpu(), eager_lse[..., :rows].cpu()
     del kernels_result
     limit_between(eager_peak, kernel_peak)
@@ -340,8 +340,8 @@ print("DONE")
                     reason="the split attention kernels run from sm_80 on")
 @pytest.mark.slow
 def test_attention_out_of_memory_gives_eagers_result():
-    """Under a memory limit that eager's memory-efficient attention fits but the split attention's workspace (q, k and
-    v split) does not, torch.ops.kernels.attention returns eager's own output and logsumexp, bit for bit and in the
+    """Under a memory limit that eager's memory-efficient attention fits but the split attention's workspace (k and v
+    split) does not, torch.ops.kernels.attention returns eager's own output and logsumexp, bit for bit and in the
     op's layout, instead of raising an out-of-memory error eager would not; causal too."""
     result = subprocess.run([sys.executable, "-c", _ATTENTION_OUT_OF_MEMORY_SCRIPT], cwd=REPO, capture_output=True,
                             text=True)

@@ -138,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
                                                   const at::Tensor& value, bool is_causal, double scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   const AttentionShape shape{query.size(0), query.size(1), key.size(1), query.size(2), key.size(2), query.size(3)};
-  // The workspace (q, k and v split) is memory eager's call does not take: where it cannot be had, eager's call runs
+  // The workspace (k and v split) is memory eager's call does not take: where it cannot be had, eager's call runs
   // on the caller's tensors. It is asked for first, so that nothing of this call's is held while that runs.
   std::optional<at::Tensor> workspace = common::unless_out_of_memory(
       [&] { return at::empty({attention_workspace(shape).bytes}, query.options().dtype(at::kByte)); });
