@@ -3,7 +3,7 @@ and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, m
 nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP,
-                                  # BERT's MLP; timm's LayerNorm, Attention, Mlp and Block
+                                  # BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp and Block
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -258,6 +258,28 @@ class _GeluIntermediatePatch:
         return super().forward(hidden_states) if hidden is None else hidden
 
 
+def _bert_output_forward(self, hidden_states, input_tensor):
+    # transformers' BertSelfOutput.forward and BertOutput.forward, token for token (RoBERTa's, ELECTRA's and others are
+    # copies of them): post-norm's projection, dropout, residual add and LayerNorm.
+    hidden_states = self.dense(hidden_states)
+    hidden_states = self.dropout(hidden_states)
+    hidden_states = self.LayerNorm(hidden_states + input_tensor)
+    return hidden_states
+
+
+class _AddNormOutputPatch:
+    """transformers' BertSelfOutput and BertOutput and the modules whose forward is their code: the residual add and
+    the LayerNorm after it as one add_layer_norm where the patched norm takes it (_add_layer_norm_takes); its own
+    forward otherwise."""
+
+    def forward(self, hidden_states, input_tensor):
+        hidden = self.dropout(self.dense(hidden_states))
+        norm = self.LayerNorm
+        if not _add_layer_norm_takes(norm, hidden, input_tensor):
+            return norm(hidden + input_tensor)
+        return add_layer_norm(hidden, input_tensor, norm.weight, norm.bias, norm.eps)[1]
+
+
 class _MultiheadAttentionPatch:
     """nn.MultiheadAttention with its projections on the library's GEMM where a split takes its in-projection: the
     forward F.multi_head_attention_forward computes, as fp32_gemm() computes it (_multi_head_attention_route); its own
@@ -482,7 +504,8 @@ def _base_for_class(cls):
     (those holding timm Blocks: _patch_base),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
     forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul and add),
-    and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's or timm's Mlp's code."""
+    and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's Mlp's
+    code."""
     if (issubclass(cls, nn.Linear) and _linear_parameters_are_its_own(cls)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
@@ -508,6 +531,8 @@ def _base_for_class(cls):
         return _GeluMLPPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_intermediate_forward):
         return _GeluIntermediatePatch
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_output_forward):
+        return _AddNormOutputPatch
     return None
 
 
@@ -564,12 +589,12 @@ def __getattr__(name):
 
 def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every
-    transformers Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP and BertIntermediate (or a module with one of
-    their forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's, in
-    place, and returns `model`; a module's linear children that read its input become one product while training
+    transformers Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with
+    one of their forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's,
+    in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
-    residual adds one op each with the norm after them (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of
-    them). Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
+    residual adds (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them) and BertOutput's one op each
+    with the norm after them (_AddNormOutputPatch). Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
     (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
     raises ValueError."""
     if not isinstance(model, nn.Module):

@@ -406,6 +406,9 @@ def test_transformers_models_patch_round_trip(name, device):
     if name in ("gpt2", "bert"):  # every nn.LayerNorm on layer_norm
         norms = [m for m in patched.modules() if isinstance(m, nn.LayerNorm)]
         assert norms and all(kernels.is_patched(m) for m in norms)
+    if name == "bert":  # each layer's two residual adds with the norms after them: add_layer_norm on the GPU
+        outputs = [m for m in patched.modules() if type(m).__name__ in ("BertSelfOutput", "BertOutput")]
+        assert len(outputs) == 2 * config.num_hidden_layers and all(kernels.is_patched(m) for m in outputs)
     if name == "falcon":  # its FalconLinear layers (nn.Linear's product as a matmul and an add) patched too
         assert len(layers) == 4 * config.num_hidden_layers + 1 and type(layers[0]).__name__ == "FalconLinear"
     if name == "llama":  # every LlamaRMSNorm on rms_norm (two a layer and the last one), every LlamaMLP on silu_mul
@@ -415,6 +418,8 @@ def test_transformers_models_patch_round_trip(name, device):
         assert len(mlps) == config.num_hidden_layers and all(kernels.is_patched(m) for m in mlps)
     ids = torch.randint(0, config.vocab_size, (2, 24), device=device)
     check_logits_and_gradients(model, patched, ids)
+    if name == "bert":
+        assert fused_nodes(patched(input_ids=ids).logits) == (2 * config.num_hidden_layers if device == "cuda" else 0)
     model.load_state_dict(patched.state_dict())
     patched.load_state_dict(model.state_dict())
     kernels.unpatch(patched)

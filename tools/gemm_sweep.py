@@ -150,6 +150,8 @@ def model_gaps(args):
             enqueue.append((time.perf_counter() - start) * 1e3)
             torch.cuda.synchronize()
         synchronized = time_ms(forward, samples=20, warmup=2, flush_l2=False)
+        if args.host_profile:
+            print_host_profile(forward, args.host_profile)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, with_stack=True) as prof:
             forward()
@@ -175,6 +177,25 @@ def model_gaps(args):
                 print(f"  idle {idle:8.1f} us before {after.name[:70]} (after {before.name[:50]})")
         del model
         torch.cuda.empty_cache()
+
+
+def print_host_profile(step, calls, count=40):
+    """The host's Python functions over `calls` calls of step (each synchronized after the profile stops timing it),
+    by their own time and by their cumulative time (cProfile)."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    for _ in range(calls):
+        profile.enable()
+        step()
+        profile.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profile).strip_dirs()
+    print(f"host profile of {calls} calls, by own time:")
+    stats.sort_stats("tottime").print_stats(count)
+    print("by cumulative time:")
+    stats.sort_stats("cumulative").print_stats(count)
 
 
 def sizes(text):
@@ -532,6 +553,8 @@ def main():
     sub.add_argument("--gaps", type=int, default=20, help="the largest idle gaps to list (20)")
     sub.add_argument("--kernels", type=int, default=0, metavar="N", help="also the N kernels of most device time")
     sub.add_argument("--eval", action="store_true", help="the model in eval mode (bench.py's is in training mode)")
+    sub.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                     help="also each forward's Python functions over CALLS calls (cProfile)")
     sub.add_argument("--after-training", type=int, default=0, metavar="STEPS",
                      help="time the forward also before these AdamW steps, the rest after them (bench.py's order)")
     sub.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the trace ($OUT, else /tmp)")
