@@ -1,7 +1,7 @@
 """Attention: the op against float64 and against eager's F.scaled_dot_product_attention (error no larger than
 eager fp32's, allclose at 1e-4), forward, logsumexp and gradients, on CPU and CUDA; the split kernels and the plain
-kernel (forced, and for heads holding non-finite or out-of-range values), grouped kv heads, the fp32_gemm route,
-torch.compile and bad input."""
+kernel (forced, and for heads holding non-finite or out-of-range values), the mma.sync kernel forced where Hopper
+runs wgmma's, grouped kv heads, the fp32_gemm route, torch.compile and bad input."""
 
 import contextlib
 import math
@@ -54,6 +54,16 @@ class ForcedPlain:
 
     def __exit__(self, *exc):
         torch.ops.kernels._attention_force_plain(self.previous)
+
+
+class ForcedMmaSync:
+    """The split kernel's products on mma.sync (the sm_80 kernel), where Hopper runs wgmma's by default."""
+
+    def __enter__(self):
+        self.previous = torch.ops.kernels._attention_force_mma_sync(True)
+
+    def __exit__(self, *exc):
+        torch.ops.kernels._attention_force_mma_sync(self.previous)
 
 
 @pytest.mark.parametrize("kind", ["randn", "rand"])
@@ -141,6 +151,25 @@ def test_plain_kernel_forced(name, causal):
     reference, y64 = eager(q, k, v, causal), exact(q, k, v, causal)
     assert allclose(y, reference)
     assert relative_error(y, y64) <= 2 * relative_error(reference, y64)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["BERT-like", "ViT rows (197)", "600 keys", "grouped kv heads"])
+def test_mma_sync_kernel_forced(name, causal, kind):
+    """The mma.sync kernel, forced (on Hopper the default kernel's products run on wgmma): the same products in the
+    same order, so no more error than eager's against float64, and within a few roundings of the default kernel."""
+    q, k, v = operands(SHAPES[name], "cuda", seed=3, kind=kind)
+    with ForcedMmaSync():
+        y, lse = torch.ops.kernels.attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]))
+    y_default, lse_default = torch.ops.kernels.attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]))
+    reference, y64 = eager(q, k, v, causal), exact(q, k, v, causal)
+    assert allclose(y, reference)
+    assert relative_error(y, y64) <= relative_error(reference, y64)
+    torch.testing.assert_close(y, y_default, atol=1e-6, rtol=1e-5)
+    rows = q.shape[2]
+    torch.testing.assert_close(lse[..., :rows], lse_default[..., :rows], atol=1e-6, rtol=1e-6)
 
 
 @requires_cuda

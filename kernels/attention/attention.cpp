@@ -9,7 +9,8 @@
 // as (batch, query rows, heads, head dim) in memory, as PyTorch's memory-efficient attention lays out its own;
 // logsumexp (batch, heads, query rows rounded up to 32, the padding's values unspecified) in the query's dtype, each
 // row's log-sum-exp of its scaled scores. _attention_force_plain(plain) -> the previous setting: every head on the
-// plain kernel, for tests.
+// plain kernel, for tests; _attention_force_mma_sync(mma_sync) -> the previous setting: the split kernel's products
+// on mma.sync (the sm_80 kernel) on Hopper too, for tests.
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
@@ -53,6 +54,10 @@ constexpr const char* kOp = "attention";
 std::atomic<bool> forced_plain{false};
 
 bool force_plain(bool plain) { return forced_plain.exchange(plain); }
+
+std::atomic<bool> forced_mma_sync{false};
+
+bool force_mma_sync(bool mma_sync) { return forced_mma_sync.exchange(mma_sync); }
 
 // attention.h's logsumexp_stride, for the CPU-only build too (that header needs CUDA's).
 std::int64_t lse_stride(std::int64_t rows) { return (rows + 31) / 32 * 32; }
@@ -151,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
   const cudaError_t err = launch_attention(
       q.const_data_ptr<float>(), strides_of(q), k.const_data_ptr<float>(), strides_of(k), v.const_data_ptr<float>(),
       strides_of(v), out.mutable_data_ptr<float>(), strides_of(out), lse.mutable_data_ptr<float>(), shape, is_causal,
-      static_cast<float>(scale), forced_plain.load(), workspace->mutable_data_ptr(),
+      static_cast<float>(scale), forced_mma_sync.load(), forced_plain.load(), workspace->mutable_data_ptr(),
       c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "kernels: the attention kernels failed to launch: ", cudaGetErrorString(err));
   return {out, lse};
@@ -180,6 +185,9 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("_attention_force_plain(bool plain) -> bool");
   m.impl("_attention_force_plain",
          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::attention::force_plain));
+  m.def("_attention_force_mma_sync(bool mma_sync) -> bool");
+  m.impl("_attention_force_mma_sync",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::attention::force_mma_sync));
 }
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { m.impl("attention", &kernels::attention::attention); }

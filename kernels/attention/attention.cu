@@ -1,13 +1,16 @@
 // fp32-accurate attention on fp16 tensor cores (contract: attention.h), the GEMM family's split method
 // (gemm/split_numerics.cuh) in a flash-attention loop on sm_80 instructions (mma.sync, cp.async), so it runs from
-// the A100 on.
+// the A100 on; on Hopper its products take wgmma.
 // - Passes split k and v ahead: k's rows over the head dim, each with its power of two; v's columns over the keys,
 //   written transposed (head dim x keys) so that the products read their pairs along the keys. Rows are padded to
 //   kAttentionTile with zeros. Heads whose values the split cannot take are flagged.
 // - The kernel: a CTA per 64 query rows of a head, a warp per 16 rows, 64 keys a step, two stages of cp.async. It
-//   splits its own query rows (each is read by one CTA) into registers as the pass splits k's. Scores: per 16 of the
-//   head dim three m16n8k16 products, the large one in a fresh accumulator each; then the scale and both powers of two,
-//   the causal mask (on the last key tile only), the online softmax in fp32: exp(score - row max) as exp2f((score - row
+//   splits its own query rows (each is read by one CTA) into registers as the pass splits k's. Its products run on
+//   mma.sync from ldmatrix fragments (sm_80 on), or on sm_90a on wgmma, the CTA's four warps one warpgroup (one
+//   instruction over its 64 rows, A from the same registers, k's and v's tiles in the 128-byte swizzle read by
+//   shared-memory descriptors): the same products in the same order, the same accumulator layout. Scores: per 16 of
+//   the head dim three products, the large one in a fresh accumulator each; then the scale and both powers of two, the
+//   causal mask (on the last key tile only), the online softmax in fp32: exp(score - row max) as exp2f((score - row
 //   max) log2(e)), which is at most 1 (its split times 2^13 stays within fp16) and exactly 1 for the largest score.
 //   Probabilities, times 2^13, are split in registers into the next products' operands; the running output is
 //   multiplied by the softmax's correction, then the products with v are added to it the same way.
@@ -23,6 +26,7 @@
 #include "common/dependent_launch.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/once_per_device.h"
+#include "gemm/sm90_primitives.cuh"
 #include "gemm/split_numerics.cuh"
 
 namespace kernels::attention {
@@ -238,12 +242,16 @@ struct SplitOperands {
   const std::int32_t *k_exponent, *v_exponent, *flags;  // flags: per kv head
 };
 
-template <int kDim>
+// A stage: k hi, lo (keys x head dim), v hi, lo (head dim x keys), the keys' exponents. mma.sync's (kWgmma false):
+// rows padded by kRowPad for ldmatrix. wgmma's: rows of 64 fp16 (128 bytes) unpadded in the 128-byte swizzle (16-byte
+// unit u of row r at u ^ (r % 8)), each tile 1024-byte aligned, as its shared-memory descriptors read them.
+template <int kDim, bool kWgmma>
 struct Stage {
-  static constexpr int kKeyRow = kDim + kRowPad;    // k tiles: keys x head dim
-  static constexpr int kValueRow = kTile + kRowPad;  // v tiles: head dim x keys
+  static constexpr int kKeyRow = kWgmma ? kDim : kDim + kRowPad;    // k tiles: keys x head dim
+  static constexpr int kValueRow = kWgmma ? kTile : kTile + kRowPad;  // v tiles: head dim x keys
   static constexpr int kKeyValues = kTile * kKeyRow, kValueValues = kDim * kValueRow;
-  static constexpr int kBytes = 2 * (2 * kKeyValues + 2 * kValueValues) + 4 * kTile;  // k hi, lo; v hi, lo; exponents
+  static constexpr int kExponents = 2 * (2 * kKeyValues + 2 * kValueValues);  // byte offset of the keys' exponents
+  static constexpr int kBytes = kWgmma ? (kExponents + 4 * kTile + 1023) / 1024 * 1024 : kExponents + 4 * kTile;
 };
 
 // Two stages of 36 KB where the head dim is 64; one past it (a stage of 70 KB at 128: two CTAs an SM overlap each
@@ -251,17 +259,23 @@ struct Stage {
 template <int kDim>
 constexpr int kStages = kDim == 64 ? 2 : 1;
 
-template <int kDim>
+// wgmma's stages start at the first 1024-byte boundary of the block's shared memory.
+template <int kDim, bool kWgmma>
 constexpr int attention_shared_bytes() {
-  return kStages<kDim> * Stage<kDim>::kBytes;
+  return kStages<kDim> * Stage<kDim, kWgmma>::kBytes + (kWgmma ? 1024 : 0);
 }
 
-template <int kDim>
+// kWgmma: the products by wgmma (sm_90a, its four warps one warpgroup: each product one instruction over the CTA's
+// 64 rows, its B operand read from shared memory by a descriptor), else by mma.sync from ldmatrix fragments; the
+// same products in the same order, the same fragments of q and the probabilities (wgmma's A registers are mma.sync's),
+// the same accumulator layout.
+template <int kDim, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, 2)
 attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape shape, std::int64_t query_tiles,
                        bool causal, float scale) {
 #if KERNELS_SM80_DEVICE
-  using S = Stage<kDim>;
+  static_assert(!kWgmma || kDim == 64, "wgmma's tiles: 64 keys x a head dim of 64");
+  using S = Stage<kDim, kWgmma>;
   wait_for_previous_grid();
   allow_next_grid();
   const std::int64_t head = blockIdx.x / query_tiles;
@@ -276,8 +290,10 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     plain_tile();
     return;
   }
-  extern __shared__ __align__(16) unsigned char shared[];
-  const std::uint32_t shared_base = shared_address(shared);
+  extern __shared__ __align__(16) unsigned char shared_block[];
+  const std::uint32_t block_base = shared_address(shared_block);
+  const std::uint32_t shared_base = kWgmma ? (block_base + 1023) / 1024 * 1024 : block_base;
+  unsigned char* const shared = shared_block + (shared_base - block_base);
   const std::int64_t k_padded = padded(shape.key_rows);
   const std::int64_t key_tiles_all = k_padded / kTile;
   const std::int64_t key_tiles = causal ? min(key_tiles_all, tile + 1) : key_tiles_all;
@@ -295,19 +311,20 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
 #pragma unroll
       for (int u = threadIdx.x; u < kKeyUnits; u += kThreads) {
         const int row = u / (kDim / 8), unit = u % (kDim / 8);
-        copy_16_async(base + 2 * (side * S::kKeyValues + row * S::kKeyRow + unit * 8),
+        const int place = kWgmma ? row * S::kKeyRow + ((unit ^ (row % 8)) * 8) : row * S::kKeyRow + unit * 8;
+        copy_16_async(base + 2 * (side * S::kKeyValues + place),
                       k_sources[side] + (key_tile * kTile + row) * kDim + unit * 8, true);
       }
 #pragma unroll
       for (int u = threadIdx.x; u < kValueUnits; u += kThreads) {
         const int row = u / (kTile / 8), unit = u % (kTile / 8);
-        copy_16_async(base + 2 * (2 * S::kKeyValues + side * S::kValueValues + row * S::kValueRow + unit * 8),
+        const int place = kWgmma ? row * S::kValueRow + ((unit ^ (row % 8)) * 8) : row * S::kValueRow + unit * 8;
+        copy_16_async(base + 2 * (2 * S::kKeyValues + side * S::kValueValues + place),
                       v_sources[side] + row * k_padded + key_tile * kTile + unit * 8, true);
       }
     }
     if (threadIdx.x < kTile / 4)
-      copy_16_async(base + 2 * (2 * S::kKeyValues + 2 * S::kValueValues) + 16 * threadIdx.x,
-                    k_exponents + key_tile * kTile + 4 * threadIdx.x, true);
+      copy_16_async(base + S::kExponents + 16 * threadIdx.x, k_exponents + key_tile * kTile + 4 * threadIdx.x, true);
   };
   load_stage(0, 0);
   commit_copies();
@@ -385,9 +402,10 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     } else {
       wait_copies<0>();
     }
+    if constexpr (kWgmma) gemm::sm90::fence_async_shared();  // this thread's copies, before wgmma's reads of them
     __syncthreads();
-    const std::int32_t* key_exponent = reinterpret_cast<const std::int32_t*>(
-        shared + stage * S::kBytes + 2 * (2 * S::kKeyValues + 2 * S::kValueValues));
+    const std::int32_t* key_exponent =
+        reinterpret_cast<const std::int32_t*>(shared + stage * S::kBytes + S::kExponents);
 
     // Scores of the warp's 16 rows x 64 keys: n-fragment j holds keys 8 j + 2t, + 1 (rows g; g + 8). The tensor
     // cores truncate their sums, a bias that grows with each product added to a sum: the large product (hi hi) of
@@ -397,9 +415,35 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     float score[kTile / 8][4];
     const std::uint32_t k_hi_base = shared_base + stage * S::kBytes;
     const std::uint32_t k_lo_base = k_hi_base + 2 * S::kKeyValues;
+    if constexpr (kWgmma) {
+      // Per 16 of the head dim (32 bytes along k's rows): the small products into one accumulator, the large one
+      // into a fresh one, added to the scores in fp32.
+      using gemm::sm90::k_major_swizzle128_descriptor;
+      float small[kTile / 8][4], big[kTile / 8][4];
+#pragma unroll
+      for (int step = 0; step < kDim / 16; ++step) {
+        gemm::sm90::wgmma_fence();
+        gemm::sm90::wgmma_m64n64k16_f16_rs(small, q_lo[step], k_major_swizzle128_descriptor(k_hi_base + 32 * step),
+                                           step != 0);
+        gemm::sm90::wgmma_m64n64k16_f16_rs(small, q_hi[step], k_major_swizzle128_descriptor(k_lo_base + 32 * step),
+                                           true);
+        gemm::sm90::wgmma_m64n64k16_f16_rs(big, q_hi[step], k_major_swizzle128_descriptor(k_hi_base + 32 * step),
+                                           false);
+        gemm::sm90::wgmma_commit();
+        gemm::sm90::wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) score[j][c] = step == 0 ? big[j][c] : score[j][c] + big[j][c];
+      }
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) score[j][c] += small[j][c];
+    }
     const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
 #pragma unroll
-    for (int j = 0; j < kTile / 8; j += 2) {
+    for (int j = 0; j < (kWgmma ? 0 : kTile / 8); j += 2) {
       float small[2][4];
 #pragma unroll
       for (int step = 0; step < kDim / 16; ++step) {
@@ -489,8 +533,30 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     for (int n = 0; n < kDim / 8; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) out_acc[n][c] *= correction[c / 2];
+    if constexpr (kWgmma) {
+      // Per 16 keys (32 bytes along v's rows), as the scores'.
+      using gemm::sm90::k_major_swizzle128_descriptor;
+      float small[kDim / 8][4], big[kDim / 8][4];
 #pragma unroll
-    for (int half = 0; half < kDim / 64; ++half) {
+      for (int s = 0; s < kTile / 16; ++s) {
+        gemm::sm90::wgmma_fence();
+        gemm::sm90::wgmma_m64n64k16_f16_rs(small, p_lo[s], k_major_swizzle128_descriptor(v_hi_base + 32 * s), s != 0);
+        gemm::sm90::wgmma_m64n64k16_f16_rs(small, p_hi[s], k_major_swizzle128_descriptor(v_lo_base + 32 * s), true);
+        gemm::sm90::wgmma_m64n64k16_f16_rs(big, p_hi[s], k_major_swizzle128_descriptor(v_hi_base + 32 * s), false);
+        gemm::sm90::wgmma_commit();
+        gemm::sm90::wgmma_wait<0>();
+#pragma unroll
+        for (int n = 0; n < kDim / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) out_acc[n][c] += big[n][c];
+      }
+#pragma unroll
+      for (int n = 0; n < kDim / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out_acc[n][c] += small[n][c];
+    }
+#pragma unroll
+    for (int half = 0; half < (kWgmma ? 0 : kDim / 64); ++half) {
       float small[8][4];
 #pragma unroll
       for (int s = 0; s < kTile / 16; ++s)
@@ -553,14 +619,34 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
 #endif
 }
 
+// Whether `device` (the current one) runs the wgmma kernel: compute capability 9.0 and the library's sm_90a code of
+// it (on any other target its products compile to nothing). Asked once per device.
 template <int kDim>
+bool wgmma_kernel_runs(int device) {
+  return once_per_device(device, [](int d) -> std::optional<bool> {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    if (major != 9 || minor != 0) return false;
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, attention_split_kernel<kDim, true>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attributes.binaryVersion == 90;
+  }).value_or(false);
+}
+
+template <int kDim, bool kWgmma>
 cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape, bool causal, float scale,
-                         const AttentionWorkspace& layout, unsigned char* workspace, cudaStream_t stream) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const auto kernel = attention_split_kernel<kDim>;
-  err = raise_shared_memory_limit<attention_split_kernel<kDim>>(device, attention_shared_bytes<kDim>());
+                         const AttentionWorkspace& layout, unsigned char* workspace, cudaStream_t stream,
+                         int device) {
+  const auto kernel = attention_split_kernel<kDim, kWgmma>;
+  cudaError_t err = raise_shared_memory_limit<attention_split_kernel<kDim, kWgmma>>(
+      device, attention_shared_bytes<kDim, kWgmma>());
   if (err != cudaSuccess) return err;
   const std::int64_t q_heads = shape.batch * shape.heads, kv_heads = shape.batch * shape.kv_heads;
   const std::int64_t q_padded = padded(shape.query_rows), k_padded = padded(shape.key_rows);
@@ -587,7 +673,8 @@ cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape
   const SplitOperands ops{k_split, k_split + kv_values, v_split, v_split + kv_values, k_exponent, v_exponent, flags};
   const std::int64_t query_tiles = q_padded / kTile;
   return launch_dependent(kernel, dim3(static_cast<unsigned>(q_heads * query_tiles)), dim3(kThreads),
-                          attention_shared_bytes<kDim>(), stream, ops, plain, shape, query_tiles, causal, scale);
+                          attention_shared_bytes<kDim, kWgmma>(), stream, ops, plain, shape, query_tiles, causal,
+                          scale);
 }
 
 template <int kDim>
@@ -599,7 +686,7 @@ bool supported_on(int device) {
       (void)cudaGetLastError();
       return std::nullopt;
     }
-    return major >= 8 && shared >= attention_shared_bytes<kDim>();
+    return major >= 8 && shared >= attention_shared_bytes<kDim, false>();
   }).value_or(false);
 }
 
@@ -612,7 +699,7 @@ bool attention_supported(int device, std::int64_t head_dim) {
 cudaError_t launch_attention(const float* q, OperandStrides q_strides, const float* k, OperandStrides k_strides,
                              const float* v, OperandStrides v_strides, float* out, OperandStrides out_strides,
                              float* logsumexp, const AttentionShape& shape, bool causal, float scale,
-                             bool plain_only, void* workspace, cudaStream_t stream) {
+                             bool mma_sync_only, bool plain_only, void* workspace, cudaStream_t stream) {
   if (!supported_head_dim(shape.head_dim) || shape.kv_heads <= 0 || shape.heads % shape.kv_heads != 0)
     return cudaErrorInvalidValue;
   const PlainOperands plain{q, k, v, q_strides, k_strides, v_strides, out, out_strides, logsumexp};
@@ -624,7 +711,12 @@ cudaError_t launch_attention(const float* q, OperandStrides q_strides, const flo
   }
   const AttentionWorkspace layout = attention_workspace(shape);
   auto* base = static_cast<unsigned char*>(workspace);
-  return launch_split<64>(plain, shape, causal, scale, layout, base, stream);
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (!mma_sync_only && wgmma_kernel_runs<64>(device))
+    return launch_split<64, true>(plain, shape, causal, scale, layout, base, stream, device);
+  return launch_split<64, false>(plain, shape, causal, scale, layout, base, stream, device);
 }
 
 }  // namespace kernels::attention

@@ -80,10 +80,12 @@ bool attention_supported(int device, std::int64_t head_dim);
 // out (batch, query rows, heads, head dim; out_strides over batch, head, row) = attention; logsumexp (batch, heads,
 // logsumexp_stride(query rows)), if not null, the log of each row's sum of exp(scores * scale), in natural-log units.
 // workspace: attention_workspace(shape).bytes bytes, 256-byte aligned. Requires sm_80 or later and
-// supported_head_dim. plain_only: every head on the plain kernel (the generic path, which tests force).
+// supported_head_dim. The split kernel's products run on wgmma where the GPU is sm_90 and the library holds its sm_90a
+// code, else on mma.sync; mma_sync_only: on mma.sync everywhere (the sm_80 kernel, which tests force on Hopper).
+// plain_only: every head on the plain kernel (the generic path, which tests force).
 cudaError_t launch_attention(const float* q, OperandStrides q_strides, const float* k, OperandStrides k_strides,
                              const float* v, OperandStrides v_strides, float* out, OperandStrides out_strides,
                              float* logsumexp, const AttentionShape& shape, bool causal, float scale,
-                             bool plain_only, void* workspace, cudaStream_t stream);
+                             bool mma_sync_only, bool plain_only, void* workspace, cudaStream_t stream);
 
 }  // namespace kernels::attention

@@ -7,6 +7,8 @@ Op (schema in attention.cpp):
       (batch, heads, rows rounded up to 32, the padding's values unspecified), as PyTorch's memory-efficient
       attention keeps it.
   _attention_force_plain(plain) -> previous: every head on the plain fp32 kernel (tests).
+  _attention_force_mma_sync(mma_sync) -> previous: the split kernel's products on mma.sync (the sm_80 kernel) on
+      Hopper too, where wgmma's run by default (tests).
 
 The gradient: eager's (float32 CUDA with as many kv heads as heads: PyTorch's memory-efficient attention, its forward
 recomputed for the output and logsumexp its backward reads), else, and wherever a graph of the backward is asked for,

@@ -1,8 +1,8 @@
-// Hopper (sm_90a) building blocks of the GEMM family's kernels, as thin wrappers over their PTX: mbarriers, TMA
-// tile loads into shared memory and stores from it, named barriers, wgmma descriptors, the m64n128k16 fp16 -> fp32
-// wgmma with A from registers, shared-memory loads and stores at shared-window addresses, and the warpgroup
-// register reallocation. Device code only; every body is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a
-// unit that includes this builds for any target.
+// Hopper (sm_90a) building blocks of the GEMM family's kernels (and the attention family's Hopper kernel), as thin
+// wrappers over their PTX: mbarriers, TMA tile loads into shared memory and stores from it, named barriers, wgmma
+// descriptors, the m64n128k16 and m64n64k16 fp16 -> fp32 wgmma with A from registers, shared-memory loads and stores at
+// shared-window addresses, and the warpgroup register reallocation. Device code only; every body is compiled only for
+// sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), so a unit that includes this builds for any target.
 #pragma once
 
 #include <cstdint>
@@ -254,6 +254,30 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_ss(float (&d)[64], std::uin
       "}\n"
       : KERNELS_WGMMA_ACCUMULATORS(d)
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+#endif
+}
+
+// d (64 x 64 per warpgroup: d[j][c] at row 16 w + g + 8 (c / 2), column 8 j + 2 t + c % 2) = a (64 x 16, from
+// registers, wgmma_m64n128k16_f16_rs's layout) * b^T (b: 64 x 16, K-major in shared memory) + d, or without the
+// "+ d" where accumulate is false; the m16n8 accumulator layout of mma.sync, n-fragment by n-fragment.
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[8][4], const std::uint32_t (&a)[4], std::uint64_t b,
+                                                       bool accumulate) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
 #endif
 }
 
