@@ -242,6 +242,37 @@ struct SplitOperands {
   const std::int32_t *k_exponent, *v_exponent, *flags;  // flags: per kv head
 };
 
+// acc (64 rows x 64 columns a warpgroup, mma.sync's accumulator layout) = or += a b^T on wgmma (sm_90a), the split
+// product of the warpgroup's A fragments (a_hi, a_lo per 16 of the reduction, mma.sync's A layout) with a K-major tile
+// pair of 64 rows in the 128-byte swizzle (b_hi, b_lo: shared-window addresses, 32 bytes further per 16 of the
+// reduction), as the mma.sync path computes it: per 16, the small products (lo hi, hi lo) into one accumulator, the
+// large one (hi hi) into a fresh one added to acc in fp32 (first: set by the first); the small sum added last.
+// Every thread of the warpgroup must call it.
+template <int kSteps>
+__device__ __forceinline__ void wgmma_split_product(float (&acc)[8][4], const std::uint32_t (&a_hi)[kSteps][4],
+                                                    const std::uint32_t (&a_lo)[kSteps][4], std::uint32_t b_hi,
+                                                    std::uint32_t b_lo, bool first) {
+  using namespace gemm::sm90;
+  float small[8][4], big[8][4];
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    wgmma_fence();  // a's registers and the accumulators were written by other instructions
+    wgmma_m64n64k16_f16_rs(small, a_lo[step], k_major_swizzle128_descriptor(b_hi + 32 * step), step != 0);
+    wgmma_m64n64k16_f16_rs(small, a_hi[step], k_major_swizzle128_descriptor(b_lo + 32 * step), true);
+    wgmma_m64n64k16_f16_rs(big, a_hi[step], k_major_swizzle128_descriptor(b_hi + 32 * step), false);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[j][c] = first && step == 0 ? big[j][c] : acc[j][c] + big[j][c];
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] += small[j][c];
+}
+
 // A stage: k hi, lo (keys x head dim), v hi, lo (head dim x keys), the keys' exponents. mma.sync's (kWgmma false):
 // rows padded by kRowPad for ldmatrix. wgmma's: rows of 64 fp16 (128 bytes) unpadded in the 128-byte swizzle (16-byte
 // unit u of row r at u ^ (r % 8)), each tile 1024-byte aligned, as its shared-memory descriptors read them.
@@ -415,32 +446,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     float score[kTile / 8][4];
     const std::uint32_t k_hi_base = shared_base + stage * S::kBytes;
     const std::uint32_t k_lo_base = k_hi_base + 2 * S::kKeyValues;
-    if constexpr (kWgmma) {
-      // Per 16 of the head dim (32 bytes along k's rows): the small products into one accumulator, the large one
-      // into a fresh one, added to the scores in fp32.
-      using gemm::sm90::k_major_swizzle128_descriptor;
-      float small[kTile / 8][4], big[kTile / 8][4];
-#pragma unroll
-      for (int step = 0; step < kDim / 16; ++step) {
-        gemm::sm90::wgmma_fence();
-        gemm::sm90::wgmma_m64n64k16_f16_rs(small, q_lo[step], k_major_swizzle128_descriptor(k_hi_base + 32 * step),
-                                           step != 0);
-        gemm::sm90::wgmma_m64n64k16_f16_rs(small, q_hi[step], k_major_swizzle128_descriptor(k_lo_base + 32 * step),
-                                           true);
-        gemm::sm90::wgmma_m64n64k16_f16_rs(big, q_hi[step], k_major_swizzle128_descriptor(k_hi_base + 32 * step),
-                                           false);
-        gemm::sm90::wgmma_commit();
-        gemm::sm90::wgmma_wait<0>();
-#pragma unroll
-        for (int j = 0; j < kTile / 8; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) score[j][c] = step == 0 ? big[j][c] : score[j][c] + big[j][c];
-      }
-#pragma unroll
-      for (int j = 0; j < kTile / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) score[j][c] += small[j][c];
-    }
+    if constexpr (kWgmma) wgmma_split_product(score, q_hi, q_lo, k_hi_base, k_lo_base, /*first=*/true);
     const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
 #pragma unroll
     for (int j = 0; j < (kWgmma ? 0 : kTile / 8); j += 2) {
@@ -533,28 +539,7 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     for (int n = 0; n < kDim / 8; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) out_acc[n][c] *= correction[c / 2];
-    if constexpr (kWgmma) {
-      // Per 16 keys (32 bytes along v's rows), as the scores'.
-      using gemm::sm90::k_major_swizzle128_descriptor;
-      float small[kDim / 8][4], big[kDim / 8][4];
-#pragma unroll
-      for (int s = 0; s < kTile / 16; ++s) {
-        gemm::sm90::wgmma_fence();
-        gemm::sm90::wgmma_m64n64k16_f16_rs(small, p_lo[s], k_major_swizzle128_descriptor(v_hi_base + 32 * s), s != 0);
-        gemm::sm90::wgmma_m64n64k16_f16_rs(small, p_hi[s], k_major_swizzle128_descriptor(v_lo_base + 32 * s), true);
-        gemm::sm90::wgmma_m64n64k16_f16_rs(big, p_hi[s], k_major_swizzle128_descriptor(v_hi_base + 32 * s), false);
-        gemm::sm90::wgmma_commit();
-        gemm::sm90::wgmma_wait<0>();
-#pragma unroll
-        for (int n = 0; n < kDim / 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) out_acc[n][c] += big[n][c];
-      }
-#pragma unroll
-      for (int n = 0; n < kDim / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) out_acc[n][c] += small[n][c];
-    }
+    if constexpr (kWgmma) wgmma_split_product(out_acc, p_hi, p_lo, v_hi_base, v_lo_base, /*first=*/false);
 #pragma unroll
     for (int half = 0; half < (kWgmma ? 0 : kDim / 64); ++half) {
       float small[8][4];
