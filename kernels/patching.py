@@ -594,9 +594,9 @@ def patch(model, layers=None):
     in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
     residual adds (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them) and BertOutput's one op each
-    with the norm after them (_AddNormOutputPatch). Idempotent; subclasses with a forward of their own are left as they are. layers: the qualified names
-    (model.named_modules()) of the only layers to turn, for example split_layer_names()'s; a name no such layer has
-    raises ValueError."""
+    with the norm after them (_AddNormOutputPatch). Idempotent; subclasses with a forward of their own are left as
+    they are. layers: the qualified names (model.named_modules()) of the only layers to turn, for example
+    split_layer_names()'s; a name no such layer has raises ValueError."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(layers, str):

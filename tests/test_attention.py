@@ -172,6 +172,28 @@ def test_mma_sync_kernel_forced(name, causal, kind):
     torch.testing.assert_close(lse[..., :rows], lse_default[..., :rows], atol=1e-6, rtol=1e-6)
 
 
+def split_kernel_names(call):
+    """The names of the split kernels call() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    return {e.name for e in profile.events() if "attention_split_kernel" in e.name}
+
+
+@requires_cuda
+def test_hopper_runs_the_wgmma_kernel():
+    """On sm_90 the split kernel's products run on wgmma (attention_split_kernel<64, true>), and on mma.sync where
+    forced: a build without the kernel's sm_90a code would fall back unseen by the tests of results."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 only")
+    q, k, v = operands(SHAPES["BERT-like"], "cuda")
+    default = split_kernel_names(lambda: attention(q, k, v))
+    with ForcedMmaSync():
+        forced = split_kernel_names(lambda: attention(q, k, v))
+    assert default and all("<64, true>" in name for name in default), default
+    assert forced and all("<64, false>" in name for name in forced), forced
+
+
 @requires_cuda
 def test_large_scores():
     """Scores near 1e8 (q and k within the split's range): the softmax is one-hot, each row's largest probability

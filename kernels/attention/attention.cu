@@ -306,6 +306,9 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
                        bool causal, float scale) {
 #if KERNELS_SM80_DEVICE
   static_assert(!kWgmma || kDim == 64, "wgmma's tiles: 64 keys x a head dim of 64");
+#if !KERNELS_SM90A_DEVICE
+  if constexpr (kWgmma) __trap();  // its products compile to nothing off sm_90a: a launch there fails loudly
+#endif
   using S = Stage<kDim, kWgmma>;
   wait_for_previous_grid();
   allow_next_grid();
