@@ -449,34 +449,37 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     float score[kTile / 8][4];
     const std::uint32_t k_hi_base = shared_base + stage * S::kBytes;
     const std::uint32_t k_lo_base = k_hi_base + 2 * S::kKeyValues;
-    if constexpr (kWgmma) wgmma_split_product(score, q_hi, q_lo, k_hi_base, k_lo_base, /*first=*/true);
-    const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
+    if constexpr (kWgmma) {
+      wgmma_split_product(score, q_hi, q_lo, k_hi_base, k_lo_base, /*first=*/true);
+    } else {
+      const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
 #pragma unroll
-    for (int j = 0; j < (kWgmma ? 0 : kTile / 8); j += 2) {
-      float small[2][4];
+      for (int j = 0; j < kTile / 8; j += 2) {
+        float small[2][4];
 #pragma unroll
-      for (int step = 0; step < kDim / 16; ++step) {
-        std::uint32_t bh[4], bl[4];
-        const std::uint32_t at = key_lane + 2 * (8 * j * S::kKeyRow + 16 * step);
-        load_matrix_x4(k_hi_base + at, bh);
-        load_matrix_x4(k_lo_base + at, bl);
+        for (int step = 0; step < kDim / 16; ++step) {
+          std::uint32_t bh[4], bl[4];
+          const std::uint32_t at = key_lane + 2 * (8 * j * S::kKeyRow + 16 * step);
+          load_matrix_x4(k_hi_base + at, bh);
+          load_matrix_x4(k_lo_base + at, bl);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if (step == 0)
-            mma_m16n8k16<true>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
-          else
-            mma_m16n8k16<false>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
-          mma_m16n8k16<false>(small[i], q_hi[step], bl[2 * i], bl[2 * i + 1]);
-          float big[4];
-          mma_m16n8k16<true>(big, q_hi[step], bh[2 * i], bh[2 * i + 1]);
+          for (int i = 0; i < 2; ++i) {
+            if (step == 0)
+              mma_m16n8k16<true>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
+            else
+              mma_m16n8k16<false>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
+            mma_m16n8k16<false>(small[i], q_hi[step], bl[2 * i], bl[2 * i + 1]);
+            float big[4];
+            mma_m16n8k16<true>(big, q_hi[step], bh[2 * i], bh[2 * i + 1]);
 #pragma unroll
-          for (int c = 0; c < 4; ++c) score[j + i][c] = step == 0 ? big[c] : score[j + i][c] + big[c];
+            for (int c = 0; c < 4; ++c) score[j + i][c] = step == 0 ? big[c] : score[j + i][c] + big[c];
+          }
         }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) score[j + i][c] += small[i][c];
       }
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) score[j + i][c] += small[i][c];
     }
     // Unscale (one rounding: the scale's). The thread's keys 8 j + 2t, + 1 have adjacent exponents.
 #pragma unroll
@@ -537,40 +540,43 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     // as for k: lane l addresses column 8 (n + l / 16) + l % 8 of v's tile at key 8 ((l / 8) % 2).
     const std::uint32_t v_hi_base = k_lo_base + 2 * S::kKeyValues;
     const std::uint32_t v_lo_base = v_hi_base + 2 * S::kValueValues;
-    const std::uint32_t value_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kValueRow + 8 * ((lane / 8) % 2));
 #pragma unroll
     for (int n = 0; n < kDim / 8; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) out_acc[n][c] *= correction[c / 2];
-    if constexpr (kWgmma) wgmma_split_product(out_acc, p_hi, p_lo, v_hi_base, v_lo_base, /*first=*/false);
+    if constexpr (kWgmma) {
+      wgmma_split_product(out_acc, p_hi, p_lo, v_hi_base, v_lo_base, /*first=*/false);
+    } else {
+      const std::uint32_t value_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kValueRow + 8 * ((lane / 8) % 2));
 #pragma unroll
-    for (int half = 0; half < (kWgmma ? 0 : kDim / 64); ++half) {
-      float small[8][4];
+      for (int half = 0; half < kDim / 64; ++half) {
+        float small[8][4];
 #pragma unroll
-      for (int s = 0; s < kTile / 16; ++s)
+        for (int s = 0; s < kTile / 16; ++s)
 #pragma unroll
-        for (int n = 0; n < 8; n += 2) {
-          std::uint32_t bh[4], bl[4];
-          const std::uint32_t at = value_lane + 2 * ((64 * half + 8 * n) * S::kValueRow + 16 * s);
-          load_matrix_x4(v_hi_base + at, bh);
-          load_matrix_x4(v_lo_base + at, bl);
+          for (int n = 0; n < 8; n += 2) {
+            std::uint32_t bh[4], bl[4];
+            const std::uint32_t at = value_lane + 2 * ((64 * half + 8 * n) * S::kValueRow + 16 * s);
+            load_matrix_x4(v_hi_base + at, bh);
+            load_matrix_x4(v_lo_base + at, bl);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (s == 0)
-              mma_m16n8k16<true>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
-            else
-              mma_m16n8k16<false>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
-            mma_m16n8k16<false>(small[n + i], p_hi[s], bl[2 * i], bl[2 * i + 1]);
-            float big[4];
-            mma_m16n8k16<true>(big, p_hi[s], bh[2 * i], bh[2 * i + 1]);
+            for (int i = 0; i < 2; ++i) {
+              if (s == 0)
+                mma_m16n8k16<true>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+              else
+                mma_m16n8k16<false>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+              mma_m16n8k16<false>(small[n + i], p_hi[s], bl[2 * i], bl[2 * i + 1]);
+              float big[4];
+              mma_m16n8k16<true>(big, p_hi[s], bh[2 * i], bh[2 * i + 1]);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) out_acc[8 * half + n + i][c] += big[c];
+              for (int c = 0; c < 4; ++c) out_acc[8 * half + n + i][c] += big[c];
+            }
           }
-        }
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) out_acc[8 * half + n][c] += small[n][c];
+          for (int c = 0; c < 4; ++c) out_acc[8 * half + n][c] += small[n][c];
+      }
     }
     __syncthreads();  // the stage is read: the next step's loads may overwrite it
     if (kStages<kDim> == 1 && key_tile + 1 < key_tiles) {
