@@ -138,6 +138,14 @@ def poison_allocator(shape, dtype, device):
     torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def cuda_kernels_launched(call):
+    """call()'s result and the names of the CUDA kernels it launches (torch.profiler; synchronized after the call)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        result = call()
+        torch.cuda.synchronize()
+    return result, [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def assert_graph_replay_matches_eager(step, refill):
     """Captures step() (tensors out) in a CUDA graph after warm-up on a side stream, refills its inputs in place with
     refill(), replays, and asserts that the replay's tensors are bit for bit a new eager step()'s."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import patching
-from conftest import poison_allocator, requires_cuda
+from conftest import cuda_kernels_launched, poison_allocator, requires_cuda
 from kernels.attention.attention import _reference
 from kernels.functional import attention
 from kernels.precision import ERROR_RATIO_LIMIT, allclose, relative_error
@@ -172,14 +172,6 @@ def test_mma_sync_kernel_forced(name, causal, kind):
     torch.testing.assert_close(lse[..., :rows], lse_default[..., :rows], atol=1e-6, rtol=1e-6)
 
 
-def split_kernel_names(call):
-    """The names of the split kernels call() launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        call()
-        torch.cuda.synchronize()
-    return {e.name for e in profile.events() if "attention_split_kernel" in e.name}
-
-
 @requires_cuda
 def test_hopper_runs_the_wgmma_kernel():
     """On sm_90 the split kernel's products run on wgmma (attention_split_kernel<64, true>), and on mma.sync where
@@ -187,9 +179,14 @@ def test_hopper_runs_the_wgmma_kernel():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel runs on sm_90 only")
     q, k, v = operands(SHAPES["BERT-like"], "cuda")
-    default = split_kernel_names(lambda: attention(q, k, v))
+
+    def split_kernels():
+        _, names = cuda_kernels_launched(lambda: attention(q, k, v))
+        return [name for name in names if "attention_split_kernel" in name]
+
+    default = split_kernels()
     with ForcedMmaSync():
-        forced = split_kernel_names(lambda: attention(q, k, v))
+        forced = split_kernels()
     assert default and all("<64, true>" in name for name in default), default
     assert forced and all("<64, false>" in name for name in forced), forced
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from conftest import HAS_CUDA, poison_allocator, requires_cuda
+from conftest import HAS_CUDA, cuda_kernels_launched, poison_allocator, requires_cuda
 from gemm_helpers import SPLIT_KERNELS
 from kernels.functional import gemm_gelu, gemm_multiply_leaky_relu, gelu_tanh
 from kernels.gemm.gemm import STREAM_K, FusedLinear, forced_gemm_path, forced_k_slices
@@ -270,11 +270,8 @@ def test_a_training_call_runs_no_gelu_pass_of_its_own(approximate):
     # gradient: no GELU kernel runs apart, forward or backward (the two-step fallback would pass every other test).
     x, w, b = (t.requires_grad_() for t in operands(300, 136, 200))
     grad = torch.randn(300, 200, device="cuda")
-    with forced_gemm_path("split_fp16"), torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        gemm_gelu(x, w, b, approximate).backward(grad)
-        torch.cuda.synchronize()
-    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    with forced_gemm_path("split_fp16"):
+        _, kernels = cuda_kernels_launched(lambda: gemm_gelu(x, w, b, approximate).backward(grad))
     assert any("GeluBackwardRows" in name for name in kernels), kernels
     assert not any("gelu" in name.lower() and "GeluBackwardRows" not in name for name in kernels), kernels
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import NVCC, poison_allocator, requires_cuda, requires_nvcc
+from conftest import NVCC, cuda_kernels_launched, poison_allocator, requires_cuda, requires_nvcc
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, relative_error
 from kernels.functional import gemm_multiply_leaky_relu
 from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path
@@ -339,11 +339,8 @@ def test_split_fp16_computes_tall_narrow_products_transposed(m, k, n, transposed
     and writes y through the transposed epilogue's kernel; elsewhere it does not. The results are checked by the
     shape tests above; this checks which way each shape goes."""
     x, weight, bias = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(n, device="cuda")
-    with forced_gemm_path("split_fp16"), torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1)
-        torch.cuda.synchronize()
-    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    with forced_gemm_path("split_fp16"):
+        _, kernels = cuda_kernels_launched(lambda: gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1))
     assert any("split_gemm_kernel" in name for name in kernels), kernels
     assert any("transposed_epilogue_kernel" in name for name in kernels) == transposed, kernels
 
@@ -600,10 +597,7 @@ def test_column_split_staged_is_the_read_twice_one(rows, cols, row_stride):
     src[:, 130] *= 1e30
     src[rows // 2, 5] = float("inf")
     src[rows - 1, 700] = float("nan")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        split = torch.ops.kernels._gemm_split_sweep(src, "columns")
-        torch.cuda.synchronize()
-    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    split, kernels = cuda_kernels_launched(lambda: torch.ops.kernels._gemm_split_sweep(src, "columns"))
     assert any("split_columns_staged_kernel" in name for name in kernels), kernels
     twice = torch.ops.kernels._gemm_split_sweep(src, "columns_read_twice")
     for got, want in zip(split, twice):  # as bytes: the NaN column's sum is NaN in both
