@@ -35,7 +35,7 @@ PROBLEM_FAMILIES = {"leaky_relu": ("leaky_relu",), "gemm_multiply_leaky_relu": (
 # copied from their own source.
 _COPIED_FUNCTIONS = (env_flag, loader.with_cuda_build, loader.cuda_arch_flags, loader.build_flags,
                      checks.check_float_tensor, checks.check_same, checks.check_like_x,
-                     checks.eps_value)
+                     checks.eps_value, loader.drain_autograd_at_exit)
 
 _BUILD = '''
 def _build_library():
@@ -74,6 +74,7 @@ def _build_library():
 
 
 _build_library()
+drain_autograd_at_exit()
 
 
 def register_once(family_name, register):
@@ -162,7 +163,7 @@ def _library_parts(families):
     the loader's build, and the families' Python modules."""
     cpp, cuda = loader.family_sources(families)
     return [
-        "import hashlib\nimport numbers\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
+        "import atexit\nimport hashlib\nimport numbers\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
         "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
         "CPP_SOURCE = " + _string_literal(cpp) + "\n",
         "CUDA_SOURCE = " + _string_literal(cuda) + "\n",

@@ -8,6 +8,7 @@ Env (each names a build of its own): KERNELS_VERBOSE_BUILD=1 (compiler output), 
 KERNELS_PTXAS_REPORT=1 (ptxas -v, verbose). KERNELS_BUILD_LOCK_TIMEOUT: seconds to wait for another build (600).
 """
 
+import atexit
 import concurrent.futures
 import contextlib
 import hashlib
@@ -17,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -302,6 +304,31 @@ def register_once(family_name, register):
         _registered.add(family_name)
 
 
+def drain_autograd_at_exit():
+    """Registers, once per process, an exit handler that runs a one-element backward on each CUDA device that has a
+    context. Autograd's device thread may still be releasing a finished backward's tensors when the main thread
+    exits; if one holds a Python object and Python is already finalizing, the process aborts ("terminate called
+    without an active exception"). The thread takes tasks in order, so once the handler's backward has run, that
+    release is done. The handler's own tensors are kept in `record.kept`, so the thread frees none of them."""
+    record = sys.modules.setdefault("kernels_autograd_exit", types.ModuleType("kernels_autograd_exit"))
+    if hasattr(record, "kept"):
+        return
+    record.kept = []
+
+    def drain():
+        if not torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
+            return
+        for index in range(torch.cuda.device_count()):
+            if torch._C._cuda_hasPrimaryContext(index):
+                leaf = torch.zeros((), device=f"cuda:{index}", requires_grad=True)
+                with torch.enable_grad():
+                    product = leaf * 1
+                product.backward()
+                record.kept.append((leaf, product))
+
+    atexit.register(drain)
+
+
 def load_library():
     """Builds (where needed) and loads every family's library, then imports each family's Python module,
     which registers its fake implementations and batching rules. Once per process; later calls return at once."""
@@ -309,6 +336,7 @@ def load_library():
     if _loaded:
         return
     build_and_load(library_builds())
+    drain_autograd_at_exit()
     _loaded = True  # before the imports below: each family module calls load_library() itself
     for family in FAMILIES:
         importlib.import_module(family.python_module)

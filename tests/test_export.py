@@ -448,6 +448,7 @@ def test_problem_file_candidate(name, tmp_path):
     errors, _ = static_check(source)
     assert not errors, errors
     assert "static rules: passed, 0 errors" in source
+    assert "_build_library()\ndrain_autograd_at_exit()\n" in source  # the exit handler (kernels/loader.py)
     path = tmp_path / "candidate.py"
     path.write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from conftest import HAS_CUDA, requires_cuda
+from conftest import DEVICES, HAS_CUDA, requires_cuda
 from kernels import loader
 from kernels.manifest import FAMILIES, Family
 
@@ -144,6 +144,31 @@ def test_pure_python_helpers_import_without_building():
             "assert not any(m.startswith(('kernels.leaky_relu', 'kernels.gemm', 'kernels.functional')) "
             "for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+# Registers its own exit handler first: atexit runs handlers last-registered first, so this one reports what the
+# library's handler did.
+EXIT_REPORT = """
+import atexit, sys, torch
+atexit.register(lambda: print("kept", len(sys.modules["kernels_autograd_exit"].kept),
+                              "cuda initialized", torch.cuda.is_initialized()))
+from kernels.loader import drain_autograd_at_exit
+drain_autograd_at_exit()
+drain_autograd_at_exit()
+x = torch.randn(8, device=sys.argv[1], requires_grad=True)
+(x * 2).sum().backward()
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exit_handler_runs_one_backward_per_device_used(device):
+    """The exit handler (registered once however often it is asked) runs a backward on each CUDA device with a
+    context, so that autograd's device thread is done with the last one before Python finalizes; a process that
+    never used CUDA is left without initializing it."""
+    result = subprocess.run([sys.executable, "-c", EXIT_REPORT, device], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cuda = device == "cuda"
+    assert result.stdout.split() == ["kept", str(int(cuda)), "cuda", "initialized", str(cuda)], result.stdout
 
 
 def test_headers_are_inlined_once_with_line_directives(library_copy):

@@ -758,6 +758,71 @@ def export_trial(args):
     return failed
 
 
+EXIT_RACE_PROBLEM = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def get_inputs():
+    return [torch.randn(2048, 1024)]
+
+
+def get_init_inputs():
+    return [1024]
+"""
+# Builds the candidate's ModelNew, runs one backward on the GPU and exits at once, as a harness's trial process does.
+EXIT_RACE_RUNNER = """
+import sys, torch
+namespace = {"__name__": "candidate"}
+exec(compile(open(sys.argv[1]).read(), "<candidate>", "exec"), namespace)
+model = namespace["ModelNew"](*namespace["get_init_inputs"]()).cuda()
+inputs = [t.cuda().requires_grad_(True) for t in namespace["get_inputs"]()]
+torch.autograd.grad(model(*inputs).square().sum(), [*model.parameters(), *inputs])
+"""
+
+
+def exit_race(args):
+    """Processes that exit right after a backward, many at once: a candidate of a small MLP problem as exported, and
+    the same candidate without its exit handler (kernels.loader.drain_autograd_at_exit). Without it, autograd's device
+    thread can still be releasing tensors when Python finalizes, which aborts the process. Counts the aborts of each;
+    fails where the exported candidate aborts."""
+    from kernels.export import problem_file_candidate
+
+    folder = tempfile.mkdtemp(prefix="exit_race_")
+    problem = os.path.join(folder, "mlp.py")
+    with open(problem, "w", encoding="utf-8") as f:
+        f.write(EXIT_RACE_PROBLEM)
+    exported = problem_file_candidate(problem)
+    without = exported.replace("_build_library()\ndrain_autograd_at_exit()\n", "_build_library()\n")
+    assert without != exported, "the candidate no longer calls drain_autograd_at_exit() after _build_library()"
+    failed = []
+    for label, source in (("without the exit handler", without), ("as exported", exported)):
+        path = os.path.join(folder, label.replace(" ", "_") + ".py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(source)
+        run([PYTHON, "-c", EXIT_RACE_RUNNER, path], show=False)  # builds the library once, outside the count
+        codes = collections.Counter()
+        for start in range(0, args.processes, args.at_once):
+            group = [subprocess.Popen([PYTHON, "-c", EXIT_RACE_RUNNER, path], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+                     for _ in range(min(args.at_once, args.processes - start))]
+            codes.update(p.wait() for p in group)
+        print(f"{label}: {args.processes} processes, {args.at_once} at once: exit codes "
+              f"{', '.join(f'{code}: {count}' for code, count in sorted(codes.items()))}", flush=True)
+        if label == "as exported" and set(codes) != {0}:
+            failed.append("exit-race")
+    return failed
+
+
 def run_all(args):
     """build, tests, sanitize and bench in that order on one build; nothing after a failed build or smoke test."""
     failed = build(args)
@@ -827,6 +892,10 @@ def parse_arguments(argv):
     add("kernelbench-timing", kernelbench_timing, "the level-3 MLPs' KB ms against their median: host latency, clocks")
     sub = add("export-trial", export_trial, "the export's exact-output trial against the harness's check, per problem")
     sub.add_argument("problems", nargs="+", metavar="PATH", help="KernelBench problem files, or folders of them")
+    sub = add("exit-race", exit_race, "processes exiting right after a backward: aborts with and without the exit "
+              "handler")
+    sub.add_argument("--processes", type=int, default=96, help="processes per variant (96)")
+    sub.add_argument("--at-once", type=int, default=32, help="processes running together (32)")
     sub = add("all", run_all, "build, tests, sanitize and bench in order, on one build")
     for name in ("tests", "sanitize", "bench"):
         flag(sub, f"--skip-{name}", f"no {name}", f"SKIP_{name.upper()}")

@@ -246,27 +246,35 @@ struct SplitOperands {
 // product of the warpgroup's A fragments (a_hi, a_lo per 16 of the reduction, mma.sync's A layout) with a K-major tile
 // pair of 64 rows in the 128-byte swizzle (b_hi, b_lo: shared-window addresses, 32 bytes further per 16 of the
 // reduction), as the mma.sync path computes it: per 16, the small products (lo hi, hi lo) into one accumulator, the
-// large one (hi hi) into a fresh one added to acc in fp32 (first: set by the first); the small sum added last.
+// large one (hi hi) into a fresh one added to acc in fp32 (first: set by the first); the small sum added last. The
+// fresh accumulators are two, used in turn, so that a step's large product is added while the next step's run.
 // Every thread of the warpgroup must call it.
 template <int kSteps>
 __device__ __forceinline__ void wgmma_split_product(float (&acc)[8][4], const std::uint32_t (&a_hi)[kSteps][4],
                                                     const std::uint32_t (&a_lo)[kSteps][4], std::uint32_t b_hi,
                                                     std::uint32_t b_lo, bool first) {
   using namespace gemm::sm90;
-  float small[8][4], big[8][4];
+  float small[8][4], big[2][8][4];
+  const auto add_big = [&](int step) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        acc[j][c] = first && step == 0 ? big[step % 2][j][c] : acc[j][c] + big[step % 2][j][c];
+  };
 #pragma unroll
   for (int step = 0; step < kSteps; ++step) {
     wgmma_fence();  // a's registers and the accumulators were written by other instructions
     wgmma_m64n64k16_f16_rs(small, a_lo[step], k_major_swizzle128_descriptor(b_hi + 32 * step), step != 0);
     wgmma_m64n64k16_f16_rs(small, a_hi[step], k_major_swizzle128_descriptor(b_lo + 32 * step), true);
-    wgmma_m64n64k16_f16_rs(big, a_hi[step], k_major_swizzle128_descriptor(b_hi + 32 * step), false);
+    wgmma_m64n64k16_f16_rs(big[step % 2], a_hi[step], k_major_swizzle128_descriptor(b_hi + 32 * step), false);
     wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][c] = first && step == 0 ? big[j][c] : acc[j][c] + big[j][c];
+    if (step == 0) continue;
+    wgmma_wait<1>();  // the step before's products, while this step's run
+    add_big(step - 1);
   }
+  wgmma_wait<0>();
+  add_big(kSteps - 1);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
