@@ -306,17 +306,19 @@ def register_once(family_name, register):
 
 def drain_autograd_at_exit():
     """Registers, once per process, an exit handler that runs a one-element backward on each CUDA device that has a
-    context. Autograd's device thread may still be releasing a finished backward's tensors when the main thread
+    context. Autograd's thread for a device may still be releasing a finished backward's tensors when the main thread
     exits; if one holds a Python object and Python is already finalizing, the process aborts ("terminate called
-    without an active exception"). The thread takes tasks in order, so once the handler's backward has run, that
-    release is done. The handler's own tensors are kept in `record.kept`, so the thread frees none of them."""
+    without an active exception"). That thread drops a task and its graph before it takes the next, so once the
+    handler's backward has run, the release is done; the handler's own graph leaves it nothing that holds a Python
+    object (its tensors are kept in `record.kept` besides). At exit where CUDA is unusable (a sticky error) the
+    handler's error is printed after the real one; the exit code is unchanged."""
     record = sys.modules.setdefault("kernels_autograd_exit", types.ModuleType("kernels_autograd_exit"))
     if hasattr(record, "kept"):
         return
     record.kept = []
 
     def drain():
-        if not torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
+        if not torch.cuda.is_initialized():  # also false in a forked child
             return
         for index in range(torch.cuda.device_count()):
             if torch._C._cuda_hasPrimaryContext(index):
