@@ -163,8 +163,9 @@ def _library_parts(families):
     the loader's build, and the families' Python modules."""
     cpp, cuda = loader.family_sources(families)
     return [
-        "import atexit\nimport hashlib\nimport numbers\nimport os\nimport sys\nimport types\n\nimport torch\nimport torch.nn as nn\n"
-        "from torch.utils import cpp_extension\nfrom torch.utils.cpp_extension import load_inline\n",
+        "import atexit\nimport hashlib\nimport numbers\nimport os\nimport sys\nimport types\n\n"
+        "import torch\nimport torch.nn as nn\nfrom torch.utils import cpp_extension\n"
+        "from torch.utils.cpp_extension import load_inline\n",
         "CPP_SOURCE = " + _string_literal(cpp) + "\n",
         "CUDA_SOURCE = " + _string_literal(cuda) + "\n",
         "\n\n".join(inspect.getsource(f) for f in _COPIED_FUNCTIONS),
