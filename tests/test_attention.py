@@ -48,22 +48,15 @@ def exact(q, k, v, causal):
     return _reference(q.double(), k.double(), v.double(), causal, 1.0 / math.sqrt(q.shape[-1]))
 
 
-class ForcedPlain:
-    def __enter__(self):
-        self.previous = torch.ops.kernels._attention_force_plain(True)
-
-    def __exit__(self, *exc):
-        torch.ops.kernels._attention_force_plain(self.previous)
-
-
-class ForcedMmaSync:
-    """The split kernel's products on mma.sync (the sm_80 kernel), where Hopper runs wgmma's by default."""
-
-    def __enter__(self):
-        self.previous = torch.ops.kernels._attention_force_mma_sync(True)
-
-    def __exit__(self, *exc):
-        torch.ops.kernels._attention_force_mma_sync(self.previous)
+@contextlib.contextmanager
+def forced(switch):
+    """The kernel choice a _attention_force_* op sets (plain: every head on the plain kernel; mma_sync: the split
+    kernel's products on mma.sync, the sm_80 kernel, where Hopper runs wgmma's by default), for the block."""
+    previous = switch(True)
+    try:
+        yield
+    finally:
+        switch(previous)
 
 
 @pytest.mark.parametrize("kind", ["randn", "rand"])
@@ -146,7 +139,7 @@ def test_calls_the_kernels_do_not_take_run_eagers_own(causal, dtype, backend):
 @pytest.mark.parametrize("name", ["odd rows, more keys", "head dim 128", "grouped kv heads"])
 def test_plain_kernel_forced(name, causal):
     q, k, v = operands(SHAPES[name], "cuda", seed=2)
-    with ForcedPlain():
+    with forced(torch.ops.kernels._attention_force_plain):
         y = attention(q, k, v, causal)
     reference, y64 = eager(q, k, v, causal), exact(q, k, v, causal)
     assert allclose(y, reference)
@@ -161,7 +154,7 @@ def test_mma_sync_kernel_forced(name, causal, kind):
     """The mma.sync kernel, forced (on Hopper the default kernel's products run on wgmma): the same products in the
     same order, so no more error than eager's against float64, and within a few roundings of the default kernel."""
     q, k, v = operands(SHAPES[name], "cuda", seed=3, kind=kind)
-    with ForcedMmaSync():
+    with forced(torch.ops.kernels._attention_force_mma_sync):
         y, lse = torch.ops.kernels.attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]))
     y_default, lse_default = torch.ops.kernels.attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]))
     reference, y64 = eager(q, k, v, causal), exact(q, k, v, causal)
@@ -185,7 +178,7 @@ def test_hopper_runs_the_wgmma_kernel():
         return [name for name in names if "attention_split_kernel" in name]
 
     default = split_kernels()
-    with ForcedMmaSync():
+    with forced(torch.ops.kernels._attention_force_mma_sync):
         forced = split_kernels()
     assert default and all("<64, true>" in name for name in default), default
     assert forced and all("<64, false>" in name for name in forced), forced
