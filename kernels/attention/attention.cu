@@ -24,6 +24,7 @@
 #include <optional>
 
 #include "common/dependent_launch.cuh"
+#include "common/device_queries.h"
 #include "common/mma_sm80.cuh"
 #include "common/once_per_device.h"
 #include "gemm/sm90_primitives.cuh"
@@ -626,19 +627,9 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
 template <int kDim>
 bool wgmma_kernel_runs(int device) {
   return once_per_device(device, [](int d) -> std::optional<bool> {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return std::nullopt;
-    }
-    if (major != 9 || minor != 0) return false;
-    cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, attention_split_kernel<kDim, true>) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return attributes.binaryVersion == 90;
+    const std::optional<int> capability = compute_capability(d);
+    if (!capability) return std::nullopt;
+    return *capability == 90 && kernel_code_version(attention_split_kernel<kDim, true>) == 90;
   }).value_or(false);
 }
 
@@ -682,13 +673,13 @@ cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape
 template <int kDim>
 bool supported_on(int device) {
   return once_per_device(device, [](int d) -> std::optional<bool> {
-    int major = 0, shared = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
-        cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) {
+    const std::optional<int> capability = compute_capability(d);
+    int shared = 0;
+    if (!capability || cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) {
       (void)cudaGetLastError();
       return std::nullopt;
     }
-    return major >= 8 && shared >= attention_shared_bytes<kDim, false>();
+    return *capability >= 80 && shared >= attention_shared_bytes<kDim, false>();
   }).value_or(false);
 }
 

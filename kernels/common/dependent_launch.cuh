@@ -13,6 +13,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/device_queries.h"
 #include "common/once_per_device.h"
 
 namespace kernels {
@@ -46,12 +47,9 @@ inline bool dependent_launch_supported() {
     return false;
   }
   return once_per_device(device, [](int d) -> std::optional<bool> {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return std::nullopt;
-    }
-    return major >= 9;
+    const std::optional<int> capability = compute_capability(d);
+    if (!capability) return std::nullopt;
+    return *capability >= 90;
   }).value_or(false);
 }
 

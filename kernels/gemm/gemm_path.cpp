@@ -16,6 +16,8 @@
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "common/device_queries.h"
+#include "common/once_per_device.h"
 #include "gemm.h"
 #endif
 
@@ -82,20 +84,9 @@ bool split_supported(Path path, int device, int64_t m, int64_t n, int64_t k, boo
                                                  : split_gemm_sm80_supported(device, m, n, k);
 }
 
-// The compute capability of `device` as 10 * major + minor, read once per device.
-int compute_capability(int device) {
-  static std::mutex mutex;
-  static std::map<int, int> capabilities;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = capabilities.find(device);
-  if (found != capabilities.end()) return found->second;
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return capabilities[device] = 10 * major + minor;
+// The compute capability of `device` as 10 * major + minor, read once per device; 0 where the query fails.
+int capability_of(int device) {
+  return once_per_device(device, [](int d) { return compute_capability(d); }).value_or(0);
 }
 #endif
 
@@ -159,7 +150,7 @@ std::string gemm_fp32_path_for_capability(int64_t capability) {
 Path automatic_fast_fp32_path(const at::Tensor& x, ProductShape shape) {
 #ifdef KERNELS_WITH_CUDA
   if (!x.is_cuda()) return Path::kCublas;
-  const Path table = fp32_path_for_capability(compute_capability(x.device().index()));
+  const Path table = fp32_path_for_capability(capability_of(x.device().index()));
   if (table == Path::kCublas) return Path::kCublas;
   if (fast_fp32_refusal(table, x, shape) == nullptr) return table;
   const bool sm80_kernel_takes_it = fast_fp32_refusal(Path::kSplitFp16Sm80, x, shape) == nullptr;

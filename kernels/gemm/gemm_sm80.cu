@@ -8,6 +8,7 @@
 // - Per 16 of k three m16n8k16 products, small terms first; each chunk promoted with w's powers of two, the epilogue
 //   unscales by x's. Rows past m or n load as zeros; non-finite inputs are fixed up by launch_nonfinite_outputs.
 #include "common/dependent_launch.cuh"
+#include "common/device_queries.h"
 #include "common/mma_sm80.cuh"
 #include "common/once_per_device.h"
 #include "gemm.h"
@@ -390,19 +391,15 @@ int stages_for(int device) {
 // the current device's); false, and asked again, where a query fails.
 bool device_runs_split_gemm_sm80(int device) {
   return once_per_device(device, [](int d) -> std::optional<bool> {
-    int major = 0, current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess || current != d ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess) {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != d) {
       (void)cudaGetLastError();
       return std::nullopt;
     }
-    if (major < 8) return false;
-    cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, split_gemm_sm80_kernel<2>) != cudaSuccess) {
-      (void)cudaGetLastError();  // e.g. no image of the kernel for this device
-      return false;
-    }
-    if (attributes.binaryVersion < 80) return false;  // the library holds no sm_80+ code of the kernel for this GPU
+    const std::optional<int> capability = compute_capability(d);
+    if (!capability) return std::nullopt;
+    // The library's sm_80 or later code of the kernel for this GPU.
+    if (*capability < 80 || kernel_code_version(split_gemm_sm80_kernel<2>).value_or(0) < 80) return false;
     const int stages = stages_for(d);
     if (stages == 0) return std::nullopt;  // unread, or not even 2 stages fit: asked again (cheap where it fails)
     return true;

@@ -8,6 +8,7 @@
 // descriptors, support check, split-K's slices, launch). Numerics: split_numerics.cuh; PTX: sm90_primitives.cuh.
 // Requires sm_90a; for any other target the kernel is a stub, split_gemm_supported() is false and cuBLAS runs.
 #include "common/dependent_launch.cuh"
+#include "common/device_queries.h"
 #include "common/once_per_device.h"
 #include "gemm.h"
 #include "gemm_sm90_epilogue.cuh"
@@ -314,20 +315,14 @@ bool kernel_registers_hold_budgets(Kernel* kernel) {
 // attributes are the current device's); false, and asked again, where a query fails.
 bool device_runs_split_gemm(int device) {
   return once_per_device(device, [](int d) -> std::optional<bool> {
-    int major = 0, minor = 0, current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess || current != d ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess) {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != d) {
       (void)cudaGetLastError();
       return std::nullopt;
     }
-    if (major != 9 || minor != 0) return false;
-    cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, split_gemm_kernel<false, false>) != cudaSuccess) {
-      (void)cudaGetLastError();  // e.g. no image of the kernel for this device
-      return false;
-    }
-    if (attributes.binaryVersion != 90) return false;  // the library holds no sm_90a code of the kernel
+    const std::optional<int> capability = compute_capability(d);
+    if (!capability) return std::nullopt;
+    if (*capability != 90 || kernel_code_version(split_gemm_kernel<false, false>) != 90) return false;
     return kernel_registers_hold_budgets(split_gemm_kernel<false, false>) &&
            kernel_registers_hold_budgets(split_gemm_kernel<true, false>) &&
            kernel_registers_hold_budgets(split_gemm_kernel<false, true>) && tensor_map_encoder() != nullptr;

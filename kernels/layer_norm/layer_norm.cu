@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "common/dependent_launch.cuh"
+#include "common/device_queries.h"
 #include "common/elementwise.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/rows.cuh"
@@ -340,13 +341,10 @@ bool backward_stages_rows_on(int device) {
     return false;
   } else {
     return once_per_device(device, [](int) -> std::optional<bool> {
-      cudaFuncAttributes attributes;
-      if (cudaFuncGetAttributes(&attributes, layer_norm_backward_kernel<T, kWidth, kPacks, kGroup, kAddGrad>) !=
-          cudaSuccess) {
-        (void)cudaGetLastError();  // reported here, not again by a later launch's check
-        return std::nullopt;
-      }
-      return attributes.binaryVersion >= 80;
+      const std::optional<int> version =
+          kernel_code_version(layer_norm_backward_kernel<T, kWidth, kPacks, kGroup, kAddGrad>);
+      if (!version) return std::nullopt;
+      return *version >= 80;
     }).value_or(true);
   }
 }
