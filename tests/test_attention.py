@@ -179,9 +179,9 @@ def test_hopper_runs_the_wgmma_kernel():
 
     default = split_kernels()
     with forced(torch.ops.kernels._attention_force_mma_sync):
-        forced = split_kernels()
+        mma_sync = split_kernels()
     assert default and all("<64, true>" in name for name in default), default
-    assert forced and all("<64, false>" in name for name in forced), forced
+    assert mma_sync and all("<64, false>" in name for name in mma_sync), mma_sync
 
 
 @requires_cuda
