@@ -107,8 +107,8 @@ def test_split_path_forced_on_empty_products(path):
 @pytest.mark.parametrize("kind", ["rand", "rows_times_1e30", "rows_times_1e-30", "wide_range_rows", "zero_rows",
                                   "subnormal_rows"])
 @pytest.mark.parametrize("operand", ["x", "weight"])
-def test_split_path_on_hard_inputs(kind, operand, path):
-    m, k, n = 1024, 1040, 1032
+@pytest.mark.parametrize("m,k,n", [(1024, 1040, 1032), (4100, 520, 36)])  # the second computed transposed on split_fp16
+def test_split_path_on_hard_inputs(kind, operand, m, k, n, path):
     _, new = make_pair(k, n, 2.0, 0.1, "cuda")
     x, weight = special_inputs("randn", m, k, seed=1).cuda(), new.gemm.weight.detach()
     if operand == "x":
@@ -283,7 +283,8 @@ def test_stream_k_schedule_takes_every_chunk_once_host_program(tmp_path):
 
 
 @over_split_paths
-@pytest.mark.parametrize("rows,features", [(24, 40), (600, 24)])  # the second computed transposed on split_fp16
+# (600, 24) and (600, 26) are computed transposed on split_fp16: y written by the kernel, and by the epilogue's pass
+@pytest.mark.parametrize("rows,features", [(24, 40), (600, 24), (600, 26)])
 def test_split_path_propagates_nan_and_inf_like_eager(path, rows, features):
     _, new = make_pair(264, features, 2.0, 0.1, "cuda")
     weight, bias = new.gemm.weight.detach().clone(), new.gemm.bias.detach()
@@ -315,7 +316,8 @@ def test_split_path_non_finite_rows_beyond_the_listed_positions(path):
 
 
 @over_split_paths
-@pytest.mark.parametrize("rows,features", [(5, 72), (200, 24)])  # the second computed transposed on split_fp16
+# (200, 24) and (200, 26) computed transposed on split_fp16: y written by the kernel, and by the epilogue's pass
+@pytest.mark.parametrize("rows,features", [(5, 72), (200, 24), (200, 26)])
 def test_split_path_mask_and_views(path, rows, features):
     """The mask the backward uses with a negative slope, batched leading dims, and an input view at an offset."""
     _, new = make_pair(136, features, -1.5, -0.3, "cuda")
@@ -332,17 +334,18 @@ def test_split_path_mask_and_views(path, rows, features):
 
 @pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events:UserWarning")  # torch's notice, once per process
-@pytest.mark.parametrize("m,k,n,transposed", [(8200, 1032, 136, True), (2000, 520, 40, True), (1024, 1032, 1040, False),
-                                              (1030, 1024, 1030, False)])
-def test_split_fp16_computes_tall_narrow_products_transposed(m, k, n, transposed):
-    """Where x has more elements than w and the output together (m k > n k + m n), split_fp16 computes y^T = w x^T
-    and writes y through the transposed epilogue's kernel; elsewhere it does not. The results are checked by the
-    shape tests above; this checks which way each shape goes."""
+@pytest.mark.parametrize("m,k,n,epilogue_pass", [(2000, 520, 40, False), (2000, 520, 42, True), (1024, 1032, 1040, False),
+                                                 (1030, 1024, 1030, False)])
+def test_split_fp16_writes_tall_narrow_products_from_the_kernel(m, k, n, epilogue_pass):
+    """Where x has more elements than w and the output together (m k > n k + m n), split_fp16 computes y^T = w x^T;
+    the kernel writes y itself where its rows are 16-byte multiples (n % 4 == 0), else it writes y^T and the
+    transposed epilogue's kernel makes y from it. Elsewhere neither. The results are checked by the shape tests above
+    and the epilogue cases below; this checks which way each shape goes."""
     x, weight, bias = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda"), torch.randn(n, device="cuda")
     with forced_gemm_path("split_fp16"):
         _, kernels = cuda_kernels_launched(lambda: gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1))
     assert any("split_gemm_kernel" in name for name in kernels), kernels
-    assert any("transposed_epilogue_kernel" in name for name in kernels) == transposed, kernels
+    assert any("transposed_epilogue_kernel" in name for name in kernels) == epilogue_pass, kernels
 
 
 # The Hopper kernel's two epilogues, run in processes of their own (the kernel reads KERNELS_GEMM_PLAIN_STORES once
@@ -363,6 +366,11 @@ EPILOGUE_CASES = {  # name: (m, k, n)
     "odd_columns": (557, 1040, 523),
     "odd_columns_kept_split": (1100, 4000, 1062),
     "odd_columns_split_k": (128, 4096, 2046),
+    # Tall and narrow (m k > n k + m n), computed transposed: by TMA the kernel writes y itself, by plain stores it
+    # writes y^T for the transposed epilogue's pass; with n % 4 != 0 the pass both ways, held by the script to the
+    # padded forward, which the kernel writes itself.
+    "tall_narrow": (2000, 520, 40),
+    "tall_narrow_odd_columns": (2000, 520, 42),
 }
 
 

@@ -128,12 +128,20 @@ cudaError_t launch_split_chunks(const float* src, std::int64_t rows, std::int64_
 // activation is > 0, else 0. y and positive are dense (m x n). Returns cudaErrorNotSupported where
 // split_gemm_supported() is false, and for a GELU where w is not transposed (the kernel that reads
 // the float32 w untransposed has no room for the GELUs: w's split made ahead takes them,
-// launch_split_gemm_presplit_multiply_leaky_relu).
+// launch_split_gemm_presplit_multiply_leaky_relu). With y_transposed, y and positive are (n x m) instead, y[j, i]
+// the output of x row i and w row j, bias indexed by i (a forward computed transposed, its x the layer's weight and
+// its w the layer's input, written as the layer's output); for w not transposed, LeakyReLU's epilogue (or none) and
+// split_gemm_writes_y_transposed(m), y 16-byte aligned (cudaErrorNotSupported else).
 cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent,
                                                   const float* w, std::int64_t w_stride, bool w_transposed,
                                                   std::int32_t* w_flags, const float* bias, float* y,
                                                   std::uint8_t* positive, std::int64_t m, std::int64_t n,
-                                                  std::int64_t k, Epilogue epilogue, cudaStream_t stream);
+                                                  std::int64_t k, Epilogue epilogue, cudaStream_t stream,
+                                                  bool y_transposed = false);
+
+// Whether launch_split_gemm_multiply_leaky_relu writes an output of m columns with y_transposed: by TMA stores, for
+// m % 4 == 0, unless KERNELS_GEMM_PLAIN_STORES is set.
+bool split_gemm_writes_y_transposed(std::int64_t m);
 
 // The signature of the launchers that take both operands' splits (x's from launch_split_rows, w's from
 // launch_split_chunks: w_hi, w_lo and w_exponent its chunk_exponent): one for sm_80 instructions and one for Hopper's,

@@ -78,7 +78,8 @@ WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, i
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
-                        const WeightSplit* w_split = nullptr, const GeluBackwardRows* gelu_rows = nullptr);
+                        const WeightSplit* w_split = nullptr, const GeluBackwardRows* gelu_rows = nullptr,
+                        bool y_transposed = false);
 bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pre);
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k);
 bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& weight);

@@ -134,15 +134,20 @@ bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pr
 // k x m) needs w_transposed (w as k x n). x is split by a pass (x_column_sums, if not null, gets its columns' sums); w
 // in the kernel, by a pass (sm80, splits_w_ahead) or not at all (w_split given). y and the mask (positive) are dense.
 // With gelu_rows (gelu_backward_rows_supported(x, pre), x not transposed), x's pass makes and writes the product's x,
-// gelu_rows->grad_pre, from x, the GELU's output gradient.
+// gelu_rows->grad_pre, from x, the GELU's output gradient. With y_transposed (writes_y_transposed), y and the mask
+// are (n x m), y[j, i] the output of x row i and w row j, bias indexed by i: a forward computed transposed, written
+// as the layer's output.
 // Temporary memory: ~4 bytes per element of x and of any w split by a pass, plus K slices' partials (4 per output
 // each).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums, const WeightSplit* w_split,
-                        const GeluBackwardRows* gelu_rows) {
+                        const GeluBackwardRows* gelu_rows, bool y_transposed) {
   TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
   TORCH_CHECK(gelu_rows == nullptr || !x_transposed, "kernels: a GELU's backward is made by the row split only");
+  TORCH_CHECK(!y_transposed || (path == Path::kSplitFp16 && !x_transposed && !w_transposed && w_split == nullptr &&
+                                gelu_rows == nullptr),
+              "kernels: y is written transposed only from x and w as they are, w split in the kernel");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const int64_t m = x.size(x_transposed ? 1 : 0), k = x.size(x_transposed ? 0 : 1), n = w.size(w_transposed ? 1 : 0);
@@ -152,7 +157,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   const int64_t split_k = split_row_length(k);
   // A product on split_fp16 splits K where its output has too few tiles for the multiprocessors (grad_W's, whose
   // reduction is the batch; a forward over few rows).
-  int k_slices = path == Path::kSplitFp16 ? product_k_slices(x.device().index(), m, n, k) : 1;
+  // (y written transposed keeps K whole: writes_y_transposed.)
+  int k_slices = path == Path::kSplitFp16 && !y_transposed ? product_k_slices(x.device().index(), m, n, k) : 1;
   // The temporaries of K split: none where the count leaves K whole (a forced count over fewer chunks, a forced
   // stream-K that does not fit), which then is K whole for every choice below.
   const int64_t partials_bytes =
@@ -164,7 +170,7 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // applies it).
   const bool gelu_needs_w_split = path == Path::kSplitFp16 && !w_transposed && k_slices == 1 &&
                                   epilogue.activation != Activation::kLeakyReLU;
-  if (w_split == nullptr && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split)) {
+  if (w_split == nullptr && !y_transposed && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split)) {
     w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
     w_split = &w_split_made;
   }
@@ -222,8 +228,15 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   } else {
     check_launch(launch_split_gemm_multiply_leaky_relu(x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), w2.stride(0),
                                                        w_transposed, w_flags, bias_data, y.mutable_data_ptr<float>(),
-                                                       positive, m, n, k, epilogue, stream),
+                                                       positive, m, n, k, epilogue, stream, y_transposed),
                  "split GEMM");
+  }
+  if (y_transposed) {  // the fix-up in y's orientation: w's rows (flags: w_flags) are y's rows
+    check_launch(launch_nonfinite_outputs(w2.const_data_ptr<float>(), w2.stride(0), 1, x_read.const_data_ptr<float>(),
+                                          x_read.stride(0), 1, w_flags, x_exponent, bias_data,
+                                          y.mutable_data_ptr<float>(), positive, n, m, k, epilogue, stream),
+                 "non-finite outputs");
+    return;
   }
   // Row i of x, element k: x2[i][k], or x2[k][i] where x came transposed; likewise for w.
   const int64_t x_row_stride = x_transposed ? 1 : x_read.stride(0);
@@ -241,6 +254,15 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
 // more. The numerics are the method's with the operands' roles exchanged.
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
   return path == Path::kSplitFp16 && m * k > n * k + m * n;
+}
+
+// Whether a forward computed transposed (split_product_transposed: y^T = w x^T, m x n the layer's output, K = k)
+// writes y itself from the GEMM's epilogue instead of y^T and a pass that transposes it: LeakyReLU's epilogue (or
+// none), TMA stores (split_gemm_writes_y_transposed), K whole, and the layer's input split in the kernel (not ahead).
+bool writes_y_transposed(Path path, int device, int64_t m, int64_t n, int64_t k, const Epilogue& epilogue) {
+  return path == Path::kSplitFp16 && epilogue.activation == Activation::kLeakyReLU && epilogue.pre == nullptr &&
+         split_gemm_writes_y_transposed(n) && !splits_w_ahead(path, n, m, k, /*w_transposed=*/false) &&
+         product_k_slices(device, n, m, k) == 1;
 }
 
 // Whether a GELU's forward on `path` writes its pre-activation beside y from the GEMM's epilogue (Epilogue::pre):
@@ -274,6 +296,12 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
   if (!split_product_transposed(path, m, n, k)) {
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
                        epilogue, y, positive, /*x_column_sums=*/nullptr, w_split);
+    return {y, mask};
+  }
+  if (writes_y_transposed(path, x.device().index(), m, n, k, epilogue)) {
+    split_fp16_product(path, weight, /*x_transposed=*/false, x.reshape({m, k}), /*w_transposed=*/false, bias,
+                       epilogue, y, positive, /*x_column_sums=*/nullptr, /*w_split=*/nullptr, /*gelu_rows=*/nullptr,
+                       /*y_transposed=*/true);
     return {y, mask};
   }
   // y^T = w x^T as the plain product (no bias, multiplier 1, slope 1: the non-finite fix-up writes its raw values),

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap w_lo_map,
                   const __grid_constant__ CUtensorMap w_exponent_map, const __grid_constant__ CUtensorMap x_hi_map,
                   const __grid_constant__ CUtensorMap x_lo_map, const __grid_constant__ CUtensorMap y_map,
-                  const __grid_constant__ CUtensorMap pre_map, bool y_by_tma,
+                  const __grid_constant__ CUtensorMap pre_map, bool y_by_tma, bool y_transposed,
                   const std::int32_t* __restrict__ x_exponent, std::int32_t* __restrict__ w_flags,
                   const float* __restrict__ bias, float* __restrict__ y, std::uint8_t* __restrict__ positive, int m,
                   int n, int k, Epilogue epilogue, int slices, int slice_chunks, int slice_rows, bool stream) {
@@ -83,7 +83,8 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
   registers_increase<kConsumerRegisters>();
   const ConsumerThread thread(warpgroup, /*paired_rows=*/kTransposed);
   const std::uint32_t shared_base = smem_address(shared);
-  const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, epilogue.pre != nullptr ? &pre_map : nullptr,
+  const EpilogueArguments epilogue_arguments{&y_map, y_by_tma, y_transposed,
+                                             epilogue.pre != nullptr ? &pre_map : nullptr,
                                              x_exponent, w_flags, /*w_flags_set_only=*/slices > 1 || stream, bias, y,
                                              positive, m, n, slice_rows, epilogue};
   float accumulator[64], total[64];
@@ -104,6 +105,15 @@ split_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_consta
     // store_tile's scratch for a part's x exponents, declared in the kernel: where the array is declared sets the
     // order in which the compiler promotes the kernel's arrays to registers, and with it ptxas's schedule.
     int row_exponents[kOutBoxRows / 8];
+    // A tall, narrow forward computed transposed writes y itself from the kernel that splits w in its registers
+    // (launch_kernel gives y_transposed to it alone).
+    if constexpr (!kTransposed && !kPresplit) {
+      if (y_transposed) {
+        store_tile_y_transposed(epilogue_arguments, thread, shared_base, tile_x, tile_w, total, non_finite,
+                                row_exponents);
+        continue;
+      }
+    }
     // The GELUs' epilogue loops are left out of the kernel that reads the float32 w untransposed and splits it in its
     // registers (<false, false>: ptxas would spill there), launch_kernel giving it no GELU; the pre-activation's
     // stores out of both kernels that read the float32 w (ptxas would spill in <true, false>).
@@ -232,7 +242,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
                           const void* x_lo, const std::int32_t* x_exponent, std::int32_t* w_flags, const float* bias,
                           float* y, std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k,
                           Epilogue epilogue, int device, cudaStream_t stream,
-                          const KSlices& k_slices = KSlices{}) {
+                          const KSlices& k_slices = KSlices{}, bool y_transposed = false) {
   if (reinterpret_cast<std::uintptr_t>(x_hi) % 16 != 0 || reinterpret_cast<std::uintptr_t>(x_lo) % 16 != 0)
     return cudaErrorInvalidValue;
   const std::int64_t x_row = split_row_length(k);
@@ -246,9 +256,15 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
   // The kernel's outputs: y, or the slices' partials, slice after slice.
   float* const out = split ? k_slices.workspace : y;
   const std::int64_t out_rows = split ? k_slices.slices * k_slices.slice_rows : m;
+  // y written transposed (n x m): by the kernel that reads w untransposed and splits it, K whole, LeakyReLU's
+  // epilogue, TMA stores only.
+  if (y_transposed && (w_transposed || presplit || split || epilogue.pre != nullptr ||
+                       epilogue.activation != Activation::kLeakyReLU || !stores_by_tma(m, y) ||
+                       !make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, y, n, m, m * 4, kOutBoxRows)))
+    return cudaErrorNotSupported;
   // y through TMA stores where it can (stores_by_tma), else plain stores.
-  const bool y_by_tma = stores_by_tma(n, out) && make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out,
-                                                               out_rows, n, n * 4, kOutBoxRows);
+  const bool y_by_tma = y_transposed || (stores_by_tma(n, out) && make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                                                                                4, out, out_rows, n, n * 4, kOutBoxRows));
   // The pre-activation beside a GELU's output: by the kernel that reads w's split, with K whole, by TMA stores only.
   if (epilogue.pre != nullptr &&
       (!presplit || split || !y_by_tma || epilogue.activation == Activation::kLeakyReLU ||
@@ -275,7 +291,8 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
   const int slice_chunks = split ? k_slices.slice_chunks : static_cast<int>(x_row / kSplitChunk);
   // Where K is split the slices store plain partials, and the sum applies the epilogue.
   err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
-                         maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], y_by_tma, x_exponent, w_flags,
+                         maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], y_by_tma, y_transposed, x_exponent,
+                         w_flags,
                          split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
                          static_cast<int>(n), static_cast<int>(k), split ? Epilogue{} : epilogue,
                          k_slices.slices, slice_chunks, static_cast<int>(k_slices.slice_rows), k_slices.stream);
@@ -333,6 +350,8 @@ bool device_runs_split_gemm(int device) {
 
 bool split_gemm_writes_pre(std::int64_t n) { return !plain_stores_forced() && n % 4 == 0; }
 
+bool split_gemm_writes_y_transposed(std::int64_t m) { return !plain_stores_forced() && m % 4 == 0; }
+
 bool split_gemm_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k, bool w_transposed) {
   if (m <= 0 || n <= 0 || k <= 0 || (w_transposed ? n : k) % 4 != 0) return false;  // TMA: 16-byte rows of w
   if (m >= (std::int64_t{1} << 31) || n >= (std::int64_t{1} << 31) || k >= (std::int64_t{1} << 31) - kSplitChunk)
@@ -348,7 +367,7 @@ namespace {
 cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t* x_exponent, const float* w,
                           std::int64_t w_stride, bool w_transposed, std::int32_t* w_flags, const float* bias, float* y,
                           std::uint8_t* positive, std::int64_t m, std::int64_t n, std::int64_t k, Epilogue epilogue,
-                          cudaStream_t stream, const KSlices& k_slices) {
+                          cudaStream_t stream, const KSlices& k_slices, bool y_transposed = false) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -361,7 +380,7 @@ cudaError_t launch_with_w(const void* x_hi, const void* x_lo, const std::int32_t
                          : make_tile_map(&maps[0], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, w, n, k, w_stride * 4, kBlockW);
   if (!w_map) return cudaErrorInvalidValue;
   return launch_kernel(maps, w_transposed, /*presplit=*/false, x_hi, x_lo, x_exponent, w_flags, bias, y, positive, m,
-                       n, k, epilogue, device, stream, k_slices);
+                       n, k, epilogue, device, stream, k_slices, y_transposed);
 }
 
 // launch_split_gemm_presplit_multiply_leaky_relu, K split where k_slices says so.
@@ -436,9 +455,9 @@ cudaError_t launch_split_gemm_multiply_leaky_relu(const void* x_hi, const void* 
                                                   std::int32_t* w_flags, const float* bias, float* y,
                                                   std::uint8_t* positive, std::int64_t m, std::int64_t n,
                                                   std::int64_t k, Epilogue epilogue,
-                                                  cudaStream_t stream) {
+                                                  cudaStream_t stream, bool y_transposed) {
   return launch_with_w(x_hi, x_lo, x_exponent, w, w_stride, w_transposed, w_flags, bias, y, positive, m, n, k,
-                       epilogue, stream, KSlices{});
+                       epilogue, stream, KSlices{}, y_transposed);
 }
 
 bool split_gemm_presplit_supported(int device, std::int64_t m, std::int64_t n, std::int64_t k) {

@@ -9,7 +9,8 @@
 // vocabulary's 50257 or 30522 columns) each warp makes a row's 32 outputs of a box from shared memory at a time and
 // stores them as 128 consecutive bytes. TMA stores and the plain stores' guards write nothing outside y. A non-finite
 // w value was split as 0 and its row flagged (gemm_sm90_w_split.cuh); the CTAs of x's first tile write the flags to
-// w_flags, and launch_nonfinite_outputs then writes the outputs it reaches.
+// w_flags, and launch_nonfinite_outputs then writes the outputs it reaches. A product computed transposed (a tall,
+// narrow forward as y^T = w x^T) may write y itself: store_tile_y_transposed.
 #pragma once
 
 #include "gemm_sm90_layout.cuh"
@@ -27,6 +28,7 @@ namespace {
 struct EpilogueArguments {
   const CUtensorMap* y_map;
   bool y_by_tma;                // TMA stores through the staging buffers; plain stores else
+  bool y_transposed;            // y_map is y's (n x m): store_tile_y_transposed
   const CUtensorMap* pre_map;   // a GELU's pre-activation (Epilogue::pre), stored before y by TMA; null: none
   const std::int32_t* x_exponent;
   std::int32_t* w_flags;  // null where w's split is given: its pass wrote the flags
@@ -38,6 +40,21 @@ struct EpilogueArguments {
   int slice_rows;  // y's rows per slice of K (a multiple of kBlockX), where K is split
   Epilogue epilogue;
 };
+
+// Writes, from the CTAs of x's first tile, the flags of the tile's rows of w that this thread's quad split.
+__device__ __forceinline__ void write_w_flags(const EpilogueArguments& arguments, const ConsumerThread& thread,
+                                              int tile_x, int tile_w, const bool (&non_finite)[2]) {
+  const bool flags_writer = tile_x == 0 && arguments.w_flags != nullptr;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    bool bad = non_finite[half];
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+    const int row = tile_w * kBlockW + thread.tile_row + half * thread.row_step;
+    if (flags_writer && thread.t == 0 && row < arguments.n && (bad || !arguments.w_flags_set_only))
+      arguments.w_flags[row] = bad ? kNonFiniteRow : 0;
+  }
+}
 
 // Writes the tile's outputs from this consumer thread's totals (ConsumerThread's layout) and, from the CTAs of x's
 // first tile, its rows' flags; `slice`: the unit's slice of K (0 where K is not split). shared_base is the CTA's
@@ -60,16 +77,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   const int consumer = thread.consumer, t = thread.t, tile_row = thread.tile_row, row_step = thread.row_step;
   // Epilogue: y[x row, w row] from total[j * 4 + half * 2 + c] at w row tile_row + half * row_step, x row
   // 8 j + 2 t + c.
-  const bool flags_writer = tile_x == 0 && arguments.w_flags != nullptr;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    bool bad = non_finite[half];
-    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-    const int column = tile_w * kBlockW + tile_row + half * row_step;
-    if (flags_writer && t == 0 && column < n && (bad || !arguments.w_flags_set_only))
-      arguments.w_flags[column] = bad ? kNonFiniteRow : 0;
-  }
+  write_w_flags(arguments, thread, tile_x, tile_w, non_finite);
   // Both ways go through this consumer's staging buffer, 64 rows of y (a part) at a time. The buffer holds two
   // 32-column boxes in the 128-byte swizzle (16-byte unit u of box row r at u ^ (r % 8)). Per part, threads write
   // their totals there as they are, then make the outputs from there.
@@ -268,6 +276,114 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
           }
         }
       });
+    }
+  }
+}
+
+// The outputs of a product computed transposed written as y itself (EpilogueArguments::y_transposed): the kernel's
+// rows of x are y's columns and its rows of w y's rows, y[w row, x row] = LeakyReLU((total 2^-e + bias[x row]) *
+// multiplier), e the x row's exponent; y is (n x m), m % 4 == 0, stored by TMA through a map of y. Per part (64 of
+// the tile's x rows), the consumer stages its 64 rows of y by 64 columns in the layout of store_tile's staging
+// buffer (two 32-column boxes), now rows = w rows; the pass's unit is 4 columns of 8 rows, with per-column factors.
+// column_exponents: store_tile's row_exponents, the part's 4 column exponents here.
+__device__ __forceinline__ void store_tile_y_transposed(const EpilogueArguments& arguments,
+                                                        const ConsumerThread& thread, std::uint32_t shared_base,
+                                                        int tile_x, int tile_w, const float (&total)[64],
+                                                        const bool (&non_finite)[2],
+                                                        int (&column_exponents)[kOutBoxRows / 8]) {
+  using namespace sm90;
+  const int m = arguments.m, n = arguments.n;
+  const Epilogue& epilogue = arguments.epilogue;
+  const int consumer = thread.consumer, t = thread.t;
+  write_w_flags(arguments, thread, tile_x, tile_w, non_finite);
+  const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
+  const int thread_index = threadIdx.x % 128;
+  // Total j * 4 + half * 2 + c of a part (jj = j % 8) goes to box jj / 4, row (the w row) tile_row + half * row_step
+  // - 64 consumer, column 8 (jj % 4) + 2 t + c: 16-byte unit (2 (jj % 4) + t / 2) ^ (row % 8), which is jj = 0's unit
+  // XOR 2 (jj % 4), so an address is jj = 0's offset XOR 32 (jj % 4). Two lanes of a warp meet in a bank at most.
+  std::uint32_t total_offset[2][2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int box_row = thread.tile_row + half * thread.row_step - consumer * 64;
+      total_offset[c][half] = box_row * 128 + (((t / 2) ^ (box_row % 8)) * 16) + ((2 * t + c) % 4) * 4;
+    }
+  }
+  const bool plain_product = arguments.bias == nullptr && is_identity_epilogue(epilogue) &&
+                             arguments.positive == nullptr;
+  const bool store_thread = thread_index == 0;
+  // The pass's unit: unit `unit` of box `box` of rows first_row + 8 i (i = 0 .. 7), columns 4 unit .. 4 unit + 3.
+  const int unit = thread_index % 8, box = (thread_index / 8) % 2, first_row = thread_index / 16;
+  const std::uint32_t unit_address = staging + box * kOutBoxBytes + first_row * 128 + (unit ^ first_row) * 16;
+  const int unit_first_row = tile_w * kBlockW + consumer * 64 + first_row;
+  const bool mask_words = reinterpret_cast<std::uintptr_t>(arguments.positive) % 4 == 0;
+#pragma unroll
+  for (int part = 0; part < kBlockX / kOutBoxRows; ++part) {
+    if (store_thread) tma_store_wait_read<0>();  // the buffer's previous stores have read it
+    named_barrier_sync(kStagingBarrier + consumer, 128);
+#pragma unroll
+    for (int jj = 0; jj < kOutBoxRows / 8; ++jj) {
+      const int j = part * (kOutBoxRows / 8) + jj;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          store_shared_float(staging + (jj / 4) * kOutBoxBytes + (total_offset[c][half] ^ ((jj % 4) * 32)),
+                             total[j * 4 + half * 2 + c]);
+      }
+    }
+    named_barrier_sync(kStagingBarrier + consumer, 128);
+    // The unit's 4 columns (x rows): their exponents and bias, once a part.
+    const int first_column = tile_x * kBlockX + part * kOutBoxRows + box * kBoxK + unit * 4;
+    const bool columns_inside = first_column < m;  // m % 4 == 0: all 4 or none
+#pragma unroll
+    for (int q = 0; q < 4; ++q) column_exponents[q] = columns_inside ? arguments.x_exponent[first_column + q] : 0;
+    RowUnscale factors[4];
+    float column_bias[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      factors[q] = row_unscale(column_exponents[q]);
+      column_bias[q] = arguments.bias && columns_inside ? arguments.bias[first_column + q] : 0.0f;
+    }
+#pragma unroll 1
+    for (int i = 0; i < kOutBoxRows / 8; ++i) {
+      const int row = unit_first_row + 8 * i;
+      const std::uint32_t address = unit_address + i * 8 * 128;
+      const float4 totals = load_shared_float4(address);
+      if (plain_product) {
+        store_shared_float4(address, make_float4(plain_product_output(unscale(totals.x, factors[0])),
+                                                 plain_product_output(unscale(totals.y, factors[1])),
+                                                 plain_product_output(unscale(totals.z, factors[2])),
+                                                 plain_product_output(unscale(totals.w, factors[3]))));
+        continue;
+      }
+      constexpr Activation kLeaky = Activation::kLeakyReLU;
+      const Activated out[4] = {apply_epilogue<kLeaky>(unscale(totals.x, factors[0]), column_bias[0], epilogue),
+                                apply_epilogue<kLeaky>(unscale(totals.y, factors[1]), column_bias[1], epilogue),
+                                apply_epilogue<kLeaky>(unscale(totals.z, factors[2]), column_bias[2], epilogue),
+                                apply_epilogue<kLeaky>(unscale(totals.w, factors[3]), column_bias[3], epilogue)};
+      store_shared_float4(address, make_float4(out[0].value, out[1].value, out[2].value, out[3].value));
+      if (arguments.positive && row < n && columns_inside) {
+        std::uint8_t* const at = arguments.positive + static_cast<std::int64_t>(row) * m + first_column;
+        if (mask_words) {
+          *reinterpret_cast<std::uint32_t*>(at) = std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
+                                                  std::uint32_t{out[2].positive} << 16 |
+                                                  std::uint32_t{out[3].positive} << 24;
+        } else {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
+        }
+      }
+    }
+    fence_async_shared();
+    named_barrier_sync(kStagingBarrier + consumer, 128);
+    if (store_thread) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+        tma_store_2d(arguments.y_map, staging + b * kOutBoxBytes, tile_x * kBlockX + part * kOutBoxRows + b * kBoxK,
+                     tile_w * kBlockW + consumer * 64);
+      tma_store_commit();
     }
   }
 }
