@@ -115,7 +115,8 @@ def test_split_path_on_hard_inputs(kind, operand, m, k, n, path):
         x = special_inputs(kind, m, k, seed=2).cuda()
     else:
         weight = special_inputs(kind, n, k, seed=3).cuda() / k ** 0.5
-    check_split(x, weight, new.gemm.bias.detach(), multiplier=-1.5, slope=-0.2, path=path,
+    # (the tall shape is below the automatic choice's range: forced, within max(eager's error, the split's floor))
+    check_split(x, weight, new.gemm.bias.detach(), multiplier=-1.5, slope=-0.2, path=path, forced=n < 1000,
                 row_scale=kind in ("rows_times_1e30", "rows_times_1e-30", "wide_range_rows"))
 
 
