@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from conftest import NVCC, cuda_kernels_launched, poison_allocator, requires_cuda, requires_nvcc
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, relative_error
-from kernels.functional import gemm_multiply_leaky_relu
-from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, gemm_path
+from kernels.functional import gemm_gelu, gemm_multiply_leaky_relu
+from kernels.gemm.gemm import SPLIT_PATHS, forced_gemm_path, forced_transposed, gemm_path
 from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, check_against_reference, kept_split_expected, make_pair,
                           over_split_paths, slow_problem_shape, special_inputs, split_sweep_values)
 
@@ -347,6 +347,42 @@ def test_split_fp16_writes_tall_narrow_products_from_the_kernel(m, k, n, epilogu
         _, kernels = cuda_kernels_launched(lambda: gemm_multiply_leaky_relu(x, weight, bias, 2.0, 0.1))
     assert any("split_gemm_kernel" in name for name in kernels), kernels
     assert any("transposed_epilogue_kernel" in name for name in kernels) == epilogue_pass, kernels
+
+
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.parametrize("mode", [1, -1])
+@pytest.mark.parametrize("m,k,n", [(1030, 520, 1032), (1030, 520, 1030), (2000, 520, 40), (600, 264, 26)])
+def test_split_fp16_forward_in_either_orientation(m, k, n, mode):
+    """The forward forced transposed (y^T = w x^T: y written by the kernel where n % 4 == 0, else through the
+    transposed epilogue's pass) and forced as it is, whichever the automatic rule picks for the shape: within the
+    contract either way, with non-finite values of both operands and the mask."""
+    _, new = make_pair(k, n, -1.5, -0.3, "cuda")
+    weight, bias = new.gemm.weight.detach().clone(), new.gemm.bias.detach()
+    x = torch.randn(m, k, device="cuda")
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    weight[4, 9] = float("-inf")
+    with forced_transposed(mode):
+        check_split(x, weight, bias, -1.5, -0.3, forced=True)
+        with forced_gemm_path("split_fp16"):
+            _, kernels = cuda_kernels_launched(lambda: gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.3))
+            y, mask = torch.ops.kernels.gemm_multiply_leaky_relu(x, weight, bias, -1.5, -0.3, True)
+    assert any("transposed_epilogue_kernel" in name for name in kernels) == (mode == 1 and n % 4 != 0), kernels
+    pre = F.linear(x, weight, bias) * -1.5
+    agree = (mask == (pre > 0)) | (pre.abs() < 1e-4)  # rounding may flip the sign test right at zero
+    assert mask.shape == y.shape and bool(agree.all())
+
+
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+def test_split_fp16_gelu_forward_forced_transposed():
+    """A GELU's forward computed transposed (its epilogue by the transposed epilogue's pass) is within the contract."""
+    x, bias = torch.randn(1030, 520, device="cuda"), torch.randn(1032, device="cuda")
+    weight = torch.randn(1032, 520, device="cuda") / 520 ** 0.5
+    with forced_gemm_path("split_fp16"), forced_transposed(1), torch.no_grad():
+        y = gemm_gelu(x, weight, bias, "none")
+    y_eager = F.gelu(F.linear(x, weight, bias))
+    y64 = F.gelu(F.linear(x.double(), weight.double(), bias.double()))
+    assert allclose(y, y_eager), (y - y_eager).abs().max()
+    assert relative_error(y, y64) <= max(relative_error(y_eager, y64), SPLIT_FP16_ERROR_FLOOR)
 
 
 # The Hopper kernel's two epilogues, run in processes of their own (the kernel reads KERNELS_GEMM_PLAIN_STORES once

@@ -328,6 +328,48 @@ def products(args):
         torch.cuda.empty_cache()
 
 
+# Forwards of the models' linear layers (m, k, n): ViT-B/16's projection, qkv, fc1 and fc2 at batch 64, BERT-large's at
+# 16 x 512 tokens, the LLaMA-style model's attention projections at 8 x 512.
+ORIENTATION_SHAPES = ((12608, 768, 768), (12608, 768, 2304), (12608, 768, 3072), (12608, 3072, 768),
+                      (8192, 1024, 1024), (8192, 1024, 3072), (8192, 1024, 4096), (8192, 4096, 1024),
+                      (4096, 2048, 2048))
+
+
+def orientation(args):
+    """A linear layer's forward (with bias, no activation) on split_fp16 in both orientations, against eager's (L2
+    flushed): as it is, from the weight's split kept (when the shape keeps one) and split anew, and computed
+    transposed (y^T = w x^T; the kernel writes y where n % 4 == 0); each with its error against float64."""
+    from kernels.functional import gemm_multiply_leaky_relu
+    from kernels.gemm.gemm import forced_gemm_path, forced_transposed
+    from kernels.precision import relative_error
+    from kernels.timing import time_each_ms
+
+    for m, k, n in sizes(args.shapes) if args.shapes else ORIENTATION_SHAPES:
+        torch.manual_seed(0)
+        x, bias = torch.randn(m, k, device="cuda"), torch.randn(n, device="cuda")
+        w = torch.randn(n, k, device="cuda") / k ** 0.5
+        y64 = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        with forced_gemm_path(SPLIT_PATH), forced_transposed(-1), torch.no_grad():
+            split = torch.ops.kernels.gemm_weight_split(x, w)
+
+        def ours(mode, weight_split=None):
+            def call():
+                with forced_gemm_path(SPLIT_PATH), forced_transposed(mode), torch.no_grad():
+                    return gemm_multiply_leaky_relu(x, w, bias, 1.0, 1.0, weight_split)
+            return call
+
+        calls = {"eager": lambda: torch.nn.functional.linear(x, w, bias), "as it is, split anew": ours(-1),
+                 "transposed": ours(1)}
+        if split:
+            calls["as it is, split kept"] = ours(-1, split)
+        times = dict(zip(calls, time_each_ms(list(calls.values()), samples=40)))
+        print(f"{m} x {k} -> {n}: " + ", ".join(
+            f"{name} {ms * 1e3:.1f} us ({times['eager'] / ms:.3f}x, error {relative_error(calls[name](), y64):.2e})"
+            for name, ms in times.items()), flush=True)
+        del x, w, bias, y64, split
+        torch.cuda.empty_cache()
+
+
 def coherence(args):
     """The part of a linear layer's error that every row shares (nn.Linear's weights; rand, rand - 0.5 and randn x),
     ours against eager: normwise error, the error of the mean over rows, and ||mean error|| sqrt(rows) / ||error||
@@ -562,6 +604,8 @@ def main():
     sub = add("products", products, "a linear layer's three products at the models' slowest shapes, and their kernels")
     sub.add_argument("--shapes", metavar="MxKxN[,MxKxN...]", help="these (rows x in x out) instead")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
+    sub = add("orientation", orientation, "a linear layer's forward as it is and computed transposed, at model shapes")
+    sub.add_argument("--shapes", metavar="MxKxN[,MxKxN...]", help="these (rows x in x out) instead")
     add("gelu", gelu, "an MLP's first layer and GELU without a gradient: eager, two ops, gemm_gelu")
     add("gelu-training", gelu_training, "an MLP's first layer and GELU while training: two steps against one op each")
     add("read-layout", read_layout, "HBM's read rate for w's split read box by box, as stored and box after box")

@@ -377,6 +377,9 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("_gemm_force_k_slices(int slices) -> int");
   m.impl("_gemm_force_k_slices",
          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_k_slices));
+  m.def("_gemm_force_transposed(int mode) -> int");
+  m.impl("_gemm_force_transposed",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::force_transposed));
   m.def("_gemm_k_slices(int m, int n, int k) -> int");
   m.impl("_gemm_k_slices", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::gemm::gemm_k_slices));
   m.def("_gemm_fp32_path_for_capability(int capability) -> str");

@@ -8,8 +8,8 @@ schemas in gemm.cpp:
   gemm_gelu_backward(grad_y, x, weight, pre, approximate, ...) -> (grad_x, grad_weight, grad_bias), likewise
   _gemm_gelu_with_pre(x, weight, bias, approximate, weight_split=None) -> (y, pre): gemm_gelu's training forward
 Underscored ops are for tests and tools: the path a call takes (_gemm_multiply_leaky_relu_path), why a fast path
-refuses inputs (_gemm_path_refusal), forcing a path or split_fp16's slices of K (_gemm_force_path,
-_gemm_force_k_slices; each returns the previous setting), _gemm_k_slices, _gemm_fp32_path_for_capability, one split
+refuses inputs (_gemm_path_refusal), forcing a path, split_fp16's slices of K or its forward's orientation
+(_gemm_force_path, _gemm_force_k_slices, _gemm_force_transposed; each returns the previous setting), _gemm_k_slices, _gemm_fp32_path_for_capability, one split
 sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep rows).
 """
 
@@ -212,6 +212,24 @@ class forced_k_slices:
 
     def __exit__(self, *exc_info):
         torch.ops.kernels._gemm_force_k_slices(self.previous)
+        return False
+
+
+class forced_transposed:
+    """with forced_transposed(mode): every split_fp16 forward in the block whose weight is given as it is (not a
+    transposed view) is computed transposed (y^T = w x^T: the row pass splits the weight, the kernel x) with mode 1,
+    as it is with -1; 0 is the automatic choice (m k > n k + m n). For tests (both orientations of one shape) and
+    tools."""
+
+    def __init__(self, mode):
+        self.mode, self.previous = mode, None
+
+    def __enter__(self):
+        self.previous = torch.ops.kernels._gemm_force_transposed(self.mode)
+        return self
+
+    def __exit__(self, *exc_info):
+        torch.ops.kernels._gemm_force_transposed(self.previous)
         return False
 
 

@@ -61,6 +61,7 @@ at::Tensor split_fp16_matmul(Path path, const at::Tensor& a, bool a_transposed, 
                              float* a_column_sums = nullptr);
 at::Tensor cublas_bf16x9_matmul(const at::Tensor& a, const at::Tensor& b);
 int64_t force_k_slices(int64_t slices);
+int64_t force_transposed(int64_t mode);
 int64_t gemm_k_slices(int64_t m, int64_t n, int64_t k);
 std::vector<at::Tensor> gemm_split_sweep(const at::Tensor& src, const std::string& sweep);
 // x's rows made by its split pass as a GELU's input gradient (launch_split_rows_gelu_backward): the product's x is

@@ -52,6 +52,17 @@ int64_t force_k_slices(int64_t slices) {
   return forced_k_slices.exchange(slices);
 }
 
+// The orientation of every later forward on split_fp16 with the weight as it is (0: split_product_transposed's rule;
+// 1: computed transposed, y^T = w x^T; -1: not); returns the previous setting. For tests (both orientations of one
+// shape) and tools/gemm_sweep.py.
+std::atomic<int64_t> forced_orientation{0};
+
+int64_t force_transposed(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "kernels._gemm_force_transposed: mode must be 0 (the automatic choice), 1 "
+              "(transposed) or -1 (not), got ", std::to_string(mode));
+  return forced_orientation.exchange(mode);
+}
+
 #ifdef KERNELS_WITH_CUDA
 // A float32 matrix the split kernels read: rows with unit column stride, 16-byte aligned rows (a copy otherwise).
 at::Tensor split_operand(const at::Tensor& t) {
@@ -253,7 +264,8 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
 // (tall, narrow products), so the row pass moves w's bytes instead of x's, at the cost of y^T written and read once
 // more. The numerics are the method's with the operands' roles exchanged.
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
-  return path == Path::kSplitFp16 && m * k > n * k + m * n;
+  const int64_t forced = forced_orientation.load();
+  return path == Path::kSplitFp16 && (forced != 0 ? forced > 0 : m * k > n * k + m * n);
 }
 
 // Whether a forward computed transposed (split_product_transposed: y^T = w x^T, m x n the layer's output, K = k)
