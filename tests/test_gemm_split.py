@@ -335,8 +335,8 @@ def test_split_path_mask_and_views(path, rows, features):
 
 @pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events:UserWarning")  # torch's notice, once per process
-@pytest.mark.parametrize("m,k,n,epilogue_pass", [(2000, 520, 40, False), (2000, 520, 42, True), (1024, 1032, 1040, False),
-                                                 (1030, 1024, 1030, False)])
+@pytest.mark.parametrize("m,k,n,epilogue_pass", [(2000, 520, 40, False), (2000, 520, 42, True),
+                                                 (1024, 1032, 1040, False), (1030, 1024, 1030, False)])
 def test_split_fp16_writes_tall_narrow_products_from_the_kernel(m, k, n, epilogue_pass):
     """Where x has more elements than w and the output together (m k > n k + m n), split_fp16 computes y^T = w x^T;
     the kernel writes y itself where its rows are 16-byte multiples (n % 4 == 0), else it writes y^T and the

@@ -9,8 +9,9 @@ schemas in gemm.cpp:
   _gemm_gelu_with_pre(x, weight, bias, approximate, weight_split=None) -> (y, pre): gemm_gelu's training forward
 Underscored ops are for tests and tools: the path a call takes (_gemm_multiply_leaky_relu_path), why a fast path
 refuses inputs (_gemm_path_refusal), forcing a path, split_fp16's slices of K or its forward's orientation
-(_gemm_force_path, _gemm_force_k_slices, _gemm_force_transposed; each returns the previous setting), _gemm_k_slices, _gemm_fp32_path_for_capability, one split
-sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep rows).
+(_gemm_force_path, _gemm_force_k_slices, _gemm_force_transposed; each returns the previous setting), _gemm_k_slices,
+_gemm_fp32_path_for_capability, one split sweep alone into new tensors (_gemm_split_sweep: bench.py's split-sweep
+rows).
 """
 
 import collections

@@ -262,7 +262,9 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
 
 // Whether the forward on `path` computes y^T = w x^T: on split_fp16 where x has more elements than w and y together
 // (tall, narrow products), so the row pass moves w's bytes instead of x's, at the cost of y^T written and read once
-// more. The numerics are the method's with the operands' roles exchanged.
+// more where the kernel cannot write y itself (writes_y_transposed; the rule weighs that cost everywhere: where the
+// kernel writes y, narrower outputs gain too little to take a second rule, GEMM NOTES). The numerics are the
+// method's with the operands' roles exchanged. forced_orientation overrides it.
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k) {
   const int64_t forced = forced_orientation.load();
   return path == Path::kSplitFp16 && (forced != 0 ? forced > 0 : m * k > n * k + m * n);

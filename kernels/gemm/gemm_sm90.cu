@@ -263,8 +263,10 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
                        !make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, y, n, m, m * 4, kOutBoxRows)))
     return cudaErrorNotSupported;
   // y through TMA stores where it can (stores_by_tma), else plain stores.
-  const bool y_by_tma = y_transposed || (stores_by_tma(n, out) && make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-                                                                                4, out, out_rows, n, n * 4, kOutBoxRows));
+  const bool y_by_tma =
+      y_transposed ||
+      (stores_by_tma(n, out) &&
+       make_tile_map(&maps[5], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, out_rows, n, n * 4, kOutBoxRows));
   // The pre-activation beside a GELU's output: by the kernel that reads w's split, with K whole, by TMA stores only.
   if (epilogue.pre != nullptr &&
       (!presplit || split || !y_by_tma || epilogue.activation == Activation::kLeakyReLU ||
@@ -292,8 +294,7 @@ cudaError_t launch_kernel(CUtensorMap (&maps)[7], bool w_transposed, bool prespl
   // Where K is split the slices store plain partials, and the sum applies the epilogue.
   err = launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), kSharedBytes, stream, maps[0],
                          maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], y_by_tma, y_transposed, x_exponent,
-                         w_flags,
-                         split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
+                         w_flags, split ? nullptr : bias, out, split ? nullptr : positive, static_cast<int>(m),
                          static_cast<int>(n), static_cast<int>(k), split ? Epilogue{} : epilogue,
                          k_slices.slices, slice_chunks, static_cast<int>(k_slices.slice_rows), k_slices.stream);
   if (err != cudaSuccess || !split) return err;
