@@ -86,9 +86,9 @@ def slow_problem_shape(shapes):
 
 def kept_split_expected(path, m, k, n):
     """Whether the forward of an (m x k) x on `path` with an (n x k) weight reads a split of the weight made ahead
-    (gemm_weight_split.cpp; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on)."""
-    return m * n * k >= KEPT_SPLIT_MIN_PRODUCTS and (
-        path == "split_fp16_sm80" or (path == "split_fp16" and not m * k > n * k + m * n))
+    (gemm_weight_split.cpp; from KEPT_SPLIT_MIN_PRODUCTS multiply-adds on): its chunk split, or, where split_fp16
+    computes the product transposed, its row split."""
+    return m * n * k >= KEPT_SPLIT_MIN_PRODUCTS and path in ("split_fp16_sm80", "split_fp16")
 
 
 def split_sweep_values(hi, lo, exponent, cols):

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from conftest import poison_allocator
 from distributed_helpers import NO_NVLINK_MULTICAST
-from kernels.gemm.gemm import FusedLinear, forced_gemm_path
-from gemm_helpers import automatic_split_path, kept_split_expected, over_split_paths, slow_problem_shape
+from kernels.gemm.gemm import FusedLinear, forced_gemm_path, forced_transposed
+from gemm_helpers import (SPLIT_KERNELS, automatic_split_path, kept_split_expected, over_split_paths,
+                          slow_problem_shape)
 
 
 KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
@@ -21,7 +22,7 @@ KEPT_SPLIT_SHAPES = {  # name: (m, k, n)
     "tails": (1153, 4104, 1032),  # M, N not multiples of the tiles, K not of the chunk
     "n_tail": (1100, 4000, 1060),  # N not a multiple of the tile, K of half a chunk
     "n_odd": (1030, 4104, 1031),  # N % 4 != 0: the exponents' rows padded to 16 bytes, y by plain stores
-    "tall_narrow": (16400, 2056, 264),  # computed transposed on split_fp16: no split of the weight ahead
+    "tall_narrow": (16400, 2056, 264),  # computed transposed on split_fp16: the weight's row split kept
     "small": (1024, 1024, 1024),  # under 2^32 multiply-adds: none kept (the call's time is the host's)
 }
 
@@ -90,6 +91,34 @@ def test_weight_split_of_another_weight_or_stream_is_not_used(path):
         fresh = torch.ops.kernels.gemm_weight_split(x, weight)
         fresh[0].zero_()
         assert not torch.equal(op(x, weight, None, 2.0, 0.1, False, fresh)[0], expected)
+
+
+@pytest.mark.skipif("split_fp16" not in SPLIT_KERNELS, reason="needs the Hopper split kernel")
+@pytest.mark.parametrize("n", [1024, 1030])  # y written by the kernel, and y^T through the transposed epilogue's pass
+def test_weight_split_of_the_other_orientation_is_not_used(n):
+    """A split made for the forward computed transposed (the weight's row split, that product's x split) is read only
+    by that forward, and a split made for the forward as it is (its chunk split) only by that one."""
+    m, k = 8192, 1024  # 2^33 multiply-adds: a split is made either way
+    torch.manual_seed(0)
+    x, weight = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    op = torch.ops.kernels.gemm_multiply_leaky_relu
+    with torch.no_grad(), forced_gemm_path("split_fp16"):
+        with forced_transposed(1):
+            rows = torch.ops.kernels.gemm_weight_split(x, weight)
+            expected_transposed = op(x, weight, None, 2.0, 0.1, False)[0]
+            assert torch.equal(op(x, weight, None, 2.0, 0.1, False, rows)[0], expected_transposed)
+        with forced_transposed(-1):
+            chunks = torch.ops.kernels.gemm_weight_split(x, weight)
+            expected = op(x, weight, None, 2.0, 0.1, False)[0]
+        assert rows and chunks and rows[3].numel() == 0 and chunks[3].numel() == n  # flags: the chunk split's only
+        rows[0].zero_()  # read, they would change the output
+        chunks[0].zero_()
+        with forced_transposed(-1):
+            assert torch.equal(op(x, weight, None, 2.0, 0.1, False, rows)[0], expected)
+            assert not torch.equal(op(x, weight, None, 2.0, 0.1, False, chunks)[0], expected)
+        with forced_transposed(1):
+            assert torch.equal(op(x, weight, None, 2.0, 0.1, False, chunks)[0], expected_transposed)
+            assert not torch.equal(op(x, weight, None, 2.0, 0.1, False, rows)[0], expected_transposed)
 
 
 def test_weight_split_is_kept_only_where_autograd_does_not_record_the_weight(device):

@@ -337,8 +337,9 @@ ORIENTATION_SHAPES = ((12608, 768, 768), (12608, 768, 2304), (12608, 768, 3072),
 
 def orientation(args):
     """A linear layer's forward (with bias, no activation) on split_fp16 in both orientations, against eager's (L2
-    flushed): as it is, from the weight's split kept (when the shape keeps one) and split anew, and computed
-    transposed (y^T = w x^T; the kernel writes y where n % 4 == 0); each with its error against float64."""
+    flushed): as it is and computed transposed (y^T = w x^T; the kernel writes y where n % 4 == 0), each from the
+    weight's split kept (where the shape keeps one: its chunk split, or its row split) and split anew; each with its
+    error against float64."""
     from kernels.functional import gemm_multiply_leaky_relu
     from kernels.gemm.gemm import forced_gemm_path, forced_transposed
     from kernels.precision import relative_error
@@ -349,8 +350,10 @@ def orientation(args):
         x, bias = torch.randn(m, k, device="cuda"), torch.randn(n, device="cuda")
         w = torch.randn(n, k, device="cuda") / k ** 0.5
         y64 = torch.nn.functional.linear(x.double(), w.double(), bias.double())
-        with forced_gemm_path(SPLIT_PATH), forced_transposed(-1), torch.no_grad():
-            split = torch.ops.kernels.gemm_weight_split(x, w)
+        splits = {}
+        for mode in (-1, 1):
+            with forced_gemm_path(SPLIT_PATH), forced_transposed(mode), torch.no_grad():
+                splits[mode] = torch.ops.kernels.gemm_weight_split(x, w)
 
         def ours(mode, weight_split=None):
             def call():
@@ -359,14 +362,15 @@ def orientation(args):
             return call
 
         calls = {"eager": lambda: torch.nn.functional.linear(x, w, bias), "as it is, split anew": ours(-1),
-                 "transposed": ours(1)}
-        if split:
-            calls["as it is, split kept"] = ours(-1, split)
+                 "transposed, split anew": ours(1)}
+        for mode, name in ((-1, "as it is, split kept"), (1, "transposed, split kept")):
+            if splits[mode]:
+                calls[name] = ours(mode, splits[mode])
         times = dict(zip(calls, time_each_ms(list(calls.values()), samples=40)))
         print(f"{m} x {k} -> {n}: " + ", ".join(
             f"{name} {ms * 1e3:.1f} us ({times['eager'] / ms:.3f}x, error {relative_error(calls[name](), y64):.2e})"
             for name, ms in times.items()), flush=True)
-        del x, w, bias, y64, split
+        del x, w, bias, y64, splits
         torch.cuda.empty_cache()
 
 

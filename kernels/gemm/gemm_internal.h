@@ -49,9 +49,12 @@ std::string gemm_path_refusal(const at::Tensor& x, const at::Tensor& weight, con
 
 // ---- gemm_products.cpp: each path's products --------------------------------------------------------------------
 // w's split made beforehand (gemm_weight_split, kept by the module that owns the weight): the tensors the GEMM reads
-// instead of splitting w (launch_split_chunks's hi, lo, chunk exponents and flags).
+// instead of splitting w (launch_split_chunks's hi, lo, chunk exponents and flags); or, for a forward computed
+// transposed (rows), the weight's row split (launch_split_rows's hi, lo and row exponents; flags undefined), which that
+// product takes as its x's split.
 struct WeightSplit {
   at::Tensor hi, lo, exponent, flags;
+  bool rows = false;
 };
 
 std::tuple<at::Tensor, at::Tensor> cublas_gemm_multiply_leaky_relu(const at::Tensor& x, const at::Tensor& weight,
@@ -76,11 +79,12 @@ struct GeluBackwardRows {
 at::Tensor split_operand(const at::Tensor& t);
 WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
                            cudaStream_t stream);
+WeightSplit split_w_rows(const at::Tensor& w, cudaStream_t stream);
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums = nullptr,
                         const WeightSplit* w_split = nullptr, const GeluBackwardRows* gelu_rows = nullptr,
-                        bool y_transposed = false);
+                        bool y_transposed = false, const WeightSplit* x_rows = nullptr);
 bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pre);
 bool split_product_transposed(Path path, int64_t m, int64_t n, int64_t k);
 bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& weight);

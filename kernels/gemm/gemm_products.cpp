@@ -95,6 +95,21 @@ WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, i
   return split;
 }
 
+// The row split of a weight (n x k) as a forward computed transposed takes it for its x (launch_split_rows, in
+// split_position's order for split_fp16's kernel), into new tensors: a split kept between calls (gemm_weight_split).
+WeightSplit split_w_rows(const at::Tensor& w, cudaStream_t stream) {
+  const at::Tensor w2 = w.stride(1) == 1 ? w : w.contiguous();  // as split_fp16_product reads its x
+  const int64_t n = w2.size(0), k = w2.size(1), split_k = split_row_length(k);
+  const auto half = w2.options().dtype(at::kHalf);
+  WeightSplit split{at::empty({n, split_k}, half), at::empty({n, split_k}, half),
+                    at::empty({n}, w2.options().dtype(at::kInt)), at::Tensor(), /*rows=*/true};
+  check_launch(launch_split_rows(w2.const_data_ptr<float>(), n, k, w2.stride(0), /*natural_order=*/false,
+                                 split.hi.mutable_data_ptr(), split.lo.mutable_data_ptr(),
+                                 split.exponent.mutable_data_ptr<int32_t>(), stream),
+               "split (w's rows)");
+  return split;
+}
+
 // The rows of x from which the Hopper GEMM reads w's split made by a pass (split_w_chunks) instead of splitting w in
 // registers once per tile of x it meets; past this the pass is cheaper (measured: kernels/gemm/NOTES.md). Also decides
 // grad_W's product, whose x is grad_pre^T (out_features rows).
@@ -147,14 +162,18 @@ bool gelu_backward_rows_supported(const at::Tensor& grad_y, const at::Tensor& pr
 // With gelu_rows (gelu_backward_rows_supported(x, pre), x not transposed), x's pass makes and writes the product's x,
 // gelu_rows->grad_pre, from x, the GELU's output gradient. With y_transposed (writes_y_transposed), y and the mask
 // are (n x m), y[j, i] the output of x row i and w row j, bias indexed by i: a forward computed transposed, written
-// as the layer's output.
+// as the layer's output. x_rows: x's row split made beforehand (split_w_rows: a forward computed transposed, whose x
+// is the layer's weight), read instead of splitting x.
 // Temporary memory: ~4 bytes per element of x and of any w split by a pass, plus K slices' partials (4 per output
 // each).
 void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const at::Tensor& w, bool w_transposed,
                         const at::Tensor& bias, const Epilogue& epilogue, at::Tensor& y,
                         std::uint8_t* positive, float* x_column_sums, const WeightSplit* w_split,
-                        const GeluBackwardRows* gelu_rows, bool y_transposed) {
+                        const GeluBackwardRows* gelu_rows, bool y_transposed, const WeightSplit* x_rows) {
   TORCH_CHECK(w_transposed || !x_transposed, "kernels: the split of x's columns comes in natural order only");
+  TORCH_CHECK(x_rows == nullptr || (x_rows->rows && path == Path::kSplitFp16 && !x_transposed && !w_transposed &&
+                                    gelu_rows == nullptr && x_column_sums == nullptr),
+              "kernels: a row split of x made beforehand serves split_fp16 with x and w as they are");
   TORCH_CHECK(gelu_rows == nullptr || !x_transposed, "kernels: a GELU's backward is made by the row split only");
   TORCH_CHECK(!y_transposed || (path == Path::kSplitFp16 && !x_transposed && !w_transposed && w_split == nullptr &&
                                 gelu_rows == nullptr),
@@ -190,31 +209,35 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // The call's temporaries in one allocation (each costs the host time a small product is short of): x's split, w's
   // row flags where no split of w holds them, the column split's counters and sums, K slices' partials.
   TemporariesLayout layout;
-  const int64_t x_hi_at = layout.add(m * split_k, 2), x_lo_at = layout.add(m * split_k, 2);
-  const int64_t x_exponent_at = layout.add(m, 4);
+  const int64_t x_parts = x_rows == nullptr ? m : 0;  // x's split in the temporaries unless made beforehand
+  const int64_t x_hi_at = layout.add(x_parts * split_k, 2), x_lo_at = layout.add(x_parts * split_k, 2);
+  const int64_t x_exponent_at = layout.add(x_parts, 4);
   const int64_t w_flags_at = w_split == nullptr ? layout.add(n, 4) : 0;
   const int64_t column_at = x_transposed ? layout.add(split_columns_workspace_bytes(k, m), 1) : 0;
   const int64_t partials_at = partials_bytes > 0 ? layout.add(partials_bytes, 1) : 0;
   const at::Tensor temporaries = at::empty({layout.bytes}, x.options().dtype(at::kByte));
   std::uint8_t* const base = temporaries.mutable_data_ptr<std::uint8_t>();
-  void* const x_hi = base + x_hi_at;
-  void* const x_lo = base + x_lo_at;
-  auto* const x_exponent = reinterpret_cast<int32_t*>(base + x_exponent_at);
+  void* const x_hi = x_rows != nullptr ? x_rows->hi.mutable_data_ptr() : base + x_hi_at;
+  void* const x_lo = x_rows != nullptr ? x_rows->lo.mutable_data_ptr() : base + x_lo_at;
+  auto* const x_exponent = x_rows != nullptr ? x_rows->exponent.mutable_data_ptr<int32_t>()
+                                             : reinterpret_cast<int32_t*>(base + x_exponent_at);
   auto* const w_flags = w_split != nullptr ? w_split->flags.mutable_data_ptr<int32_t>()
                                            : reinterpret_cast<int32_t*>(base + w_flags_at);
   // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
-  check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
-                                                   x_exponent, x_column_sums, base + column_at, stream)
-               : gelu_rows != nullptr
-                   ? launch_split_rows_gelu_backward(x2.const_data_ptr<float>(), x2.stride(0),
-                                                     gelu_rows->pre.const_data_ptr<float>(), gelu_rows->pre.stride(0),
-                                                     gelu_rows->tanh ? Activation::kGeluTanh : Activation::kGeluErf,
-                                                     m, k, gelu_rows->grad_pre.mutable_data_ptr<float>(),
-                                                     natural_order, x_hi, x_lo, x_exponent, stream)
-                   : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi, x_lo,
-                                       x_exponent, stream),
-               "split (x)");
+  if (x_rows == nullptr) {
+    check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
+                                                     x_exponent, x_column_sums, base + column_at, stream)
+                 : gelu_rows != nullptr
+                     ? launch_split_rows_gelu_backward(x2.const_data_ptr<float>(), x2.stride(0),
+                                                       gelu_rows->pre.const_data_ptr<float>(), gelu_rows->pre.stride(0),
+                                                       gelu_rows->tanh ? Activation::kGeluTanh : Activation::kGeluErf,
+                                                       m, k, gelu_rows->grad_pre.mutable_data_ptr<float>(),
+                                                       natural_order, x_hi, x_lo, x_exponent, stream)
+                     : launch_split_rows(x2.const_data_ptr<float>(), m, k, x2.stride(0), natural_order, x_hi, x_lo,
+                                         x_exponent, stream),
+                 "split (x)");
+  }
   // The product's float32 x from here on (the fix-up's operand): the pass's grad_pre where it made one.
   const at::Tensor& x_read = gelu_rows != nullptr ? gelu_rows->grad_pre : x2;
   if (k_slices != 1) {
@@ -288,9 +311,9 @@ bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& 
          product_k_slices(x.device().index(), m, n, k) == 1 && split_gemm_writes_pre(n);
 }
 
-// The forward on a split path, with w's split made beforehand where w_split is not null (never for a transposed
-// product: gemm_weight_split makes none there). A transposed product holds w's split and y^T (4 bytes per element
-// each).
+// The forward on a split path, with w's split made beforehand where w_split is not null (gemm_weight_split: its
+// chunk split, or, for a product computed transposed, its row split, that product's x split). A transposed product
+// holds w's split unless given, and y^T where the kernel does not write y (4 bytes per element each).
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias,
@@ -307,7 +330,10 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
                        epilogue, y, positive);
     return {y, mask};
   }
-  if (!split_product_transposed(path, m, n, k)) {
+  // (usable_weight_split gives a row split exactly where the product is computed transposed.)
+  const bool transposed = split_product_transposed(path, m, n, k);
+  TORCH_INTERNAL_ASSERT(w_split == nullptr || w_split->rows == transposed);
+  if (!transposed) {
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
                        epilogue, y, positive, /*x_column_sums=*/nullptr, w_split);
     return {y, mask};
@@ -315,14 +341,15 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
   if (writes_y_transposed(path, x.device().index(), m, n, k, epilogue)) {
     split_fp16_product(path, weight, /*x_transposed=*/false, x.reshape({m, k}), /*w_transposed=*/false, bias,
                        epilogue, y, positive, /*x_column_sums=*/nullptr, /*w_split=*/nullptr, /*gelu_rows=*/nullptr,
-                       /*y_transposed=*/true);
+                       /*y_transposed=*/true, /*x_rows=*/w_split);
     return {y, mask};
   }
   // y^T = w x^T as the plain product (no bias, multiplier 1, slope 1: the non-finite fix-up writes its raw values),
   // then the epilogue on the way back to y.
   at::Tensor product_t = at::empty({n, m}, x.options());
   split_fp16_product(path, weight, /*x_transposed=*/false, x.reshape({m, k}), /*w_transposed=*/false, at::Tensor(),
-                     Epilogue{}, product_t, nullptr);
+                     Epilogue{}, product_t, nullptr, /*x_column_sums=*/nullptr, /*w_split=*/nullptr,
+                     /*gelu_rows=*/nullptr, /*y_transposed=*/false, /*x_rows=*/w_split);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   check_launch(launch_transposed_epilogue(product_t.const_data_ptr<float>(),

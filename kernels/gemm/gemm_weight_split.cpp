@@ -21,21 +21,23 @@ namespace kernels::gemm {
 namespace {
 
 // gemm_weight_split(x, weight): where x's forward takes a split path that splits w by a pass, [hi, lo, exponent, flags,
-// stamp, weight]: w's split in that path's order, a CPU int64 stamp of what it was made from and for, and an alias
-// keeping the weight's storage alive; else [] (cuBLAS paths, CPU or inference tensors, transposed products or views,
-// under kKeptSplitMinProducts), or [empty tensor] where memory ran out. Given back as weight_split, it is used only
-// where the storage and whole stamp match (path, data address, version counter, sizes, strides, device, current
+// stamp, weight]: w's split in that path's order (its row split, with an empty flags tensor, where the product is
+// computed transposed: the product's x), a CPU int64 stamp of what it was made from and for, and an alias keeping the
+// weight's storage alive; else [] (cuBLAS paths, CPU or inference tensors, transposed views, under
+// kKeptSplitMinProducts), or [empty tensor] where memory ran out. Given back as weight_split, it is used only where the
+// storage and whole stamp match (path, orientation, data address, version counter, sizes, strides, device, current
 // stream), else w is split as without it; changes PyTorch does not count (.data) are not seen. Bitwise the same results
 // either way. Memory: about the weight's own size, while the caller keeps the list.
 enum StampField : int {
-  kStampPath, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride, kStampColumnStride, kStampDevice,
-  kStampStream, kStampFields
+  kStampPath, kStampTransposed, kStampData, kStampVersion, kStampRows, kStampColumns, kStampRowStride,
+  kStampColumnStride, kStampDevice, kStampStream, kStampFields
 };
 
 #ifdef KERNELS_WITH_CUDA
-std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
+std::vector<int64_t> weight_stamp(Path path, bool transposed, const at::Tensor& weight) {
   std::vector<int64_t> stamp(kStampFields);
   stamp[kStampPath] = static_cast<int64_t>(path);
+  stamp[kStampTransposed] = transposed;
   stamp[kStampData] = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(weight.const_data_ptr()));
   stamp[kStampVersion] = static_cast<int64_t>(weight._version());
   stamp[kStampRows] = weight.size(0);
@@ -47,11 +49,10 @@ std::vector<int64_t> weight_stamp(Path path, const at::Tensor& weight) {
   return stamp;
 }
 
-// Whether the forward of this shape on `path` can read w's split made beforehand: a split path whose product is not
-// computed transposed, and a weight with a version counter (an inference tensor has none).
+// Whether the forward of this shape on `path` can read w's split made beforehand: a split path, the weight as it is
+// (not a transposed view) and with a version counter (an inference tensor has none).
 bool reads_weight_split(Path path, const ProductShape& shape, const at::Tensor& weight) {
-  return is_split(path) && !shape.w_transposed && !split_product_transposed(path, shape.m, shape.n, shape.k) &&
-         !weight.is_inference();
+  return is_split(path) && !shape.w_transposed && !weight.is_inference();
 }
 #endif
 
@@ -68,23 +69,29 @@ std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor&
   // A split path: CUDA tensors. The guard comes before the support check, which reads kernel attributes on the
   // current device.
   const c10::cuda::CUDAGuard guard(weight.device());
-  if (path == Path::kSplitFp16 && !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k))
+  // A product computed transposed takes the weight's row split as its x's split; others its chunk split, read by the
+  // kernel that takes w's split.
+  const bool transposed = split_product_transposed(path, shape.m, shape.n, shape.k);
+  if (path == Path::kSplitFp16 && !transposed &&
+      !split_gemm_presplit_supported(x.device().index(), shape.m, shape.n, shape.k))
     return {};
   // A split to keep is an optimization: where its memory cannot be had, the caller goes on without one.
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(weight.device().index()).stream();
   WeightSplit split;
   try {
-    split = split_w_chunks(path, split_operand(weight), /*w_transposed=*/false, shape.n, shape.k,
-                           c10::cuda::getCurrentCUDAStream(weight.device().index()).stream());
+    split = transposed ? split_w_rows(weight, stream)
+                       : split_w_chunks(path, split_operand(weight), /*w_transposed=*/false, shape.n, shape.k, stream);
   } catch (const c10::OutOfMemoryError&) {
     return {at::empty({0}, at::TensorOptions().dtype(at::kLong))};  // the caller's sign to make room
   }
-  const std::vector<int64_t> stamp = weight_stamp(path, weight);
+  const std::vector<int64_t> stamp = weight_stamp(path, transposed, weight);
   at::Tensor stamp_tensor = at::empty({kStampFields}, at::TensorOptions().dtype(at::kLong));
   std::copy(stamp.begin(), stamp.end(), stamp_tensor.mutable_data_ptr<int64_t>());
   // The weight itself (an alias, sharing its storage) goes with the split: while the split lives, the weight's
   // memory cannot be freed and handed to another tensor at the same address with a version counter that matches
   // (module.to(...) and back swaps a parameter's data and keeps its counter), and the use checks that storage.
-  return {split.hi, split.lo, split.exponent, split.flags, stamp_tensor, weight.detach()};
+  return {split.hi, split.lo, split.exponent, split.rows ? at::empty({0}, split.exponent.options()) : split.flags,
+          stamp_tensor, weight.detach()};
 #else
   return {};
 #endif
@@ -105,10 +112,12 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
   if (!reads_weight_split(path, shape, weight) || !weight.is_cuda()) return std::nullopt;
   if (!weight.is_alias_of(list[5])) return std::nullopt;  // another storage: the weight's data was swapped
   const int64_t* stamp = list[4].const_data_ptr<int64_t>();
-  const std::vector<int64_t> now = weight_stamp(path, weight);
+  const bool transposed = split_product_transposed(path, shape.m, shape.n, shape.k);
+  const std::vector<int64_t> now = weight_stamp(path, transposed, weight);
   for (int field = 0; field < kStampFields; ++field)
     if (stamp[field] != now[field]) return std::nullopt;
-  return WeightSplit{list[0], list[1], list[2], list[3]};
+  return transposed ? WeightSplit{list[0], list[1], list[2], at::Tensor(), /*rows=*/true}
+                    : WeightSplit{list[0], list[1], list[2], list[3]};
 #else
   (void)path;
   (void)x;
