@@ -311,14 +311,14 @@ bool split_product_writes_pre(Path path, const at::Tensor& x, const at::Tensor& 
          product_k_slices(x.device().index(), m, n, k) == 1 && split_gemm_writes_pre(n);
 }
 
-// The forward on a split path, with w's split made beforehand where w_split is not null (gemm_weight_split: its
+// The forward on a split path, with w's split made beforehand where given_split is not null (gemm_weight_split: its
 // chunk split, or, for a product computed transposed, its row split, that product's x split). A transposed product
 // holds w's split unless given, and y^T where the kernel does not write y (4 bytes per element each).
 std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path, const at::Tensor& x,
                                                                        const at::Tensor& weight,
                                                                        const at::Tensor& bias,
                                                                        const Epilogue& epilogue, bool return_mask,
-                                                                       const WeightSplit* w_split) {
+                                                                       const WeightSplit* given_split) {
   const int64_t m = gemm_rows(x), k = weight.size(1), n = weight.size(0);
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
@@ -330,9 +330,10 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
                        epilogue, y, positive);
     return {y, mask};
   }
-  // (usable_weight_split gives a row split exactly where the product is computed transposed.)
+  // A row split serves the product computed transposed, a chunk split the other (usable_weight_split matched the
+  // orientation; a forced orientation changed since by another thread leaves the split unread).
   const bool transposed = split_product_transposed(path, m, n, k);
-  TORCH_INTERNAL_ASSERT(w_split == nullptr || w_split->rows == transposed);
+  const WeightSplit* const w_split = given_split != nullptr && given_split->rows == transposed ? given_split : nullptr;
   if (!transposed) {
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
                        epilogue, y, positive, /*x_column_sums=*/nullptr, w_split);
