@@ -218,7 +218,7 @@ class forced_k_slices:
 
 class forced_transposed:
     """with forced_transposed(mode): every split_fp16 forward in the block whose weight is given as it is (not a
-    transposed view) is computed transposed (y^T = w x^T: the row pass splits the weight, the kernel x) with mode 1,
+    transposed view) is computed transposed (y^T = w x^T: the weight split by rows ahead, x in the kernel) with mode 1,
     as it is with -1; 0 is the automatic choice (m k > n k + m n). For tests (both orientations of one shape) and
     tools."""
 
