@@ -41,6 +41,18 @@ struct EpilogueArguments {
   Epilogue epilogue;
 };
 
+// The mask bytes of a unit's 4 outputs (consecutive columns of y) at `at`: one word store where y's rows keep the
+// mask 4-byte aligned (mask_words), else byte by byte.
+__device__ __forceinline__ void store_unit_mask(std::uint8_t* at, const Activated (&out)[4], bool mask_words) {
+  if (mask_words) {
+    *reinterpret_cast<std::uint32_t*>(at) = std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
+                                            std::uint32_t{out[2].positive} << 16 | std::uint32_t{out[3].positive} << 24;
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
+  }
+}
+
 // Writes, from the CTAs of x's first tile, the flags of the tile's rows of w that this thread's quad split.
 __device__ __forceinline__ void write_w_flags(const EpilogueArguments& arguments, const ConsumerThread& thread,
                                               int tile_x, int tile_w, const bool (&non_finite)[2]) {
@@ -208,17 +220,8 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
                                     apply_epilogue<kActivation>(unscale(totals.z, factors), unit_bias[2], epilogue),
                                     apply_epilogue<kActivation>(unscale(totals.w, factors), unit_bias[3], epilogue)};
           store_shared_float4(address, make_float4(out[0].value, out[1].value, out[2].value, out[3].value));
-          if (positive && row < m && columns_inside) {
-            std::uint8_t* const at = positive + static_cast<std::int64_t>(row) * n + first_column;
-            if (mask_words) {
-              *reinterpret_cast<std::uint32_t*>(at) =
-                  std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
-                  std::uint32_t{out[2].positive} << 16 | std::uint32_t{out[3].positive} << 24;
-            } else {
-#pragma unroll
-              for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
-            }
-          }
+          if (positive && row < m && columns_inside)
+            store_unit_mask(positive + static_cast<std::int64_t>(row) * n + first_column, out, mask_words);
         }
       });
       fence_async_shared();
@@ -364,17 +367,8 @@ __device__ __forceinline__ void store_tile_y_transposed(const EpilogueArguments&
                                 apply_epilogue<kLeaky>(unscale(totals.z, factors[2]), column_bias[2], epilogue),
                                 apply_epilogue<kLeaky>(unscale(totals.w, factors[3]), column_bias[3], epilogue)};
       store_shared_float4(address, make_float4(out[0].value, out[1].value, out[2].value, out[3].value));
-      if (arguments.positive && row < n && columns_inside) {
-        std::uint8_t* const at = arguments.positive + static_cast<std::int64_t>(row) * m + first_column;
-        if (mask_words) {
-          *reinterpret_cast<std::uint32_t*>(at) = std::uint32_t{out[0].positive} | std::uint32_t{out[1].positive} << 8 |
-                                                  std::uint32_t{out[2].positive} << 16 |
-                                                  std::uint32_t{out[3].positive} << 24;
-        } else {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) at[q] = out[q].positive;
-        }
-      }
+      if (arguments.positive && row < n && columns_inside)
+        store_unit_mask(arguments.positive + static_cast<std::int64_t>(row) * m + first_column, out, mask_words);
     }
     fence_async_shared();
     named_barrier_sync(kStagingBarrier + consumer, 128);
