@@ -199,39 +199,39 @@ class forced_gemm_path:
 STREAM_K = -1  # forced_k_slices's value for stream-K (gemm.h's kStreamK)
 
 
-class forced_k_slices:
+class _ForcedSetting:
+    """A block with one of the ops' forced settings (_op: the op's name, which sets the value and returns the previous
+    one), the previous restored after it. A class, not a generator function (KernelBench's static check)."""
+
+    _op = None
+
+    def __init__(self, value):
+        self.value, self.previous = value, None
+
+    def __enter__(self):
+        self.previous = getattr(torch.ops.kernels, self._op)(self.value)
+        return self
+
+    def __exit__(self, *exc_info):
+        getattr(torch.ops.kernels, self._op)(self.previous)
+        return False
+
+
+class forced_k_slices(_ForcedSetting):
     """with forced_k_slices(s): every split_fp16 product in the block splits K into at most s slices, or, with
     STREAM_K, by stream-K (K whole where it does not fit: no partial last round of tiles, or fewer of its chunks than
     the GPU has multiprocessors); 0 is the automatic choice. For tests and tools."""
 
-    def __init__(self, slices):
-        self.slices, self.previous = slices, None
-
-    def __enter__(self):
-        self.previous = torch.ops.kernels._gemm_force_k_slices(self.slices)
-        return self
-
-    def __exit__(self, *exc_info):
-        torch.ops.kernels._gemm_force_k_slices(self.previous)
-        return False
+    _op = "_gemm_force_k_slices"
 
 
-class forced_transposed:
+class forced_transposed(_ForcedSetting):
     """with forced_transposed(mode): every split_fp16 forward in the block whose weight is given as it is (not a
     transposed view) is computed transposed (y^T = w x^T: the weight split by rows ahead, x in the kernel) with mode 1,
     as it is with -1; 0 is the automatic choice (m k > n k + m n). For tests (both orientations of one shape) and
     tools."""
 
-    def __init__(self, mode):
-        self.mode, self.previous = mode, None
-
-    def __enter__(self):
-        self.previous = torch.ops.kernels._gemm_force_transposed(self.mode)
-        return self
-
-    def __exit__(self, *exc_info):
-        torch.ops.kernels._gemm_force_transposed(self.previous)
-        return False
+    _op = "_gemm_force_transposed"
 
 
 # The path forced_gemm_path sets ("auto" by default): part of FusedLinear's key for the weight's split, whose layout
