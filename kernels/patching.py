@@ -2,8 +2,9 @@
 and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, mm, addmm, einsum,
 nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
-    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm; Conv1D, NewGELU, LLaMA's norms, MLP,
-                                  # BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp and Block
+    kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm, patchify Conv2d; Conv1D, NewGELU,
+                                  # LLaMA's norms, MLP, BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp
+                                  # and Block
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 from torch.nn.utils import parametrize as _parametrize
+from torch._prims_common import suggest_memory_format
 from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
@@ -46,6 +48,62 @@ class _Conv1DPatch:
         if plain_product_suffices(x, n, k, weight.requires_grad):
             return super().forward(x)
         return gemm_multiply_leaky_relu(x, weight.t(), self.bias, 1.0, 1.0)
+
+
+class _PatchifyConv2dPatch:
+    """nn.Conv2d whose kernel is its stride, without padding, dilation or groups (a vision transformer's patch
+    embedding): the convolution is one GEMM, each output position's patch (in channels x kernel values, in the
+    weight's order) a row against the weight as an (out channels, in channels x kernel) matrix, on the library's
+    GEMM where a split takes that product; its own forward otherwise. The result is eager's in eager's memory format.
+    Eager's cuDNN convolution runs in TF32 by default (torch.backends.cudnn.allow_tf32); this one is fp32-accurate
+    whatever that flag says."""
+
+    def forward(self, input):
+        if _patchify_takes(self, input):
+            return _patchify_conv2d(input, self.weight, self.bias, self.kernel_size)
+        return super().forward(input)
+
+
+def _is_patchify_conv(conv):
+    """Whether an nn.Conv2d's settings make it a patchify convolution: kernel equal to the stride, more than one
+    value a channel (a 1 x 1 convolution's call is another product, not measured here), no padding, dilation or
+    groups."""
+    kernel = tuple(conv.kernel_size)
+    return (kernel == tuple(conv.stride) and kernel != (1, 1) and conv.padding in ((0, 0), "valid")
+            and tuple(conv.dilation) == (1, 1) and conv.groups == 1)
+
+
+def _patchify_takes(conv, x):
+    """Whether a patched nn.Conv2d runs x as one GEMM (_patchify_conv2d): a batched float32 CUDA image, plain
+    parameters on its device, outside autocast (whose float16 policy eager's convolution follows), where the GEMM or
+    a product of its backward may take a split (plain_product_suffices: the shape, the TF32 setting, a forced path)."""
+    weight, bias = conv.weight, conv.bias
+    if not (_plain(x, weight) and (bias is None or _plain(bias)) and x.is_cuda and x.dim() == 4
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device == x.device
+            and (bias is None or bias.dtype == torch.float32 and bias.device == x.device)
+            and not torch.is_autocast_enabled("cuda") and _is_patchify_conv(conv)):
+        return False
+    _, channels, height, width = x.shape
+    kh, kw = conv.kernel_size
+    if channels != weight.shape[1] or height < kh or width < kw:  # eager's conv raises its own error
+        return False
+    # x holds about (its element count) / (values a patch) patches, the GEMM's rows
+    return not plain_product_suffices(x, weight.shape[0], channels * kh * kw, weight.requires_grad)
+
+
+def _patchify_conv2d(x, weight, bias, kernel_size):
+    """F.conv2d(x, weight, bias, stride=kernel_size) as one GEMM of x's patches against the weight, in the memory
+    format eager's convolution gives (cuDNN's choice: channels_last where x or the weight is laid out so)."""
+    batch, channels, height, width = x.shape
+    kh, kw = kernel_size
+    rows, columns = height // kh, width // kw
+    # The convolution leaves out the last rows and columns that no whole patch covers.
+    patches = x[:, :, :rows * kh, :columns * kw].unflatten(3, (columns, kw)).unflatten(2, (rows, kh))
+    patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch * rows * columns, channels * kh * kw)
+    y = linear(patches, weight.reshape(weight.shape[0], -1), bias)
+    y = y.view(batch, rows, columns, -1).permute(0, 3, 1, 2)  # laid out channels_last, without a copy
+    channels_last = torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight))
+    return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 class _NewGELUPatch:
@@ -500,19 +558,22 @@ def _conv1d_class():
 
 
 def _base_for_class(cls):
-    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm, nn.Sequential
-    (those holding timm Blocks: _patch_base),
+    """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm, nn.Conv2d
+    (those with a patchify convolution's settings: _patch_base), nn.Sequential (those holding timm Blocks),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
     forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul and add),
     and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's Mlp's
     code."""
-    if (issubclass(cls, nn.Linear) and _linear_parameters_are_its_own(cls)
+    if (issubclass(cls, nn.Linear) and _parameters_are_its_own(cls, nn.Linear)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
     if issubclass(cls, nn.MultiheadAttention) and cls.forward is nn.MultiheadAttention.forward:
         return _MultiheadAttentionPatch
     if issubclass(cls, nn.LayerNorm) and cls.forward is nn.LayerNorm.forward:
         return _LayerNormPatch
+    if (issubclass(cls, nn.Conv2d) and _parameters_are_its_own(cls, nn.Conv2d) and cls.forward is nn.Conv2d.forward
+            and cls._conv_forward is nn.Conv2d._conv_forward):
+        return _PatchifyConv2dPatch  # patch() takes those with a patchify convolution's settings (_patch_base)
     if cls is nn.Sequential:  # patch() takes those holding timm Blocks one after another (_patch_base)
         return _BlockSequencePatch
     for module_name, name, base in (("transformers.pytorch_utils", "Conv1D", _Conv1DPatch),
@@ -536,23 +597,26 @@ def _base_for_class(cls):
     return None
 
 
-def _linear_parameters_are_its_own(cls):
-    """Whether FusedLinear may read an nn.Linear subclass's weight and bias from its parameters: no class above
-    nn.Linear defines them (a property that computes them, as torch.nn.utils.parametrize's classes and LoRA-style
-    subclasses do), and it is not a lazy layer (it turns itself into nn.Linear on its first call)."""
-    subclasses = [c for c in cls.__mro__ if c is not nn.Linear and issubclass(c, nn.Linear)]
+def _parameters_are_its_own(cls, layer):
+    """Whether a patch may read the weight and bias of a subclass of `layer` (nn.Linear, nn.Conv2d) from its
+    parameters: no class above `layer` defines them (a property that computes them, as torch.nn.utils.parametrize's
+    classes and LoRA-style subclasses do), and it is not a lazy layer (it turns itself into `layer` on its first
+    call)."""
+    subclasses = [c for c in cls.__mro__ if c is not layer and issubclass(c, layer)]
     return (not any("weight" in vars(c) or "bias" in vars(c) for c in subclasses)
             and not issubclass(cls, nn.modules.lazy.LazyModuleMixin))
 
 
 def _patch_base(module):
     """The mixin that patches `module`'s class, or None where patch() leaves it (an nn.Sequential without timm Blocks
-    one after another included)."""
+    one after another, and an nn.Conv2d without a patchify convolution's settings, included)."""
     cls = type(module)
     if cls in _PATCHED_CLASSES.values():
         return None
     base = _base_for_class(cls)
-    return None if base is _BlockSequencePatch and not _holds_linked_blocks(module) else base
+    if base is _BlockSequencePatch and not _holds_linked_blocks(module):
+        return None
+    return None if base is _PatchifyConv2dPatch and not _is_patchify_conv(module) else base
 
 
 def _class_name(cls):
@@ -588,8 +652,8 @@ def __getattr__(name):
 
 
 def patch(model, layers=None):
-    """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every
-    transformers Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with
+    """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every nn.Conv2d
+    whose kernel is its stride (a patch embedding: _PatchifyConv2dPatch), every transformers Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with
     one of their forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's,
     in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
@@ -881,7 +945,7 @@ def _split_may_take(x, n, k):
 def _patchable_layers(model):
     # (qualified name, module) of every layer patch() turns, shared layers under each of their names.
     return [(name, module) for name, module in model.named_modules(remove_duplicate=False)
-            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch)]
+            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch, _PatchifyConv2dPatch)]
 
 
 @contextlib.contextmanager
@@ -921,6 +985,8 @@ def split_layer_names(model, *inputs):
                 n, k = weight.shape
             elif isinstance(module, nn.Linear):
                 n, k = module.weight.shape
+            elif isinstance(module, nn.Conv2d):  # a patchify convolution: a row of in channels x kernel values a patch
+                n, k = module.weight.shape[0], module.weight[0].numel()
             else:  # Conv1D: its weight stored as (in, out)
                 k, n = module.weight.shape
             if _split_may_take(x, n, k):

@@ -890,6 +890,7 @@ def test_timm_vit_patch_round_trip(device):
     assert norms and all(kernels.is_patched(m) for m in norms)
     attentions = [m for m in patched.modules() if type(m).__name__ == "Attention"]  # on the packed attention
     assert attentions and all(kernels.is_patched(m) for m in attentions)
+    assert kernels.is_patched(patched.patch_embed.proj)  # the patch embedding: one GEMM where a split takes it
     blocks = list(patched.blocks)  # each block's adds with the norms after them: add_layer_norm
     assert all(kernels.is_patched(b) for b in blocks) and kernels.is_patched(patched.blocks)
     sequences = [m for m in patched.modules() if isinstance(m, nn.Sequential)]  # only the blocks' own is patched
@@ -1717,6 +1718,139 @@ def test_transposed_weight_view(m, k, n):
     if n % 4 == 0:
         names = ops_called(lambda: linear(x.detach(), w_in_out.detach().t(), b))
         assert not any("clone" in name or "copy" in name or "contiguous" in name for name in names), names
+
+
+# ---- patchify convolutions (patch embeddings) -------------------------------------------------------------------------
+
+class DoubledConv2d(nn.Conv2d):
+    """A Conv2d subclass with a forward of its own: patch() must leave it as it is."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_patch_takes_patchify_convolutions_only(device):
+    """patch() turns an nn.Conv2d whose kernel is its stride (no padding, dilation or groups) and leaves every other
+    convolution; where no split takes the call (the CPU, small images) the patched layer is its own forward, bit for
+    bit; unpatch() gives the class back; split_layer_names names the convolution at a ViT-B/16 image batch."""
+    torch.manual_seed(0)
+    convs = nn.ModuleDict({
+        "patch": nn.Conv2d(3, 32, 8, stride=8),
+        "rectangular": nn.Conv2d(3, 16, (2, 4), stride=(2, 4), bias=False, padding="valid"),
+        "overlapping": nn.Conv2d(3, 16, 4, stride=2),
+        "padded": nn.Conv2d(3, 16, 2, stride=2, padding=1),
+        "dilated": nn.Conv2d(3, 16, 2, stride=2, dilation=2),
+        "grouped": nn.Conv2d(4, 16, 2, stride=2, groups=2),
+        "pointwise": nn.Conv2d(3, 16, 1),
+        "own_forward": DoubledConv2d(3, 16, 8, stride=8),
+    }).to(device)
+    keys = list(convs.state_dict())
+    kernels.patch(convs)
+    assert {name for name, conv in convs.items() if kernels.is_patched(conv)} == {"patch", "rectangular"}
+    assert list(convs.state_dict()) == keys and all(isinstance(conv, nn.Conv2d) for conv in convs.values())
+    x = torch.randn(2, 3, 16, 16, device=device)
+    for name in ("patch", "rectangular"):
+        conv = convs[name]
+        assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias, stride=conv.stride))
+    embedding = nn.Conv2d(3, 768, 16, stride=16, device="meta")  # ViT-B/16's
+    assert kernels.split_layer_names(embedding, torch.empty(64, 3, 224, 224, device="meta")) == [""]
+    assert kernels.split_layer_names(embedding, torch.empty(2, 3, 224, 224, device="meta")) == []
+    kernels.unpatch(convs)
+    assert not any(kernels.is_patched(conv) for conv in convs.values())
+
+
+def split_paths_here():
+    from kernels.gemm.gemm import SPLIT_PATHS, gemm_paths
+
+    return [path for path in gemm_paths("cuda") if path in SPLIT_PATHS]
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["vit", "remainder", "rectangular_no_bias", "channels_last", "offset_view",
+                                  "non_finite", "scaled"])
+def test_patchify_convolution_against_float64(case):
+    """A patched patchify convolution at a size the split takes (ViT-B/16's patch embedding, 32 images), on each split
+    path: its output and its gradients (weight, bias, image) against float64, at most eager's error (cuDNN's TF32 off:
+    eager's fp32) and allclose to eager, in eager's memory format; NaN and Inf where eager has them; images of very
+    different magnitudes each at most eager's error."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kernel, bias, shape = (16, 16), True, (32, 3, 224, 224)
+    if case == "remainder":  # rows and columns no whole patch covers are left out
+        shape = (32, 3, 230, 237)
+    if case == "rectangular_no_bias":
+        kernel, bias = (8, 16), False
+    conv = nn.Conv2d(3, 768, kernel, stride=kernel, bias=bias).cuda()
+    kernels.patch(conv)
+    x = torch.randn(shape, device="cuda", generator=g)
+    if case == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    if case == "offset_view":
+        x = torch.randn(shape[0], shape[1], shape[2] + 3, shape[3] + 5, device="cuda", generator=g)[:, :, 3:, 5:]
+    if case == "non_finite":
+        x[1, 0, 5, 7] = float("nan")
+        x[2, 2, 40, 80] = float("inf")
+    if case == "scaled":  # images of very different magnitudes
+        x = x * torch.logspace(-10, 10, shape[0], device="cuda").view(-1, 1, 1, 1)
+    assert patching._patchify_takes(conv, x)
+    x.requires_grad_(True)
+    parameters = (conv.weight,) + ((conv.bias,) if bias else ())
+    grad = torch.randn(shape[0], 768, shape[2] // kernel[0], shape[3] // kernel[1], device="cuda", generator=g)
+    inputs64 = [t.detach().double().requires_grad_(True) for t in (x, *parameters)]
+    y64 = F.conv2d(inputs64[0], inputs64[1], inputs64[2] if bias else None, stride=kernel)
+    expected64 = torch.autograd.grad(y64, inputs64, grad.double())
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        y_eager = F.conv2d(x, conv.weight, conv.bias, stride=kernel)
+        expected = torch.autograd.grad(y_eager, (x, *parameters), grad)
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+    for path in split_paths_here():
+        with forced_gemm_path(path):
+            names = ops_called(lambda: conv(x))
+            y = conv(x)
+            grads = torch.autograd.grad(y, (x, *parameters), grad)
+        assert any("kernels.gemm_multiply_leaky_relu" in name for name in names), names
+        assert y.shape == y_eager.shape and y.stride() == y_eager.stride(), (y.stride(), y_eager.stride())
+        if case == "non_finite":
+            assert torch.equal(torch.isnan(y), torch.isnan(y_eager)) and torch.equal(torch.isinf(y), torch.isinf(y_eager))
+            continue
+        if case == "scaled":  # each image against its own float64 result (allclose does not scale per image)
+            for ours, eager, exact in zip(y, y_eager, y64):
+                assert relative_error(ours, exact) <= relative_error(eager, exact) * 1.0001 + 1e-12
+            continue
+        check_close_to_float64(y, y_eager, y64)
+        for ours, eager, exact in zip(grads, expected, expected64):
+            assert relative_error(ours, exact) <= relative_error(eager, exact) * 1.0001 + 1e-12
+            torch.testing.assert_close(ours, eager, atol=gradient_atol(eager), rtol=TOL)
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_patchify_convolution_follows_the_callers_mode():
+    """Where the GEMM takes no call, the patched convolution is eager's own: autocast (float16, eager's policy), a
+    float64 image, TF32 allowed for products (the split path steps aside: "high"); under torch.compile the route's
+    result is eager's within the contract."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 768, 16, stride=16).cuda()
+    kernels.patch(conv)
+    x = torch.randn(32, 3, 224, 224, device="cuda")
+    assert patching._patchify_takes(conv, x)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert not patching._patchify_takes(conv, x)
+        assert conv(x).dtype == torch.float16
+    assert not patching._patchify_takes(conv.double(), x.double())
+    conv.float()
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert not patching._patchify_takes(conv, x)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    with torch.no_grad():
+        expected = conv(x)
+        compiled = torch.compile(conv)
+        torch.testing.assert_close(compiled(x), expected, atol=TOL, rtol=TOL)
 
 
 # ---- plain layers: no extra work -------------------------------------------------------------------------------------
