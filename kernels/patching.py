@@ -75,13 +75,15 @@ def _is_patchify_conv(conv):
 
 def _patchify_takes(conv, x):
     """Whether a patched nn.Conv2d runs x as one GEMM (_patchify_conv2d): a batched float32 CUDA image, plain
-    parameters on its device, outside autocast (whose float16 policy eager's convolution follows), where the GEMM or
+    parameters on its device, outside autocast (whose float16 policy eager's convolution follows) and torch.func's
+    transforms, where the GEMM or
     a product of its backward may take a split (plain_product_suffices: the shape, the TF32 setting, a forced path)."""
     weight, bias = conv.weight, conv.bias
     if not (_plain(x, weight) and (bias is None or _plain(bias)) and x.is_cuda and x.dim() == 4
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device == x.device
             and (bias is None or bias.dtype == torch.float32 and bias.device == x.device)
-            and not torch.is_autocast_enabled("cuda") and _is_patchify_conv(conv)):
+            and not torch.is_autocast_enabled("cuda") and not torch._C._are_functorch_transforms_active()
+            and _is_patchify_conv(conv)):
         return False
     _, channels, height, width = x.shape
     kh, kw = conv.kernel_size

@@ -1829,8 +1829,8 @@ def test_patchify_convolution_against_float64(case):
 @pytest.mark.slow
 def test_patchify_convolution_follows_the_callers_mode():
     """Where the GEMM takes no call, the patched convolution is eager's own: autocast (float16, eager's policy), a
-    float64 image, TF32 allowed for products (the split path steps aside: "high"); under torch.compile the route's
-    result is eager's within the contract."""
+    float64 image, TF32 allowed for products (the split path steps aside: "high"), torch.func's transforms (vmap);
+    under torch.compile and functional_call the route's result is eager's within the contract."""
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 768, 16, stride=16).cuda()
     kernels.patch(conv)
@@ -1847,10 +1847,16 @@ def test_patchify_convolution_follows_the_callers_mode():
         assert not patching._patchify_takes(conv, x)
     finally:
         torch.set_float32_matmul_precision(previous)
+    parameters = dict(conv.named_parameters())
     with torch.no_grad():
         expected = conv(x)
         compiled = torch.compile(conv)
         torch.testing.assert_close(compiled(x), expected, atol=TOL, rtol=TOL)
+        # torch.func's transforms: eager's convolution (its default TF32 included), as an unpatched layer gives
+        unpatched = F.conv2d(x, conv.weight, conv.bias, stride=16)
+        torch.testing.assert_close(torch.func.functional_call(conv, parameters, (x,)), expected, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(torch.func.vmap(conv)(x[:2].unsqueeze(1)).squeeze(1), unpatched[:2], atol=TOL,
+                                   rtol=TOL)
 
 
 # ---- plain layers: no extra work -------------------------------------------------------------------------------------
