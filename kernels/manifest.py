@@ -73,6 +73,7 @@ FAMILIES = (
         cpp_sources=("layer_norm/layer_norm.cpp",),  # its CPU path too: ATen's ops on layer_norm_op.h's formulas
         cuda_sources=("layer_norm/layer_norm.cu",),
         python_module="kernels.layer_norm.layer_norm",
+        requires=("gemm",),  # the leaving ops hand y's row split to gemm's _gemm_leave_row_split
         autograd_sources=("layer_norm/layer_norm_autograd.cpp",),
     ),
     Family(

@@ -14,6 +14,7 @@ through `.data` do not advance: after one, call the layer's clear_weight_split()
 """
 
 import contextlib
+import functools
 import math
 import sys
 
@@ -28,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from kernels.attention.attention import attention
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, _tracing_state, gemm_multiply_leaky_relu
-from kernels.gemm.gemm import _has_hooks, linear
+from kernels.gemm.gemm import _has_hooks, _tf32_allowed, gemm_paths, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -495,8 +496,7 @@ class _TimmBlockPatch:
         if not _add_layer_norm_takes(self.norm2, x, branch):
             x = x + branch
             return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        norm2 = self.norm2
-        x, normed = add_layer_norm(x, branch, norm2.weight, norm2.bias, norm2.eps)
+        x, normed = _add_layer_norm_for_product(x, branch, self.norm2)
         branch = self.drop_path2(self.ls2(self.mlp(normed)))
         # The hand-over: not under tracing, nor in activation checkpointing's runs (saved-tensor hooks on, or a
         # recomputation inside a backward), whose next call may not take it; not where this block's call or the next
@@ -505,8 +505,7 @@ class _TimmBlockPatch:
         if (following is None or _is_compiling() or _called_otherwise(self) or _called_otherwise(following)
                 or not _outside_recomputation() or not _add_layer_norm_takes(following.norm1, x, branch)):
             return x + branch
-        norm1 = following.norm1
-        out, normed = add_layer_norm(x, branch, norm1.weight, norm1.bias, norm1.eps)
+        out, normed = _add_layer_norm_for_product(x, branch, following.norm1)
         following.__dict__["_pending_norm1"] = (out, _version_of(out), torch.is_grad_enabled(), normed)
         return out
 
@@ -515,6 +514,27 @@ class _TimmBlockPatch:
         state.pop("_pending_norm1", None)
         state.pop("_next_block", None)
         return state
+
+
+def _add_layer_norm_for_product(x, residual, norm):
+    """add_layer_norm(x, residual) with the patched LayerNorm `norm`'s parameters, for a norm whose result a linear
+    layer reads next (a ViT Block's qkv and fc1). In eager calls without a gradient to compute (outside torch.compile,
+    torch.jit.trace and inference mode, whose tensors have no version counter), on a GPU whose GEMM reads it, the
+    norm's kernel also leaves its result's row split, which that layer's split forward then reads instead of
+    splitting its input (the same bits)."""
+    if (torch.is_grad_enabled() or _is_compiling() or _tracing_state() is not None
+            or torch.is_inference_mode_enabled() or not x.is_cuda or _tf32_allowed()
+            or not _row_split_read_on(x.device.index)):
+        return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+    return torch.ops.kernels._add_layer_norm_leaving_row_split.default(x, residual, norm.weight, norm.bias,
+                                                                       float(norm.eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _row_split_read_on(device_index):
+    """Whether the GEMM's forwards on this GPU read a left row split: split_fp16's (Hopper's) kernel; elsewhere a
+    split left by a norm would go unread."""
+    return "split_fp16" in gemm_paths(torch.device("cuda", device_index))
 
 
 def _version_of(t):

@@ -560,3 +560,74 @@ def test_runs_on_the_current_stream():
         expected = eager_layer_norm(x, weight, bias)
     stream.synchronize()
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- the leaving ops: y's row split left for the GEMM ----------------------------------------------------------------
+
+def split_fp16_runs_here():
+    from kernels.gemm.gemm import gemm_paths
+
+    return torch.cuda.is_available() and "split_fp16" in gemm_paths("cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("residual", [False, True], ids=["layer_norm", "add_layer_norm"])
+@pytest.mark.parametrize("columns", [768, 1000, 52, 4096])
+def test_leaving_ops_give_the_ops_results_and_the_gemms_own_split(residual, columns):
+    """The leaving ops give layer_norm's (add_layer_norm's) results bit for bit, and the split they leave is the one the
+    GEMM's row pass makes of y: the split_fp16 forward on y (which reads it) gives the same bits as on a copy of y
+    (which it splits itself), with a row of NaN (the non-finite fix-up reads y) and rows split across the 1000 and 52
+    columns' padding."""
+    if not split_fp16_runs_here():
+        pytest.skip("the split_fp16 path (Hopper) reads the left split")
+    from kernels.gemm.gemm import forced_gemm_path, linear
+
+    g = torch.Generator(device="cuda").manual_seed(columns)
+    x = torch.randn(512, columns, device="cuda", generator=g) * 2 + 0.5
+    x[7, 3] = float("inf")  # its row of y is NaN
+    other = torch.randn(512, columns, device="cuda", generator=g)
+    weight = torch.randn(columns, device="cuda", generator=g) * 0.5 + 1
+    bias = torch.randn(columns, device="cuda", generator=g) * 0.5
+    w = torch.randn(1024, columns, device="cuda", generator=g) / columns ** 0.5
+    b = torch.randn(1024, device="cuda", generator=g)
+    with torch.no_grad(), forced_gemm_path("split_fp16"):
+        if residual:
+            expected = add_layer_norm(x, other, weight, bias, EPS)
+            got = torch.ops.kernels._add_layer_norm_leaving_row_split(x, other, weight, bias, EPS)
+            assert torch.equal(got[0], expected[0])
+            y, y_expected = got[1], expected[1]
+        else:
+            y_expected = layer_norm(x, weight, bias, EPS)
+            y = torch.ops.kernels._layer_norm_leaving_row_split(x, weight, bias, EPS)
+        torch.testing.assert_close(y, y_expected, rtol=0, atol=0, equal_nan=True)
+        from_left_split = linear(y, w, b)
+        from_own_split = linear(y.clone(), w, b)
+    torch.testing.assert_close(from_left_split, from_own_split, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(from_left_split[7]).all() and torch.isfinite(from_left_split[8]).all()
+
+
+@requires_cuda
+def test_a_left_split_is_read_only_for_its_tensor_unchanged():
+    """The GEMM reads a left split (a split of zeros left for y gives the bias alone), but not once y has been changed
+    through PyTorch (its version counter), nor for another tensor at all; a leaving op under autograd refuses."""
+    if not split_fp16_runs_here():
+        pytest.skip("the split_fp16 path (Hopper) reads the left split")
+    from kernels.gemm.gemm import forced_gemm_path, linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn(256, 768, device="cuda", generator=g)
+    w = torch.randn(512, 768, device="cuda", generator=g)
+    b = torch.randn(512, device="cuda", generator=g)
+    length = 768  # split_row_length(768): whole chunks of 64
+    zeros = [torch.zeros(256, length, device="cuda", dtype=torch.float16) for _ in range(2)]
+    with torch.no_grad(), forced_gemm_path("split_fp16"):
+        correct = linear(y.clone(), w, b)
+        torch.ops.kernels._gemm_leave_row_split(y, zeros[0], zeros[1], torch.zeros(256, device="cuda",
+                                                                                   dtype=torch.int32))
+        assert torch.equal(linear(y, w, b), b.expand(256, 512))  # read: its zeros
+        assert torch.equal(linear(y.clone(), w, b), correct)  # another tensor: its own split
+        y.add_(0.0)  # the same values, a new version
+        assert torch.equal(linear(y, w, b), correct)
+    weight = torch.ones(768, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="computes no gradient"):
+        torch.ops.kernels._layer_norm_leaving_row_split(y, weight, torch.zeros(768, device="cuda"), EPS)

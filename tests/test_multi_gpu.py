@@ -206,7 +206,8 @@ class LayerNormCase:
     sum's gradient)."""
 
     family = "layer_norm"
-    ops = {"layer_norm", "add_layer_norm", "layer_norm_backward"}
+    ops = {"layer_norm", "add_layer_norm", "layer_norm_backward", "_layer_norm_leaving_row_split",
+           "_add_layer_norm_leaving_row_split"}
     eps = 1e-5
 
     def __str__(self):
@@ -250,17 +251,27 @@ class LayerNormCase:
     def ours(self, **inputs):
         from kernels.functional import add_layer_norm, layer_norm
 
-        return self.run(lambda x, weight, bias: layer_norm(x, weight, bias, self.eps),
-                        lambda x, residual, weight, bias: add_layer_norm(x, residual, weight, bias, self.eps),
-                        inputs, torch.float32)
+        outputs = self.run(lambda x, weight, bias: layer_norm(x, weight, bias, self.eps),
+                           lambda x, residual, weight, bias: add_layer_norm(x, residual, weight, bias, self.eps),
+                           inputs, torch.float32)
+        with torch.no_grad():  # the leaving ops (their split is left on the inputs' GPU, read by no product here)
+            parameters = (inputs["packs weight"], inputs["packs bias"], self.eps)
+            outputs["leaving y"] = torch.ops.kernels._layer_norm_leaving_row_split(inputs["packs"], *parameters)
+            outputs["leaving add sum"], outputs["leaving add y"] = (
+                torch.ops.kernels._add_layer_norm_leaving_row_split(inputs["residual"].flip(0), inputs["residual"],
+                                                                    *parameters))
+        return outputs
 
     def eager(self, **inputs):
         def add_norm(x, residual, weight, bias):
             total = x + residual
             return total, F.layer_norm(total, total.shape[-1:], weight, bias, self.eps)
 
-        return self.run(lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, self.eps), add_norm,
-                        inputs, torch.float64)
+        outputs = self.run(lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias, self.eps), add_norm,
+                           inputs, torch.float64)
+        outputs["leaving y"], outputs["leaving add sum"], outputs["leaving add y"] = (
+            outputs["packs"], outputs["add sum"], outputs["add y"])
+        return outputs
 
     def check(self, got, expected, inputs):
         for name in expected:

@@ -936,6 +936,31 @@ def test_timm_vit_patch_round_trip(device):
 
 
 
+@requires_cuda
+def test_vit_norms_leave_their_row_split_for_the_next_products(monkeypatch):
+    """Without a gradient to compute, a patched ViT Block's add-norms leave their result's row split for the linear
+    layer that reads it (the leaving op is called), and the model's output is the same bit for bit as where each layer
+    splits its input itself; with a gradient, the plain op."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.models.vision_transformer.VisionTransformer(embed_dim=768, depth=2, num_heads=12).cuda().eval()
+    x = torch.randn(16, 3, 224, 224, device="cuda")
+    patched = kernels.patch(model)
+    leaving_op = "kernels._add_layer_norm_leaving_row_split.default"
+    with torch.no_grad():
+        names = ops_called(lambda: patched(x))
+        leaving = patched(x)
+        monkeypatch.setattr(patching, "_add_layer_norm_for_product",
+                            lambda x, residual, norm: kernels.functional.add_layer_norm(x, residual, norm.weight,
+                                                                                        norm.bias, norm.eps))
+        splitting = patched(x)
+        monkeypatch.undo()
+    if patching._row_split_read_on(0):
+        assert leaving_op in names, names
+    assert torch.equal(leaving, splitting)
+    assert leaving_op not in ops_called(lambda: patched(x))  # a gradient to compute
+
+
 def test_timm_layer_norm_and_new_gelu_patches_take_their_classes_arguments(monkeypatch):
     """A patched timm LayerNorm takes its forward's keyword (x=, a stand-in module for timm.layers.norm), and a patched
     NewGELUActivation gives eager's result for dtypes gelu_tanh does not take (an integer tensor: eager's formula

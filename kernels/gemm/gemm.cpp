@@ -364,6 +364,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
         "bool return_mask, Tensor[]? weight_split=None) -> (Tensor, Tensor)");
   m.def("gemm_gelu(Tensor x, Tensor weight, Tensor? bias, str approximate, Tensor[]? weight_split=None) -> Tensor");
   m.def("gemm_weight_split(Tensor x, Tensor weight) -> Tensor[]");
+  m.def("_gemm_leave_row_split(Tensor y, Tensor hi, Tensor lo, Tensor exponent) -> ()");
   m.def("gemm_multiply_leaky_relu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor saved, float multiplier, "
         "float negative_slope, bool x_grad, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_gemm_gelu_with_pre(Tensor x, Tensor weight, Tensor? bias, str approximate, Tensor[]? weight_split=None) "
@@ -415,6 +416,9 @@ TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_GEMM_IMPLS(m); }
 #ifdef KERNELS_WITH_CUDA
-TORCH_LIBRARY_IMPL(kernels, CUDA, m) { KERNELS_GEMM_IMPLS(m); }
+TORCH_LIBRARY_IMPL(kernels, CUDA, m) {
+  KERNELS_GEMM_IMPLS(m);
+  m.impl("_gemm_leave_row_split", &kernels::gemm::gemm_leave_row_split);
+}
 #endif
 #undef KERNELS_GEMM_IMPLS

@@ -748,12 +748,17 @@ def _gemm_gelu_backward_vmap(info, in_dims, grad_y, x, weight, pre, approximate,
                                 approximate, x_grad, weight_grad, bias_grad)
 
 
+def _gemm_leave_row_split_fake(y, hi, lo, exponent):
+    return None  # keeps a split for a later forward on the device; nothing to trace
+
+
 def _register_fakes_and_batching_rules():
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_fake)
     torch.library.register_fake("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_fake)
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu", _gemm_multiply_leaky_relu_vmap)
     torch.library.register_vmap("kernels::gemm_multiply_leaky_relu_backward", _gemm_multiply_leaky_relu_backward_vmap)
     torch.library.register_fake("kernels::gemm_gelu", _gemm_gelu_fake)
+    torch.library.register_fake("kernels::_gemm_leave_row_split", _gemm_leave_row_split_fake)
     torch.library.register_vmap("kernels::gemm_gelu", _gemm_gelu_vmap)
     torch.library.register_fake("kernels::_gemm_gelu_with_pre", _gemm_gelu_with_pre_fake)
     torch.library.register_vmap("kernels::_gemm_gelu_with_pre", _gemm_gelu_with_pre_vmap)

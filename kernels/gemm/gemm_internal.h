@@ -99,6 +99,11 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
 std::vector<at::Tensor> gemm_weight_split(const at::Tensor& x, const at::Tensor& weight);
 std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorList>& weight_split, Path path,
                                                const at::Tensor& x, const at::Tensor& weight);
+#ifdef KERNELS_WITH_CUDA
+void gemm_leave_row_split(const at::Tensor& y, const at::Tensor& hi, const at::Tensor& lo, const at::Tensor& exponent);
+// x's row split left by the op that wrote x (gemm_leave_row_split) where x is that tensor, unchanged; else nullopt.
+std::optional<WeightSplit> left_row_split(const at::Tensor& x);
+#endif
 
 // ---- gemm_cublas_bf16x9.cpp: the cublas_bf16x9 path's products (CUDA only) ----------------------------------------
 #ifdef KERNELS_WITH_CUDA

@@ -335,8 +335,11 @@ std::tuple<at::Tensor, at::Tensor> split_fp16_gemm_multiply_leaky_relu(Path path
   const bool transposed = split_product_transposed(path, m, n, k);
   const WeightSplit* const w_split = given_split != nullptr && given_split->rows == transposed ? given_split : nullptr;
   if (!transposed) {
+    // x's row split where the op that wrote x left it (in split_position's order: split_fp16's kernel reads that)
+    const std::optional<WeightSplit> x_rows = path == Path::kSplitFp16 ? left_row_split(x) : std::nullopt;
     split_fp16_product(path, x.reshape({m, k}), /*x_transposed=*/false, weight, /*w_transposed=*/false, bias,
-                       epilogue, y, positive, /*x_column_sums=*/nullptr, w_split);
+                       epilogue, y, positive, /*x_column_sums=*/nullptr, w_split, /*gelu_rows=*/nullptr,
+                       /*y_transposed=*/false, x_rows.has_value() ? &*x_rows : nullptr);
     return {y, mask};
   }
   if (writes_y_transposed(path, x.device().index(), m, n, k, epilogue)) {

@@ -1,6 +1,6 @@
 // w's split made before a GEMM (gemm.h: launch_split_chunks), one power of two per row and chunk: kernels for w, one
-// for w given as its transpose. They take their block size, fold, group reduction and split_pack from the row splits
-// (gemm_split_rows.cuh). Portable (any architecture).
+// for w given as its transpose. They take their block size and group reduction from the row splits
+// (gemm_split_rows.cuh), fold and split_pack from split_numerics.cuh. Portable (any architecture).
 #pragma once
 
 #include "common/dependent_launch.cuh"

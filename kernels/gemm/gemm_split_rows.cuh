@@ -1,5 +1,6 @@
 // The split passes with one power of two per row of the result (gemm.h: launch_split_rows, launch_split_columns), and
-// what the chunk splits (gemm_split_chunks.cuh) share with them: block size, fold, the group reduction, split_pack.
+// what the chunk splits (gemm_split_chunks.cuh) share with them: block size, the group reduction (fold and split_pack,
+// which other families' kernels call too, are split_numerics.cuh's).
 // launch_split_rows splits each row of a float32 matrix into a row exponent and fp16 rows hi, lo with hi + lo = v * 2^e
 // to about 22 bits, in the order and padded length the GEMM reads (split_numerics.cuh: split_position,
 // split_row_length). Memory-bound: one DRAM read and one write per element. A group of whole warps per row; rows of up
@@ -19,41 +20,6 @@ namespace kernels::gemm {
 namespace {
 
 constexpr int kSplitThreads = 256;
-
-// Folds a pack of four into a thread's running row maximum of finite |v| and non-finite flag.
-__device__ __forceinline__ void fold(float v, float& max_abs, bool& non_finite) {
-  max_abs = fmaxf(max_abs, is_finite(v) ? fabsf(v) : 0.0f);
-  non_finite |= !is_finite(v);
-}
-
-__device__ __forceinline__ void fold(float4 v, float& max_abs, bool& non_finite) {
-  fold(v.x, max_abs, non_finite);
-  fold(v.y, max_abs, non_finite);
-  fold(v.z, max_abs, non_finite);
-  fold(v.w, max_abs, non_finite);
-}
-
-__device__ __forceinline__ float clean(float v) { return is_finite(v) ? v : 0.0f; }
-
-// Splits pack i of a row (k = 4i .. 4i + 3) and stores its halves at their places in the GEMM's order. A
-// non-finite v becomes 0 + 0: its row is flagged, and the outputs it reaches are computed by
-// nonfinite_outputs_kernel (the tensor cores would mix an infinity with the random signs of the other operand's lo
-// into NaN where eager gives an infinity).
-// kNatural: in k's own order (for the GEMM that reads w transposed); else in split_position's.
-template <bool kNatural>
-__device__ __forceinline__ void split_pack(float4 v, PowerOfTwo scale, std::int64_t i, __half* hi_row,
-                                           __half* lo_row) {
-  const SplitPair first = split_pair(clean(v.x), clean(v.y), scale);
-  const SplitPair second = split_pair(clean(v.z), clean(v.w), scale);
-  const std::int64_t chunk_start = i / (kSplitChunk / 4) * kSplitChunk;
-  const int q = static_cast<int>(i % (kSplitChunk / 4));
-  const std::int64_t place = chunk_start + (kNatural ? 4 * q : split_position(q));
-  const int second_offset = kNatural ? 2 : 8;
-  *reinterpret_cast<__half2*>(hi_row + place) = first.hi;
-  *reinterpret_cast<__half2*>(lo_row + place) = first.lo;
-  *reinterpret_cast<__half2*>(hi_row + place + second_offset) = second.hi;
-  *reinterpret_cast<__half2*>(lo_row + place + second_offset) = second.lo;
-}
 
 // The block's reduction of its threads' row maximum and non-finite flag into the row's exponent (written by thread
 // 0) and scale. Every thread of the block (kThreads of them) must call it; it is a barrier for the block.

@@ -1,10 +1,12 @@
-// w's split made beforehand and kept by the caller (gemm_weight_split), with a stamp of what it was made from and for;
-// usable_weight_split lets the forward read it where the stamp still matches the call.
+// Splits made beforehand. w's, kept by the caller (gemm_weight_split), with a stamp of what it was made from and for:
+// usable_weight_split lets the forward read it where the stamp still matches the call. x's row split, left by the op
+// that wrote x (_gemm_leave_row_split): left_row_split lets the forward read it where x is that tensor, unchanged.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -124,6 +126,76 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
   return std::nullopt;
 #endif
 }
+
+#ifdef KERNELS_WITH_CUDA
+// ---- x's row split left by the op that wrote x ------------------------------------------------------------------
+
+// A float32 tensor's row split made by the op that wrote the tensor (the LayerNorm family's leaving ops: their kernel
+// splits y as it writes it), for the split_fp16 forward whose x that tensor is. One slot a process, held until another
+// split replaces it or its tensor's storage is gone; matched on that storage (a weak reference, so its memory is not
+// handed to another storage while held), the data address, the version counter (a change made through PyTorch),
+// the element count, the row length, the device and the current stream. Its bits are x's own row pass's.
+struct LeftRowSplit {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  const void* data;
+  int64_t version, numel, columns, device, stream;
+  WeightSplit split;
+};
+
+// The slot and its lock, never destroyed (tensors freed at exit, after the caching allocator, would fail).
+std::mutex& left_row_split_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+
+std::optional<LeftRowSplit>& left_row_split_slot() {
+  static auto* slot = new std::optional<LeftRowSplit>();
+  return *slot;
+}
+
+int64_t current_stream_id(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).id(); }
+
+// _gemm_leave_row_split(y, hi, lo, exponent): keeps y's row split (launch_split_rows's layout and order for
+// split_fp16's kernel: hi and lo rows x split_row_length(columns) fp16, exponent rows int32) in the slot.
+void gemm_leave_row_split(const at::Tensor& y, const at::Tensor& hi, const at::Tensor& lo, const at::Tensor& exponent) {
+  TORCH_CHECK(y.is_cuda() && y.scalar_type() == at::kFloat && y.dim() >= 1 && y.numel() > 0 && y.is_contiguous() &&
+                  !y.is_inference(),
+              "kernels._gemm_leave_row_split: y must be a non-empty contiguous float32 CUDA tensor with a version "
+              "counter");
+  const int64_t columns = y.size(-1), rows = y.numel() / columns, length = split_row_length(columns);
+  for (const at::Tensor* half : {&hi, &lo})
+    TORCH_CHECK(half->scalar_type() == at::kHalf && half->device() == y.device() && half->is_contiguous() &&
+                    half->dim() == 2 && half->size(0) == rows && half->size(1) == length,
+                "kernels._gemm_leave_row_split: hi and lo must be contiguous float16 (", std::to_string(rows), ", ",
+                std::to_string(length), ") tensors on y's device");
+  TORCH_CHECK(exponent.scalar_type() == at::kInt && exponent.device() == y.device() && exponent.is_contiguous() &&
+                  exponent.dim() == 1 && exponent.size(0) == rows,
+              "kernels._gemm_leave_row_split: exponent must be a contiguous int32 (", std::to_string(rows),
+              ") tensor on y's device");
+  LeftRowSplit left{y.storage().getWeakStorageImpl(), y.const_data_ptr(), static_cast<int64_t>(y._version()),
+                    y.numel(), columns, y.device().index(), current_stream_id(y),
+                    WeightSplit{hi, lo, exponent, at::Tensor(), /*rows=*/true}};
+  const std::lock_guard<std::mutex> lock(left_row_split_mutex());
+  left_row_split_slot() = std::move(left);
+}
+
+std::optional<WeightSplit> left_row_split(const at::Tensor& x) {
+  if (!x.is_cuda() || x.is_inference() || !x.is_contiguous() || x.dim() < 1 || x.numel() == 0) return std::nullopt;
+  const std::lock_guard<std::mutex> lock(left_row_split_mutex());
+  std::optional<LeftRowSplit>& slot = left_row_split_slot();
+  if (!slot.has_value()) return std::nullopt;
+  const c10::intrusive_ptr<c10::StorageImpl> storage = slot->storage.lock();
+  if (!storage) {  // its tensor is gone: its split too
+    slot.reset();
+    return std::nullopt;
+  }
+  if (storage.get() != x.storage().unsafeGetStorageImpl() || x.const_data_ptr() != slot->data ||
+      static_cast<int64_t>(x._version()) != slot->version || x.numel() != slot->numel ||
+      x.size(-1) != slot->columns || x.device().index() != slot->device || current_stream_id(x) != slot->stream)
+    return std::nullopt;
+  return slot->split;
+}
+#endif
 
 }  // namespace
 }  // namespace kernels::gemm

@@ -208,4 +208,41 @@ __host__ __device__ constexpr int split_position(int q) {
   return 32 * (q / 8) + 16 * (q % 2) + 2 * ((q % 8) / 2);
 }
 
+// ---- a row's split, pack by pack (the row passes; other families' kernels that leave a split of what they write) ----
+
+// Folds a pack of four into a thread's running row maximum of finite |v| and non-finite flag.
+__device__ __forceinline__ void fold(float v, float& max_abs, bool& non_finite) {
+  max_abs = fmaxf(max_abs, is_finite(v) ? fabsf(v) : 0.0f);
+  non_finite |= !is_finite(v);
+}
+
+__device__ __forceinline__ void fold(float4 v, float& max_abs, bool& non_finite) {
+  fold(v.x, max_abs, non_finite);
+  fold(v.y, max_abs, non_finite);
+  fold(v.z, max_abs, non_finite);
+  fold(v.w, max_abs, non_finite);
+}
+
+__device__ __forceinline__ float clean(float v) { return is_finite(v) ? v : 0.0f; }
+
+// Splits pack i of a row (k = 4i .. 4i + 3) and stores its halves at their places in the GEMM's order. A
+// non-finite v becomes 0 + 0: its row is flagged, and the outputs it reaches are computed by
+// nonfinite_outputs_kernel (the tensor cores would mix an infinity with the random signs of the other operand's lo
+// into NaN where eager gives an infinity).
+// kNatural: in k's own order (for the GEMM that reads w transposed); else in split_position's.
+template <bool kNatural>
+__device__ __forceinline__ void split_pack(float4 v, PowerOfTwo scale, std::int64_t i, __half* hi_row,
+                                           __half* lo_row) {
+  const SplitPair first = split_pair(clean(v.x), clean(v.y), scale);
+  const SplitPair second = split_pair(clean(v.z), clean(v.w), scale);
+  const std::int64_t chunk_start = i / (kSplitChunk / 4) * kSplitChunk;
+  const int q = static_cast<int>(i % (kSplitChunk / 4));
+  const std::int64_t place = chunk_start + (kNatural ? 4 * q : split_position(q));
+  const int second_offset = kNatural ? 2 : 8;
+  *reinterpret_cast<__half2*>(hi_row + place) = first.hi;
+  *reinterpret_cast<__half2*>(lo_row + place) = first.lo;
+  *reinterpret_cast<__half2*>(hi_row + place + second_offset) = second.hi;
+  *reinterpret_cast<__half2*>(lo_row + place + second_offset) = second.lo;
+}
+
 }  // namespace kernels::gemm

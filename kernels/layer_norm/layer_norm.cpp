@@ -6,14 +6,20 @@
 // Ops, over x's last dimension: layer_norm(x, weight, bias, eps) = (x - mean) / sqrt(var + eps) * weight + bias
 // (nn.LayerNorm's formula, the variance biased); add_layer_norm(x, residual, weight, bias, eps) = (x + residual,
 // layer_norm of that sum); layer_norm_backward(grad_y, x, weight, eps, grad_residual=None) = (grad_x + grad_residual,
-// grad_weight, grad_bias).
+// grad_weight, grad_bias). _layer_norm_leaving_row_split and _add_layer_norm_leaving_row_split: layer_norm and
+// add_layer_norm for calls without a gradient to record, which also leave y's row split for the GEMM whose x y is
+// (kernels::_gemm_leave_row_split; the GEMM's row pass is then not run on y).
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <optional>
 #include <cstdint>
 #include <string>
@@ -26,6 +32,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "gemm/gemm.h"
 #include "layer_norm.h"
 #endif
 
@@ -73,28 +80,55 @@ cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDASt
 
 // ---- ops --------------------------------------------------------------------------------------------------------
 
+#ifdef KERNELS_WITH_CUDA
+// kernels::_gemm_leave_row_split (the GEMM family's), looked up once.
+using LeaveRowSplit = void(const at::Tensor& y, const at::Tensor& hi, const at::Tensor& lo, const at::Tensor& exponent);
+const c10::TypedOperatorHandle<LeaveRowSplit>& leave_row_split_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kernels::_gemm_leave_row_split", "")
+                             .typed<LeaveRowSplit>();
+  return op;
+}
+#endif
+
 // y = layer_norm(x), or with a residual (sum, y) = (x + residual, layer_norm(sum)); `sum` is given where it is asked.
+// leave_row_split: where the kernel splits float32 rows (layer_norm_leaves_row_split) and y has a version counter
+// (outside inference mode), y's row split is made by the same kernel and left for the GEMM (_gemm_leave_row_split).
 at::Tensor layer_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
-                           const at::Tensor& bias, double eps, at::Tensor* sum) {
+                           const at::Tensor& bias, double eps, at::Tensor* sum, bool leave_row_split = false) {
 #ifdef KERNELS_WITH_CUDA
   if (takes_kernel(x)) {
     // The kernels read rows of contiguous memory.
     const at::Tensor in = x.contiguous(), w = weight.contiguous(), b = bias.contiguous();
     const at::Tensor other = residual != nullptr ? residual->contiguous() : at::Tensor();
-    const int64_t columns = x.size(-1);
+    const int64_t columns = x.size(-1), rows = x.numel() / columns;
     const bool all_aligned = aligned(in) && aligned(w) && aligned(b) && (residual == nullptr || aligned(other));
     if (layer_norm_fits(element_type(x.scalar_type()), columns, all_aligned)) {
       const c10::cuda::CUDAGuard guard(x.device());
       at::Tensor y = at::empty(x.sizes(), x.options());
       if (residual != nullptr) *sum = at::empty(x.sizes(), x.options());
+      const bool splits = leave_row_split && !c10::InferenceMode::is_enabled() &&
+                          layer_norm_leaves_row_split(element_type(x.scalar_type()), columns, all_aligned);
+      at::Tensor hi, lo, exponent;
+      RowSplitOut split;
+      if (splits) {
+        const int64_t length = gemm::split_row_length(columns);
+        hi = at::empty({rows, length}, x.options().dtype(at::kHalf));
+        lo = at::empty({rows, length}, x.options().dtype(at::kHalf));
+        exponent = at::empty({rows}, x.options().dtype(at::kInt));
+        split = RowSplitOut{hi.mutable_data_ptr(), lo.mutable_data_ptr(), exponent.mutable_data_ptr<int32_t>()};
+      }
       const cudaError_t err = launch_layer_norm(
           element_type(x.scalar_type()), in.const_data_ptr(), residual != nullptr ? other.const_data_ptr() : nullptr,
           w.const_data_ptr(), b.const_data_ptr(), residual != nullptr ? sum->mutable_data_ptr() : nullptr,
-          y.mutable_data_ptr(), x.numel() / columns, columns, eps, stream_of(x));
+          y.mutable_data_ptr(), rows, columns, eps, stream_of(x), splits ? &split : nullptr);
       TORCH_CHECK(err == cudaSuccess, "kernels: the layer_norm kernel failed to launch: ", cudaGetErrorString(err));
+      if (splits) leave_row_split_op().call(y, hi, lo, exponent);
       return y;
     }
   }
+#else
+  (void)leave_row_split;
 #endif
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "kernels.layer_norm: no implementation for tensors on ", x.device().str());
   if (residual == nullptr) return layer_norm_blocked(x, weight, bias, eps);
@@ -102,22 +136,55 @@ at::Tensor layer_norm_into(const at::Tensor& x, const at::Tensor* residual, cons
   return layer_norm_blocked(*sum, weight, bias, eps);
 }
 
+// The forward ops' checks: x, the weight and the bias; with a residual, the residual against x (no broadcasting).
+void check_forward_inputs(const char* op, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                          const at::Tensor& bias) {
+  check_inputs(op, x, weight);
+  check_parameter(op, "bias", bias, x);
+  if (residual == nullptr) return;
+  check_float_tensor(op, "residual", *residual);
+  check_same(op, "residual", *residual, "x", x);
+  TORCH_CHECK(residual->sizes() == x.sizes(), "kernels.", op, ": residual has shape ", shape_str(residual->sizes()),
+              " but x has shape ", shape_str(x.sizes()), " (no broadcasting)");
+}
+
+// The leaving ops compute no gradient: a call that would record one is refused (their callers, kernels.patch's
+// blocks, take them only without a gradient to compute).
+void check_no_gradient(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  bool records = false;
+  for (const at::Tensor* t : tensors) records = records || t->requires_grad();
+  TORCH_CHECK(!(records && c10::GradMode::is_enabled()), "kernels.", op,
+              " computes no gradient: call it under torch.no_grad() (kernels.layer_norm and kernels.add_layer_norm "
+              "compute one)");
+}
+
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  check_inputs("layer_norm", x, weight);
-  check_parameter("layer_norm", "bias", bias, x);
+  check_forward_inputs("layer_norm", x, nullptr, weight, bias);
   return layer_norm_into(x, nullptr, weight, bias, eps, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
                                                   const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  check_inputs("add_layer_norm", x, weight);
-  check_parameter("add_layer_norm", "bias", bias, x);
-  check_float_tensor("add_layer_norm", "residual", residual);
-  check_same("add_layer_norm", "residual", residual, "x", x);
-  TORCH_CHECK(residual.sizes() == x.sizes(), "kernels.add_layer_norm: residual has shape ",
-              shape_str(residual.sizes()), " but x has shape ", shape_str(x.sizes()), " (no broadcasting)");
+  check_forward_inputs("add_layer_norm", x, &residual, weight, bias);
   at::Tensor sum;
   at::Tensor y = layer_norm_into(x, &residual, weight, bias, eps, &sum);
+  return {sum, y};
+}
+
+at::Tensor layer_norm_leaving_row_split(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                        double eps) {
+  check_forward_inputs("_layer_norm_leaving_row_split", x, nullptr, weight, bias);
+  check_no_gradient("_layer_norm_leaving_row_split", {&x, &weight, &bias});
+  return layer_norm_into(x, nullptr, weight, bias, eps, nullptr, /*leave_row_split=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_layer_norm_leaving_row_split(const at::Tensor& x, const at::Tensor& residual,
+                                                                    const at::Tensor& weight, const at::Tensor& bias,
+                                                                    double eps) {
+  check_forward_inputs("_add_layer_norm_leaving_row_split", x, &residual, weight, bias);
+  check_no_gradient("_add_layer_norm_leaving_row_split", {&x, &residual, &weight, &bias});
+  at::Tensor sum;
+  at::Tensor y = layer_norm_into(x, &residual, weight, bias, eps, &sum, /*leave_row_split=*/true);
   return {sum, y};
 }
 
@@ -183,6 +250,9 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor)");
   m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor weight, float eps, Tensor? grad_residual=None) -> "
         "(Tensor, Tensor, Tensor)");
+  m.def("_layer_norm_leaving_row_split(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
+  m.def("_add_layer_norm_leaving_row_split(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps) -> "
+        "(Tensor, Tensor)");
   m.def("_layer_norm_force_backward_shared_limit(int bytes) -> int");
   m.impl("_layer_norm_force_backward_shared_limit",
          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
@@ -191,9 +261,11 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 
 // The same functions serve both devices: each picks the CUDA kernels or the ATen formulas by the tensors' device,
 // dtype and row length.
-#define KERNELS_LAYER_NORM_IMPLS(m)                                    \
-  m.impl("layer_norm", &kernels::layer_norm::layer_norm);              \
-  m.impl("add_layer_norm", &kernels::layer_norm::add_layer_norm);      \
+#define KERNELS_LAYER_NORM_IMPLS(m)                                                                          \
+  m.impl("layer_norm", &kernels::layer_norm::layer_norm);                                                    \
+  m.impl("add_layer_norm", &kernels::layer_norm::add_layer_norm);                                            \
+  m.impl("_layer_norm_leaving_row_split", &kernels::layer_norm::layer_norm_leaving_row_split);              \
+  m.impl("_add_layer_norm_leaving_row_split", &kernels::layer_norm::add_layer_norm_leaving_row_split);      \
   m.impl("layer_norm_backward", &kernels::layer_norm::layer_norm_backward)
 
 TORCH_LIBRARY_IMPL(kernels, CPU, m) { KERNELS_LAYER_NORM_IMPLS(m); }

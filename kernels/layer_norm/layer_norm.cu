@@ -7,7 +7,8 @@
 // same layout. The backward copies each row's next row into shared memory while it computes (cp.async, sm_80 on), adds
 // each block's g h and g into per-column doubles, written to its row of partials; a second kernel adds those rows in
 // order. The residual forms: the forward adds a residual to x first (writing the sum it normalizes), the backward adds
-// the gradient of x's other uses to grad_x before rounding it.
+// the gradient of x's other uses to grad_x before rounding it. The forward can also write y's row split for the GEMM
+// (the GEMM family's split method, gemm/split_numerics.cuh), so that the product reading y does not split it again.
 #include "layer_norm.h"
 
 #include <cuda_bf16.h>
@@ -22,6 +23,7 @@
 #include "common/elementwise.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/rows.cuh"
+#include "gemm/split_numerics.cuh"
 
 namespace kernels::layer_norm {
 namespace {
@@ -56,6 +58,21 @@ __device__ __forceinline__ DoublePair shuffle_xor(DoublePair v, int offset) {
   return {common::shuffle_xor(v.first, offset), common::shuffle_xor(v.second, offset)};
 }
 
+// A row's largest finite |y| and whether it holds a non-finite y, combined by Rows::sum as a sum is: y's row split.
+struct RowMaximum {
+  float max_abs;
+  bool non_finite;
+};
+
+__device__ __forceinline__ RowMaximum operator+(RowMaximum a, RowMaximum b) {
+  return {fmaxf(a.max_abs, b.max_abs), a.non_finite || b.non_finite};
+}
+
+__device__ __forceinline__ RowMaximum shuffle_xor(RowMaximum v, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, v.max_abs, offset),
+          __shfl_xor_sync(0xffffffffu, static_cast<int>(v.non_finite), offset) != 0};
+}
+
 // A parameter's pack i as floats (the parameters are read once per row from L1: registers go to the rows in flight).
 template <typename T, int kWidth>
 __device__ __forceinline__ void load_parameter_pack(const T* __restrict__ parameter, std::int64_t i,
@@ -66,18 +83,23 @@ __device__ __forceinline__ void load_parameter_pack(const T* __restrict__ parame
 }
 
 // The forward's blocks a multiprocessor holds: kForwardBlocksPerProcessor, one fewer for single elements (whose wider
-// index arithmetic would spill) and for the residual's sum (its next row held too).
-template <int kWidth, bool kAdd>
+// index arithmetic would spill), for the residual's sum (its next row held too), and for the residual's sum with y's
+// row split (its maximum and split packs).
+template <int kWidth, bool kAdd, bool kSplit>
 constexpr int forward_blocks_per_processor() {
-  return kForwardBlocksPerProcessor - (kWidth == 1 ? 1 : 0) - (kAdd ? 1 : 0);
+  return kForwardBlocksPerProcessor - (kWidth == 1 ? 1 : 0) - (kAdd ? 1 : 0) - (kAdd && kSplit ? 1 : 0);
 }
 
 // y = LayerNorm(x), or with kAdd: sum = x + residual (rounded to T, as eager's add), written, and y = LayerNorm(sum).
-template <typename T, int kWidth, int kPacks, int kGroup, bool kAdd>
-__global__ void __launch_bounds__(kRowThreads, (forward_blocks_per_processor<kWidth, kAdd>()))
+// With kSplit (float32 in packs of 4 only), y's row split is written too (layer_norm.h, RowSplitOut): the row's
+// largest finite |y| by one more sum over the row's threads, then each pack computed again and split by the GEMM
+// family's split_pack, so that it holds the bits the GEMM's row pass would make from y.
+template <typename T, int kWidth, int kPacks, int kGroup, bool kAdd, bool kSplit>
+__global__ void __launch_bounds__(kRowThreads, (forward_blocks_per_processor<kWidth, kAdd, kSplit>()))
 layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
                   const T* __restrict__ bias, T* __restrict__ sum_out, T* __restrict__ y, std::int64_t rows,
-                  std::int64_t columns, double inverse_columns, double eps) {
+                  std::int64_t columns, double inverse_columns, double eps, RowSplitOut split) {
+  static_assert(!kSplit || (std::is_same_v<T, float> && kWidth == 4), "the row split takes float32 packs of 4");
   using P = Pack<T, kWidth>;
   using R = Rows<kGroup>;
   __shared__ double slots[2][kRowWarps];
@@ -134,12 +156,10 @@ layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual, const
       }
     }
     const double rstd = common::reciprocal_sqrt(R::sum(squares, slots[1]) * inverse_columns + eps);
-    if (!inside) continue;
-    P* out = reinterpret_cast<P*>(y + row * columns);
-#pragma unroll
-    for (int p = 0; p < kPacks; ++p) {
+    if (!inside) continue;  // (a whole row group: its threads share the row)
+    // y's pack p of this thread (pack R::pack(p) < packs of the row), each result in double rounded once.
+    const auto y_pack = [&](int p) {
       const std::int64_t i = R::pack(p);
-      if (i >= packs) continue;
       float w[kWidth], b[kWidth];
       load_parameter_pack<T, kWidth>(weight, i, w);
       load_parameter_pack<T, kWidth>(bias, i, b);
@@ -147,7 +167,39 @@ layer_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual, const
 #pragma unroll
       for (int j = 0; j < kWidth; ++j)
         result.v[j] = from_double<T>(fma((to_opmath(v[p].v[j]) - mean) * rstd, double{w[j]}, double{b[j]}));
+      return result;
+    };
+    P* out = reinterpret_cast<P*>(y + row * columns);
+    RowMaximum mine{0.0f, false};  // (kSplit)
+#pragma unroll
+    for (int p = 0; p < kPacks; ++p) {
+      const std::int64_t i = R::pack(p);
+      if (i >= packs) continue;
+      const P result = y_pack(p);
       out[i] = result;
+      if constexpr (kSplit) {
+#pragma unroll
+        for (int j = 0; j < kWidth; ++j) gemm::fold(result.v[j], mine.max_abs, mine.non_finite);
+      }
+    }
+    if constexpr (kSplit) {
+      // y's packs are computed again for the split rather than held (held, they spill registers).
+      __shared__ RowMaximum maximum_slots[kRowWarps];
+      const RowMaximum maximum = R::sum(mine, maximum_slots);
+      const int e = gemm::scale_exponent(maximum.max_abs);
+      if (R::pack(0) == 0) split.exponent[row] = maximum.non_finite ? gemm::kNonFiniteRow : e;
+      const gemm::PowerOfTwo scale = gemm::power_of_two(e);
+      const std::int64_t length = gemm::split_row_length(columns);
+      __half* const hi = static_cast<__half*>(split.hi) + row * length;
+      __half* const lo = static_cast<__half*>(split.lo) + row * length;
+#pragma unroll
+      for (int p = 0; p < kPacks; ++p) {
+        const std::int64_t i = R::pack(p);  // packs past the row's end, up to its split length, split as zeros
+        if (i >= length / 4) continue;
+        const P result = i < packs ? y_pack(p) : P{};
+        gemm::split_pack</*kNatural=*/false>(make_float4(result.v[0], result.v[1], result.v[2], result.v[3]), scale,
+                                             i, hi, lo);
+      }
     }
   }
 }
@@ -415,18 +467,30 @@ cudaError_t with_flag(bool flag, const Fn& fn) {
 
 template <typename T>
 cudaError_t forward_typed(const void* x, const void* residual, const void* weight, const void* bias, void* sum,
-                          void* y, std::int64_t rows, std::int64_t columns, double eps, cudaStream_t stream) {
+                          void* y, std::int64_t rows, std::int64_t columns, double eps, const RowSplitOut* split,
+                          cudaStream_t stream) {
   const bool aligned = common::all_aligned({x, residual, weight, bias, sum, y});  // (nullptr is aligned)
-  return with_flag(residual != nullptr, [&](auto add) {
-    return with_layout<T>(columns, aligned, [&](auto width, auto packs, auto group) {
-      constexpr int kRows = Rows<decltype(group)::value>::kRows;
-      const unsigned int blocks =
-          static_cast<unsigned int>(common::row_blocks(common::current_device(), (rows + kRows - 1) / kRows));
-      layer_norm_kernel<T, width.value, packs.value, group.value, add.value><<<blocks, kRowThreads, 0, stream>>>(
-          static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
-          static_cast<const T*>(bias), static_cast<T*>(sum), static_cast<T*>(y), rows, columns,
-          1.0 / static_cast<double>(columns), eps);
-      return cudaGetLastError();
+  const RowSplitOut split_out = split != nullptr ? *split : RowSplitOut{};
+  return with_flag(split != nullptr, [&](auto leave_split) {
+    return with_flag(residual != nullptr, [&](auto add) {
+      return with_layout<T>(columns, aligned, [&](auto width, auto packs, auto group) -> cudaError_t {
+        if constexpr (leave_split.value && !(std::is_same_v<T, float> && width.value == 4)) {
+          return cudaErrorInvalidValue;  // the row split takes float32 packs of 4 (layer_norm_leaves_row_split)
+        } else {
+          constexpr int kRows = Rows<decltype(group)::value>::kRows;
+          // Every pack of the split row is some thread's (the layouts' packs a row cover whole chunks of the split).
+          if (leave_split.value && gemm::split_row_length(columns) / 4 > std::int64_t{packs.value} * group.value)
+            return cudaErrorInvalidValue;
+          const unsigned int blocks =
+              static_cast<unsigned int>(common::row_blocks(common::current_device(), (rows + kRows - 1) / kRows));
+          layer_norm_kernel<T, width.value, packs.value, group.value, add.value, leave_split.value>
+              <<<blocks, kRowThreads, 0, stream>>>(
+                  static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
+                  static_cast<const T*>(bias), static_cast<T*>(sum), static_cast<T*>(y), rows, columns,
+                  1.0 / static_cast<double>(columns), eps, split_out);
+          return cudaGetLastError();
+        }
+      });
     });
   });
 }
@@ -467,6 +531,10 @@ bool layer_norm_fits(ElementType type, std::int64_t columns, bool aligned) {
   return common::row_fits<kMaxElements>(type == ElementType::kFloat32 ? 4 : 2, columns, aligned);
 }
 
+bool layer_norm_leaves_row_split(ElementType type, std::int64_t columns, bool aligned) {
+  return type == ElementType::kFloat32 && aligned && columns % 4 == 0 && layer_norm_fits(type, columns, aligned);
+}
+
 int layer_norm_backward_blocks(int device, std::int64_t rows) {
   const std::int64_t most = std::int64_t{kBackwardBlocksPerProcessor} * common::multiprocessors(device);
   return static_cast<int>(rows < most ? (rows > 0 ? rows : 1) : most);
@@ -474,16 +542,17 @@ int layer_norm_backward_blocks(int device, std::int64_t rows) {
 
 cudaError_t launch_layer_norm(ElementType type, const void* x, const void* residual, const void* weight,
                               const void* bias, void* sum, void* y, std::int64_t rows, std::int64_t columns,
-                              double eps, cudaStream_t stream) {
+                              double eps, cudaStream_t stream, const RowSplitOut* split) {
   if (rows <= 0 || columns <= 0) return cudaSuccess;
   if ((residual == nullptr) != (sum == nullptr)) return cudaErrorInvalidValue;
+  if (split != nullptr && type != ElementType::kFloat32) return cudaErrorInvalidValue;
   switch (type) {
     case ElementType::kFloat32:
-      return forward_typed<float>(x, residual, weight, bias, sum, y, rows, columns, eps, stream);
+      return forward_typed<float>(x, residual, weight, bias, sum, y, rows, columns, eps, split, stream);
     case ElementType::kFloat16:
-      return forward_typed<__half>(x, residual, weight, bias, sum, y, rows, columns, eps, stream);
+      return forward_typed<__half>(x, residual, weight, bias, sum, y, rows, columns, eps, nullptr, stream);
     case ElementType::kBFloat16:
-      return forward_typed<__nv_bfloat16>(x, residual, weight, bias, sum, y, rows, columns, eps, stream);
+      return forward_typed<__nv_bfloat16>(x, residual, weight, bias, sum, y, rows, columns, eps, nullptr, stream);
     case ElementType::kFloat64: break;
   }
   return cudaErrorInvalidValue;

@@ -22,11 +22,25 @@ using common::ElementType;
 // columns are a multiple of 16 bytes and every pointer 16-byte aligned (`aligned`), else 2048.
 bool layer_norm_fits(ElementType type, std::int64_t columns, bool aligned);
 
+// y's row split as the GEMM family's row pass makes it for split_fp16's kernel (gemm/gemm.h, launch_split_rows, in
+// split_position's order): hi and lo, rows x split_row_length(columns) fp16 each, and each row's power of two
+// (kNonFiniteRow where the row holds an infinity or NaN), the same bits.
+struct RowSplitOut {
+  void* hi = nullptr;
+  void* lo = nullptr;
+  std::int32_t* exponent = nullptr;
+};
+
+// Whether the forward writes y's row split beside y (launch_layer_norm's split): float32 rows of a multiple of 4
+// elements that the kernels hold in 16-byte packs (`aligned`).
+bool layer_norm_leaves_row_split(ElementType type, std::int64_t columns, bool aligned);
+
 // y = (x - mean) rstd weight + bias per row, as above. With a residual (else both nullptr): sum = x + residual,
-// rounded to x's type as an elementwise add rounds it, is written, and y is the LayerNorm of sum.
+// rounded to x's type as an elementwise add rounds it, is written, and y is the LayerNorm of sum. With split (where
+// layer_norm_leaves_row_split holds; else cudaErrorInvalidValue), y's row split is written too.
 cudaError_t launch_layer_norm(ElementType type, const void* x, const void* residual, const void* weight,
                               const void* bias, void* sum, void* y, std::int64_t rows, std::int64_t columns,
-                              double eps, cudaStream_t stream);
+                              double eps, cudaStream_t stream, const RowSplitOut* split = nullptr);
 
 // The blocks of launch_layer_norm_backward on `device`: each writes one row of `partials`, 2 x columns doubles.
 int layer_norm_backward_blocks(int device, std::int64_t rows);

@@ -9,6 +9,10 @@ Ops (schemas in layer_norm.cpp), over x's last dimension:
       sum's own gradient to the norm's grad_x (no separate add of a residual's two gradients).
   layer_norm_backward(grad_y, x, weight, eps, grad_residual=None) -> (grad_x, grad_weight, grad_bias), each summed in
       double and rounded once; grad_residual, where given, added to grad_x before that rounding.
+  _layer_norm_leaving_row_split(x, weight, bias, eps), _add_layer_norm_leaving_row_split(x, residual, weight, bias,
+      eps): layer_norm and add_layer_norm for calls without a gradient to compute (a call that would record one
+      raises), whose kernel also leaves y's row split for the GEMM whose x y is (kernels::_gemm_leave_row_split:
+      float32 CUDA rows of a multiple of 4 elements; the same bits as the split the GEMM makes of y itself).
   _layer_norm_force_backward_shared_limit(bytes) -> previous: the most shared memory the backward's blocks may take
       (0: the device's); where a row layout's sums need more, the backward takes the ATen formulas (tests).
 Autograd of both ops is C++ (layer_norm_autograd.cpp): the backward kernels for a first-order backward, ATen's formulas
@@ -35,15 +39,21 @@ def _check_inputs(op, x, *parameters):
                              f"{list(t.shape)}")
 
 
-def _layer_norm_fake(x, weight, bias, eps):
-    _check_inputs("layer_norm", x, weight, bias)
-    return x.new_empty(x.shape)
+def _layer_norm_fake_of(op):
+    """The fake of layer_norm, or of `op` that computes as it does (its leaving form)."""
+    def fake(x, weight, bias, eps):
+        _check_inputs(op, x, weight, bias)
+        return x.new_empty(x.shape)
+    return fake
 
 
-def _add_layer_norm_fake(x, residual, weight, bias, eps):
-    _check_inputs("add_layer_norm", x, weight, bias)
-    check_like_x("add_layer_norm", "residual", residual, x, " (no broadcasting)")
-    return x.new_empty(x.shape), x.new_empty(x.shape)
+def _add_layer_norm_fake_of(op):
+    """The fake of add_layer_norm, or of `op` that computes as it does (its leaving form)."""
+    def fake(x, residual, weight, bias, eps):
+        _check_inputs(op, x, weight, bias)
+        check_like_x(op, "residual", residual, x, " (no broadcasting)")
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+    return fake
 
 
 def _layer_norm_backward_fake(grad_y, x, weight, eps, grad_residual=None):
@@ -132,8 +142,10 @@ def _layer_norm_backward_vmap(info, in_dims, grad_y, x, weight, eps, grad_residu
 
 
 def _register_fakes_and_batching_rules():
-    torch.library.register_fake("kernels::layer_norm", _layer_norm_fake)
-    torch.library.register_fake("kernels::add_layer_norm", _add_layer_norm_fake)
+    for op in ("layer_norm", "_layer_norm_leaving_row_split"):
+        torch.library.register_fake(f"kernels::{op}", _layer_norm_fake_of(op))
+    for op in ("add_layer_norm", "_add_layer_norm_leaving_row_split"):
+        torch.library.register_fake(f"kernels::{op}", _add_layer_norm_fake_of(op))
     torch.library.register_fake("kernels::layer_norm_backward", _layer_norm_backward_fake)
     torch.library.register_vmap("kernels::layer_norm", _layer_norm_vmap)
     torch.library.register_vmap("kernels::add_layer_norm", _add_layer_norm_vmap)
