@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/stream_capture.h"
 #include "gemm.h"
 #endif
 
@@ -134,7 +135,8 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
 // splits y as it writes it), for the split_fp16 forward whose x that tensor is. One slot a process, held until another
 // split replaces it or its tensor's storage is gone; matched on that storage (a weak reference, so its memory is not
 // handed to another storage while held), the data address, the version counter (a change made through PyTorch),
-// the element count, the row length, the device and the current stream. Its bits are x's own row pass's.
+// the element count, the row length, the device and the current stream; none is left or read while a CUDA graph is
+// captured (common/stream_capture.h). Its bits are x's own row pass's.
 struct LeftRowSplit {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   const void* data;
@@ -172,15 +174,20 @@ void gemm_leave_row_split(const at::Tensor& y, const at::Tensor& hi, const at::T
                   exponent.dim() == 1 && exponent.size(0) == rows,
               "kernels._gemm_leave_row_split: exponent must be a contiguous int32 (", std::to_string(rows),
               ") tensor on y's device");
+  const std::lock_guard<std::mutex> lock(left_row_split_mutex());
+  if (common::stream_capturing(y)) {  // none kept while a graph is captured (common/stream_capture.h)
+    left_row_split_slot().reset();
+    return;
+  }
   LeftRowSplit left{y.storage().getWeakStorageImpl(), y.const_data_ptr(), static_cast<int64_t>(y._version()),
                     y.numel(), columns, y.device().index(), current_stream_id(y),
                     WeightSplit{hi, lo, exponent, at::Tensor(), /*rows=*/true}};
-  const std::lock_guard<std::mutex> lock(left_row_split_mutex());
   left_row_split_slot() = std::move(left);
 }
 
 std::optional<WeightSplit> left_row_split(const at::Tensor& x) {
   if (!x.is_cuda() || x.is_inference() || !x.is_contiguous() || x.dim() < 1 || x.numel() == 0) return std::nullopt;
+  if (common::stream_capturing(x)) return std::nullopt;  // none read while a graph is captured
   const std::lock_guard<std::mutex> lock(left_row_split_mutex());
   std::optional<LeftRowSplit>& slot = left_row_split_slot();
   if (!slot.has_value()) return std::nullopt;

@@ -32,6 +32,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/stream_capture.h"
 #include "gemm/gemm.h"
 #include "layer_norm.h"
 #endif
@@ -92,8 +93,9 @@ const c10::TypedOperatorHandle<LeaveRowSplit>& leave_row_split_op() {
 #endif
 
 // y = layer_norm(x), or with a residual (sum, y) = (x + residual, layer_norm(sum)); `sum` is given where it is asked.
-// leave_row_split: where the kernel splits float32 rows (layer_norm_leaves_row_split) and y has a version counter
-// (outside inference mode), y's row split is made by the same kernel and left for the GEMM (_gemm_leave_row_split).
+// leave_row_split: where the kernel splits float32 rows (layer_norm_leaves_row_split), y has a version counter (outside
+// inference mode) and no CUDA graph is being captured, y's row split is made by the same kernel and left for the GEMM
+// (_gemm_leave_row_split).
 at::Tensor layer_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                            const at::Tensor& bias, double eps, at::Tensor* sum, bool leave_row_split = false) {
 #ifdef KERNELS_WITH_CUDA
@@ -108,7 +110,8 @@ at::Tensor layer_norm_into(const at::Tensor& x, const at::Tensor* residual, cons
       at::Tensor y = at::empty(x.sizes(), x.options());
       if (residual != nullptr) *sum = at::empty(x.sizes(), x.options());
       const bool splits = leave_row_split && !c10::InferenceMode::is_enabled() &&
-                          layer_norm_leaves_row_split(element_type(x.scalar_type()), columns, all_aligned);
+                          layer_norm_leaves_row_split(element_type(x.scalar_type()), columns, all_aligned) &&
+                          !common::stream_capturing(x);
       at::Tensor hi, lo, exponent;
       RowSplitOut split;
       if (splits) {
