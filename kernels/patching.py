@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad as _forward_ad
 from torch.nn.modules import module as _module_hooks
 from torch.nn.utils import parametrize as _parametrize
 from torch._prims_common import suggest_memory_format
@@ -518,13 +519,14 @@ class _TimmBlockPatch:
 
 def _add_layer_norm_for_product(x, residual, norm):
     """add_layer_norm(x, residual) with the patched LayerNorm `norm`'s parameters, for a norm whose result a linear
-    layer reads next (a ViT Block's qkv and fc1). In eager calls without a gradient to compute (outside torch.compile,
-    torch.jit.trace and inference mode, whose tensors have no version counter), on a GPU whose GEMM reads it, the
+    layer reads next (a ViT Block's qkv and fc1). In eager calls without a gradient or a forward-mode tangent to
+    compute (outside torch.func's transforms, forward AD's dual levels, torch.compile, torch.jit.trace and inference
+    mode, whose tensors have no version counter), on a GPU whose GEMM reads it, the
     norm's kernel also leaves its result's row split, which that layer's split forward then reads instead of
     splitting its input (the same bits)."""
-    if (torch.is_grad_enabled() or _is_compiling() or _tracing_state() is not None
-            or torch.is_inference_mode_enabled() or not x.is_cuda or _tf32_allowed()
-            or not _row_split_read_on(x.device.index)):
+    if (torch.is_grad_enabled() or _forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+            or _is_compiling() or _tracing_state() is not None or torch.is_inference_mode_enabled() or not x.is_cuda
+            or _tf32_allowed() or not _row_split_read_on(x.device.index)):
         return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
     return torch.ops.kernels._add_layer_norm_leaving_row_split.default(x, residual, norm.weight, norm.bias,
                                                                        float(norm.eps))

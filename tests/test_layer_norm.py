@@ -608,8 +608,8 @@ def test_leaving_ops_give_the_ops_results_and_the_gemms_own_split(residual, colu
 
 @requires_cuda
 def test_a_left_split_is_read_only_for_its_tensor_unchanged():
-    """The GEMM reads a left split (a split of zeros left for y gives the bias alone), but not once y has been changed
-    through PyTorch (its version counter), nor for another tensor at all; a leaving op under autograd refuses."""
+    """The GEMM reads a left split once (a split of zeros left for y gives the bias alone), but not once y has been
+    changed through PyTorch (its version counter), nor for another tensor at all."""
     if not split_fp16_runs_here():
         pytest.skip("the split_fp16 path (Hopper) reads the left split")
     from kernels.gemm.gemm import forced_gemm_path, linear
@@ -620,14 +620,30 @@ def test_a_left_split_is_read_only_for_its_tensor_unchanged():
     b = torch.randn(512, device="cuda", generator=g)
     length = 768  # split_row_length(768): whole chunks of 64
     zeros = [torch.zeros(256, length, device="cuda", dtype=torch.float16) for _ in range(2)]
+    exponent = torch.zeros(256, device="cuda", dtype=torch.int32)
     with torch.no_grad(), forced_gemm_path("split_fp16"):
         correct = linear(y.clone(), w, b)
-        torch.ops.kernels._gemm_leave_row_split(y, zeros[0], zeros[1], torch.zeros(256, device="cuda",
-                                                                                   dtype=torch.int32))
-        assert torch.equal(linear(y, w, b), b.expand(256, 512))  # read: its zeros
-        assert torch.equal(linear(y.clone(), w, b), correct)  # another tensor: its own split
-        y.add_(0.0)  # the same values, a new version
+        torch.ops.kernels._gemm_leave_row_split(y, zeros[0], zeros[1], exponent)
+        y.add_(0.0)  # the same values, a new version: not read
         assert torch.equal(linear(y, w, b), correct)
-    weight = torch.ones(768, device="cuda", requires_grad=True)
+        torch.ops.kernels._gemm_leave_row_split(y, zeros[0], zeros[1], exponent)
+        assert torch.equal(linear(y.clone(), w, b), correct)  # another tensor: its own split
+        assert torch.equal(linear(y, w, b), b.expand(256, 512))  # read: its zeros
+        assert torch.equal(linear(y, w, b), correct)  # read once
+
+
+def test_leaving_ops_refuse_calls_with_a_gradient_or_a_tangent(device):
+    """The leaving ops compute neither a gradient nor a forward-mode tangent: a call that would record one raises
+    rather than drop it."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(4, 64, device=device)
+    weight, bias = torch.ones(64, device=device), torch.zeros(64, device=device)
     with pytest.raises(RuntimeError, match="computes no gradient"):
-        torch.ops.kernels._layer_norm_leaving_row_split(y, weight, torch.zeros(768, device="cuda"), EPS)
+        torch.ops.kernels._layer_norm_leaving_row_split(x, weight.clone().requires_grad_(True), bias, EPS)
+    with torch.no_grad(), fwAD.dual_level(), pytest.raises(RuntimeError, match="computes no gradient"):
+        torch.ops.kernels._add_layer_norm_leaving_row_split(fwAD.make_dual(x, torch.randn_like(x)), x, weight, bias,
+                                                            EPS)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.kernels._layer_norm_leaving_row_split(x, weight, bias, EPS),
+                                   layer_norm(x, weight, bias, EPS), rtol=0, atol=0)

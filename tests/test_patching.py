@@ -940,7 +940,7 @@ def test_timm_vit_patch_round_trip(device):
 def test_vit_norms_leave_their_row_split_for_the_next_products(monkeypatch):
     """Without a gradient to compute, a patched ViT Block's add-norms leave their result's row split for the linear
     layer that reads it (the leaving op is called), and the model's output is the same bit for bit as where each layer
-    splits its input itself; with a gradient, the plain op."""
+    splits its input itself; with a gradient or a forward-mode tangent, the plain op."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.models.vision_transformer.VisionTransformer(embed_dim=768, depth=2, num_heads=12).cuda().eval()
@@ -959,6 +959,15 @@ def test_vit_norms_leave_their_row_split_for_the_next_products(monkeypatch):
         assert leaving_op in names, names
     assert torch.equal(leaving, splitting)
     assert leaving_op not in ops_called(lambda: patched(x))  # a gradient to compute
+    import torch.autograd.forward_ad as fwAD
+
+    norm = patched.blocks[0].norm2
+    tokens = torch.randn(2, 197, 768, device="cuda")
+    with torch.no_grad(), fwAD.dual_level():  # a forward-mode tangent to compute: the plain op, which keeps it
+        dual = fwAD.make_dual(tokens, torch.ones_like(tokens))
+        names = ops_called(lambda: patching._add_layer_norm_for_product(dual, tokens, norm))
+        tangent = fwAD.unpack_dual(patching._add_layer_norm_for_product(dual, tokens, norm)[1]).tangent
+    assert leaving_op not in names and tangent is not None
 
 
 def test_timm_layer_norm_and_new_gelu_patches_take_their_classes_arguments(monkeypatch):

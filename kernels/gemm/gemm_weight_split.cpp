@@ -132,8 +132,8 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
 // ---- x's row split left by the op that wrote x ------------------------------------------------------------------
 
 // A float32 tensor's row split made by the op that wrote the tensor (the LayerNorm family's leaving ops: their kernel
-// splits y as it writes it), for the split_fp16 forward whose x that tensor is. One slot a process, held until another
-// split replaces it or its tensor's storage is gone; matched on that storage (a weak reference, so its memory is not
+// splits y as it writes it), for the split_fp16 forward whose x that tensor is. One slot a process, read once, held
+// until then, until another split replaces it or until its tensor's storage is gone; matched on that storage (a weak reference, so its memory is not
 // handed to another storage while held), the data address, the version counter (a change made through PyTorch),
 // the element count, the row length, the device and the current stream; none is left or read while a CUDA graph is
 // captured (common/stream_capture.h). Its bits are x's own row pass's.
@@ -200,7 +200,9 @@ std::optional<WeightSplit> left_row_split(const at::Tensor& x) {
       static_cast<int64_t>(x._version()) != slot->version || x.numel() != slot->numel ||
       x.size(-1) != slot->columns || x.device().index() != slot->device || current_stream_id(x) != slot->stream)
     return std::nullopt;
-  return slot->split;
+  WeightSplit split = std::move(slot->split);  // read once: the slot's memory goes back with the product's
+  slot.reset();
+  return split;
 }
 #endif
 

@@ -154,11 +154,14 @@ void check_forward_inputs(const char* op, const at::Tensor& x, const at::Tensor*
 // The leaving ops compute no gradient: a call that would record one is refused (their callers, kernels.patch's
 // blocks, take them only without a gradient to compute).
 void check_no_gradient(const char* op, std::initializer_list<const at::Tensor*> tensors) {
-  bool records = false;
-  for (const at::Tensor* t : tensors) records = records || t->requires_grad();
-  TORCH_CHECK(!(records && c10::GradMode::is_enabled()), "kernels.", op,
-              " computes no gradient: call it under torch.no_grad() (kernels.layer_norm and kernels.add_layer_norm "
-              "compute one)");
+  bool records = false, tangent = false;
+  for (const at::Tensor* t : tensors) {
+    records = records || t->requires_grad();
+    tangent = tangent || t->_fw_grad(/*level=*/0).defined();
+  }
+  TORCH_CHECK(!(records && c10::GradMode::is_enabled()) && !tangent, "kernels.", op,
+              " computes no gradient: call it under torch.no_grad() on tensors without forward-mode tangents "
+              "(kernels.layer_norm and kernels.add_layer_norm compute both)");
 }
 
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
