@@ -68,7 +68,7 @@ class _PatchifyConv2dPatch:
 
 def _is_patchify_conv(conv):
     """Whether an nn.Conv2d's settings make it a patchify convolution: kernel equal to the stride, more than one
-    value a channel (a 1 x 1 convolution's call is another product, not measured here), no padding, dilation or
+    value a channel (a 1 x 1 convolution is another product, left to eager), no padding, dilation or
     groups."""
     kernel = tuple(conv.kernel_size)
     return (kernel == tuple(conv.stride) and kernel != (1, 1) and conv.padding in ((0, 0), "valid")

@@ -93,7 +93,7 @@ __device__ __forceinline__ void store_tile(const EpilogueArguments& arguments, c
   // Both ways go through this consumer's staging buffer, 64 rows of y (a part) at a time. The buffer holds two
   // 32-column boxes in the 128-byte swizzle (16-byte unit u of box row r at u ^ (r % 8)). Per part, threads write
   // their totals there as they are, then make the outputs from there.
-  const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
+  const std::uint32_t staging = staging_buffer(shared_base, consumer);
   const int thread_index = threadIdx.x % 128;
   // The thread's totals of row c, half `half` of a part's first 8 rows (jj = 0); of row jj, 8 jj rows (1 KB)
   // further: the swizzle depends on the row only through row % 8.
@@ -299,7 +299,7 @@ __device__ __forceinline__ void store_tile_y_transposed(const EpilogueArguments&
   const Epilogue& epilogue = arguments.epilogue;
   const int consumer = thread.consumer, t = thread.t;
   write_w_flags(arguments, thread, tile_x, tile_w, non_finite);
-  const std::uint32_t staging = shared_base + kStages * kStageBytes + consumer * kStagingBytes;
+  const std::uint32_t staging = staging_buffer(shared_base, consumer);
   const int thread_index = threadIdx.x % 128;
   // Total j * 4 + half * 2 + c of a part (jj = j % 8) goes to box jj / 4, row (the w row) tile_row + half * row_step
   // - 64 consumer, column 8 (jj % 4) + 2 t + c: 16-byte unit (2 (jj % 4) + t / 2) ^ (row % 8), which is jj = 0's unit

@@ -33,6 +33,10 @@ constexpr int kStagingBytes = 2 * kOutBoxBytes;             // per consumer: 64 
 constexpr int kExponentBytes = kBlockW * 4;                 // a stage's w exponents, where w's split is given
 constexpr int kSharedBytes = kStages * kStageBytes + kConsumers * kStagingBytes + kStages * kExponentBytes +
                              2 * kStages * 8 + 1024;  // tiles, staging, exponents, barriers, alignment
+// A consumer's staging buffer (64 rows of y on their way to TMA stores), after the stages in the CTA's shared memory.
+__device__ __forceinline__ std::uint32_t staging_buffer(std::uint32_t shared_base, int consumer) {
+  return shared_base + kStages * kStageBytes + consumer * kStagingBytes;
+}
 constexpr int kTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and consumer 1's turn to issue products
 constexpr int kStagingBarrier = 3;  // named barriers 3 and 4: consumer 0's and consumer 1's staging buffer
 constexpr int kProducerRegisters = 40;

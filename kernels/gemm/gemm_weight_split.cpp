@@ -37,6 +37,8 @@ enum StampField : int {
 };
 
 #ifdef KERNELS_WITH_CUDA
+int64_t current_stream_id(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).id(); }
+
 std::vector<int64_t> weight_stamp(Path path, bool transposed, const at::Tensor& weight) {
   std::vector<int64_t> stamp(kStampFields);
   stamp[kStampPath] = static_cast<int64_t>(path);
@@ -48,7 +50,7 @@ std::vector<int64_t> weight_stamp(Path path, bool transposed, const at::Tensor& 
   stamp[kStampRowStride] = weight.stride(0);
   stamp[kStampColumnStride] = weight.stride(1);
   stamp[kStampDevice] = weight.device().index();
-  stamp[kStampStream] = c10::cuda::getCurrentCUDAStream(weight.device().index()).id();
+  stamp[kStampStream] = current_stream_id(weight);
   return stamp;
 }
 
@@ -155,8 +157,6 @@ std::optional<LeftRowSplit>& left_row_split_slot() {
   return *slot;
 }
 
-int64_t current_stream_id(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).id(); }
-
 // _gemm_leave_row_split(y, hi, lo, exponent): keeps y's row split (launch_split_rows's layout and order for
 // split_fp16's kernel: hi and lo rows x split_row_length(columns) fp16, exponent rows int32) in the slot.
 void gemm_leave_row_split(const at::Tensor& y, const at::Tensor& hi, const at::Tensor& lo, const at::Tensor& exponent) {
@@ -187,10 +187,9 @@ void gemm_leave_row_split(const at::Tensor& y, const at::Tensor& hi, const at::T
 
 std::optional<WeightSplit> left_row_split(const at::Tensor& x) {
   if (!x.is_cuda() || x.is_inference() || !x.is_contiguous() || x.dim() < 1 || x.numel() == 0) return std::nullopt;
-  if (common::stream_capturing(x)) return std::nullopt;  // none read while a graph is captured
   const std::lock_guard<std::mutex> lock(left_row_split_mutex());
   std::optional<LeftRowSplit>& slot = left_row_split_slot();
-  if (!slot.has_value()) return std::nullopt;
+  if (!slot.has_value() || common::stream_capturing(x)) return std::nullopt;  // none read while a graph is captured
   const c10::intrusive_ptr<c10::StorageImpl> storage = slot->storage.lock();
   if (!storage) {  // its tensor is gone: its split too
     slot.reset();
