@@ -331,15 +331,16 @@ def _bert_output_forward(self, hidden_states, input_tensor):
 
 class _AddNormOutputPatch:
     """transformers' BertSelfOutput and BertOutput and the modules whose forward is their code: the residual add and
-    the LayerNorm after it as one add_layer_norm where the patched norm takes it (_add_layer_norm_takes); its own
-    forward otherwise."""
+    the LayerNorm after it as one add_layer_norm where the patched norm takes it (_add_layer_norm_takes), whose result
+    a linear layer reads next (the intermediate dense, the next layer's query, the head's transform); its own forward
+    otherwise."""
 
     def forward(self, hidden_states, input_tensor):
         hidden = self.dropout(self.dense(hidden_states))
         norm = self.LayerNorm
         if not _add_layer_norm_takes(norm, hidden, input_tensor):
             return norm(hidden + input_tensor)
-        return add_layer_norm(hidden, input_tensor, norm.weight, norm.bias, norm.eps)[1]
+        return _add_layer_norm_for_product(hidden, input_tensor, norm)[1]
 
 
 class _MultiheadAttentionPatch:
@@ -519,14 +520,17 @@ class _TimmBlockPatch:
 
 def _add_layer_norm_for_product(x, residual, norm):
     """add_layer_norm(x, residual) with the patched LayerNorm `norm`'s parameters, for a norm whose result a linear
-    layer reads next (a ViT Block's qkv and fc1). In eager calls without a gradient or a forward-mode tangent to
-    compute (outside torch.func's transforms, forward AD's dual levels, torch.compile, torch.jit.trace and inference
-    mode, whose tensors have no version counter), on a GPU whose GEMM reads it, the
-    norm's kernel also leaves its result's row split, which that layer's split forward then reads instead of
-    splitting its input (the same bits)."""
+    layer reads next (a ViT Block's qkv and fc1, BERT's add-norms). In eager calls without a gradient or a
+    forward-mode tangent to compute (outside torch.func's transforms, forward AD's dual levels, torch.compile,
+    torch.jit.trace and inference mode, whose tensors have no version counter), on a GPU whose GEMM reads it, where a
+    product of the result's rows into 4 x its width (an MLP's first layer, its widest reader) may split, the norm's
+    kernel also leaves its result's row split, which that layer's split forward then reads instead of splitting its
+    input (the same bits)."""
+    width = x.shape[-1] if x.dim() else 0
     if (torch.is_grad_enabled() or _forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
             or _is_compiling() or _tracing_state() is not None or torch.is_inference_mode_enabled() or not x.is_cuda
-            or _tf32_allowed() or not _row_split_read_on(x.device.index)):
+            or _tf32_allowed() or not width or not split_may_pay(x.numel() // width, 4 * width, width)
+            or not _row_split_read_on(x.device.index)):
         return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
     return torch.ops.kernels._add_layer_norm_leaving_row_split.default(x, residual, norm.weight, norm.bias,
                                                                        float(norm.eps))

@@ -936,38 +936,67 @@ def test_timm_vit_patch_round_trip(device):
 
 
 
-@requires_cuda
-def test_vit_norms_leave_their_row_split_for_the_next_products(monkeypatch):
-    """Without a gradient to compute, a patched ViT Block's add-norms leave their result's row split for the linear
-    layer that reads it (the leaving op is called), and the model's output is the same bit for bit as where each layer
-    splits its input itself; with a gradient or a forward-mode tangent, the plain op."""
+def _vit_for_leaving(large):
+    """A ViT at ViT-B's width and a call of it: 16 images (rows a split product takes) or 1 (too few)."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.models.vision_transformer.VisionTransformer(embed_dim=768, depth=2, num_heads=12).cuda().eval()
-    x = torch.randn(16, 3, 224, 224, device="cuda")
+    x = torch.randn(16 if large else 1, 3, 224, 224, device="cuda")
+    return model, lambda m: m(x)
+
+
+def _bert_for_leaving(large):
+    """A BERT at BERT-large's width and a call of it: 4 x 512 tokens (rows a split product takes) or 1 x 64."""
+    t = _transformers()
+    config = t.BertConfig(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, intermediate_size=4096,
+                          vocab_size=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = t.BertForMaskedLM(config).cuda().eval()
+    ids = torch.randint(0, 1000, (4, 512) if large else (1, 64), device="cuda")
+    return model, lambda m: m(input_ids=ids).logits
+
+
+LEAVING_OP = "kernels._add_layer_norm_leaving_row_split.default"
+
+
+@requires_cuda
+@pytest.mark.parametrize("build", [_vit_for_leaving, _bert_for_leaving], ids=["vit", "bert"])
+def test_add_norms_leave_their_row_split_for_the_next_products(build, monkeypatch):
+    """Without a gradient to compute, a patched ViT Block's and BERT layer's add-norms leave their result's row split
+    for the linear layer that reads it (the leaving op is called), and the model's output is the same bit for bit as
+    where each layer splits its input itself; with a gradient, or rows too few for a split product, the plain op."""
+    model, call = build(large=True)
     patched = kernels.patch(model)
-    leaving_op = "kernels._add_layer_norm_leaving_row_split.default"
     with torch.no_grad():
-        names = ops_called(lambda: patched(x))
-        leaving = patched(x)
+        names = ops_called(lambda: call(patched))
+        leaving = call(patched)
         monkeypatch.setattr(patching, "_add_layer_norm_for_product",
                             lambda x, residual, norm: kernels.functional.add_layer_norm(x, residual, norm.weight,
                                                                                         norm.bias, norm.eps))
-        splitting = patched(x)
+        splitting = call(patched)
         monkeypatch.undo()
     if patching._row_split_read_on(0):
-        assert leaving_op in names, names
+        assert LEAVING_OP in names, names
     assert torch.equal(leaving, splitting)
-    assert leaving_op not in ops_called(lambda: patched(x))  # a gradient to compute
+    assert LEAVING_OP not in ops_called(lambda: call(patched))  # a gradient to compute
+    small, small_call = build(large=False)
+    patched_small = kernels.patch(small)
+    with torch.no_grad():
+        assert LEAVING_OP not in ops_called(lambda: small_call(patched_small))
+
+
+@requires_cuda
+def test_add_norm_for_product_keeps_forward_mode_tangents():
+    """With a forward-mode tangent to compute, a norm's result leaves no split: the plain op, which keeps it."""
     import torch.autograd.forward_ad as fwAD
 
-    norm = patched.blocks[0].norm2
-    tokens = torch.randn(2, 197, 768, device="cuda")
-    with torch.no_grad(), fwAD.dual_level():  # a forward-mode tangent to compute: the plain op, which keeps it
+    norm = kernels.patch(nn.LayerNorm(768).cuda())
+    tokens = torch.randn(16, 197, 768, device="cuda")  # rows a split product takes
+    with torch.no_grad(), fwAD.dual_level():
         dual = fwAD.make_dual(tokens, torch.ones_like(tokens))
         names = ops_called(lambda: patching._add_layer_norm_for_product(dual, tokens, norm))
         tangent = fwAD.unpack_dual(patching._add_layer_norm_for_product(dual, tokens, norm)[1]).tangent
-    assert leaving_op not in names and tangent is not None
+    assert LEAVING_OP not in names and tangent is not None
 
 
 def test_timm_layer_norm_and_new_gelu_patches_take_their_classes_arguments(monkeypatch):
