@@ -262,33 +262,54 @@ def slices_name(slices):
 def split_k(args):
     """grad_W through the backward op on the split path with K split into S slices or by stream-K (forced, then
     split_gemm_k_slices's choice "auto") against eager's grad_pre.t().mm(x): times, errors against float64, whether two
-    runs agree bit for bit."""
+    runs agree bit for bit. With --forwards, the forward op's products of those (rows x in x out) instead, against
+    eager's x @ w.t() (the output m x n over k)."""
     from kernels.gemm.gemm import STREAM_K, forced_gemm_path, forced_k_slices
     from kernels.precision import relative_error
     from kernels.timing import time_each_ms
 
     backward = torch.ops.kernels.gemm_multiply_leaky_relu_backward
+    forward = torch.ops.kernels.gemm_multiply_leaky_relu.default
     slice_counts = (*SPLIT_K_SLICES, STREAM_K)
+    # (output rows, output columns, reduction) of each product
+    products = [(m, n, k) for m, k, n in sizes(args.forwards)] if args.forwards else SPLIT_K_SHAPES
     print(f"{'n':>5} {'k':>5} {'m':>6} {'auto':>6} {'eager':>7} "
           + " ".join(f"{'S=' + slices_name(s):>8}" for s in slice_counts)
-          + f" {'S=auto':>8} {'speedup':>7} {'inputs':>6} {'ours':>9} {'eager':>9} {'bits':>4}")
-    for n, k, m in SPLIT_K_SHAPES:
+          + f" {'S=auto':>8} {'speedup':>7} {'inputs':>6} {'ours':>9} {'eager':>9} {'bits':>4}"
+          + ("  (forwards: n = rows, k = out, m = in)" if args.forwards else ""))
+    for n, k, m in products:
         torch.manual_seed(0)
         weight, empty = torch.empty(n, k, device="cuda"), torch.empty(0, device="cuda")
         for kind in ("randn", "rand"):
-            grad_pre, x = getattr(torch, kind)(m, n, device="cuda"), getattr(torch, kind)(m, k, device="cuda")
+            if args.forwards:  # y (n x k) = x (n x m) w^T, w (k x m)
+                x, w = getattr(torch, kind)(n, m, device="cuda"), getattr(torch, kind)(k, m, device="cuda")
 
-            def ours(s):
-                with forced_gemm_path(SPLIT_PATH), forced_k_slices(s):
-                    return backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True, False)[1]
+                def ours(s, x=x, w=w):
+                    with forced_gemm_path(SPLIT_PATH), forced_k_slices(s), torch.no_grad():
+                        return forward(x, w, None, 1.0, 1.0, False)[0]
 
+                def eager(x=x, w=w):
+                    return x @ w.t()
+
+                reference = x.double() @ w.double().t()
+            else:
+                grad_pre, x = getattr(torch, kind)(m, n, device="cuda"), getattr(torch, kind)(m, k, device="cuda")
+
+                def ours(s, grad_pre=grad_pre, x=x):
+                    with forced_gemm_path(SPLIT_PATH), forced_k_slices(s):
+                        return backward(grad_pre, x, weight, empty, 1.0, 1.0, False, True, False)[1]
+
+                def eager(grad_pre=grad_pre, x=x):
+                    return grad_pre.t().mm(x)
+
+                reference = grad_pre.double().t() @ x.double()
             if kind == "randn":
-                row = time_each_ms([lambda: grad_pre.t().mm(x)] + [lambda s=s: ours(s) for s in (*slice_counts, 0)])
-            grad_w, again, reference = ours(0), ours(0), grad_pre.double().t() @ x.double()
-            bits = "same" if torch.equal(grad_w.view(torch.int32), again.view(torch.int32)) else "DIFF"
+                row = time_each_ms([eager] + [lambda s=s: ours(s) for s in (*slice_counts, 0)])
+            result, again = ours(0), ours(0)
+            bits = "same" if torch.equal(result.view(torch.int32), again.view(torch.int32)) else "DIFF"
             print(f"{n:>5} {k:>5} {m:>6} {slices_name(torch.ops.kernels._gemm_k_slices(n, k, m)):>6} "
                   + f"{row[0]:7.4f} " + " ".join(f"{t:8.4f}" for t in row[1:]) + f" {row[0] / row[-1]:7.3f} {kind:>6} "
-                  f"{relative_error(grad_w, reference):9.3e} {relative_error(grad_pre.t().mm(x), reference):9.3e} "
+                  f"{relative_error(result, reference):9.3e} {relative_error(eager(), reference):9.3e} "
                   f"{bits:>4}", flush=True)
 
 
@@ -604,7 +625,9 @@ def main():
     sub.add_argument("--after-training", type=int, default=0, metavar="STEPS",
                      help="time the forward also before these AdamW steps, the rest after them (bench.py's order)")
     sub.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the trace ($OUT, else /tmp)")
-    add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
+    sub = add("split-k", split_k, "grad_W's product at small outputs over long reductions, per slices of K")
+    sub.add_argument("--forwards", metavar="MxKxN[,MxKxN...]",
+                     help="the forwards of these (rows x in x out) instead (ViT-B/16's fc2: 12608x3072x768)")
     sub = add("products", products, "a linear layer's three products at the models' slowest shapes, and their kernels")
     sub.add_argument("--shapes", metavar="MxKxN[,MxKxN...]", help="these (rows x in x out) instead")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
