@@ -78,8 +78,8 @@ def _is_patchify_conv(conv):
 def _patchify_takes(conv, x):
     """Whether a patched nn.Conv2d runs x as one GEMM (_patchify_conv2d): a batched float32 CUDA image, plain
     parameters on its device, outside autocast (whose float16 policy eager's convolution follows) and torch.func's
-    transforms, where the GEMM or
-    a product of its backward may take a split (plain_product_suffices: the shape, the TF32 setting, a forced path)."""
+    transforms, where the GEMM or a product of its backward may take a split (plain_product_suffices: the shape, the
+    TF32 setting, a forced path)."""
     weight, bias = conv.weight, conv.bias
     if not (_plain(x, weight) and (bias is None or _plain(bias)) and x.is_cuda and x.dim() == 4
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device == x.device
@@ -681,8 +681,9 @@ def __getattr__(name):
 
 def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every nn.Conv2d
-    whose kernel is its stride (a patch embedding: _PatchifyConv2dPatch), every transformers Conv1D, NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with
-    one of their forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's,
+    whose kernel is its stride (a patch embedding: _PatchifyConv2dPatch), every transformers Conv1D,
+    NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with one of their
+    forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's,
     in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
     residual adds (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them) and BertOutput's one op each

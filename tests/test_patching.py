@@ -1876,7 +1876,8 @@ def test_patchify_convolution_against_float64(case):
         assert any("kernels.gemm_multiply_leaky_relu" in name for name in names), names
         assert y.shape == y_eager.shape and y.stride() == y_eager.stride(), (y.stride(), y_eager.stride())
         if case == "non_finite":
-            assert torch.equal(torch.isnan(y), torch.isnan(y_eager)) and torch.equal(torch.isinf(y), torch.isinf(y_eager))
+            assert torch.equal(torch.isnan(y), torch.isnan(y_eager))
+            assert torch.equal(torch.isinf(y), torch.isinf(y_eager))
             continue
         if case == "scaled":  # each image against its own float64 result (allclose does not scale per image)
             for ours, eager, exact in zip(y, y_eager, y64):

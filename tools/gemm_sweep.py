@@ -279,7 +279,8 @@ def split_k(args):
           + ("  (forwards: n = rows, k = out, m = in)" if args.forwards else ""))
     for n, k, m in products:
         torch.manual_seed(0)
-        weight, empty = torch.empty(n, k, device="cuda"), torch.empty(0, device="cuda")
+        if not args.forwards:  # the backward op's weight and grad_bias placeholders (grad_W reads neither)
+            weight, empty = torch.empty(n, k, device="cuda"), torch.empty(0, device="cuda")
         for kind in ("randn", "rand"):
             if args.forwards:  # y (n x k) = x (n x m) w^T, w (k x m)
                 x, w = getattr(torch, kind)(n, m, device="cuda"), getattr(torch, kind)(k, m, device="cuda")

@@ -135,10 +135,10 @@ std::optional<WeightSplit> usable_weight_split(const std::optional<at::TensorLis
 
 // A float32 tensor's row split made by the op that wrote the tensor (the LayerNorm family's leaving ops: their kernel
 // splits y as it writes it), for the split_fp16 forward whose x that tensor is. One slot a process, read once, held
-// until then, until another split replaces it or until its tensor's storage is gone; matched on that storage (a weak reference, so its memory is not
-// handed to another storage while held), the data address, the version counter (a change made through PyTorch),
-// the element count, the row length, the device and the current stream; none is left or read while a CUDA graph is
-// captured (common/stream_capture.h). Its bits are x's own row pass's.
+// until then, until another split replaces it or until its tensor's storage is gone; matched on that storage (a weak
+// reference, so its memory is not handed to another storage while held), the data address, the version counter (a
+// change made through PyTorch), the element count, the row length, the device and the current stream; none is left
+// or read while a CUDA graph is captured (common/stream_capture.h). Its bits are x's own row pass's.
 struct LeftRowSplit {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   const void* data;
