@@ -348,6 +348,18 @@ class FusedLinear(nn.Linear):
 
     def forward(self, input, multiplier=1.0, negative_slope=1.0):
         x = input  # nn.Linear's parameter name, for callers that pass it by keyword
+        # A host-bound layer's plain call, its checks in one expression (such a call is all host time): the weight
+        # noted with the bound below is the registered parameter, no instance attribute hides it or the bias, no parent
+        # left a shared product, and x has fewer elements than any split needs. The bound is kept per weight object; a
+        # shape changed through .data leaves it stale, which costs speed only: F.linear is always right.
+        parameters, attributes = self._parameters, self.__dict__
+        weight = parameters.get("weight")
+        noted_weight, plain_numel = self._plain_numel_below
+        if (noted_weight() is weight and weight is not None and "bias" in parameters and "weight" not in attributes
+                and "bias" not in attributes and "_shared_product" not in attributes and type(x) is torch.Tensor
+                and _tracing_state() is None and x.numel() < plain_numel and _forced_path == "auto"
+                and multiplier == 1.0 and negative_slope == 1.0):
+            return F.linear(x, weight, parameters["bias"])
         # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
         # call, (its input, a function of (this layer, x) giving this layer's part of that product or None) here for
         # this layer's first call; the part stands for a call on that same input.
@@ -359,10 +371,8 @@ class FusedLinear(nn.Linear):
                 if part is not None:
                     return part
         weight, bias = self._weight_and_bias()
-        # A host-bound layer's plain call: x has fewer elements than any split needs (the bound kept per weight object;
-        # a shape changed through .data leaves it stale, which costs speed only: F.linear is always right).
-        noted_weight, plain_numel = self._plain_numel_below
-        noted_weight = noted_weight()
+        # The plain call again, for a weight or bias found through their attributes (above: the parameters').
+        noted_weight = self._plain_numel_below[0]()
         if (noted_weight is weight and type(x) is torch.Tensor and _tracing_state() is None and x.numel() < plain_numel
                 and _forced_path == "auto" and multiplier == 1.0 and negative_slope == 1.0):
             return F.linear(x, weight, bias)
