@@ -27,6 +27,9 @@ SHAPES = {
     "head dim 128": (2, 8, 8, 256, 256, 128),
     "grouped kv heads": (2, 8, 2, 100, 100, 64),
     "one row": (3, 2, 2, 1, 1, 64),
+    # the keys' last tile at the short step's bound (16 keys) and one past it
+    "16 keys past a tile": (2, 4, 4, 96, 80, 64),
+    "17 keys past a tile": (2, 4, 4, 96, 81, 64),
 }
 
 
@@ -149,7 +152,8 @@ def test_plain_kernel_forced(name, causal):
 @requires_cuda
 @pytest.mark.parametrize("kind", ["randn", "rand"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", ["BERT-like", "ViT rows (197)", "600 keys", "grouped kv heads"])
+@pytest.mark.parametrize("name", ["BERT-like", "ViT rows (197)", "600 keys", "grouped kv heads",
+                                  "16 keys past a tile"])
 def test_mma_sync_kernel_forced(name, causal, kind):
     """The mma.sync kernel, forced (on Hopper the default kernel's products run on wgmma): the same products in the
     same order, so no more error than eager's against float64, and within a few roundings of the default kernel."""

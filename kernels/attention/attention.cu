@@ -13,7 +13,9 @@
 //   causal mask (on the last key tile only), the online softmax in fp32: exp(score - row max) as exp2f((score - row
 //   max) log2(e)), which is at most 1 (its split times 2^13 stays within fp16) and exactly 1 for the largest score.
 //   Probabilities, times 2^13, are split in registers into the next products' operands; the running output is
-//   multiplied by the softmax's correction, then the products with v are added to it the same way.
+//   multiplied by the softmax's correction, then the products with v are added to it the same way. A last key tile
+//   of at most kShortKeys keys (ViT's 197 = 3 x 64 + 5) takes a short step over its first kShortKeys alone: the keys
+//   past them are padding, whose probabilities are 0.
 // - Flagged heads, and tiles whose query rows the split cannot take: the same CTAs compute them on the plain path, a
 //   thread per query row, fp32 throughout.
 #include "attention.h"
@@ -22,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "common/dependent_launch.cuh"
 #include "common/device_queries.h"
@@ -54,6 +57,7 @@ constexpr int kRowPad = 8;  // fp16 values after each shared-memory row: a quad'
 constexpr int kProbabilityExponent = 13;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kSplitThreads = 256;
+constexpr int kShortKeys = 16;  // a short last key step's keys: one k16 step of the products with v
 
 // A row or column the split takes: finite, and its largest |value| 0 or within [2^-40, 2^40), where every power of
 // two the kernel multiplies by, and its products with the scale, are exact floats.
@@ -243,22 +247,34 @@ struct SplitOperands {
   const std::int32_t *k_exponent, *v_exponent, *flags;  // flags: per kv head
 };
 
-// acc (64 rows x 64 columns a warpgroup, mma.sync's accumulator layout) = or += a b^T on wgmma (sm_90a), the split
-// product of the warpgroup's A fragments (a_hi, a_lo per 16 of the reduction, mma.sync's A layout) with a K-major tile
-// pair of 64 rows in the 128-byte swizzle (b_hi, b_lo: shared-window addresses, 32 bytes further per 16 of the
-// reduction), as the mma.sync path computes it: per 16, the small products (lo hi, hi lo) into one accumulator, the
-// large one (hi hi) into a fresh one added to acc in fp32 (first: set by the first); the small sum added last. The
-// fresh accumulators are two, used in turn, so that a step's large product is added while the next step's run.
-// Every thread of the warpgroup must call it.
-template <int kSteps>
-__device__ __forceinline__ void wgmma_split_product(float (&acc)[8][4], const std::uint32_t (&a_hi)[kSteps][4],
+// d (+)= a b^T by one wgmma of N = 8 kFragments: m64n64k16's, or m64n16k16's for a short last key step.
+template <int kFragments>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kFragments][4], const std::uint32_t (&a)[4], std::uint64_t b,
+                                         bool accumulate) {
+  static_assert(kFragments == 8 || kFragments == 2, "wgmma's N: 64 or 16");
+  if constexpr (kFragments == 8)
+    gemm::sm90::wgmma_m64n64k16_f16_rs(d, a, b, accumulate);
+  else
+    gemm::sm90::wgmma_m64n16k16_f16_rs(d, a, b, accumulate);
+}
+
+// acc (64 rows x 8 kFragments columns a warpgroup, mma.sync's accumulator layout) = or += a b^T on wgmma (sm_90a),
+// the split product of the warpgroup's A fragments (a_hi, a_lo per 16 of the reduction, mma.sync's A layout) with a
+// K-major tile pair of 8 kFragments rows (64, or a short last key step's 16) in the 128-byte swizzle (b_hi, b_lo:
+// shared-window addresses, 32 bytes further per 16 of the reduction), as the mma.sync path computes it: per 16, the
+// small products (lo hi, hi lo) into one accumulator, the large one (hi hi) into a fresh one added to acc in fp32
+// (first: set by the first); the small sum added last. The fresh accumulators are two, used in turn, so that a step's
+// large product is added while the next step's run. Every thread of the warpgroup must call it.
+template <int kSteps, int kFragments>
+__device__ __forceinline__ void wgmma_split_product(float (&acc)[kFragments][4],
+                                                    const std::uint32_t (&a_hi)[kSteps][4],
                                                     const std::uint32_t (&a_lo)[kSteps][4], std::uint32_t b_hi,
                                                     std::uint32_t b_lo, bool first) {
   using namespace gemm::sm90;
-  float small[8][4], big[2][8][4];
+  float small[kFragments][4], big[2][kFragments][4];
   const auto add_big = [&](int step) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kFragments; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         acc[j][c] = first && step == 0 ? big[step % 2][j][c] : acc[j][c] + big[step % 2][j][c];
@@ -266,9 +282,9 @@ __device__ __forceinline__ void wgmma_split_product(float (&acc)[8][4], const st
 #pragma unroll
   for (int step = 0; step < kSteps; ++step) {
     wgmma_fence();  // a's registers and the accumulators were written by other instructions
-    wgmma_m64n64k16_f16_rs(small, a_lo[step], k_major_swizzle128_descriptor(b_hi + 32 * step), step != 0);
-    wgmma_m64n64k16_f16_rs(small, a_hi[step], k_major_swizzle128_descriptor(b_lo + 32 * step), true);
-    wgmma_m64n64k16_f16_rs(big[step % 2], a_hi[step], k_major_swizzle128_descriptor(b_hi + 32 * step), false);
+    wgmma_rs(small, a_lo[step], k_major_swizzle128_descriptor(b_hi + 32 * step), step != 0);
+    wgmma_rs(small, a_hi[step], k_major_swizzle128_descriptor(b_lo + 32 * step), true);
+    wgmma_rs(big[step % 2], a_hi[step], k_major_swizzle128_descriptor(b_hi + 32 * step), false);
     wgmma_commit();
     if (step == 0) continue;
     wgmma_wait<1>();  // the step before's products, while this step's run
@@ -277,7 +293,7 @@ __device__ __forceinline__ void wgmma_split_product(float (&acc)[8][4], const st
   wgmma_wait<0>();
   add_big(kSteps - 1);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < kFragments; ++j)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] += small[j][c];
 }
@@ -436,6 +452,8 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
 #pragma unroll
     for (int c = 0; c < 4; ++c) out_acc[n][c] = 0.0f;
 
+  // The keys' last tile, where it holds no more than kShortKeys keys and is this CTA's last step, takes a short step.
+  const bool short_last_step = key_tiles == key_tiles_all && shape.key_rows - (key_tiles_all - 1) * kTile <= kShortKeys;
   for (std::int64_t key_tile = 0; key_tile < key_tiles; ++key_tile) {
     const int stage = kStages<kDim> == 1 ? 0 : static_cast<int>(key_tile % 2);
     if (kStages<kDim> == 2 && key_tile + 1 < key_tiles) {
@@ -450,143 +468,152 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
     const std::int32_t* key_exponent =
         reinterpret_cast<const std::int32_t*>(shared + stage * S::kBytes + S::kExponents);
 
-    // Scores of the warp's 16 rows x 64 keys: n-fragment j holds keys 8 j + 2t, + 1 (rows g; g + 8). The tensor
-    // cores truncate their sums, a bias that grows with each product added to a sum: the large product (hi hi) of
-    // each 16 of the head dim goes to a fresh accumulator and is added to the score in fp32; the small ones (lo hi,
-    // hi lo) share one accumulator, added last. ldmatrix.x4 gives the B fragments of n-fragments j, j + 1 for one 16
-    // of the head dim: lane l addresses key 8 (j + l / 16) + l % 8 at 8 ((l / 8) % 2).
-    float score[kTile / 8][4];
-    const std::uint32_t k_hi_base = shared_base + stage * S::kBytes;
-    const std::uint32_t k_lo_base = k_hi_base + 2 * S::kKeyValues;
-    if constexpr (kWgmma) {
-      wgmma_split_product(score, q_hi, q_lo, k_hi_base, k_lo_base, /*first=*/true);
-    } else {
-      const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
+    // One key step over the tile's first kKeys keys: all kTile, or for a last tile holding no more than kShortKeys
+    // keys, those (the rest are padding, whose probabilities are 0: the same outputs for a quarter of the work).
+    const auto key_step = [&](auto keys) {
+      constexpr int kKeys = decltype(keys)::value;
+      // Scores of the warp's 16 rows x kKeys keys: n-fragment j holds keys 8 j + 2t, + 1 (rows g; g + 8). The tensor
+      // cores truncate their sums, a bias that grows with each product added to a sum: the large product (hi hi) of
+      // each 16 of the head dim goes to a fresh accumulator and is added to the score in fp32; the small ones (lo hi,
+      // hi lo) share one accumulator, added last. ldmatrix.x4 gives the B fragments of n-fragments j, j + 1 for one 16
+      // of the head dim: lane l addresses key 8 (j + l / 16) + l % 8 at 8 ((l / 8) % 2).
+      float score[kKeys / 8][4];
+      const std::uint32_t k_hi_base = shared_base + stage * S::kBytes;
+      const std::uint32_t k_lo_base = k_hi_base + 2 * S::kKeyValues;
+      if constexpr (kWgmma) {
+        wgmma_split_product(score, q_hi, q_lo, k_hi_base, k_lo_base, /*first=*/true);
+      } else {
+        const std::uint32_t key_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kKeyRow + 8 * ((lane / 8) % 2));
 #pragma unroll
-      for (int j = 0; j < kTile / 8; j += 2) {
-        float small[2][4];
+        for (int j = 0; j < kKeys / 8; j += 2) {
+          float small[2][4];
 #pragma unroll
-        for (int step = 0; step < kDim / 16; ++step) {
-          std::uint32_t bh[4], bl[4];
-          const std::uint32_t at = key_lane + 2 * (8 * j * S::kKeyRow + 16 * step);
-          load_matrix_x4(k_hi_base + at, bh);
-          load_matrix_x4(k_lo_base + at, bl);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (step == 0)
-              mma_m16n8k16<true>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
-            else
-              mma_m16n8k16<false>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
-            mma_m16n8k16<false>(small[i], q_hi[step], bl[2 * i], bl[2 * i + 1]);
-            float big[4];
-            mma_m16n8k16<true>(big, q_hi[step], bh[2 * i], bh[2 * i + 1]);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) score[j + i][c] = step == 0 ? big[c] : score[j + i][c] + big[c];
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) score[j + i][c] += small[i][c];
-      }
-    }
-    // Unscale (one rounding: the scale's). The thread's keys 8 j + 2t, + 1 have adjacent exponents.
-#pragma unroll
-    for (int j = 0; j < kTile / 8; ++j) {
-      const int2 exponents = reinterpret_cast<const int2*>(key_exponent)[4 * j + t];
-      const float key_factor[2] = {exact_power_of_two(-exponents.x), exact_power_of_two(-exponents.y)};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) score[j][c] = score[j][c] * row_factor[c / 2] * key_factor[c % 2];
-    }
-    // Masked keys lie in the last key tile only: the padding past the keys, and under the causal mask the keys past
-    // each row (a query tile's key tiles end at its own).
-    if (key_tile + 1 == key_tiles) {
-      const std::int64_t first_key = key_tile * kTile;
-#pragma unroll
-      for (int j = 0; j < kTile / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const std::int64_t key = first_key + 8 * j + 2 * t + c % 2;
-          if (key >= shape.key_rows || (causal && key > first_row + g + 8 * (c / 2))) score[j][c] = -INFINITY;
-        }
-    }
-    // The rows' new maxima.
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kTile / 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) tile_max[c / 2] = fmaxf(tile_max[c / 2], score[j][c]);
-    float correction[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-      const float new_max = fmaxf(row_max[h], tile_max[h]);
-      correction[h] = exp2f((row_max[h] - new_max) * kLog2e);  // 0 at the first step (row_max -inf)
-      row_max[h] = new_max;
-      row_sum[h] *= correction[h];
-    }
-    // Probabilities, split as the A fragments of the products with v: key step s holds n-fragments 2s and 2s + 1.
-    std::uint32_t p_hi[kTile / 16][4], p_lo[kTile / 16][4];
-#pragma unroll
-    for (int j = 0; j < kTile / 8; ++j) {
-      float p[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        p[c] = exp2f((score[j][c] - row_max[c / 2]) * kLog2e);
-        row_sum[c / 2] += p[c];
-      }
-      const float factor = exact_power_of_two(kProbabilityExponent);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const SplitPair s = split_pair(p[2 * h] * factor, p[2 * h + 1] * factor);
-        p_hi[j / 2][2 * (j % 2) + h] = bits(s.hi);
-        p_lo[j / 2][2 * (j % 2) + h] = bits(s.lo);
-      }
-    }
-    // This step's products with v, 64 columns of the head dim at a time, as the scores': the running output times
-    // the correction, then each 16 keys' large product from a fresh accumulator, the small ones' sum last. ldmatrix.x4
-    // as for k: lane l addresses column 8 (n + l / 16) + l % 8 of v's tile at key 8 ((l / 8) % 2).
-    const std::uint32_t v_hi_base = k_lo_base + 2 * S::kKeyValues;
-    const std::uint32_t v_lo_base = v_hi_base + 2 * S::kValueValues;
-#pragma unroll
-    for (int n = 0; n < kDim / 8; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) out_acc[n][c] *= correction[c / 2];
-    if constexpr (kWgmma) {
-      wgmma_split_product(out_acc, p_hi, p_lo, v_hi_base, v_lo_base, /*first=*/false);
-    } else {
-      const std::uint32_t value_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kValueRow + 8 * ((lane / 8) % 2));
-#pragma unroll
-      for (int half = 0; half < kDim / 64; ++half) {
-        float small[8][4];
-#pragma unroll
-        for (int s = 0; s < kTile / 16; ++s)
-#pragma unroll
-          for (int n = 0; n < 8; n += 2) {
+          for (int step = 0; step < kDim / 16; ++step) {
             std::uint32_t bh[4], bl[4];
-            const std::uint32_t at = value_lane + 2 * ((64 * half + 8 * n) * S::kValueRow + 16 * s);
-            load_matrix_x4(v_hi_base + at, bh);
-            load_matrix_x4(v_lo_base + at, bl);
+            const std::uint32_t at = key_lane + 2 * (8 * j * S::kKeyRow + 16 * step);
+            load_matrix_x4(k_hi_base + at, bh);
+            load_matrix_x4(k_lo_base + at, bl);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-              if (s == 0)
-                mma_m16n8k16<true>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+              if (step == 0)
+                mma_m16n8k16<true>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
               else
-                mma_m16n8k16<false>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
-              mma_m16n8k16<false>(small[n + i], p_hi[s], bl[2 * i], bl[2 * i + 1]);
+                mma_m16n8k16<false>(small[i], q_lo[step], bh[2 * i], bh[2 * i + 1]);
+              mma_m16n8k16<false>(small[i], q_hi[step], bl[2 * i], bl[2 * i + 1]);
               float big[4];
-              mma_m16n8k16<true>(big, p_hi[s], bh[2 * i], bh[2 * i + 1]);
+              mma_m16n8k16<true>(big, q_hi[step], bh[2 * i], bh[2 * i + 1]);
 #pragma unroll
-              for (int c = 0; c < 4; ++c) out_acc[8 * half + n + i][c] += big[c];
+              for (int c = 0; c < 4; ++c) score[j + i][c] = step == 0 ? big[c] : score[j + i][c] + big[c];
             }
           }
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+          for (int i = 0; i < 2; ++i)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) out_acc[8 * half + n][c] += small[n][c];
+            for (int c = 0; c < 4; ++c) score[j + i][c] += small[i][c];
+        }
       }
-    }
+      // Unscale (one rounding: the scale's). The thread's keys 8 j + 2t, + 1 have adjacent exponents.
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j) {
+        const int2 exponents = reinterpret_cast<const int2*>(key_exponent)[4 * j + t];
+        const float key_factor[2] = {exact_power_of_two(-exponents.x), exact_power_of_two(-exponents.y)};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) score[j][c] = score[j][c] * row_factor[c / 2] * key_factor[c % 2];
+      }
+      // Masked keys lie in the last key tile only: the padding past the keys, and under the causal mask the keys past
+      // each row (a query tile's key tiles end at its own).
+      if (key_tile + 1 == key_tiles) {
+        const std::int64_t first_key = key_tile * kTile;
+#pragma unroll
+        for (int j = 0; j < kKeys / 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const std::int64_t key = first_key + 8 * j + 2 * t + c % 2;
+            if (key >= shape.key_rows || (causal && key > first_row + g + 8 * (c / 2))) score[j][c] = -INFINITY;
+          }
+      }
+      // The rows' new maxima.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tile_max[c / 2] = fmaxf(tile_max[c / 2], score[j][c]);
+      float correction[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        const float new_max = fmaxf(row_max[h], tile_max[h]);
+        correction[h] = exp2f((row_max[h] - new_max) * kLog2e);  // 0 at the first step (row_max -inf)
+        row_max[h] = new_max;
+        row_sum[h] *= correction[h];
+      }
+      // Probabilities, split as the A fragments of the products with v: key step s holds n-fragments 2s and 2s + 1.
+      std::uint32_t p_hi[kKeys / 16][4], p_lo[kKeys / 16][4];
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j) {
+        float p[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          p[c] = exp2f((score[j][c] - row_max[c / 2]) * kLog2e);
+          row_sum[c / 2] += p[c];
+        }
+        const float factor = exact_power_of_two(kProbabilityExponent);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const SplitPair s = split_pair(p[2 * h] * factor, p[2 * h + 1] * factor);
+          p_hi[j / 2][2 * (j % 2) + h] = bits(s.hi);
+          p_lo[j / 2][2 * (j % 2) + h] = bits(s.lo);
+        }
+      }
+      // This step's products with v, 64 columns of the head dim at a time, as the scores': the running output times
+      // the correction, then each 16 keys' large product from a fresh accumulator, the small ones' sum last.
+      // ldmatrix.x4 as for k: lane l addresses column 8 (n + l / 16) + l % 8 of v's tile at key 8 ((l / 8) % 2).
+      const std::uint32_t v_hi_base = k_lo_base + 2 * S::kKeyValues;
+      const std::uint32_t v_lo_base = v_hi_base + 2 * S::kValueValues;
+#pragma unroll
+      for (int n = 0; n < kDim / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out_acc[n][c] *= correction[c / 2];
+      if constexpr (kWgmma) {
+        wgmma_split_product(out_acc, p_hi, p_lo, v_hi_base, v_lo_base, /*first=*/false);
+      } else {
+        const std::uint32_t value_lane = 2 * ((lane % 8 + 8 * (lane / 16)) * S::kValueRow + 8 * ((lane / 8) % 2));
+#pragma unroll
+        for (int half = 0; half < kDim / 64; ++half) {
+          float small[8][4];
+#pragma unroll
+          for (int s = 0; s < kKeys / 16; ++s)
+#pragma unroll
+            for (int n = 0; n < 8; n += 2) {
+              std::uint32_t bh[4], bl[4];
+              const std::uint32_t at = value_lane + 2 * ((64 * half + 8 * n) * S::kValueRow + 16 * s);
+              load_matrix_x4(v_hi_base + at, bh);
+              load_matrix_x4(v_lo_base + at, bl);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                if (s == 0)
+                  mma_m16n8k16<true>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+                else
+                  mma_m16n8k16<false>(small[n + i], p_lo[s], bh[2 * i], bh[2 * i + 1]);
+                mma_m16n8k16<false>(small[n + i], p_hi[s], bl[2 * i], bl[2 * i + 1]);
+                float big[4];
+                mma_m16n8k16<true>(big, p_hi[s], bh[2 * i], bh[2 * i + 1]);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) out_acc[8 * half + n + i][c] += big[c];
+              }
+            }
+#pragma unroll
+          for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) out_acc[8 * half + n][c] += small[n][c];
+        }
+      }
+    };
+    if (short_last_step && key_tile + 1 == key_tiles)
+      key_step(std::integral_constant<int, kShortKeys>{});
+    else
+      key_step(std::integral_constant<int, kTile>{});
     __syncthreads();  // the stage is read: the next step's loads may overwrite it
     if (kStages<kDim> == 1 && key_tile + 1 < key_tiles) {
       load_stage(key_tile + 1, 0);

@@ -281,6 +281,25 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[8][4], const s
 #endif
 }
 
+// wgmma_m64n64k16_f16_rs's product over 16 columns of b (b: 16 x 16): d (64 x 16 per warpgroup, the same layout,
+// n-fragments 0 and 1).
+__device__ __forceinline__ void wgmma_m64n16k16_f16_rs(float (&d)[2][4], const std::uint32_t (&a)[4], std::uint64_t b,
+                                                       bool accumulate) {
+#if KERNELS_SM90A_DEVICE
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+#endif
+}
+
 // Warpgroup register reallocation: the producer gives registers back, the consumers take them.
 template <int kRegisters>
 __device__ __forceinline__ void registers_decrease() {
