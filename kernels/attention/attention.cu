@@ -324,8 +324,9 @@ constexpr int attention_shared_bytes() {
 // kWgmma: the products by wgmma (sm_90a, its four warps one warpgroup: each product one instruction over the CTA's
 // 64 rows, its B operand read from shared memory by a descriptor), else by mma.sync from ldmatrix fragments; the
 // same products in the same order, the same fragments of q and the probabilities (wgmma's A registers are mma.sync's),
-// the same accumulator layout.
-template <int kDim, bool kWgmma>
+// the same accumulator layout. kShortLastTile: the keys' last tile holds no more than kShortKeys keys (its own
+// instance, so that other key counts run the kernel without the short step's code).
+template <int kDim, bool kWgmma, bool kShortLastTile>
 __global__ void __launch_bounds__(kThreads, 2)
 attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape shape, std::int64_t query_tiles,
                        bool causal, float scale) {
@@ -452,8 +453,10 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
 #pragma unroll
     for (int c = 0; c < 4; ++c) out_acc[n][c] = 0.0f;
 
-  // The keys' last tile, where it holds no more than kShortKeys keys and is this CTA's last step, takes a short step.
-  const bool short_last_step = key_tiles == key_tiles_all && shape.key_rows - (key_tiles_all - 1) * kTile <= kShortKeys;
+  // The keys' last tile, where it holds no more than kShortKeys keys and is this CTA's last step, takes a short step
+  // (the count checked here too: right whichever instance the launcher chose).
+  const bool short_last_step =
+      kShortLastTile && key_tiles == key_tiles_all && shape.key_rows - (key_tiles_all - 1) * kTile <= kShortKeys;
   for (std::int64_t key_tile = 0; key_tile < key_tiles; ++key_tile) {
     const int stage = kStages<kDim> == 1 ? 0 : static_cast<int>(key_tile % 2);
     if (kStages<kDim> == 2 && key_tile + 1 < key_tiles) {
@@ -610,10 +613,14 @@ attention_split_kernel(SplitOperands ops, PlainOperands plain, AttentionShape sh
         }
       }
     };
-    if (short_last_step && key_tile + 1 == key_tiles)
-      key_step(std::integral_constant<int, kShortKeys>{});
-    else
+    if constexpr (kShortLastTile) {
+      if (short_last_step && key_tile + 1 == key_tiles)
+        key_step(std::integral_constant<int, kShortKeys>{});
+      else
+        key_step(std::integral_constant<int, kTile>{});
+    } else {
       key_step(std::integral_constant<int, kTile>{});
+    }
     __syncthreads();  // the stage is read: the next step's loads may overwrite it
     if (kStages<kDim> == 1 && key_tile + 1 < key_tiles) {
       load_stage(key_tile + 1, 0);
@@ -656,16 +663,16 @@ bool wgmma_kernel_runs(int device) {
   return once_per_device(device, [](int d) -> std::optional<bool> {
     const std::optional<int> capability = compute_capability(d);
     if (!capability) return std::nullopt;
-    return *capability == 90 && kernel_code_version(attention_split_kernel<kDim, true>) == 90;
+    return *capability == 90 && kernel_code_version(attention_split_kernel<kDim, true, false>) == 90;
   }).value_or(false);
 }
 
-template <int kDim, bool kWgmma>
+template <int kDim, bool kWgmma, bool kShortLastTile>
 cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape, bool causal, float scale,
                          const AttentionWorkspace& layout, unsigned char* workspace, cudaStream_t stream,
                          int device) {
-  const auto kernel = attention_split_kernel<kDim, kWgmma>;
-  cudaError_t err = raise_shared_memory_limit<attention_split_kernel<kDim, kWgmma>>(
+  const auto kernel = attention_split_kernel<kDim, kWgmma, kShortLastTile>;
+  cudaError_t err = raise_shared_memory_limit<attention_split_kernel<kDim, kWgmma, kShortLastTile>>(
       device, attention_shared_bytes<kDim, kWgmma>());
   if (err != cudaSuccess) return err;
   const std::int64_t q_heads = shape.batch * shape.heads, kv_heads = shape.batch * shape.kv_heads;
@@ -734,9 +741,13 @@ cudaError_t launch_attention(const float* q, OperandStrides q_strides, const flo
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (!mma_sync_only && wgmma_kernel_runs<64>(device))
-    return launch_split<64, true>(plain, shape, causal, scale, layout, base, stream, device);
-  return launch_split<64, false>(plain, shape, causal, scale, layout, base, stream, device);
+  const bool wgmma = !mma_sync_only && wgmma_kernel_runs<64>(device);
+  if (shape.key_rows > 0 && (shape.key_rows - 1) % kTile < kShortKeys) {  // a short last key tile
+    if (wgmma) return launch_split<64, true, true>(plain, shape, causal, scale, layout, base, stream, device);
+    return launch_split<64, false, true>(plain, shape, causal, scale, layout, base, stream, device);
+  }
+  if (wgmma) return launch_split<64, true, false>(plain, shape, causal, scale, layout, base, stream, device);
+  return launch_split<64, false, false>(plain, shape, causal, scale, layout, base, stream, device);
 }
 
 }  // namespace kernels::attention
