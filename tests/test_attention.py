@@ -170,12 +170,15 @@ def test_mma_sync_kernel_forced(name, causal, kind):
 
 
 @requires_cuda
-def test_hopper_runs_the_wgmma_kernel():
-    """On sm_90 the split kernel's products run on wgmma (attention_split_kernel<64, true>), and on mma.sync where
-    forced: a build without the kernel's sm_90a code would fall back unseen by the tests of results."""
+@pytest.mark.parametrize("shape, short_last_tile", [("BERT-like", "false"), ("ViT rows (197)", "true"),
+                                                    ("16 keys past a tile", "true"), ("17 keys past a tile", "false")])
+def test_hopper_runs_the_wgmma_kernel(shape, short_last_tile):
+    """On sm_90 the split kernel's products run on wgmma (attention_split_kernel<64, true, ...>), and on mma.sync where
+    forced: a build without the kernel's sm_90a code would fall back unseen by the tests of results. Key counts whose
+    last tile holds 1-16 keys run the short last step's instance (<..., true>), others the kernel without it."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel runs on sm_90 only")
-    q, k, v = operands(SHAPES["BERT-like"], "cuda")
+    q, k, v = operands(SHAPES[shape], "cuda")
 
     def split_kernels():
         _, names = cuda_kernels_launched(lambda: attention(q, k, v))
@@ -184,8 +187,8 @@ def test_hopper_runs_the_wgmma_kernel():
     default = split_kernels()
     with forced(torch.ops.kernels._attention_force_mma_sync):
         mma_sync = split_kernels()
-    assert default and all("<64, true>" in name for name in default), default
-    assert mma_sync and all("<64, false>" in name for name in mma_sync), mma_sync
+    assert default and all(f"<64, true, {short_last_tile}>" in name for name in default), default
+    assert mma_sync and all(f"<64, false, {short_last_tile}>" in name for name in mma_sync), mma_sync
 
 
 @requires_cuda
