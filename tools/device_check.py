@@ -599,8 +599,9 @@ def silu_mul(args):
 
 def linear_host(args):
     """Host time alone of a host-bound linear layer's call (bench.py's host-bound sizes): nn.Linear, a second
-    nn.Linear with the same weights, kernels.nn.Linear and F.linear, forward, while the GPU is kept busy (the calls'
-    kernels queue behind a sleep), the four interleaved call by call; medians over rounds."""
+    nn.Linear with the same weights, kernels.nn.Linear, F.linear, and the two layers' forward() called directly (the
+    module call's own cost left out), while the GPU is kept busy (the calls' kernels queue behind a sleep), all
+    interleaved call by call; medians over rounds."""
     import statistics
     import time
 
@@ -618,7 +619,8 @@ def linear_host(args):
         ours.load_state_dict(eager.state_dict())
         x = torch.randn(m, k, device="cuda")
         calls = {"nn.Linear": lambda: eager(x), "nn.Linear, a second copy": lambda: twin(x),
-                 "kernels.nn.Linear": lambda: ours(x), "F.linear": lambda: F.linear(x, eager.weight, eager.bias)}
+                 "kernels.nn.Linear": lambda: ours(x), "F.linear": lambda: F.linear(x, eager.weight, eager.bias),
+                 "nn.Linear.forward": lambda: eager.forward(x), "kernels.nn.Linear.forward": lambda: ours.forward(x)}
         # Not kernels.timing's time_each_ms: the GPU must stay busy under the calls (its sleep), else the slower of
         # host and GPU would be timed.
         times = {label: [] for label in calls}
