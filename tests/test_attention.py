@@ -246,6 +246,24 @@ def test_non_finite(where):
         assert torch.equal(y[1, 2, 64:], attention(*clean)[1, 2, 64:])
 
 
+@requires_cuda
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_flagged_call_leaves_no_flag_for_the_next(where):
+    """Every call writes each kv head's flag afresh (v's pass; no memset): after a call whose k or v holds a value the
+    split cannot take, the same shape's clean call runs every head on the split path again, bit for bit as before."""
+    shape = (2, 4, 4, 70, 70, 64)
+    clean = operands(shape, "cuda", seed=5)
+    before = attention(*clean)
+    with forced(torch.ops.kernels._attention_force_plain):
+        plain = attention(*clean)
+    # every head of the clean call on the split path: none of them has the plain path's bits
+    assert all(not torch.equal(before[b, h], plain[b, h]) for b in range(shape[0]) for h in range(shape[1]))
+    flagged = [t.clone() for t in clean]
+    flagged[1 if where == "k" else 2][1, 2, 17, 9] = math.nan
+    attention(*flagged)
+    assert torch.equal(attention(*clean), before)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", ["odd rows, more keys", "head dim 128", "grouped kv heads"])
 def test_gradients(device, name, causal):

@@ -79,7 +79,8 @@ __device__ __forceinline__ HeadIndex head_index(const AttentionShape& shape, std
 // ---- the passes ---------------------------------------------------------------------------------------------------
 
 // k's rows (heads x padded rows): a warp per row; hi and lo (heads, padded rows, kDim) fp16, the power of
-// two per row. Padding rows are zeros with exponent 0.
+// two per row. Padding rows are zeros with exponent 0. A head with a row the split cannot take gets its flag set; v's
+// pass, launched before this one, wrote every head's flag.
 template <int kDim>
 __global__ void __launch_bounds__(kSplitThreads)
 split_rows_kernel(const float* __restrict__ x, OperandStrides strides, std::int64_t heads, std::int64_t rows,
@@ -126,7 +127,8 @@ split_rows_kernel(const float* __restrict__ x, OperandStrides strides, std::int6
 }
 
 // v's columns over the keys, a CTA per head: the column maxima first, then 64 keys at a time through shared memory,
-// written transposed: hi and lo (heads, kDim, padded rows), the power of two per column (heads, kDim).
+// written transposed: hi and lo (heads, kDim, padded rows), the power of two per column (heads, kDim). It writes each
+// head's flag, so that no memset comes between the previous kernel and this dependent launch.
 template <int kDim>
 __global__ void __launch_bounds__(kSplitThreads)
 split_columns_kernel(const float* __restrict__ v, OperandStrides strides, std::int64_t heads, std::int64_t rows,
@@ -161,7 +163,7 @@ split_columns_kernel(const float* __restrict__ v, OperandStrides strides, std::i
     scales[column] = ok ? exact_power_of_two(e) : 0.0f;
     exponent[head * kDim + column] = e;
   }
-  if (!ok && threadIdx.x == 0) flags[head] = 1;
+  if (threadIdx.x == 0) flags[head] = ok ? 0 : 1;  // every head's flag written: k's pass, launched after, only sets it
   __syncthreads();
   const float scale = scales[column];
   __half* const hi_head = hi + head * kDim * padded_rows;
@@ -683,7 +685,10 @@ cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape
   auto* v_exponent = reinterpret_cast<std::int32_t*>(workspace + layout.v_exponent);
   auto* flags = reinterpret_cast<std::int32_t*>(workspace + layout.flags);
   const std::int64_t kv_values = kv_heads * k_padded * kDim;
-  err = cudaMemsetAsync(flags, 0, 4 * kv_heads, stream);
+  // v's pass first: it writes the flags that k's pass may set (each waits for the grid before it to complete).
+  err = launch_dependent(split_columns_kernel<kDim>, dim3(static_cast<unsigned>(kv_heads)), dim3(kSplitThreads), 0,
+                         stream, plain.v, plain.v_strides, shape.kv_heads, shape.key_rows, k_padded, v_split,
+                         v_split + kv_values, v_exponent, flags);
   if (err != cudaSuccess) return err;
   const auto row_blocks = [](std::int64_t rows) {
     const std::int64_t blocks = (rows + kSplitThreads / 32 - 1) / (kSplitThreads / 32);
@@ -692,10 +697,6 @@ cudaError_t launch_split(const PlainOperands& plain, const AttentionShape& shape
   err = launch_dependent(split_rows_kernel<kDim>, row_blocks(kv_heads * k_padded), dim3(kSplitThreads), 0, stream,
                          plain.k, plain.k_strides, shape.kv_heads, shape.key_rows, k_padded, kv_heads * k_padded,
                          k_split, k_split + kv_values, k_exponent, flags);
-  if (err != cudaSuccess) return err;
-  err = launch_dependent(split_columns_kernel<kDim>, dim3(static_cast<unsigned>(kv_heads)), dim3(kSplitThreads), 0,
-                         stream, plain.v, plain.v_strides, shape.kv_heads, shape.key_rows, k_padded, v_split,
-                         v_split + kv_values, v_exponent, flags);
   if (err != cudaSuccess) return err;
   const SplitOperands ops{k_split, k_split + kv_values, v_split, v_split + kv_values, k_exponent, v_exponent, flags};
   const std::int64_t query_tiles = q_padded / kTile;
