@@ -3,8 +3,8 @@ and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, m
 nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm, patchify Conv2d; Conv1D, NewGELU,
-                                  # LLaMA's norms, MLP, BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp
-                                  # and Block
+                                  # LLaMA's norms, MLP, BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp,
+                                  # PatchEmbed and Block
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -98,6 +98,17 @@ def _patchify_takes(conv, x):
 def _patchify_conv2d(x, weight, bias, kernel_size):
     """F.conv2d(x, weight, bias, stride=kernel_size) as one GEMM of x's patches against the weight, in the memory
     format eager's convolution gives (cuDNN's choice: channels_last where x or the weight is laid out so)."""
+    batch, _, height, width = x.shape
+    rows, columns = height // kernel_size[0], width // kernel_size[1]
+    y = _patchify_tokens(x, weight, bias, kernel_size)
+    y = y.view(batch, rows, columns, -1).permute(0, 3, 1, 2)  # laid out channels_last, without a copy
+    channels_last = torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight))
+    return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def _patchify_tokens(x, weight, bias, kernel_size):
+    """The patchify convolution's output as tokens, (batch, patches in row-major order, out channels), contiguous:
+    one GEMM whose rows are the image's patches (in channels x kernel values each, in the weight's order)."""
     batch, channels, height, width = x.shape
     kh, kw = kernel_size
     rows, columns = height // kh, width // kw
@@ -105,9 +116,35 @@ def _patchify_conv2d(x, weight, bias, kernel_size):
     patches = x[:, :, :rows * kh, :columns * kw].unflatten(3, (columns, kw)).unflatten(2, (rows, kh))
     patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch * rows * columns, channels * kh * kw)
     y = linear(patches, weight.reshape(weight.shape[0], -1), bias)
-    y = y.view(batch, rows, columns, -1).permute(0, 3, 1, 2)  # laid out channels_last, without a copy
-    channels_last = torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight))
-    return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return y.view(batch, rows * columns, -1)
+
+
+class _TimmPatchEmbedPatch:
+    """timm's PatchEmbed (proj, a patchify convolution; its output flattened to tokens, (batch, patches, channels);
+    then norm) where proj is patched, adds nothing to its call (no hooks) and takes the one-GEMM form: that GEMM's
+    rows already are the tokens, so the tokens are its output as it lies, contiguous, without the copy into the
+    convolution's memory format and the transposed view its own forward returns (the same values). Its own forward
+    otherwise, and for an image size its checks refuse, so that it raises their errors."""
+
+    def forward(self, x):
+        proj = self.proj
+        if (getattr(self, "flatten", False) and not getattr(self, "dynamic_img_pad", False)
+                and isinstance(proj, _PatchifyConv2dPatch) and not _has_hooks(proj) and _patchify_takes(proj, x)
+                and _image_size_accepted(self, x)):
+            return self.norm(_patchify_tokens(x, proj.weight, proj.bias, proj.kernel_size))
+        return super().forward(x)
+
+
+def _image_size_accepted(patch_embed, x):
+    """Whether x's image size passes the checks of timm's PatchEmbed.forward without dynamic padding: the model's
+    size where it is strict, else whole patches."""
+    height, width = x.shape[-2:]
+    img_size = getattr(patch_embed, "img_size", None)
+    if img_size is None:
+        return True
+    if getattr(patch_embed, "strict_img_size", True):
+        return (height, width) == tuple(img_size)
+    return height % patch_embed.patch_size[0] == 0 and width % patch_embed.patch_size[1] == 0
 
 
 class _NewGELUPatch:
@@ -588,10 +625,10 @@ def _conv1d_class():
 def _base_for_class(cls):
     """The mixin that patches instances of `cls`, or None: nn.Linear, nn.MultiheadAttention, nn.LayerNorm, nn.Conv2d
     (those with a patchify convolution's settings: _patch_base), nn.Sequential (those holding timm Blocks),
-    transformers' Conv1D and NewGELUActivation, timm's LayerNorm and Attention and the subclasses that keep their
-    forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul and add),
-    and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's Mlp's
-    code."""
+    transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and PatchEmbed and the subclasses that
+    keep their forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul
+    and add), and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's
+    Mlp's code."""
     if (issubclass(cls, nn.Linear) and _parameters_are_its_own(cls, nn.Linear)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
@@ -608,6 +645,7 @@ def _base_for_class(cls):
                                     ("transformers.activations", "NewGELUActivation", _NewGELUPatch),
                                     ("timm.layers.norm", "LayerNorm", _TimmLayerNormPatch),
                                     ("timm.layers.attention", "Attention", _TimmAttentionPatch),
+                                    ("timm.layers.patch_embed", "PatchEmbed", _TimmPatchEmbedPatch),
                                     ("timm.models.vision_transformer", "Block", _TimmBlockPatch)):
         original = _imported_class(module_name, name)
         if original is not None and issubclass(cls, original) and cls.forward is original.forward:
@@ -683,7 +721,7 @@ def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every nn.Conv2d
     whose kernel is its stride (a patch embedding: _PatchifyConv2dPatch), every transformers Conv1D,
     NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with one of their
-    forwards) and every timm LayerNorm, Attention, Mlp (by its forward) and ViT Block into the library's,
+    forwards) and every timm LayerNorm, Attention, Mlp (by its forward), PatchEmbed and ViT Block into the library's,
     in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
     residual adds (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them) and BertOutput's one op each

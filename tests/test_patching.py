@@ -1889,6 +1889,42 @@ def test_patchify_convolution_against_float64(case):
             torch.testing.assert_close(ours, eager, atol=gradient_atol(eager), rtol=TOL)
 
 
+def test_timm_patch_embed_gives_the_gemm_rows_as_tokens(device, monkeypatch):
+    """timm's PatchEmbed patched, where its proj takes the one-GEMM form (ViT-B/16's embedding of 32 images on CUDA;
+    forced on the CPU, where no split runs): its tokens are the GEMM's rows as they lie, contiguous, bit for bit the
+    patched proj's output flattened as timm flattens it, with that route's gradients; an image size timm's checks
+    refuse raises timm's error; with a hook on proj the call is its own forward, which the hook sees."""
+    timm = pytest.importorskip("timm")
+    images = 32
+    if device == "cpu":
+        monkeypatch.setattr(patching, "_patchify_takes", lambda conv, x: x.dim() == 4 and x.dtype == torch.float32)
+        images = 2
+    torch.manual_seed(0)
+    embed = timm.layers.PatchEmbed(img_size=224, patch_size=16, in_chans=3, embed_dim=768).to(device)
+    kernels.patch(embed)
+    assert kernels.is_patched(embed) and kernels.is_patched(embed.proj)
+    x = torch.randn(images, 3, 224, 224, device=device, requires_grad=True)
+    assert patching._patchify_takes(embed.proj, x)
+    tokens = embed(x)
+    by_proj = embed.proj(x).flatten(2).transpose(1, 2)  # timm's own steps on the patched proj
+    assert tokens.shape == (images, 196, 768) and tokens.is_contiguous()
+    assert torch.equal(tokens, by_proj)
+    grad = torch.randn(tokens.shape, device=device)
+    parameters = (x, embed.proj.weight, embed.proj.bias)
+    ours = torch.autograd.grad(tokens, parameters, grad)
+    for mine, theirs in zip(ours, torch.autograd.grad(by_proj, parameters, grad)):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=1e-6)
+    with pytest.raises(AssertionError, match="Input height"):
+        embed(torch.randn(1, 3, 208, 224, device=device))
+    seen = []
+    handle = embed.proj.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    try:
+        assert torch.equal(embed(x), tokens)
+    finally:
+        handle.remove()
+    assert seen == [(images, 768, 14, 14)]
+
+
 @requires_cuda
 @pytest.mark.slow
 def test_patchify_convolution_follows_the_callers_mode():
