@@ -597,6 +597,38 @@ def silu_mul(args):
     return []
 
 
+def attention(args):
+    """The attention family's op at ViT-B/16's shape read from timm's packed qkv output (64 x 12 x 197 x 64) and at
+    BERT-large's (16 x 16 x 512 x 64, full and causal), then ViT-B/16's patched no_grad forward (batch 64; medians of
+    40, the op's with L2 flushed), and a digest of all their outputs: versions under `gemm_sweep.py variants` that
+    print the same digest give the same bits."""
+    import hashlib
+
+    import timm
+    import torch
+
+    import kernels
+    from kernels.functional import attention as ours
+    from kernels.timing import time_each_ms
+
+    print(torch.cuda.get_device_name())
+    torch.manual_seed(0)
+    q, k, v = torch.randn(64, 197, 3, 12, 64, device="cuda").permute(2, 0, 3, 1, 4).unbind(0)
+    bert = [torch.randn(16, 16, 512, 64, device="cuda") for _ in range(3)]
+    model = kernels.patch(timm.create_model("vit_base_patch16_224", pretrained=False).cuda())
+    images = torch.randn(64, 3, 224, 224, device="cuda")
+    calls = {"ViT packed": lambda: ours(q, k, v), "BERT": lambda: ours(*bert), "BERT causal": lambda: ours(*bert, True)}
+    with torch.no_grad():
+        outputs = [call() for call in calls.values()] + [model(images)]
+        digest = hashlib.sha1(b"".join(t.cpu().numpy().tobytes() for t in outputs)).hexdigest()[:16]
+        times = time_each_ms(list(calls.values()), samples=40)
+        forward = time_each_ms([lambda: model(images)], samples=40, flush_l2=False)[0]
+    print("digest", digest)
+    print("attention ms: " + ", ".join(f"{name} {t:.4f}" for name, t in zip(calls, times)))
+    print(f"ViT-B/16 no_grad forward ms: {forward:.3f}")
+    return []
+
+
 def linear_host(args):
     """Host time alone of a host-bound linear layer's call (bench.py's host-bound sizes): nn.Linear, a second
     nn.Linear with the same weights, kernels.nn.Linear, F.linear, and the two layers' forward() called directly (the
@@ -891,6 +923,7 @@ def parse_arguments(argv):
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
+    add("attention", attention, "the attention op at ViT-B/16's and BERT-large's shapes, ViT-B/16's forward, a digest")
     add("linear-host", linear_host, "host time of host-bound linear calls: nn.Linear against kernels.nn.Linear")
     add("architectures", architectures, "kernels.patch() on transformers architectures against eager and float64",
         extra="CHECK_ARGS")

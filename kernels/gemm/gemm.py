@@ -363,20 +363,15 @@ class FusedLinear(nn.Linear):
         # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
         # call, (its input, a function of (this layer, x) giving this layer's part of that product or None) here for
         # this layer's first call; the part stands for a call on that same input.
-        shared = self.__dict__.get("_shared_product")  # (a get, not a pop: Dynamo traces this line)
+        shared = attributes.get("_shared_product")  # (a get, not a pop: Dynamo traces this line)
         if shared is not None:
-            self.__dict__.pop("_shared_product", None)
+            attributes.pop("_shared_product", None)
             if shared[0] is x and multiplier == 1.0 and negative_slope == 1.0:
                 part = shared[1](self, x)
                 if part is not None:
                     return part
         weight, bias = self._weight_and_bias()
-        # The plain call again, for a weight or bias found through their attributes (above: the parameters').
-        noted_weight = self._plain_numel_below[0]()
-        if (noted_weight is weight and type(x) is torch.Tensor and _tracing_state() is None and x.numel() < plain_numel
-                and _forced_path == "auto" and multiplier == 1.0 and negative_slope == 1.0):
-            return F.linear(x, weight, bias)
-        if noted_weight is not weight:
+        if noted_weight() is not weight:
             self._note_plain_bound(weight)
         if multiplier == 1.0 and negative_slope == 1.0 and plain_linear_suffices(x, weight):
             return F.linear(x, weight, bias)
