@@ -333,6 +333,8 @@ def products(args):
         torch.manual_seed(0)
         x, grad = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
         w, empty = torch.randn(n, k, device="cuda") / k ** 0.5, torch.empty(0, device="cuda")
+        if args.weight_transposed:  # stored (in, out) as Conv1D's and read through its transposed view
+            w = w.t().contiguous().t()
         calls = {"forward": (lambda: forward(x, w, None, 1.0, 1.0, False), lambda: x @ w.t()),
                  "grad_x": (lambda: backward(grad, x, w, empty, 1.0, 1.0, True, False, False), lambda: grad @ w),
                  "grad_W": (lambda: backward(grad, x, w, empty, 1.0, 1.0, False, True, False), lambda: grad.t() @ x)}
@@ -631,6 +633,8 @@ def main():
                      help="the forwards of these (rows x in x out) instead (ViT-B/16's fc2: 12608x3072x768)")
     sub = add("products", products, "a linear layer's three products at the models' slowest shapes, and their kernels")
     sub.add_argument("--shapes", metavar="MxKxN[,MxKxN...]", help="these (rows x in x out) instead")
+    sub.add_argument("--weight-transposed", action="store_true",
+                     help="the weight stored (in x out), as transformers' Conv1D keeps it (GPT-2's layers)")
     add("coherence", coherence, "the part of a linear layer's error every row shares")
     sub = add("orientation", orientation, "a linear layer's forward as it is and computed transposed, at model shapes")
     sub.add_argument("--shapes", metavar="MxKxN[,MxKxN...]", help="these (rows x in x out) instead")
