@@ -3,8 +3,8 @@ and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, m
 nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm, patchify Conv2d; Conv1D, NewGELU,
-                                  # LLaMA's norms, MLP, BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp,
-                                  # PatchEmbed and Block
+                                  # LLaMA's norms, MLP, rotary embedding, BERT's MLP and add-norms; timm's LayerNorm,
+                                  # Attention, Mlp, PatchEmbed and Block
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -13,10 +13,15 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
+import ast
 import contextlib
 import functools
+import inspect
+import linecache
 import math
 import sys
+import textwrap
+import types
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +39,7 @@ from kernels.gemm.gemm import _has_hooks, _tf32_allowed, gemm_paths, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
+from kernels.rotary.rotary import rotary_embedding
 from kernels.silu_mul.silu_mul import silu_mul
 
 # The original class -> its patched subclass.
@@ -612,6 +618,137 @@ def _holds_linked_blocks(module):
     return any(a and b for a, b in zip(blocks, blocks[1:]))
 
 
+# transformers' apply_rotary_pos_emb and rotate_half (modeling_llama), statement for statement, to compare other
+# modules' functions with (Mistral's, Qwen2's and other decoders' are copies of them). Compared as syntax trees
+# (docstrings, decorators and comments aside): the bytecode of one source differs between the modules that compile it.
+_LLAMA_APPLY_ROTARY_SOURCE = """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+"""
+_LLAMA_ROTATE_HALF_SOURCE = """
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+"""
+
+
+def _syntax_of(source):
+    """A function's definition (its source text, which compiles) as a comparable value: its name, arguments and
+    statements (its docstring and decorators aside), or None for anything else."""
+    tree = ast.parse(textwrap.dedent(source))
+    definition = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(definition, ast.FunctionDef):
+        return None
+    body = definition.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return definition.name, ast.dump(definition.args), tuple(ast.dump(statement) for statement in body)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_syntax(function):
+    """_syntax_of `function`'s source (unwrapped from its decorators: the block at its code's first line in its
+    file), or None where it has none."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return None
+    lines = linecache.getlines(code.co_filename)
+    if not 0 < code.co_firstlineno <= len(lines):
+        return None
+    return _syntax_of("".join(inspect.getblock(lines[code.co_firstlineno - 1:])))
+
+
+_LLAMA_APPLY_ROTARY = _syntax_of(_LLAMA_APPLY_ROTARY_SOURCE)
+_LLAMA_ROTATE_HALF = _syntax_of(_LLAMA_ROTATE_HALF_SOURCE)
+
+
+def _applies_llama_rotary(cls):
+    """Whether cls.forward calls its module's apply_rotary_pos_emb, and that function (and its rotate_half) is
+    LLaMA's code."""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code, names = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    if code is None or "apply_rotary_pos_emb" not in code.co_names:
+        return False
+    rotary = names.get("apply_rotary_pos_emb")
+    if not callable(rotary) or _source_syntax(rotary) != _LLAMA_APPLY_ROTARY:
+        return False
+    rotate_half = getattr(inspect.unwrap(rotary), "__globals__", {}).get("rotate_half")
+    return callable(rotate_half) and _source_syntax(rotate_half) == _LLAMA_ROTATE_HALF
+
+
+def _rotary_route(original):
+    """apply_rotary_pos_emb as a patched attention calls it: kernels.rotary_embedding where q, k, cos and sin are plain
+    GPU tensors of one float dtype in its shapes (cos and sin unsqueezed at dim 1, needing no gradient), `original`
+    (transformers' function) for every other call."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim == 1 and _plain(q, k, cos, sin) and _rotary_runs_on(q) and q.dtype in _KERNEL_DTYPES
+                and k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype and q.dim() == 4
+                and k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape and k.device == q.device
+                and cos.device == q.device and sin.device == q.device and q.shape[3] % 2 == 0
+                and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:] and cos.shape[1:] == q.shape[2:]
+                and cos.shape[0] in (1, q.shape[0]) and not (cos.requires_grad or sin.requires_grad)):
+            return rotary_embedding(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _rotary_runs_on(q):
+    # Where the route takes kernels.rotary_embedding: GPUs (on the CPU eager's function keeps eager's results).
+    return q.is_cuda
+
+
+def _with_global(function, name, value):
+    """`function`, and the functions it wraps through its closure (its decorators'), rebuilt with the global `name`
+    read as `value`: the same code, its module's other global names as they are now."""
+    wrapped = getattr(function, "__wrapped__", None)
+    closure = function.__closure__
+    if wrapped is not None and closure:
+        inner = _with_global(wrapped, name, value)
+        closure = tuple(types.CellType(inner) if _cell_holds(cell, wrapped) else cell for cell in closure)
+    names = function.__globals__
+    if name in function.__code__.co_names and name in names:
+        names = {**names, name: value}
+    rebuilt = types.FunctionType(function.__code__, names, function.__name__, function.__defaults__, closure)
+    rebuilt.__kwdefaults__ = function.__kwdefaults__
+    functools.update_wrapper(rebuilt, function)
+    if wrapped is not None:
+        rebuilt.__wrapped__ = inner if closure else wrapped
+    return rebuilt
+
+
+def _cell_holds(cell, value):
+    # (an empty cell equals only an empty cell, and has no contents to read)
+    return not cell == types.CellType() and cell.cell_contents is value
+
+
+_ROTARY_FORWARDS = {}  # an attention class's forward -> that forward on the library's rotary embedding
+
+
+class _RotaryAttentionPatch:
+    """transformers' attention layers whose forward applies LLaMA's rotary embedding (its module's apply_rotary_pos_emb
+    is LLaMA's code: _applies_llama_rotary): that forward, token for token, with q and k rotated by
+    kernels.rotary_embedding in one sweep over memory forward and backward (computed in double and rounded once) where
+    they and the angles are plain GPU tensors of one float dtype, and by transformers' function for every other call
+    (the CPU's too: eager's results there). Its projections are layers of their own, which patch() turns as it turns
+    every nn.Linear."""
+
+    def forward(self, *args, **kwargs):
+        original = super(_RotaryAttentionPatch, type(self)).forward
+        forward = _ROTARY_FORWARDS.get(original)
+        if forward is None:
+            rotary = inspect.unwrap(original).__globals__["apply_rotary_pos_emb"]
+            forward = _with_global(original, "apply_rotary_pos_emb", _rotary_route(rotary))
+            _ROTARY_FORWARDS[original] = forward
+        return forward(self, *args, **kwargs)
+
+
 def _imported_class(module_name, name):
     """A class of a package (transformers, timm) where that package is already imported (it is never imported here),
     else None."""
@@ -627,8 +764,8 @@ def _base_for_class(cls):
     (those with a patchify convolution's settings: _patch_base), nn.Sequential (those holding timm Blocks),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and PatchEmbed and the subclasses that
     keep their forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul
-    and add), and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's
-    Mlp's code."""
+    and add), the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's
+    Mlp's code, and those whose forward applies LLaMA's rotary embedding."""
     if (issubclass(cls, nn.Linear) and _parameters_are_its_own(cls, nn.Linear)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
@@ -660,6 +797,8 @@ def _base_for_class(cls):
         return _GeluIntermediatePatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_output_forward):
         return _AddNormOutputPatch
+    if issubclass(cls, nn.Module) and _applies_llama_rotary(cls):
+        return _RotaryAttentionPatch
     return None
 
 
@@ -787,10 +926,12 @@ _PROJECTION_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 
 
 def _fusable_parent(parent):
-    """Whether a parent's projections may become one product: transformers' own layers, whose forwards reshape the
-    outputs into heads and change none in place; another module with children of those names may flatten or edit
-    its outputs."""
-    return type(parent).__module__.startswith("transformers.")
+    """Whether a parent's projections may become one product: transformers' own layers (patched ones too: their
+    class's), whose forwards reshape the outputs into heads and change none in place; another module with children of
+    those names may flatten or edit its outputs."""
+    cls = type(parent)
+    original = next((c for c, patched in _PATCHED_CLASSES.items() if patched is cls), cls)
+    return original.__module__.startswith("transformers.")
 
 
 def _group_projections(parent):
