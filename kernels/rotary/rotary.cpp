@@ -34,7 +34,7 @@ using common::element_type;
 using common::shape_str;
 
 // q and k (batch, heads, tokens, dim; k's heads may be fewer), cos and sin (batch or 1, tokens, dim), dim even, all
-// of one dtype and device. `names`: the op's names of its two head operands.
+// of one dtype and device. q_name and k_name: the op's names for its two head operands.
 void check_operands(const char* op, const char* q_name, const at::Tensor& q, const char* k_name, const at::Tensor& k,
                     const at::Tensor& cos, const at::Tensor& sin) {
   check_float_tensor(op, q_name, q);
@@ -54,9 +54,9 @@ void check_operands(const char* op, const char* q_name, const at::Tensor& q, con
               std::to_string(q.size(3)));
   TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(1) == q.size(2) && cos.size(2) == q.size(3) &&
                   (cos.size(0) == 1 || cos.size(0) == q.size(0)),
-              "kernels.", op, ": cos and sin must both be (batch or 1, tokens, head dim) = (", std::to_string(q.size(0)),
-              " or 1, ", std::to_string(q.size(2)), ", ", std::to_string(q.size(3)), "), got ", shape_str(cos.sizes()),
-              " and ", shape_str(sin.sizes()));
+              "kernels.", op, ": cos and sin must both be (batch or 1, tokens, head dim) = (",
+              std::to_string(q.size(0)), " or 1, ", std::to_string(q.size(2)), ", ", std::to_string(q.size(3)),
+              "), got ", shape_str(cos.sizes()), " and ", shape_str(sin.sizes()));
 }
 
 #ifdef KERNELS_WITH_CUDA
@@ -68,7 +68,7 @@ Heads heads_of(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> rotate_cuda(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin, bool transposed) {
   const c10::cuda::CUDAGuard guard(q.device());
-  // The angles read with one set of strides: sin in cos's layout where they differ.
+  // The angles read with one set of strides: both contiguous where theirs differ.
   const at::Tensor s = sin.strides() == cos.strides() ? sin : sin.contiguous();
   const at::Tensor c = sin.strides() == cos.strides() ? cos : cos.contiguous();
   const Angles angles{c.const_data_ptr(), s.const_data_ptr(), c.size(0), c.stride(0), c.stride(1), c.stride(2)};
