@@ -708,8 +708,8 @@ def _with_global(function, name, value):
     """`function`, and the functions it wraps through its closure (its decorators'), rebuilt with the global `name`
     read as `value`: the same code, its module's other global names as they are now."""
     wrapped = getattr(function, "__wrapped__", None)
-    closure = function.__closure__
-    if wrapped is not None and closure:
+    closure, inner = function.__closure__, None
+    if wrapped is not None and closure and any(_cell_holds(cell, wrapped) for cell in closure):
         inner = _with_global(wrapped, name, value)
         closure = tuple(types.CellType(inner) if _cell_holds(cell, wrapped) else cell for cell in closure)
     names = function.__globals__
@@ -717,18 +717,17 @@ def _with_global(function, name, value):
         names = {**names, name: value}
     rebuilt = types.FunctionType(function.__code__, names, function.__name__, function.__defaults__, closure)
     rebuilt.__kwdefaults__ = function.__kwdefaults__
-    functools.update_wrapper(rebuilt, function)
-    if wrapped is not None:
-        rebuilt.__wrapped__ = inner if closure else wrapped
+    rebuilt.__dict__.update(function.__dict__)
+    for attribute in ("__module__", "__qualname__", "__doc__"):
+        setattr(rebuilt, attribute, getattr(function, attribute))
+    if inner is not None:
+        rebuilt.__wrapped__ = inner
     return rebuilt
 
 
 def _cell_holds(cell, value):
     # (an empty cell equals only an empty cell, and has no contents to read)
     return not cell == types.CellType() and cell.cell_contents is value
-
-
-_ROTARY_FORWARDS = {}  # an attention class's forward -> that forward on the library's rotary embedding
 
 
 class _RotaryAttentionPatch:
@@ -739,14 +738,13 @@ class _RotaryAttentionPatch:
     (the CPU's too: eager's results there). Its projections are layers of their own, which patch() turns as it turns
     every nn.Linear."""
 
-    def forward(self, *args, **kwargs):
-        original = super(_RotaryAttentionPatch, type(self)).forward
-        forward = _ROTARY_FORWARDS.get(original)
-        if forward is None:
-            rotary = inspect.unwrap(original).__globals__["apply_rotary_pos_emb"]
-            forward = _with_global(original, "apply_rotary_pos_emb", _rotary_route(rotary))
-            _ROTARY_FORWARDS[original] = forward
-        return forward(self, *args, **kwargs)
+    @staticmethod
+    def patched_namespace(cls):
+        # The patched class's forward: cls's own, rebuilt to read the route in apply_rotary_pos_emb's place (a plain
+        # function, as the original is, for torch.compile to trace).
+        forward = cls.forward
+        rotary = inspect.unwrap(forward).__globals__["apply_rotary_pos_emb"]
+        return {"forward": _with_global(forward, "apply_rotary_pos_emb", _rotary_route(rotary))}
 
 
 def _imported_class(module_name, name):
@@ -834,7 +832,8 @@ def _patched_class(cls, base):
     patched = _PATCHED_CLASSES.get(cls)
     if patched is None:
         name = _class_name(cls)
-        patched = type(cls.__name__, (base, cls), {"__module__": __name__, "__qualname__": name})
+        namespace = base.patched_namespace(cls) if hasattr(base, "patched_namespace") else {}
+        patched = type(cls.__name__, (base, cls), {**namespace, "__module__": __name__, "__qualname__": name})
         _PATCHED_CLASSES[cls] = patched
         globals()[name] = patched
     return patched

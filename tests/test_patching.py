@@ -927,6 +927,32 @@ def test_llama_rotary_embedding_patch(device, monkeypatch):
     assert patching._base_for_class(phi3.Phi3Attention) is None
 
 
+@pytest.mark.slow
+def test_llama_rotary_route_under_torch_compile(device, monkeypatch):
+    """torch.compile(fullgraph=True) of a patched LlamaAttention with the route taken (forced on the CPU): the
+    rebuilt forward traces whole, with eager's results and gradients within the fp32 tolerance."""
+    t = _transformers()
+    monkeypatch.setattr(patching, "_rotary_runs_on", lambda q: True)
+    config = t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=97)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(config).to(device)
+    attention = model.model.layers[0].self_attn
+    patched = kernels.patch(copy.deepcopy(attention))
+    x = torch.randn(2, 9, 64, device=device)
+    positions = torch.arange(9, device=device)[None].expand(2, 9)
+    angles = model.model.rotary_emb(x, positions)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: patched(h, position_embeddings=angles, attention_mask=None)[0], fullgraph=True)
+    h, h_eager = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, y_eager = compiled(h), attention(h_eager, position_embeddings=angles, attention_mask=None)[0]
+    torch.testing.assert_close(y, y_eager, atol=TOL, rtol=TOL)
+    grad = torch.randn_like(y)
+    (got,), (expected,) = torch.autograd.grad(y, (h,), grad), torch.autograd.grad(y_eager, (h_eager,), grad)
+    torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=TOL)
+
+
 def test_timm_vit_patch_round_trip(device):
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
