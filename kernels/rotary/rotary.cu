@@ -2,7 +2,8 @@
 // written once; the angles, shared by every head, come from L2), where eager's `q * cos + rotate_half(q) * sin` runs
 // five element-wise kernels for each of q and k (the halves' negation and concatenation among them) and its backward
 // as many. Math in double, each result rounded once: at least as accurate as eager's float roundings.
-// A warp a row (a head's token: dim elements), a lane a pair (i, i + half), rows of q then rows of k.
+// A warp takes two rows (a head's token: dim elements each) at once, a lane pairs (i, i + half) of both, every value
+// loaded before any result is stored; rows of q, then rows of k.
 #include "rotary.h"
 
 #include <cuda_bf16.h>
@@ -17,7 +18,7 @@ namespace {
 using common::from_double;
 using common::to_opmath;
 constexpr int kThreads = 256;
-constexpr int kRowsPerBlock = kThreads / 32;
+constexpr int kWarpsPerBlock = kThreads / 32;
 
 template <typename T> __device__ __forceinline__ double in_double(T v) { return static_cast<double>(to_opmath(v)); }
 
@@ -37,42 +38,84 @@ struct AnglesOf {
   std::int64_t batch, batch_stride, token_stride, dim_stride;
 };
 
-// Row `row` of `rows` (batch, head, token in that order) rotated into its output row.
+constexpr int kRowsPerWarp = 2;   // rows a warp takes at once
+constexpr int kPairsPerLane = 2;  // pairs a lane loads from each of them before it stores any (64 pairs: dim 128)
+
+// Rows first .. first + kRowsPerWarp - 1 of `rows` (those below `end`; batch, head, token in that order) rotated into
+// their output rows. Every value is loaded before any result is stored, so that a lane has all its loads in flight
+// at once (the outputs may alias nothing, but the compiler cannot know it).
 template <typename T, bool kTransposed>
-__device__ __forceinline__ void rotate_row(const Rows<T>& rows, const AnglesOf<T>& angles, std::int64_t row,
-                                           int lane) {
-  const std::int64_t token = row % rows.tokens, bh = row / rows.tokens;
-  const std::int64_t head = bh % rows.heads, batch = bh / rows.heads;
-  const T* in = rows.in + batch * rows.batch_stride + head * rows.head_stride + token * rows.token_stride;
-  T* out = rows.out + row * rows.dim;
-  const std::int64_t angle_row = (angles.batch == 1 ? 0 : batch) * angles.batch_stride + token * angles.token_stride;
-  const T* cos = angles.cos + angle_row;
-  const T* sin = angles.sin + angle_row;
+__device__ __forceinline__ void rotate_rows(const Rows<T>& rows, const AnglesOf<T>& angles, std::int64_t first,
+                                            std::int64_t end, int lane) {
+  const T* in[kRowsPerWarp];
+  const T* cos[kRowsPerWarp];
+  const T* sin[kRowsPerWarp];
+  T* out[kRowsPerWarp];
+  bool live[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const std::int64_t row = first + r;
+    live[r] = row < end;
+    const std::int64_t token = row % rows.tokens, bh = row / rows.tokens;
+    const std::int64_t head = bh % rows.heads, batch = bh / rows.heads;
+    in[r] = rows.in + batch * rows.batch_stride + head * rows.head_stride + token * rows.token_stride;
+    out[r] = rows.out + row * rows.dim;
+    const std::int64_t angle_row = (angles.batch == 1 ? 0 : batch) * angles.batch_stride + token * angles.token_stride;
+    cos[r] = angles.cos + angle_row;
+    sin[r] = angles.sin + angle_row;
+  }
   const std::int64_t half = rows.dim / 2, ds = rows.dim_stride, as = angles.dim_stride;
-  for (std::int64_t i = lane; i < half; i += 32) {
-    const double x1 = in_double(in[i * ds]), x2 = in_double(in[(i + half) * ds]);
-    const double c1 = in_double(cos[i * as]), c2 = in_double(cos[(i + half) * as]);
-    const double s1 = in_double(sin[i * as]), s2 = in_double(sin[(i + half) * as]);
-    // Products of two float32 (or half) values are exact in double: one rounding in the fma, one to T.
-    const double y1 = kTransposed ? fma(x1, c1, x2 * s2) : fma(x1, c1, -(x2 * s1));
-    const double y2 = kTransposed ? fma(x2, c2, -(x1 * s1)) : fma(x2, c2, x1 * s2);
-    out[i] = from_double<T>(y1);
-    out[i + half] = from_double<T>(y2);
+  for (std::int64_t base = 0; base < half; base += 32 * kPairsPerLane) {
+    T x1[kRowsPerWarp][kPairsPerLane], x2[kRowsPerWarp][kPairsPerLane], c1[kRowsPerWarp][kPairsPerLane],
+        c2[kRowsPerWarp][kPairsPerLane], s1[kRowsPerWarp][kPairsPerLane], s2[kRowsPerWarp][kPairsPerLane];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+      for (int p = 0; p < kPairsPerLane; ++p) {
+        const std::int64_t i = base + lane + 32 * p;
+        if (!live[r] || i >= half) continue;
+        x1[r][p] = in[r][i * ds];
+        x2[r][p] = in[r][(i + half) * ds];
+        c1[r][p] = cos[r][i * as];
+        c2[r][p] = cos[r][(i + half) * as];
+        s1[r][p] = sin[r][i * as];
+        s2[r][p] = sin[r][(i + half) * as];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+      for (int p = 0; p < kPairsPerLane; ++p) {
+        const std::int64_t i = base + lane + 32 * p;
+        if (!live[r] || i >= half) continue;
+        const double a1 = in_double(x1[r][p]), a2 = in_double(x2[r][p]);
+        const double cos1 = in_double(c1[r][p]), cos2 = in_double(c2[r][p]);
+        const double sin1 = in_double(s1[r][p]), sin2 = in_double(s2[r][p]);
+        // Products of two float32 (or half) values are exact in double: one rounding in the fma, one to T.
+        const double y1 = kTransposed ? fma(a1, cos1, a2 * sin2) : fma(a1, cos1, -(a2 * sin1));
+        const double y2 = kTransposed ? fma(a2, cos2, -(a1 * sin1)) : fma(a2, cos2, a1 * sin2);
+        out[r][i] = from_double<T>(y1);
+        out[r][i + half] = from_double<T>(y2);
+      }
+    }
   }
 }
 
 // (A minimum of one block: without it ptxas kept the float16 kernel for sm_80 at 64 registers and spilled.)
 template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads, 1)
-rotary_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, std::int64_t q_rows, std::int64_t rows) {
+rotary_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, std::int64_t q_rows, std::int64_t k_rows) {
+  // Work items: q's rows kRowsPerWarp at a time, then k's.
+  const std::int64_t q_items = (q_rows + kRowsPerWarp - 1) / kRowsPerWarp;
+  const std::int64_t items = q_items + (k_rows + kRowsPerWarp - 1) / kRowsPerWarp;
   const int lane = threadIdx.x % 32;
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * kRowsPerBlock;
-  for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32; row < rows;
-       row += warps) {
-    if (row < q_rows)
-      rotate_row<T, kTransposed>(q, angles, row, lane);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; item < items;
+       item += warps) {
+    if (item < q_items)
+      rotate_rows<T, kTransposed>(q, angles, item * kRowsPerWarp, q_rows, lane);
     else
-      rotate_row<T, kTransposed>(k, angles, row - q_rows, lane);
+      rotate_rows<T, kTransposed>(k, angles, (item - q_items) * kRowsPerWarp, k_rows, lane);
   }
 }
 
@@ -85,18 +128,19 @@ Rows<T> rows_of(const Heads& h, void* out) {
 template <typename T>
 cudaError_t launch_typed(const Heads& q, const Heads& k, const Angles& angles, void* q_out, void* k_out,
                          bool transposed, cudaStream_t stream) {
-  const std::int64_t q_rows = q.batch * q.heads * q.tokens, rows = q_rows + k.batch * k.heads * k.tokens;
-  if (rows <= 0 || q.dim <= 0) return cudaSuccess;
-  const std::int64_t needed = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const std::int64_t q_rows = q.batch * q.heads * q.tokens, k_rows = k.batch * k.heads * k.tokens;
+  if (q_rows + k_rows <= 0 || q.dim <= 0) return cudaSuccess;
+  const std::int64_t items = (q_rows + kRowsPerWarp - 1) / kRowsPerWarp + (k_rows + kRowsPerWarp - 1) / kRowsPerWarp;
+  const std::int64_t needed = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const unsigned blocks = static_cast<unsigned>(needed < (1 << 20) ? needed : (1 << 20));  // the rest by the loop
   const AnglesOf<T> a{static_cast<const T*>(angles.cos), static_cast<const T*>(angles.sin), angles.batch,
                       angles.batch_stride, angles.token_stride, angles.dim_stride};
   if (transposed)
     rotary_kernel<T, true><<<blocks, kThreads, 0, stream>>>(rows_of<T>(q, q_out), rows_of<T>(k, k_out), a, q_rows,
-                                                            rows);
+                                                            k_rows);
   else
     rotary_kernel<T, false><<<blocks, kThreads, 0, stream>>>(rows_of<T>(q, q_out), rows_of<T>(k, k_out), a, q_rows,
-                                                             rows);
+                                                             k_rows);
   return cudaGetLastError();
 }
 
