@@ -714,7 +714,7 @@ def _with_global(function, name, value):
         closure = tuple(types.CellType(inner) if _cell_holds(cell, wrapped) else cell for cell in closure)
     names = function.__globals__
     if name in function.__code__.co_names and name in names:
-        names = {**names, name: value}
+        names = _module_reading(names, name, value).__dict__
     rebuilt = types.FunctionType(function.__code__, names, function.__name__, function.__defaults__, closure)
     rebuilt.__kwdefaults__ = function.__kwdefaults__
     rebuilt.__dict__.update(function.__dict__)
@@ -723,6 +723,20 @@ def _with_global(function, name, value):
     if inner is not None:
         rebuilt.__wrapped__ = inner
     return rebuilt
+
+
+def _module_reading(names, name, value):
+    """A module of `names` (a module's global names, copied once) that reads the global `name` as `value` (once set,
+    kept), registered in sys.modules under a name of its own: tools that find a function's globals by their module's
+    name (torch.compile's guards) find these."""
+    module_name = "kernels$patching$" + name + "$" + str(names.get("__name__", "")).replace(".", "$")
+    module = sys.modules.get(module_name)
+    if module is None:
+        module = types.ModuleType(module_name)
+        module.__dict__.update(names)
+        module.__dict__.update(__name__=module_name, **{name: value})
+        sys.modules[module_name] = module
+    return module
 
 
 def _cell_holds(cell, value):
