@@ -7,9 +7,9 @@ larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eag
 import pytest
 import torch
 
-from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
+from conftest import assert_graph_replay_matches_eager, check_accuracy, poison_allocator, requires_cuda
 from kernels.functional import rotary_embedding
-from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
+from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # name: (batch, q heads, k heads, tokens, head dim, the angles' batch)
@@ -40,18 +40,6 @@ def operands(shape, dtype, device, seed=0):
     angles = positions[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return q, k, angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
-
-
-def check_accuracy(got, expected, reference64, dtype, what, atol=None):
-    ours, theirs = relative_error(got, reference64), relative_error(expected, reference64)
-    if dtype == torch.float64:
-        theirs = 1e-15
-    slack = torch.finfo(dtype).eps / 2 if got.numel() <= 4096 else 0.0
-    assert ours <= ERROR_RATIO_LIMIT[dtype] * theirs + slack, \
-        f"{what}: error against float64 {ours:.3g}, eager's {theirs:.3g}"
-    tol = ALLCLOSE_TOLERANCE[dtype]
-    torch.testing.assert_close(got, expected, atol=tol if atol is None else atol, rtol=tol, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def gradients(fn, q, k, cos, sin, grads, dtype):
