@@ -13,14 +13,10 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
-import ast
 import contextlib
 import functools
-import inspect
-import linecache
 import math
 import sys
-import textwrap
 import types
 
 import torch
@@ -618,67 +614,75 @@ def _holds_linked_blocks(module):
     return any(a and b for a, b in zip(blocks, blocks[1:]))
 
 
-# transformers' apply_rotary_pos_emb and rotate_half (modeling_llama), statement for statement, to compare other
-# modules' functions with (Mistral's, Qwen2's and other decoders' are copies of them). Compared as syntax trees
-# (docstrings, decorators and comments aside): the bytecode of one source differs between the modules that compile it.
-_LLAMA_APPLY_ROTARY_SOURCE = """
+# transformers' apply_rotary_pos_emb and rotate_half (modeling_llama), token for token, compiled here to compare other
+# modules' functions with (Mistral's, Qwen2's and other decoders' are copies of them): the same bytecode, names and
+# constants (docstrings aside). The module-level `import torch` is part of the copy: the compiler reads a call on an
+# imported module's attribute differently from one on another name.
+_LLAMA_ROTARY_SOURCE = """
+import torch
+
+
+def rotate_half(x):
+    \"\"\"Rotates half the hidden dims of the input.\"\"\"
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    \"\"\"Applies Rotary Position Embedding to the query and key tensors.\"\"\"
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     q_embed = (q * cos) + (rotate_half(q) * sin)
     k_embed = (k * cos) + (rotate_half(k) * sin)
     return q_embed, k_embed
 """
-_LLAMA_ROTATE_HALF_SOURCE = """
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-"""
+_LLAMA_ROTARY = {}
+exec(compile(_LLAMA_ROTARY_SOURCE, "<transformers' apply_rotary_pos_emb>", "exec"), _LLAMA_ROTARY)
+
+# The global name the rebuilt forwards read in apply_rotary_pos_emb's place (set in the forward's own module).
+_ROTARY_ROUTE_NAME = "_kernels_rotary_apply_rotary_pos_emb"
 
 
-def _syntax_of(source):
-    """A function's definition (its source text, which compiles) as a comparable value: its name, arguments and
-    statements (its docstring and decorators aside), or None for anything else."""
-    tree = ast.parse(textwrap.dedent(source))
-    definition = tree.body[0] if len(tree.body) == 1 else None
-    if not isinstance(definition, ast.FunctionDef):
-        return None
-    body = definition.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    return definition.name, ast.dump(definition.args), tuple(ast.dump(statement) for statement in body)
+def _wrapper_chain(function):
+    """`function` and the functions it wraps, outer first, where each is a plain function holding the next (its
+    __wrapped__) in a closure cell, as decorators made with functools.wraps do; None for any other kind of wrapping."""
+    chain = [function]
+    while type(chain[-1]) is types.FunctionType and len(chain) < 64:
+        wrapped = getattr(chain[-1], "__wrapped__", None)
+        if wrapped is None:
+            return chain
+        if not any(_cell_holds(cell, wrapped) for cell in chain[-1].__closure__ or ()):
+            return None
+        chain.append(wrapped)
+    return None
 
 
-@functools.lru_cache(maxsize=None)
-def _source_syntax(function):
-    """_syntax_of `function`'s source (unwrapped from its decorators: the block at its code's first line in its
-    file), or None where it has none."""
-    code = getattr(inspect.unwrap(function), "__code__", None)
-    if code is None:
-        return None
-    lines = linecache.getlines(code.co_filename)
-    if not 0 < code.co_firstlineno <= len(lines):
-        return None
-    return _syntax_of("".join(inspect.getblock(lines[code.co_firstlineno - 1:])))
-
-
-_LLAMA_APPLY_ROTARY = _syntax_of(_LLAMA_APPLY_ROTARY_SOURCE)
-_LLAMA_ROTATE_HALF = _syntax_of(_LLAMA_ROTATE_HALF_SOURCE)
+def _same_code(function, reference):
+    """Whether `function` (a plain function, unwrapped) is `reference`'s code: the same bytecode, names, variables and
+    constants, docstrings aside."""
+    chain = _wrapper_chain(function) if callable(function) else None
+    if chain is None:
+        return False
+    code, ours = chain[-1].__code__, reference.__code__
+    constants = [tuple(c for c in x.co_consts if not isinstance(c, str)) for x in (code, ours)]
+    return constants[0] == constants[1] and all(getattr(code, part) == getattr(ours, part)
+                                                for part in ("co_code", "co_names", "co_varnames"))
 
 
 def _applies_llama_rotary(cls):
-    """Whether cls.forward calls its module's apply_rotary_pos_emb, and that function (and its rotate_half) is
-    LLaMA's code."""
-    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
-    code, names = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
-    if code is None or "apply_rotary_pos_emb" not in code.co_names:
+    """Whether cls.forward (plain functions, however decorated) calls its module's apply_rotary_pos_emb, and that
+    function and its rotate_half are LLaMA's code."""
+    chain = _wrapper_chain(getattr(cls, "forward", None))
+    if chain is None:
         return False
-    rotary = names.get("apply_rotary_pos_emb")
-    if not callable(rotary) or _source_syntax(rotary) != _LLAMA_APPLY_ROTARY:
+    inner = chain[-1]
+    if "apply_rotary_pos_emb" not in inner.__code__.co_names:
         return False
-    rotate_half = getattr(inspect.unwrap(rotary), "__globals__", {}).get("rotate_half")
-    return callable(rotate_half) and _source_syntax(rotate_half) == _LLAMA_ROTATE_HALF
+    rotary = inner.__globals__.get("apply_rotary_pos_emb")
+    if not _same_code(rotary, _LLAMA_ROTARY["apply_rotary_pos_emb"]):
+        return False
+    return _same_code(_wrapper_chain(rotary)[-1].__globals__.get("rotate_half"), _LLAMA_ROTARY["rotate_half"])
 
 
 def _rotary_route(original):
@@ -704,39 +708,35 @@ def _rotary_runs_on(q):
     return q.is_cuda
 
 
-def _with_global(function, name, value):
-    """`function`, and the functions it wraps through its closure (its decorators'), rebuilt with the global `name`
-    read as `value`: the same code, its module's other global names as they are now."""
-    wrapped = getattr(function, "__wrapped__", None)
-    closure, inner = function.__closure__, None
-    if wrapped is not None and closure and any(_cell_holds(cell, wrapped) for cell in closure):
-        inner = _with_global(wrapped, name, value)
-        closure = tuple(types.CellType(inner) if _cell_holds(cell, wrapped) else cell for cell in closure)
-    names = function.__globals__
-    if name in function.__code__.co_names and name in names:
-        names = _module_reading(names, name, value).__dict__
-    rebuilt = types.FunctionType(function.__code__, names, function.__name__, function.__defaults__, closure)
-    rebuilt.__kwdefaults__ = function.__kwdefaults__
-    rebuilt.__dict__.update(function.__dict__)
-    for attribute in ("__module__", "__qualname__", "__doc__"):
-        setattr(rebuilt, attribute, getattr(function, attribute))
-    if inner is not None:
-        rebuilt.__wrapped__ = inner
+def _reading_route(chain):
+    """The functions of a wrapper chain (_wrapper_chain, outer first) rebuilt so that the innermost reads the global
+    _ROTARY_ROUTE_NAME where it read apply_rotary_pos_emb: the same code and closures (but each wrapper's cell of the
+    function it wraps), the same module's global names, live; the route is set in that module once."""
+    inner = chain[-1]
+    names = inner.__globals__
+    if _ROTARY_ROUTE_NAME not in names:
+        names[_ROTARY_ROUTE_NAME] = _rotary_route(names["apply_rotary_pos_emb"])
+    code = inner.__code__
+    code = code.replace(co_names=tuple(_ROTARY_ROUTE_NAME if n == "apply_rotary_pos_emb" else n for n in code.co_names))
+    rebuilt = _function_like(inner, code, inner.__closure__)
+    for outer in reversed(chain[:-1]):
+        wrapped = getattr(outer, "__wrapped__")
+        closure = tuple(types.CellType(rebuilt) if _cell_holds(cell, wrapped) else cell for cell in outer.__closure__)
+        rebuilt = _function_like(outer, outer.__code__, closure, wraps=rebuilt)
     return rebuilt
 
 
-def _module_reading(names, name, value):
-    """A module of `names` (a module's global names, copied once) that reads the global `name` as `value` (once set,
-    kept), registered in sys.modules under a name of its own: tools that find a function's globals by their module's
-    name (torch.compile's guards) find these."""
-    module_name = "kernels$patching$" + name + "$" + str(names.get("__name__", "")).replace(".", "$")
-    module = sys.modules.get(module_name)
-    if module is None:
-        module = types.ModuleType(module_name)
-        module.__dict__.update(names)
-        module.__dict__.update(__name__=module_name, **{name: value})
-        sys.modules[module_name] = module
-    return module
+def _function_like(function, code, closure, wraps=None):
+    """A function of `code` and `closure` with `function`'s globals, defaults, names and attributes (wraps: its
+    __wrapped__)."""
+    made = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, closure)
+    made.__kwdefaults__ = function.__kwdefaults__
+    made.__dict__.update(function.__dict__)
+    for attribute in ("__module__", "__qualname__", "__doc__", "__annotations__"):
+        setattr(made, attribute, getattr(function, attribute))
+    if wraps is not None:
+        made.__wrapped__ = wraps
+    return made
 
 
 def _cell_holds(cell, value):
@@ -747,18 +747,16 @@ def _cell_holds(cell, value):
 class _RotaryAttentionPatch:
     """transformers' attention layers whose forward applies LLaMA's rotary embedding (its module's apply_rotary_pos_emb
     is LLaMA's code: _applies_llama_rotary): that forward, token for token, with q and k rotated by
-    kernels.rotary_embedding in one sweep over memory forward and backward (computed in double and rounded once) where
-    they and the angles are plain GPU tensors of one float dtype, and by transformers' function for every other call
-    (the CPU's too: eager's results there). Its projections are layers of their own, which patch() turns as it turns
-    every nn.Linear."""
+    kernels.rotary_embedding in one sweep over memory forward and backward (computed in double) where they and the
+    angles are plain GPU tensors of one float dtype, and by transformers' function for every other call (the CPU's
+    too: eager's results there). Its projections are layers of their own, which patch() turns as it turns every
+    nn.Linear."""
 
     @staticmethod
     def patched_namespace(cls):
-        # The patched class's forward: cls's own, rebuilt to read the route in apply_rotary_pos_emb's place (a plain
-        # function, as the original is, for torch.compile to trace).
-        forward = cls.forward
-        rotary = inspect.unwrap(forward).__globals__["apply_rotary_pos_emb"]
-        return {"forward": _with_global(forward, "apply_rotary_pos_emb", _rotary_route(rotary))}
+        # The patched class's forward: cls's own, rebuilt to call the route where it called apply_rotary_pos_emb (a
+        # plain function of the same module, as the original is, for torch.compile to trace).
+        return {"forward": _reading_route(_wrapper_chain(cls.forward))}
 
 
 def _imported_class(module_name, name):

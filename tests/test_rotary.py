@@ -15,7 +15,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # name: (batch, q heads, k heads, tokens, head dim, the angles' batch)
 SHAPES = {"LLaMA's heads": (2, 8, 8, 64, 128, 2), "grouped kv heads": (2, 8, 2, 33, 64, 2),
           "angles of one batch": (3, 4, 4, 17, 32, 1), "one token": (1, 4, 1, 1, 16, 1),
-          "many rows": (4, 16, 4, 256, 128, 4)}
+          "odd rows, head dim 256": (1, 3, 1, 5, 256, 1), "many rows": (4, 16, 4, 256, 128, 4)}
 
 
 def rotate_half(x):
@@ -42,6 +42,11 @@ def operands(shape, dtype, device, seed=0):
     return q, k, angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
+def same_layout(a, b):
+    """The same strides along every dim of more than one element (a size-1 dim's stride is arbitrary)."""
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
 def gradients(fn, q, k, cos, sin, grads, dtype):
     q, k = (t.detach().to(dtype).requires_grad_(True) for t in (q, k))
     outputs = fn(q, k, cos.to(dtype), sin.to(dtype))
@@ -58,7 +63,8 @@ def test_forward_and_backward_match_eager(device, dtype, shape):
     expected, exact = eager(q, k, cos, sin), eager(q.double(), k.double(), cos.double(), sin.double())
     for name, got, theirs, reference, operand in zip(("q_embed", "k_embed"), (q_embed, k_embed), expected, exact,
                                                      (q, k)):
-        assert got.shape == operand.shape and got.dtype == dtype and got.is_contiguous(), name
+        # laid out as eager's element-wise ops lay it out: as the operand (the projections' transposed view)
+        assert got.shape == operand.shape and got.dtype == dtype and same_layout(got, theirs), name
         check_accuracy(got, theirs, reference, dtype, name)
     assert all(torch.equal(t, b) for t, b in zip((q, k, cos, sin), before))
     g = torch.Generator().manual_seed(2)
@@ -71,14 +77,18 @@ def test_forward_and_backward_match_eager(device, dtype, shape):
 
 
 def test_contiguous_and_odd_strides(device):
-    """q contiguous, k a slice of a wider tensor, the angles expanded over the batch: the same results."""
+    """q contiguous, k a slice of a wider tensor, q an expanded view, the angles expanded over the batch, cos and sin
+    of different strides: the same results, laid out as empty_like lays out the operands."""
     q, k, cos, sin = operands((2, 4, 4, 9, 16, 1), torch.float32, device)
     wide = torch.randn(2, 6, 9, 16, device=device)
     k = wide[:, 1:5]
     cos_b, sin_b = cos.expand(2, 9, 16), sin.expand(2, 9, 16)
-    for args in ((q.contiguous(), k, cos, sin), (q, k, cos_b, sin_b), (q, k.contiguous(), cos_b.contiguous(), sin_b)):
-        for got, expected in zip(rotary_embedding(*args), eager(*args)):
+    expanded = torch.randn(2, 1, 9, 16, device=device).expand(2, 4, 9, 16)
+    for args in ((q.contiguous(), k, cos, sin), (q, k, cos_b, sin_b), (q, k.contiguous(), cos_b.contiguous(), sin_b),
+                 (expanded, k, cos.transpose(1, 2).contiguous().transpose(1, 2), sin)):
+        for got, expected, operand in zip(rotary_embedding(*args), eager(*args), args):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+            assert same_layout(got, torch.empty_like(operand))
 
 
 def test_non_finite_values_give_eager_non_finite_outputs(device):
@@ -91,10 +101,14 @@ def test_non_finite_values_give_eager_non_finite_outputs(device):
         torch.testing.assert_close(got[got.isinf()], expected[got.isinf()])
 
 
-def test_empty(device):
-    q, k, cos, sin = operands((2, 4, 2, 0, 16, 2), torch.float32, device)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 0, 16, 2), (0, 4, 2, 3, 16, 1), (2, 0, 2, 3, 16, 2), (2, 4, 0, 3, 16, 2)],
+                         ids=["no tokens", "no batch", "no q heads", "no k heads"])
+def test_empty(device, shape):
+    q, k, cos, sin = operands(shape, torch.float32, device)
     q_embed, k_embed = rotary_embedding(q, k, cos, sin)
     assert q_embed.shape == q.shape and k_embed.shape == k.shape
+    if k.numel():
+        torch.testing.assert_close(k_embed, eager(q, k, cos, sin)[1])
 
 
 def test_gradcheck_float64(device):
@@ -132,15 +146,17 @@ def test_double_backward_forward_mode_and_angle_gradients_match_eager(device):
 
 
 def test_graph_node_and_an_unused_output(device):
-    q, k, cos, sin = operands((1, 2, 2, 3, 8, 1), torch.float32, device)
+    q, k, cos, sin = operands((1, 4, 2, 3, 8, 1), torch.float32, device)
     q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
     q_embed, k_embed = rotary_embedding(q, k, cos, sin)
     assert q_embed.grad_fn.name() == "kernels::RotaryEmbeddingBackward" and k_embed.grad_fn is q_embed.grad_fn
-    grad = torch.randn_like(q_embed)
-    got = torch.autograd.grad(q_embed, (q, k), grad, allow_unused=True)
-    expected = torch.autograd.grad(eager(q, k, cos, sin)[0], (q, k), grad, allow_unused=True)
-    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
-    assert got[1] is None and expected[1] is None
+    for used in (0, 1):  # one output's gradient alone (k's with fewer heads than q's)
+        outputs = rotary_embedding(q, k, cos, sin)
+        grad = torch.randn_like(outputs[used])
+        got = torch.autograd.grad(outputs[used], (q, k), grad, allow_unused=True)
+        expected = torch.autograd.grad(eager(q, k, cos, sin)[used], (q, k), grad, allow_unused=True)
+        torch.testing.assert_close(got[used], expected[used], atol=1e-6, rtol=1e-6)
+        assert got[1 - used] is None and expected[1 - used] is None
     with torch.no_grad():
         assert rotary_embedding(q, k, cos, sin)[0].grad_fn is None
 
@@ -157,6 +173,9 @@ def test_vmap(device):
     got = torch.func.vmap(lambda c: rotary_embedding(q, k, c, sin)[0])(angles)
     for i, c in enumerate(angles):
         torch.testing.assert_close(got[i], eager(q, k, c, sin)[0], atol=1e-6, rtol=1e-6)
+    one_token = torch.stack([cos[:, :1], cos[:, :1]])  # what the op refuses, vmapped: the same error
+    with pytest.raises(RuntimeError, match=r"cos and sin must both be"):
+        torch.func.vmap(lambda c: rotary_embedding(q, k, c, c)[0])(one_token)
 
 
 def test_opcheck(device):

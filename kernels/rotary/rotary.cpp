@@ -9,7 +9,7 @@
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <string>
@@ -72,10 +72,11 @@ std::tuple<at::Tensor, at::Tensor> rotate_cuda(const char* op, const at::Tensor&
   const at::Tensor s = sin.strides() == cos.strides() ? sin : sin.contiguous();
   const at::Tensor c = sin.strides() == cos.strides() ? cos : cos.contiguous();
   const Angles angles{c.const_data_ptr(), s.const_data_ptr(), c.size(0), c.stride(0), c.stride(1), c.stride(2)};
-  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  // The results laid out as q and k (eager's element-wise ops keep their operands' layout, the projections' view).
+  at::Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);
   const cudaError_t err =
-      launch_rotary_embedding(element_type(q.scalar_type()), heads_of(q), heads_of(k), angles,
-                              q_out.mutable_data_ptr(), k_out.mutable_data_ptr(), transposed,
+      launch_rotary_embedding(element_type(q.scalar_type()), heads_of(q), heads_of(k), angles, heads_of(q_out),
+                              heads_of(k_out), transposed,
                               c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "kernels: the ", op, " kernel failed to launch: ", cudaGetErrorString(err));
   return {q_out, k_out};

@@ -1,7 +1,7 @@
 // The rotary embedding of q and k, forward and backward: one memory-bound pass over both (each element read once and
 // written once; the angles, shared by every head, come from L2), where eager's `q * cos + rotate_half(q) * sin` runs
 // five element-wise kernels for each of q and k (the halves' negation and concatenation among them) and its backward
-// as many. Math in double, each result rounded once: at least as accurate as eager's float roundings.
+// as many. Math in double, each result then rounded to the type: at least as accurate as eager's float roundings.
 // A warp takes two rows (a head's token: dim elements each) at once, a lane pairs (i, i + half) of both, every value
 // loaded before any result is stored; rows of q, then rows of k.
 #include "rotary.h"
@@ -22,13 +22,14 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 
 template <typename T> __device__ __forceinline__ double in_double(T v) { return static_cast<double>(to_opmath(v)); }
 
-// One operand's rows as the kernel walks them: its input (any strides) and its dense output.
+// One operand's rows as the kernel walks them: its input and its output, each with its own strides.
 template <typename T>
 struct Rows {
   const T* in;
   T* out;
   std::int64_t heads, tokens, dim;
   std::int64_t batch_stride, head_stride, token_stride, dim_stride;
+  std::int64_t out_batch_stride, out_head_stride, out_token_stride, out_dim_stride;
 };
 
 template <typename T>
@@ -59,12 +60,12 @@ __device__ __forceinline__ void rotate_rows(const Rows<T>& rows, const AnglesOf<
     const std::int64_t token = row % rows.tokens, bh = row / rows.tokens;
     const std::int64_t head = bh % rows.heads, batch = bh / rows.heads;
     in[r] = rows.in + batch * rows.batch_stride + head * rows.head_stride + token * rows.token_stride;
-    out[r] = rows.out + row * rows.dim;
+    out[r] = rows.out + batch * rows.out_batch_stride + head * rows.out_head_stride + token * rows.out_token_stride;
     const std::int64_t angle_row = (angles.batch == 1 ? 0 : batch) * angles.batch_stride + token * angles.token_stride;
     cos[r] = angles.cos + angle_row;
     sin[r] = angles.sin + angle_row;
   }
-  const std::int64_t half = rows.dim / 2, ds = rows.dim_stride, as = angles.dim_stride;
+  const std::int64_t half = rows.dim / 2, ds = rows.dim_stride, os = rows.out_dim_stride, as = angles.dim_stride;
   for (std::int64_t base = 0; base < half; base += 32 * kPairsPerLane) {
     T x1[kRowsPerWarp][kPairsPerLane], x2[kRowsPerWarp][kPairsPerLane], c1[kRowsPerWarp][kPairsPerLane],
         c2[kRowsPerWarp][kPairsPerLane], s1[kRowsPerWarp][kPairsPerLane], s2[kRowsPerWarp][kPairsPerLane];
@@ -94,8 +95,8 @@ __device__ __forceinline__ void rotate_rows(const Rows<T>& rows, const AnglesOf<
         // Products of two float32 (or half) values are exact in double: one rounding in the fma, one to T.
         const double y1 = kTransposed ? fma(a1, cos1, a2 * sin2) : fma(a1, cos1, -(a2 * sin1));
         const double y2 = kTransposed ? fma(a2, cos2, -(a1 * sin1)) : fma(a2, cos2, a1 * sin2);
-        out[r][i] = from_double<T>(y1);
-        out[r][i + half] = from_double<T>(y2);
+        out[r][i * os] = from_double<T>(y1);
+        out[r][(i + half) * os] = from_double<T>(y2);
       }
     }
   }
@@ -120,14 +121,15 @@ rotary_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, std::int64_t q_rows, std
 }
 
 template <typename T>
-Rows<T> rows_of(const Heads& h, void* out) {
-  return Rows<T>{static_cast<const T*>(h.data), static_cast<T*>(out), h.heads, h.tokens, h.dim,
-                 h.batch_stride, h.head_stride, h.token_stride, h.dim_stride};
+Rows<T> rows_of(const Heads& h, const Heads& out) {
+  return Rows<T>{static_cast<const T*>(h.data), static_cast<T*>(const_cast<void*>(out.data)), h.heads, h.tokens,
+                 h.dim, h.batch_stride, h.head_stride, h.token_stride, h.dim_stride, out.batch_stride,
+                 out.head_stride, out.token_stride, out.dim_stride};
 }
 
 template <typename T>
-cudaError_t launch_typed(const Heads& q, const Heads& k, const Angles& angles, void* q_out, void* k_out,
-                         bool transposed, cudaStream_t stream) {
+cudaError_t launch_typed(const Heads& q, const Heads& k, const Angles& angles, const Heads& q_out,
+                         const Heads& k_out, bool transposed, cudaStream_t stream) {
   const std::int64_t q_rows = q.batch * q.heads * q.tokens, k_rows = k.batch * k.heads * k.tokens;
   if (q_rows + k_rows <= 0 || q.dim <= 0) return cudaSuccess;
   const std::int64_t items = (q_rows + kRowsPerWarp - 1) / kRowsPerWarp + (k_rows + kRowsPerWarp - 1) / kRowsPerWarp;
@@ -147,7 +149,7 @@ cudaError_t launch_typed(const Heads& q, const Heads& k, const Angles& angles, v
 }  // namespace
 
 cudaError_t launch_rotary_embedding(ElementType type, const Heads& q, const Heads& k, const Angles& angles,
-                                    void* q_out, void* k_out, bool transposed, cudaStream_t stream) {
+                                    const Heads& q_out, const Heads& k_out, bool transposed, cudaStream_t stream) {
   if (q.dim % 2 != 0 || k.dim != q.dim || k.batch != q.batch || k.tokens != q.tokens ||
       (angles.batch != 1 && angles.batch != q.batch))
     return cudaErrorInvalidValue;

@@ -8,7 +8,7 @@
 //   y[i] = x[i] c[i] - x[i + half] s[i],  y[i + half] = x[i + half] c[i + half] + x[i] s[i + half]   (forward)
 //   y[i] = x[i] c[i] + x[i + half] s[i + half],  y[i + half] = x[i + half] c[i + half] - x[i] s[i]   (its gradient)
 // for i < half: q * cos + rotate_half(q) * sin, and that map's transpose. The arithmetic is in double, each result
-// rounded to the element type once.
+// then rounded to the element type (2-byte types through a float rounded to odd).
 #pragma once
 
 #include <cstdint>
@@ -35,10 +35,10 @@ struct Angles {
   std::int64_t batch_stride, token_stride, dim_stride;
 };
 
-// q_out and k_out: dense (contiguous) tensors of q's and k's sizes. transposed: the gradient's map (from the
-// outputs' gradients to the inputs'). k may have fewer heads than q (grouped heads); batch, tokens and dim equal, dim
-// even.
+// q_out and k_out: the results, of q's and k's sizes (any strides that do not overlap), written through their data.
+// transposed: the gradient's map (from the outputs' gradients to the inputs'). k may have fewer heads than q
+// (grouped heads); batch, tokens and dim equal, dim even.
 cudaError_t launch_rotary_embedding(ElementType type, const Heads& q, const Heads& k, const Angles& angles,
-                                    void* q_out, void* k_out, bool transposed, cudaStream_t stream);
+                                    const Heads& q_out, const Heads& k_out, bool transposed, cudaStream_t stream);
 
 }  // namespace kernels::rotary

@@ -4,7 +4,7 @@ Ops (schemas in rotary.cpp):
   rotary_embedding(q, k, cos, sin) -> (q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin), cos and sin
       unsqueezed at dim 1 (transformers' apply_rotary_pos_emb, LLaMA's): q and k (batch, heads, tokens, head dim; k's
       heads may be fewer), cos and sin (batch or 1, tokens, head dim), the head dim even, all of one dtype; computed in
-      double and rounded once, the results contiguous.
+      double, then rounded to the dtype, the results laid out as q and k (empty_like).
   rotary_embedding_backward(grad_q_embed, grad_k_embed, cos, sin) -> (grad_q, grad_k), the same way.
 Autograd of both ops is C++ (rotary_autograd.cpp): the backward kernel for a first-order backward, ATen's formulas
 (rotary_op.h) for higher orders, forward mode and angles that need a gradient.
@@ -41,19 +41,20 @@ def _check_operands(op, q_name, q, k_name, k, cos, sin):
 
 def _rotary_embedding_fake(q, k, cos, sin):
     _check_operands("rotary_embedding", "q", q, "k", k, cos, sin)
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return torch.empty_like(q), torch.empty_like(k)
 
 
 def _rotary_embedding_backward_fake(grad_q_embed, grad_k_embed, cos, sin):
     _check_operands("rotary_embedding_backward", "grad_q_embed", grad_q_embed, "grad_k_embed", grad_k_embed, cos, sin)
-    return grad_q_embed.new_empty(grad_q_embed.shape), grad_k_embed.new_empty(grad_k_embed.shape)
+    return torch.empty_like(grad_q_embed), torch.empty_like(grad_k_embed)
 
 
 def rotary_embedding(q, k, cos, sin):
     """(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin) with cos and sin unsqueezed at dim 1, as
     transformers' apply_rotary_pos_emb (LLaMA's, Mistral's, Qwen2's) computes it, in one sweep over q and k forward
-    and backward, computed in double and rounded once. q and k: (batch, heads, tokens, head dim), k's heads may be
-    fewer; cos and sin: (batch or 1, tokens, head dim); the head dim even; one dtype. The results are contiguous."""
+    and backward, computed in double, then rounded to the dtype. q and k: (batch, heads, tokens, head dim), k's heads
+    may be fewer; cos and sin: (batch or 1, tokens, head dim); the head dim even; one dtype. The results are laid out
+    as q and k (torch.empty_like's layout, as eager's element-wise ops give)."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"kernels.rotary_embedding: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -63,7 +64,8 @@ def rotary_embedding(q, k, cos, sin):
 # ---- torch.func.vmap: the formulas on the batched tensors, the vmapped dim first -------------------------------------
 
 def _rotate(x, cos, sin, transposed):
-    # rotary_op.h's rotate_aten on tensors with any dims before (heads, tokens, dim), cos and sin's heads dim inserted.
+    # rotary_op.h's rotate_aten on tensors with any dims before (heads, tokens, dim), cos and sin's heads dim inserted;
+    # the result contiguous (broadcast over the vmapped dim where only the angles carry it).
     half = x.shape[-1] // 2
     xd, c, s = x.double(), cos.double().unsqueeze(-3), sin.double().unsqueeze(-3)
     x1, x2, c1, c2, s1, s2 = xd[..., :half], xd[..., half:], c[..., :half], c[..., half:], s[..., :half], s[..., half:]
@@ -75,6 +77,11 @@ def _rotate(x, cos, sin, transposed):
 def _vmap_rule(transposed):
     def rule(info, in_dims, q, k, cos, sin):
         front = [t.movedim(d, 0) if d is not None else t for t, d in zip((q, k, cos, sin), in_dims)]
+        # The op's checks on one sample's tensors (the formulas below would broadcast what the op refuses).
+        names = ("grad_q_embed", "grad_k_embed") if transposed else ("q", "k")
+        sample = [t[0] if d is not None else t for t, d in zip(front, in_dims)]
+        _check_operands("rotary_embedding_backward" if transposed else "rotary_embedding", names[0], sample[0],
+                        names[1], sample[1], sample[2], sample[3])
         q, k, cos, sin = front
         q_out, k_out = _rotate(q, cos, sin, transposed), _rotate(k, cos, sin, transposed)
         # Each result carries the vmapped dim where one of its operands did (broadcast to its front).

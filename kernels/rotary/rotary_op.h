@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
 
 #include <tuple>
 
@@ -31,7 +32,9 @@ inline const c10::TypedOperatorHandle<RotaryEmbedding>& rotary_embedding_backwar
 }
 
 // x (batch, heads, tokens, dim) rotated by the angles (batch or 1, tokens, dim), rotary.h's formulas (transposed: the
-// gradient's map), in double, rounded to x's type and contiguous, as the kernels' results and the fakes' are.
+// gradient's map), in double, then rounded to x's type and laid out as x (empty_like), as the kernels' results and the
+// fakes' are. float16 and bfloat16 through float: rounding to nearest twice can land an ulp from the kernels' rounding
+// to odd.
 inline at::Tensor rotate_aten(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool transposed) {
   const int64_t half = x.size(-1) / 2;
   const at::Tensor xd = x.to(at::kDouble), c = cos.to(at::kDouble).unsqueeze(1), s = sin.to(at::kDouble).unsqueeze(1);
@@ -40,7 +43,7 @@ inline at::Tensor rotate_aten(const at::Tensor& x, const at::Tensor& cos, const 
   const at::Tensor s1 = s.narrow(-1, 0, half), s2 = s.narrow(-1, half, half);
   const at::Tensor y1 = transposed ? x1.mul(c1).add(x2.mul(s2)) : x1.mul(c1).sub(x2.mul(s1));
   const at::Tensor y2 = transposed ? x2.mul(c2).sub(x1.mul(s1)) : x2.mul(c2).add(x1.mul(s2));
-  return at::cat({y1, y2}, -1).to(x.scalar_type()).contiguous();
+  return at::empty_like(x).copy_(at::cat({y1, y2}, -1).to(x.scalar_type()));
 }
 
 inline std::tuple<at::Tensor, at::Tensor> rotary_embedding_aten(const at::Tensor& q, const at::Tensor& k,
