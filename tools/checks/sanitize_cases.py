@@ -255,13 +255,17 @@ def attention_cases():
     torch.ops.kernels._attention_force_plain(previous)
 
 
+CASES = {"elementwise": elementwise_cases, "gemm": gemm_cases, "causal_softmax": causal_softmax_cases,
+         "row_norm": row_norm_cases, "silu_mul": silu_mul_cases, "rotary": rotary_cases, "attention": attention_cases}
+
+
 if __name__ == "__main__":
-    elementwise_cases()
-    gemm_cases()
-    causal_softmax_cases()
-    row_norm_cases()
-    silu_mul_cases()
-    rotary_cases()
-    attention_cases()
+    # Arguments: the groups of cases to run (default: all).
+    unknown = [name for name in sys.argv[1:] if name not in CASES]
+    if unknown:
+        sys.exit(f"sanitize_cases: unknown case groups {unknown}; the groups: {', '.join(CASES)}")
+    for name in sys.argv[1:] or CASES:
+        CASES[name]()
     torch.cuda.synchronize()
-    print(f"sanitize_cases: every kernel ran and matched eager (GEMM paths: {', '.join(gemm_paths('cuda'))})")
+    print(f"sanitize_cases: {', '.join(sys.argv[1:]) or 'every kernel'} ran and matched eager "
+          f"(GEMM paths: {', '.join(gemm_paths('cuda'))})")
