@@ -900,18 +900,27 @@ def bench_models(rows, options):
 
 
 def _model_gemm_shapes(model, inputs):
-    """The (rows, in_features, out_features) of every linear layer call of one forward of `model` (patched), in call
-    order, each shape once."""
+    """The (rows, in_features, out_features) of every patched linear layer call (nn.Linear, transformers' Conv1D) and
+    patchify convolution (one GEMM: a row per output position) of one forward of `model` (patched), in call order,
+    each shape once. Other patched modules (norms, MLPs, attention) are no GEMM of their own."""
     import kernels
 
     shapes = {}
 
-    def record(module, args, output):
-        x = args[0]
-        k = x.shape[-1]
-        shapes[(x.numel() // k, k, output.shape[-1])] = None
+    def record_linear(module, args, output):
+        k = args[0].shape[-1]
+        shapes[(args[0].numel() // k, k, output.shape[-1])] = None
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if kernels.is_patched(m)]
+    def record_convolution(module, args, output):
+        n = output.shape[1]
+        shapes[(output.numel() // n, module.weight[0].numel(), n)] = None
+
+    def recorder(module):
+        if isinstance(module, torch.nn.Linear) or any(c.__name__ == "Conv1D" for c in type(module).__mro__):
+            return record_linear
+        return record_convolution if isinstance(module, torch.nn.Conv2d) else None
+
+    hooks = [m.register_forward_hook(recorder(m)) for m in model.modules() if kernels.is_patched(m) and recorder(m)]
     with torch.no_grad():
         model(**inputs) if isinstance(inputs, dict) else model(inputs)
     for hook in hooks:
