@@ -195,7 +195,7 @@ def _forward_compiles_to(cls, reference):
                                     for part in ("co_code", "co_consts", "co_names", "co_varnames"))
 
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # those the norms' and silu_mul's kernels take
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # those the norms', silu_mul's and rotary's take
 _RMS_NORM_MOST_COLUMNS = 8192  # the longest rows rms_norm's kernels hold (kernels/rms_norm/rms_norm.h)
 _LAYER_NORM_MOST_COLUMNS = 4096  # the longest rows layer_norm's kernels hold (kernels/layer_norm/layer_norm.h)
 _LAYER_NORM_MOST_SINGLE_COLUMNS = 2048  # ... where a pointer is not 16-byte aligned (single elements a thread)

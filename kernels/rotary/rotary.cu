@@ -102,7 +102,7 @@ __device__ __forceinline__ void rotate_rows(const Rows<T>& rows, const AnglesOf<
   }
 }
 
-// (A minimum of one block: without it ptxas kept the float16 kernel for sm_80 at 64 registers and spilled.)
+// (A minimum of one block: otherwise ptxas caps the float16 kernel for sm_80 at 64 registers, which spills.)
 template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads, 1)
 rotary_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, std::int64_t q_rows, std::int64_t k_rows) {
