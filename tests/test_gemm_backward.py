@@ -273,6 +273,7 @@ def test_flags_later_kernels_only_set_start_at_zero():
         return t
 
     x_ahead, w_ahead = randn(2100, 264), randn(520, 264, inf_at=(7, 100))  # w split with x's rows, one launch
+    x_unaligned = randn(2100, 268)[:, 1:265]  # rows off 16 bytes: the one launch refused, w's pass then x's
     w_conv1d = randn(264, 520, inf_at=(100, 7))  # a transposed view: w split by columns ahead
     x_slices, w_slices = randn(300, 2056), randn(520, 2056, inf_at=(7, 2000))  # K split, w split in the kernel
     grad_y, w_back = randn(2100, 520), randn(520, 264, inf_at=(7, 100))  # grad_x: w^T split ahead
@@ -281,6 +282,8 @@ def test_flags_later_kernels_only_set_start_at_zero():
     cases = {  # name: (our call, eager's product of the operands, the operands, memsets: the column split's counters,
         # the flags of K's slices and of a transposed w's split)
         "forward, w split with x": (lambda: forward(x_ahead, w_ahead), lambda x, w: x @ w.t(), (x_ahead, w_ahead), 0),
+        "forward, w split before x": (lambda: forward(x_unaligned, w_ahead), lambda x, w: x @ w.t(),
+                                      (x_unaligned, w_ahead), 0),
         "forward, transposed w split ahead": (lambda: forward(x_ahead, w_conv1d.t()), lambda x, w: x @ w,
                                               (x_ahead, w_conv1d), 1),
         "forward, K split": (lambda: forward(x_slices, w_slices, 2), lambda x, w: x @ w.t(), (x_slices, w_slices), 1),
@@ -295,7 +298,8 @@ def test_flags_later_kernels_only_set_start_at_zero():
         poison_free_memory_with_flags()
         ours, launched = cuda_kernels_launched(ours_of)
         assert sum("memset" in launch.lower() for launch in launched) == memsets, (name, launched)
-        assert any("split_rows_and_chunks_kernel" in launch for launch in launched) == (name == "forward, w split with x")
+        combined = any("split_rows_and_chunks_kernel" in launch for launch in launched)
+        assert combined == (name == "forward, w split with x"), (name, launched)
         assert torch.equal(ours.isnan(), eager.isnan()) and torch.equal(ours.isinf(), eager.isinf()), name
         finite = torch.isfinite(eager)
         assert finite.sum() > 0.9 * finite.numel(), name  # one non-finite row or column of the output at most
