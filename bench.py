@@ -659,6 +659,50 @@ def bench_silu_mul(rows, options):
         torch.cuda.empty_cache()
 
 
+# ---- the rotary embedding: LLaMA's attention, eager's q * cos + rotate_half(q) * sin against kernels.rotary ---------
+
+# (batch, q heads, kv heads, tokens, head dim): the LLaMA-style model's 8 x 512 tokens of 16 heads of 128, and grouped
+# kv heads at 4 x 2048 tokens (32 heads, 8 kv heads).
+ROTARY_SHAPES = ((8, 16, 16, 512, 128), (4, 32, 8, 2048, 128))
+
+
+def bench_rotary(rows, options):
+    """fp32 rotary embedding of q and k (transformers' apply_rotary_pos_emb, q and k the projections' outputs viewed
+    as heads): eager's element-wise kernels (five a tensor each way) against kernels.rotary_embedding (one sweep over
+    both each way, what kernels.patch runs in LLaMA-style attention), the no_grad forward and a training step's forward
+    and backward, rates over the bytes each must move (forward q and k read and written; training those and their
+    gradients); errors of q's rotation against float64."""
+    from kernels.functional import rotary_embedding
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def eager(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    for batch, q_heads, kv_heads, tokens, dim in ROTARY_SHAPES:
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        q = torch.randn(batch, tokens, q_heads, dim, device=DEVICE, generator=g).transpose(1, 2)
+        k = torch.randn(batch, tokens, kv_heads, dim, device=DEVICE, generator=g).transpose(1, 2)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEVICE, dtype=torch.float64) / dim)
+        angles = torch.arange(tokens, device=DEVICE, dtype=torch.float64)[:, None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1).expand(batch, tokens, dim)
+        cos, sin = angles.cos().float(), angles.sin().float()
+        grads = [torch.randn(t.shape, device=DEVICE, generator=g) for t in (q, k)]
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k)]
+        variants = {name: (lambda fn=fn: fn(q, k, cos, sin)[0],
+                           lambda fn=fn: torch.autograd.grad(fn(*leaves, cos, sin), leaves, grads))
+                    for name, fn in (("eager", eager), ("kernels.rotary_embedding", rotary_embedding))}
+        y64 = eager(q.double(), k.double(), cos.double(), sin.double())[0]
+        moved = 2 * (q.nbytes + k.nbytes)
+        add_forward_and_training_rows(rows, options, "rotary embedding of q and k (fp32)",
+                                      f"{batch}x{q_heads}/{kv_heads}x{tokens}x{dim}", variants, y64, moved, 2 * moved)
+        del q, k, cos, sin, grads, leaves, variants, y64
+        torch.cuda.empty_cache()
+
+
 # (batch, tokens, width, heads): nn.MultiheadAttention at torchvision's ViT-B/16 and at a BERT-large-style width.
 MULTIHEAD_ATTENTION_SHAPES = ((64, 197, 768, 12), (16, 512, 1024, 16))
 
@@ -856,18 +900,27 @@ def bench_models(rows, options):
 
 
 def _model_gemm_shapes(model, inputs):
-    """The (rows, in_features, out_features) of every linear layer call of one forward of `model` (patched), in call
-    order, each shape once."""
+    """The (rows, in_features, out_features) of every patched linear layer call (nn.Linear, transformers' Conv1D) and
+    patchify convolution (one GEMM: a row per output position) of one forward of `model` (patched), in call order,
+    each shape once. Other patched modules (norms, MLPs, attention) are no GEMM of their own."""
     import kernels
 
     shapes = {}
 
-    def record(module, args, output):
-        x = args[0]
-        k = x.shape[-1]
-        shapes[(x.numel() // k, k, output.shape[-1])] = None
+    def record_linear(module, args, output):
+        k = args[0].shape[-1]
+        shapes[(args[0].numel() // k, k, output.shape[-1])] = None
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if kernels.is_patched(m)]
+    def record_convolution(module, args, output):
+        n = output.shape[1]
+        shapes[(output.numel() // n, module.weight[0].numel(), n)] = None
+
+    def recorder(module):
+        if isinstance(module, torch.nn.Linear) or any(c.__name__ == "Conv1D" for c in type(module).__mro__):
+            return record_linear
+        return record_convolution if isinstance(module, torch.nn.Conv2d) else None
+
+    hooks = [m.register_forward_hook(recorder(m)) for m in model.modules() if kernels.is_patched(m) and recorder(m)]
     with torch.no_grad():
         model(**inputs) if isinstance(inputs, dict) else model(inputs)
     for hook in hooks:
@@ -1445,6 +1498,7 @@ GPU_BENCHES = {"leaky_relu": bench_leaky_relu, "gemm_multiply_leaky_relu": bench
                "linear_layers": bench_linear_layers, "attention": bench_attention,
                "split_sweeps": bench_split_sweeps, "multihead_attention": bench_multihead_attention,
                "rms_norm": bench_rms_norm, "layer_norm": bench_layer_norm, "silu_mul": bench_silu_mul,
+               "rotary": bench_rotary,
                **{name: bench_level3_problem(name) for name in ("mlp", "shallow_wide_mlp", "mini_gpt_block")}}
 CPU_BENCHES = {"leaky_relu_cpu": bench_leaky_relu_cpu, "gemm_multiply_leaky_relu_cpu": bench_gemm_multiply_leaky_relu_cpu}
 BENCHES = {**GPU_BENCHES, **CPU_BENCHES}

@@ -84,6 +84,13 @@ FAMILIES = (
         autograd_sources=("silu_mul/silu_mul_autograd.cpp",),
     ),
     Family(
+        name="rotary",
+        cpp_sources=("rotary/rotary.cpp",),  # its CPU path too: ATen's ops on rotary_op.h's formulas
+        cuda_sources=("rotary/rotary.cu",),
+        python_module="kernels.rotary.rotary",
+        autograd_sources=("rotary/rotary_autograd.cpp",),
+    ),
+    Family(
         name="attention",
         cpp_sources=("attention/attention.cpp",),  # its autograd is Python (attention.py): one formula, first order
         cuda_sources=("attention/attention.cu",),

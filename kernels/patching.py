@@ -3,8 +3,8 @@ and fp32_gemm() sends the functional products of a block (F.linear, matmul, @, m
 nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attention calls to the library's attention.
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm, patchify Conv2d; Conv1D, NewGELU,
-                                  # LLaMA's norms, MLP, BERT's MLP and add-norms; timm's LayerNorm, Attention, Mlp,
-                                  # PatchEmbed and Block
+                                  # LLaMA's norms, MLP, rotary embedding, BERT's MLP and add-norms; timm's LayerNorm,
+                                  # Attention, Mlp, PatchEmbed and Block
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from kernels.gemm.gemm import _has_hooks, _tf32_allowed, gemm_paths, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
+from kernels.rotary.rotary import rotary_embedding
 from kernels.silu_mul.silu_mul import silu_mul
 
 # The original class -> its patched subclass.
@@ -612,6 +614,151 @@ def _holds_linked_blocks(module):
     return any(a and b for a, b in zip(blocks, blocks[1:]))
 
 
+# transformers' apply_rotary_pos_emb and rotate_half (modeling_llama), token for token, compiled here to compare other
+# modules' functions with (Mistral's, Qwen2's and other decoders' are copies of them): the same bytecode, names and
+# constants (docstrings aside). The module-level `import torch` is part of the copy: the compiler reads a call on an
+# imported module's attribute differently from one on another name.
+_LLAMA_ROTARY_SOURCE = """
+import torch
+
+
+def rotate_half(x):
+    \"\"\"Rotates half the hidden dims of the input.\"\"\"
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    \"\"\"Applies Rotary Position Embedding to the query and key tensors.\"\"\"
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+"""
+_LLAMA_ROTARY = {}
+exec(compile(_LLAMA_ROTARY_SOURCE, "<transformers' apply_rotary_pos_emb>", "exec"), _LLAMA_ROTARY)
+
+# The global name the rebuilt forwards read in apply_rotary_pos_emb's place (set in the forward's own module).
+_ROTARY_ROUTE_NAME = "_kernels_rotary_apply_rotary_pos_emb"
+
+
+def _wrapper_chain(function):
+    """`function` and the functions it wraps, outer first, where each is a plain function holding the next (its
+    __wrapped__) in a closure cell, as decorators made with functools.wraps do; None for any other kind of wrapping."""
+    chain = [function]
+    while type(chain[-1]) is types.FunctionType and len(chain) < 64:
+        wrapped = getattr(chain[-1], "__wrapped__", None)
+        if wrapped is None:
+            return chain
+        if not any(_cell_holds(cell, wrapped) for cell in chain[-1].__closure__ or ()):
+            return None
+        chain.append(wrapped)
+    return None
+
+
+def _same_code(function, reference):
+    """Whether `function` (a plain function, unwrapped) is `reference`'s code: the same bytecode, names, variables and
+    constants, docstrings aside."""
+    chain = _wrapper_chain(function) if callable(function) else None
+    if chain is None:
+        return False
+    code, ours = chain[-1].__code__, reference.__code__
+    constants = [tuple(c for c in x.co_consts if not isinstance(c, str)) for x in (code, ours)]
+    return constants[0] == constants[1] and all(getattr(code, part) == getattr(ours, part)
+                                                for part in ("co_code", "co_names", "co_varnames"))
+
+
+def _applies_llama_rotary(cls):
+    """Whether cls.forward (plain functions, however decorated) calls its module's apply_rotary_pos_emb, and that
+    function and its rotate_half are LLaMA's code."""
+    chain = _wrapper_chain(getattr(cls, "forward", None))
+    if chain is None:
+        return False
+    inner = chain[-1]
+    if "apply_rotary_pos_emb" not in inner.__code__.co_names:
+        return False
+    rotary = inner.__globals__.get("apply_rotary_pos_emb")
+    if not _same_code(rotary, _LLAMA_ROTARY["apply_rotary_pos_emb"]):
+        return False
+    return _same_code(_wrapper_chain(rotary)[-1].__globals__.get("rotate_half"), _LLAMA_ROTARY["rotate_half"])
+
+
+def _rotary_route(original):
+    """apply_rotary_pos_emb as a patched attention calls it: kernels.rotary_embedding where q, k, cos and sin are plain
+    GPU tensors of one float dtype in its shapes (cos and sin unsqueezed at dim 1, needing no gradient), `original`
+    (transformers' function) for every other call."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim == 1 and _plain(q, k, cos, sin) and _rotary_runs_on(q) and q.dtype in _KERNEL_DTYPES
+                and k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype and q.dim() == 4
+                and k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape and k.device == q.device
+                and cos.device == q.device and sin.device == q.device and q.shape[3] % 2 == 0
+                and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:] and cos.shape[1:] == q.shape[2:]
+                and cos.shape[0] in (1, q.shape[0]) and not (cos.requires_grad or sin.requires_grad)):
+            return rotary_embedding(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _rotary_runs_on(q):
+    # Where the route takes kernels.rotary_embedding: GPUs (on the CPU eager's function keeps eager's results).
+    return q.is_cuda
+
+
+def _reading_route(chain):
+    """The functions of a wrapper chain (_wrapper_chain, outer first) rebuilt so that the innermost reads the global
+    _ROTARY_ROUTE_NAME where it read apply_rotary_pos_emb: the same code and closures (but each wrapper's cell of the
+    function it wraps), the same module's global names, live; the route is set in that module once."""
+    inner = chain[-1]
+    names = inner.__globals__
+    if _ROTARY_ROUTE_NAME not in names:
+        names[_ROTARY_ROUTE_NAME] = _rotary_route(names["apply_rotary_pos_emb"])
+    code = inner.__code__
+    code = code.replace(co_names=tuple(_ROTARY_ROUTE_NAME if n == "apply_rotary_pos_emb" else n for n in code.co_names))
+    rebuilt = _function_like(inner, code, inner.__closure__)
+    for outer in reversed(chain[:-1]):
+        wrapped = getattr(outer, "__wrapped__")
+        closure = tuple(types.CellType(rebuilt) if _cell_holds(cell, wrapped) else cell for cell in outer.__closure__)
+        rebuilt = _function_like(outer, outer.__code__, closure, wraps=rebuilt)
+    return rebuilt
+
+
+def _function_like(function, code, closure, wraps=None):
+    """A function of `code` and `closure` with `function`'s globals, defaults, names and attributes (wraps: its
+    __wrapped__)."""
+    made = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, closure)
+    made.__kwdefaults__ = function.__kwdefaults__
+    made.__dict__.update(function.__dict__)
+    for attribute in ("__module__", "__qualname__", "__doc__", "__annotations__"):
+        setattr(made, attribute, getattr(function, attribute))
+    if wraps is not None:
+        made.__wrapped__ = wraps
+    return made
+
+
+def _cell_holds(cell, value):
+    # (an empty cell equals only an empty cell, and has no contents to read)
+    return not cell == types.CellType() and cell.cell_contents is value
+
+
+class _RotaryAttentionPatch:
+    """transformers' attention layers whose forward applies LLaMA's rotary embedding (its module's apply_rotary_pos_emb
+    is LLaMA's code: _applies_llama_rotary): that forward, token for token, with q and k rotated by
+    kernels.rotary_embedding in one sweep over memory forward and backward (computed in double) where they and the
+    angles are plain GPU tensors of one float dtype, and by transformers' function for every other call (the CPU's
+    too: eager's results there). Its projections are layers of their own, which patch() turns as it turns every
+    nn.Linear."""
+
+    @staticmethod
+    def patched_namespace(cls):
+        # The patched class's forward: cls's own, rebuilt to call the route where it called apply_rotary_pos_emb (a
+        # plain function of the same module, as the original is, for torch.compile to trace).
+        return {"forward": _reading_route(_wrapper_chain(cls.forward))}
+
+
 def _imported_class(module_name, name):
     """A class of a package (transformers, timm) where that package is already imported (it is never imported here),
     else None."""
@@ -627,8 +774,8 @@ def _base_for_class(cls):
     (those with a patchify convolution's settings: _patch_base), nn.Sequential (those holding timm Blocks),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and PatchEmbed and the subclasses that
     keep their forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul
-    and add), and the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's
-    Mlp's code."""
+    and add), the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's
+    Mlp's code, and those whose forward applies LLaMA's rotary embedding."""
     if (issubclass(cls, nn.Linear) and _parameters_are_its_own(cls, nn.Linear)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
@@ -660,6 +807,8 @@ def _base_for_class(cls):
         return _GeluIntermediatePatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_output_forward):
         return _AddNormOutputPatch
+    if issubclass(cls, nn.Module) and _applies_llama_rotary(cls):
+        return _RotaryAttentionPatch
     return None
 
 
@@ -695,7 +844,8 @@ def _patched_class(cls, base):
     patched = _PATCHED_CLASSES.get(cls)
     if patched is None:
         name = _class_name(cls)
-        patched = type(cls.__name__, (base, cls), {"__module__": __name__, "__qualname__": name})
+        namespace = base.patched_namespace(cls) if hasattr(base, "patched_namespace") else {}
+        patched = type(cls.__name__, (base, cls), {**namespace, "__module__": __name__, "__qualname__": name})
         _PATCHED_CLASSES[cls] = patched
         globals()[name] = patched
     return patched
@@ -787,10 +937,12 @@ _PROJECTION_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 
 
 def _fusable_parent(parent):
-    """Whether a parent's projections may become one product: transformers' own layers, whose forwards reshape the
-    outputs into heads and change none in place; another module with children of those names may flatten or edit
-    its outputs."""
-    return type(parent).__module__.startswith("transformers.")
+    """Whether a parent's projections may become one product: transformers' own layers (patched ones too: their
+    class's), whose forwards reshape the outputs into heads and change none in place; another module with children of
+    those names may flatten or edit its outputs."""
+    cls = type(parent)
+    original = next((c for c, patched in _PATCHED_CLASSES.items() if patched is cls), cls)
+    return original.__module__.startswith("transformers.")
 
 
 def _group_projections(parent):

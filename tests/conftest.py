@@ -132,6 +132,23 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+def check_accuracy(got, expected, reference64, dtype, what, atol=None):
+    """A family's result `got` against float64's `reference64`: no more error than eager's `expected`
+    (kernels.precision's ERROR_RATIO_LIMIT; a small tensor one rounding's slack; in float64, where eager is the
+    reference, within 1e-13 of it), and allclose to eager at the dtype's tolerance (atol: another)."""
+    from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, relative_error
+
+    ours, theirs = relative_error(got, reference64), relative_error(expected, reference64)
+    if dtype == torch.float64:
+        theirs = 1e-13
+    slack = torch.finfo(dtype).eps / 2 if got.numel() <= 4096 else 0.0
+    assert ours <= ERROR_RATIO_LIMIT[dtype] * theirs + slack, \
+        f"{what}: error against float64 {ours:.3g}, eager's {theirs:.3g}"
+    tol = ALLCLOSE_TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tol if atol is None else atol, rtol=tol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
 def poison_allocator(shape, dtype, device):
     """Frees a NaN-filled block of the given size, so the allocator is likely to hand it to the next output of
     that size: an element a kernel fails to write then shows up as NaN instead of a lucky stale value."""

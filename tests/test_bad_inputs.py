@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import HAS_CUDA
 from kernels.functional import (attention, gelu_tanh, gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm,
-                                silu_mul)
+                                rotary_embedding, silu_mul)
 
 
 def ints(*shape):
@@ -74,6 +74,18 @@ ERRORS = {
     "silu_mul: gate and up of different dtypes": (
         lambda: silu_mul(torch.randn(4), torch.randn(4, dtype=torch.float64)), RuntimeError,
         r"expected up and gate to have the same dtype, got up torch.float64 and gate torch.float32"),
+    "rotary_embedding: integer tensors": (
+        lambda: rotary_embedding(ints(1, 2, 3, 4), ints(1, 2, 3, 4), ints(1, 3, 4), ints(1, 3, 4)), RuntimeError,
+        r"kernels.rotary_embedding: q must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
+    "rotary_embedding: an odd head dim": (
+        lambda: rotary_embedding(torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 5), torch.randn(1, 3, 5),
+                                 torch.randn(1, 3, 5)), RuntimeError,
+        r"kernels.rotary_embedding: the head dim must be even \(its halves are rotated together\), got 5"),
+    "rotary_embedding: angles of another length": (
+        lambda: rotary_embedding(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 4, 4),
+                                 torch.randn(1, 4, 4)), RuntimeError,
+        r"kernels.rotary_embedding: cos and sin must both be \(batch or 1, tokens, head dim\) = \(1 or 1, 3, 4\), "
+        r"got \[1, 4, 4\] and \[1, 4, 4\]"),
     "gemm: integer tensors": (lambda: gemm_multiply_leaky_relu(ints(2, 4), ints(3, 4)), RuntimeError,
                               r"x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
     "gemm: x and weight of different dtypes": (
@@ -200,6 +212,12 @@ FAKE_CHECK_CALLS = {
         torch.randn(2, 4, device=d), torch.randn(4, device=d), torch.randn(4, dtype=torch.float64, device=d), 1e-5),
     "silu_mul dtype": lambda d: torch.ops.kernels.silu_mul(torch.randn(2, 4, device=d),
                                                            torch.randn(2, 4, dtype=torch.float64, device=d)),
+    "rotary_embedding dtype": lambda d: torch.ops.kernels.rotary_embedding(
+        torch.randn(1, 2, 3, 4, device=d), torch.randn(1, 2, 3, 4, device=d), torch.randn(1, 3, 4, device=d),
+        torch.randn(1, 3, 4, dtype=torch.float64, device=d)),
+    "rotary_embedding_backward shape": lambda d: torch.ops.kernels.rotary_embedding_backward(
+        torch.randn(1, 2, 3, 4, device=d), torch.randn(2, 2, 3, 4, device=d), torch.randn(1, 3, 4, device=d),
+        torch.randn(1, 3, 4, device=d)),
     "rms_norm_backward grad_y shape": lambda d: torch.ops.kernels.rms_norm_backward(
         torch.randn(3, 4, device=d), torch.randn(2, 4, device=d), torch.randn(4, device=d), 1e-6),
     "rms_norm_backward grad_y dtype": lambda d: torch.ops.kernels.rms_norm_backward(
@@ -346,7 +364,8 @@ def test_model_new_called_with_the_wrong_dtype_raises_as_the_reference(problem):
 # ---- the messages' arguments ----------------------------------------------------------------------------------------
 
 # Arguments of a TORCH_CHECK message that are strings: names of the ops and arguments the checks pass around.
-STRING_NAMES = {"op", "name", "ref_name", "kOp", "what", "refusal", "path", "sweep", "approximate"}
+STRING_NAMES = {"op", "name", "ref_name", "kOp", "what", "refusal", "path", "sweep", "approximate", "q_name",
+                "k_name"}
 STRING_CALLS = re.compile(r"(_str|to_string|toString|path_name|cudaGetErrorString|cublasGetStatusString)\(|\.str\(\)|"
                           r"scalar_type\(\)$")
 

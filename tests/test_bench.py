@@ -71,3 +71,33 @@ def test_level3_problem_rows_include_torch_compile_where_asked(monkeypatch):
     bench.bench_level3_problem("mlp")(rows, opts)
     assert [row["variant"] for row in rows] == ["eager", "ModelNew"]
     assert rows[1]["verdict"] == f"{bench.KERNELBENCH_TRIALS}/{bench.KERNELBENCH_TRIALS}"
+
+
+def test_model_gemm_shapes_are_the_linear_layers_and_patchify_convolutions():
+    # Patched norms, MLPs and attention layers are no GEMM of their own: only nn.Linear, Conv1D and the patchify
+    # convolution (a row per output position) give shapes, each once, in call order.
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import kernels
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=100)
+    torch.manual_seed(0)
+    llama = kernels.patch(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 100, (2, 8))
+    assert bench._model_gemm_shapes(llama, {"input_ids": ids}) == [(16, 64, 64), (16, 64, 96), (16, 96, 64),
+                                                                   (16, 64, 100)]
+
+    class Patches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Conv2d(3, 8, 4, stride=4)
+            self.norm = torch.nn.LayerNorm(8)
+            self.head = torch.nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.head(self.norm(self.proj(x).flatten(2).transpose(1, 2)))
+
+    model = kernels.patch(Patches())
+    assert bench._model_gemm_shapes(model, torch.randn(2, 3, 16, 12)) == [(24, 48, 8), (24, 8, 5)]

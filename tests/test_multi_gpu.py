@@ -320,6 +320,56 @@ class SiluMulCase:
             torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+class RotaryCase:
+    """The rotary embedding family: the function forward and backward (its C++ node calls the backward op), against
+    the formula in float64 (q as the projections' transposed view, fewer kv heads, angles of one batch)."""
+
+    family = "rotary"
+    ops = {"rotary_embedding", "rotary_embedding_backward"}
+
+    def __str__(self):
+        return "rotary"
+
+    def build(self, device):
+        pass
+
+    def draw(self, device, generator):
+        draws = {"q": torch.randn(2, 33, 4, 64, device=device, generator=generator),
+                 "k": torch.randn(2, 2, 33, 64, device=device, generator=generator)}
+        draws.update({name: torch.randn(1, 33, 64, device=device, generator=generator) for name in ("cos", "sin")})
+        draws.update({f"{name} grad": torch.randn_like(draws[name]) for name in ("q", "k")})
+        return draws
+
+    @staticmethod
+    def run(fn, inputs, dtype):
+        q = inputs["q"].to(dtype).transpose(1, 2).requires_grad_(True)  # (batch, heads, tokens, dim), a view
+        k = inputs["k"].to(dtype, copy=True).requires_grad_(True)
+        outputs = fn(q, k, inputs["cos"].to(dtype), inputs["sin"].to(dtype))
+        grads = [inputs["q grad"].to(dtype).transpose(1, 2), inputs["k grad"].to(dtype)]
+        torch.autograd.backward(outputs, grads)
+        return {"q": outputs[0].detach().float(), "k": outputs[1].detach().float(), "q grad": q.grad.float(),
+                "k grad": k.grad.float()}
+
+    def ours(self, **inputs):
+        from kernels.functional import rotary_embedding
+
+        return self.run(rotary_embedding, inputs, torch.float32)
+
+    def eager(self, **inputs):
+        def rotate(q, k, cos, sin):
+            def rotate_half(x):
+                return torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+        return self.run(rotate, inputs, torch.float64)
+
+    def check(self, got, expected, inputs):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 class GemmCase:
     """The GEMM family: ModelNew forward and backward on one path ("auto": the automatic choice), against eager fp32:
     outputs and gradients as check() says."""
@@ -595,7 +645,8 @@ GEMM_CASES = [GemmCase(shape, multiplier, slope, path)
 GEMM_CASES.append(GemmCase(SPLIT_SIZED, -1.5, -0.2, "auto"))
 GEMM_CASES += [GemmGeluCase(path) for path in PATHS_ON_SECOND]
 CASES = [LeakyReLUCase(), GeluTanhCase()] + GEMM_CASES + [SplitSweepCase(), CausalSoftmaxCase(), RmsNormCase(),
-                                                          LayerNormCase(), SiluMulCase(), AttentionCase()]
+                                                          LayerNormCase(), SiluMulCase(), RotaryCase(),
+                                                          AttentionCase()]
 
 
 def ops_that_compute():

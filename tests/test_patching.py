@@ -881,6 +881,78 @@ def test_llama_mlp_patch(device):
     torch.testing.assert_close(patched(x), gelu_mlp(x), atol=1e-5, rtol=1e-5)
 
 
+def test_llama_rotary_embedding_patch(device, monkeypatch):
+    """transformers' attention layers whose rotary embedding is LLaMA's code (LLaMA's, Mistral's, Qwen2's; grouped kv
+    heads) apply it with kernels.rotary_embedding on the GPU, in the layer's own forward otherwise unchanged: logits
+    and gradients within the fp32 tolerance of eager's, no less accurate against float64; on the CPU transformers'
+    own function (eager's bits), unless the route is forced there. Phi-3's partial rotary keeps its own forward; the
+    patched layers still group their projections; unpatch() restores them."""
+    t = _transformers()
+    import transformers.models.mistral.modeling_mistral  # noqa: F401 (the classes patch() compares)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+    from kernels.precision import relative_error
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97)
+    for config in (t.LlamaConfig(**small), t.MistralConfig(**small), t.Qwen2Config(**small)):
+        torch.manual_seed(0)
+        model = t.AutoModelForCausalLM.from_config(config).to(device)
+        patched = kernels.patch(copy.deepcopy(model))
+        attention = patched.model.layers[0].self_attn
+        assert kernels.is_patched(attention) and isinstance(attention, type(model.model.layers[0].self_attn))
+        assert patching._fusable_parent(attention)
+        ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+        for forced in ((False, True) if device == "cpu" else (False,)):
+            if forced:
+                monkeypatch.setattr(patching, "_rotary_runs_on", lambda q: True)
+            logits, logits_patched = model(ids).logits, patched(ids).logits
+            rotated = "kernels::RotaryEmbeddingBackward" in graph_node_names(logits_patched)
+            assert rotated == (device == "cuda" or forced), (type(config).__name__, forced)
+            if not rotated:
+                assert torch.equal(logits_patched, logits)
+            torch.testing.assert_close(logits_patched, logits, atol=TOL, rtol=TOL)
+            logits64 = copy.deepcopy(model).double()(ids).logits
+            assert relative_error(logits_patched, logits64) <= relative_error(logits, logits64) * 1.01 + 2.0 ** -24
+            grad = torch.randn_like(logits)
+            layers = (patched.model.layers[0].self_attn, model.model.layers[0].self_attn)
+            got, expected = (torch.autograd.grad(out, (layer.q_proj.weight, layer.k_proj.weight), grad)
+                             for out, layer in zip((logits_patched, logits), layers))
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, atol=gradient_atol(b), rtol=TOL)
+            monkeypatch.undo()
+        kernels.unpatch(patched)
+        assert type(patched.model.layers[0].self_attn) is type(model.model.layers[0].self_attn)
+    phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    assert patching._base_for_class(phi3.Phi3Attention) is None
+
+
+@pytest.mark.slow
+def test_llama_rotary_route_under_torch_compile(device, monkeypatch):
+    """torch.compile(fullgraph=True) of a patched LlamaAttention with the route taken (forced on the CPU): the
+    rebuilt forward traces whole, with eager's results and gradients within the fp32 tolerance."""
+    t = _transformers()
+    monkeypatch.setattr(patching, "_rotary_runs_on", lambda q: True)
+    config = t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=97)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(config).to(device)
+    attention = model.model.layers[0].self_attn
+    patched = kernels.patch(copy.deepcopy(attention))
+    x = torch.randn(2, 9, 64, device=device)
+    positions = torch.arange(9, device=device)[None].expand(2, 9)
+    angles = model.model.rotary_emb(x, positions)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: patched(h, position_embeddings=angles, attention_mask=None)[0], fullgraph=True)
+    h, h_eager = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, y_eager = compiled(h), attention(h_eager, position_embeddings=angles, attention_mask=None)[0]
+    torch.testing.assert_close(y, y_eager, atol=TOL, rtol=TOL)
+    grad = torch.randn_like(y)
+    (got,), (expected,) = torch.autograd.grad(y, (h,), grad), torch.autograd.grad(y_eager, (h_eager,), grad)
+    torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=TOL)
+
+
 def test_timm_vit_patch_round_trip(device):
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

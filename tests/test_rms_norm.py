@@ -6,9 +6,9 @@ against float64 no larger than eager's and allclose(1e-4) to it; float16 and bfl
 import pytest
 import torch
 
-from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
+from conftest import assert_graph_replay_matches_eager, check_accuracy, poison_allocator, requires_cuda
 from kernels.functional import rms_norm
-from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
+from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol, relative_error
 from memory_helpers import cpu_peak_above_inputs, cuda_peak_above_inputs, float64_blocks_allowance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -47,20 +47,6 @@ def randn(shape, dtype, device, seed=0, scale=1.0):
 
 def weight_for(columns, dtype, device, seed=1):
     return randn((columns,), dtype, device, seed) * 0.5 + 1.0  # both signs possible, around 1 as trained norms are
-
-
-def check_accuracy(got, expected, reference64, dtype, what, atol=None):
-    """got against float64: no more error than eager's (ERROR_RATIO_LIMIT; a small tensor one rounding's slack),
-    and allclose to eager. float64 (eager is the reference there): within 1e-13 of it."""
-    ours, theirs = relative_error(got, reference64), relative_error(expected, reference64)
-    if dtype == torch.float64:
-        theirs = 1e-13
-    slack = torch.finfo(dtype).eps / 2 if got.numel() <= 4096 else 0.0
-    assert ours <= ERROR_RATIO_LIMIT[dtype] * theirs + slack, \
-        f"{what}: error against float64 {ours:.3g}, eager's {theirs:.3g}"
-    tol = ALLCLOSE_TOLERANCE[dtype]
-    torch.testing.assert_close(got, expected, atol=tol if atol is None else atol, rtol=tol, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def gradients(fn, x, weight, grad, dtype):

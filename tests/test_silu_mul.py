@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_graph_replay_matches_eager, poison_allocator, requires_cuda
+from conftest import assert_graph_replay_matches_eager, check_accuracy, poison_allocator, requires_cuda
 from kernels.functional import silu_mul
-from kernels.precision import ALLCLOSE_TOLERANCE, ERROR_RATIO_LIMIT, gradient_atol, relative_error
+from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = {"one element": (1,), "2-D": (64, 96), "odd": (7, 1001), "the LLaMA MLP's rows": (512, 5632),
@@ -23,18 +23,6 @@ def eager(gate, up):
 def randn(shape, dtype, device, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dtype)
-
-
-def check_accuracy(got, expected, reference64, dtype, what, atol=None):
-    ours, theirs = relative_error(got, reference64), relative_error(expected, reference64)
-    if dtype == torch.float64:
-        theirs = 1e-15
-    slack = torch.finfo(dtype).eps / 2 if got.numel() <= 4096 else 0.0
-    assert ours <= ERROR_RATIO_LIMIT[dtype] * theirs + slack, \
-        f"{what}: error against float64 {ours:.3g}, eager's {theirs:.3g}"
-    tol = ALLCLOSE_TOLERANCE[dtype]
-    torch.testing.assert_close(got, expected, atol=tol if atol is None else atol, rtol=tol, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def gradients(fn, gate, up, grad, dtype):

@@ -207,8 +207,8 @@ def sanitize(args):
         initcheck = tool == "initcheck"
         log = os.path.join(args.out, f"sanitize_{tool}.log")
         ran = run(["compute-sanitizer", "--tool", tool, *([] if initcheck else ["--kernel-regex", "kns=kernels"]),
-                   "--target-processes", "all", "--error-exitcode", "86", PYTHON, CASES], log=log, show=False,
-                  env=dict(lineinfo, KERNELS_GEMM_PLAIN_STORES="1" if initcheck else ""))
+                   "--target-processes", "all", "--error-exitcode", "86", PYTHON, CASES, *getattr(args, "cases", [])],
+                  log=log, show=False, env=dict(lineinfo, KERNELS_GEMM_PLAIN_STORES="1" if initcheck else ""))
         summaries = [line for line in ran.lines if re.search("ERROR SUMMARY|RACECHECK SUMMARY", line)]
         print(f"{tool}: exit {ran.status}; {summaries[-1].strip() if summaries else ''}")
         if ran.status != 0:
@@ -904,7 +904,9 @@ def parse_arguments(argv):
     flag(sub, "--quick", 'only -m "not slow"')
     sub.add_argument("--time-limit", type=int, default=900, help="seconds (900)")
     sub.add_argument("--test-timeout", type=int, default=600, help="seconds for one test, 0: none (600)")
-    add("sanitize", sanitize, "compute-sanitizer's four tools over the cases")
+    sub = add("sanitize", sanitize, "compute-sanitizer's four tools over the cases")
+    sub.add_argument("--cases", nargs="+", default=[], metavar="GROUP",
+                     help="only these groups of tools/checks/sanitize_cases.py (default: all)")
     add("cases", cases, "every CUDA kernel once on small shapes against eager (the smoke test)")
     sub = add("bench", bench, "bench.py with JSON, chart and Markdown; other arguments go to it", extra="BENCH_ARGS")
     add_bench_options(sub)

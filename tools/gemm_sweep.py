@@ -429,15 +429,16 @@ def coherence(args):
 def variants(args):
     """Each version built in a copy of the repository with --file replaced, then --command run there (default: this
     tool at the problem's size, on --path where given) --repeat times; the working tree's own version first, as
-    `current`. The copies share one extensions folder (builds are named by their sources' hash)."""
+    `current`. The copies share one extensions folder (builds are named by their sources' hash); a name may come again
+    (a=F b=G a=F: the versions' runs interleaved)."""
     command = args.command or shlex.join([sys.executable, "tools/gemm_sweep.py", *(["--path", args.path] if args.path
                                                                                     else [])])
     if any("=" not in v or len(v.split("=", 1)[1].split(",")) != len(args.file) for v in args.versions):
         sys.exit("each version is NAME=FILE[,FILE...], one file per --file")
     root = tempfile.mkdtemp(prefix="variants_")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.path.join(root, "extensions"), PYTHONUNBUFFERED="1")
-    for name, path in [("current", None)] + [tuple(v.split("=", 1)) for v in args.versions]:
-        copy = os.path.join(root, name)
+    for index, (name, path) in enumerate([("current", None)] + [tuple(v.split("=", 1)) for v in args.versions]):
+        copy = os.path.join(root, f"{index}_{name}")
         shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".variants", ".whl", "__pycache__"))
         for replacement, replaced in zip(path.split(","), args.file) if path else ():
             shutil.copyfile(os.path.join(REPO, replacement), os.path.join(copy, replaced))

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.functional import (add_layer_norm, attention, causal_softmax, gelu_tanh, gemm_gelu,
-                                gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm, silu_mul)
+                                gemm_multiply_leaky_relu, layer_norm, leaky_relu, rms_norm, rotary_embedding,
+                                silu_mul)
 from kernels.gemm.gemm import STREAM_K, forced_gemm_path, forced_k_slices, gemm_paths
 
 
@@ -212,6 +213,26 @@ def silu_mul_cases():
                 check(f"silu_mul_backward {dtype} {name} {part}", got, expected, tol=tol)
 
 
+def rotary_cases():
+    # The rotary embedding, forward and backward: q as the projections' transposed view, fewer kv heads, angles of
+    # one batch, each dtype. Against the formula in float64.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q = torch.randn(2, 33, 4, 64, device="cuda", dtype=dtype).transpose(1, 2)
+        k = torch.randn(2, 2, 33, 64, device="cuda", dtype=dtype)
+        cos, sin = (torch.randn(1, 33, 64, device="cuda", dtype=dtype) for _ in range(2))
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        leaves = [t.double().requires_grad_(True) for t in (q, k)]
+        c64, s64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+        exact = [x * c64 + torch.cat((-x[..., 32:], x[..., :32]), -1) * s64 for x in leaves]
+        for part, got, expected in zip(("q", "k"), rotary_embedding(q, k, cos, sin), exact):
+            check(f"rotary_embedding {dtype} {part}", got, expected, tol=tol)
+        grads = [torch.randn(t.shape, device="cuda", dtype=dtype) for t in (q, k)]
+        ours = torch.ops.kernels.rotary_embedding_backward(*grads, cos, sin)
+        for part, got, expected in zip(("grad q", "grad k"), ours,
+                                       torch.autograd.grad(exact, leaves, [g.double() for g in grads])):
+            check(f"rotary_embedding_backward {dtype} {part}", got, expected, tol=tol)
+
+
 def attention_cases():
     # The split attention (head dim 64, float32): rows and keys off the tile (padding), causal or not, fewer key and
     # value heads than query heads, and the plain kernel forced; its gradients through autograd. Against float64.
@@ -234,12 +255,17 @@ def attention_cases():
     torch.ops.kernels._attention_force_plain(previous)
 
 
+CASES = {"elementwise": elementwise_cases, "gemm": gemm_cases, "causal_softmax": causal_softmax_cases,
+         "row_norm": row_norm_cases, "silu_mul": silu_mul_cases, "rotary": rotary_cases, "attention": attention_cases}
+
+
 if __name__ == "__main__":
-    elementwise_cases()
-    gemm_cases()
-    causal_softmax_cases()
-    row_norm_cases()
-    silu_mul_cases()
-    attention_cases()
+    # Arguments: the groups of cases to run (default: all).
+    unknown = [name for name in sys.argv[1:] if name not in CASES]
+    if unknown:
+        sys.exit(f"sanitize_cases: unknown case groups {unknown}; the groups: {', '.join(CASES)}")
+    for name in sys.argv[1:] or CASES:
+        CASES[name]()
     torch.cuda.synchronize()
-    print(f"sanitize_cases: every kernel ran and matched eager (GEMM paths: {', '.join(gemm_paths('cuda'))})")
+    print(f"sanitize_cases: {', '.join(sys.argv[1:]) or 'every kernel'} ran and matched eager "
+          f"(GEMM paths: {', '.join(gemm_paths('cuda'))})")
