@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import poison_allocator
+from conftest import cuda_kernels_launched, poison_allocator
 from kernels.precision import SPLIT_FP16_ERROR_FLOOR, allclose, relative_error
 from kernels.functional import gemm_multiply_leaky_relu
 from kernels.gemm.gemm import STREAM_K, forced_gemm_path, forced_k_slices, gemm_path
@@ -229,6 +229,82 @@ def test_split_k_forward_applies_the_epilogue_to_the_sum(slices):
                 assert torch.equal(mask, ours > 0), name
             else:
                 assert torch.equal(mask[ours != 0], (ours > 0)[ours != 0]), name
+
+
+def poison_free_memory_with_flags():
+    """Leaves the caching allocator's free memory (large and small blocks) full of kNonFiniteRow, the value a
+    flagged row's int32 holds: a flag that no pass zeroes and no kernel writes then flags its row, and the fix-up
+    overwrites every output of that row."""
+    torch.cuda.empty_cache()
+    flag = 1 << 20  # gemm.h's kNonFiniteRow
+    blocks = [torch.full((64 << 20,), flag, dtype=torch.int32, device="cuda")]  # 256 MiB: the large pool
+    blocks += [torch.full((1 << 18,), flag, dtype=torch.int32, device="cuda") for _ in range(64)]  # 1 MiB each: small
+    torch.cuda.synchronize()
+    del blocks
+
+
+@requires_hopper_split
+def test_flags_later_kernels_only_set_start_at_zero():
+    """x's row split and w's chunk split made by one launch write w's flags whole; the split of a transposed w made
+    ahead and the slices of K that split w themselves set flags a memset zeroed. Run on memory full of the flag's
+    value (poisoned allocator): each product as eager's within the split's tolerance, NaN and Inf where eager's
+    are."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    empty = torch.empty(0, device="cuda")
+
+    def forward(x, weight, slices=0):
+        with torch.no_grad(), forced_gemm_path("split_fp16"), forced_k_slices(slices):
+            return gemm_multiply_leaky_relu(x, weight, None, 1.0, 1.0)
+
+    def grad_x(grad_y, weight):
+        x = torch.empty(grad_y.shape[0], weight.shape[1], device="cuda")
+        with forced_gemm_path("split_fp16"):
+            return torch.ops.kernels.gemm_multiply_leaky_relu_backward(grad_y, x, weight, empty, 1.0, 1.0, True,
+                                                                       False, False)[0]
+
+    def grad_w(grad_pre, x, n, slices):
+        with forced_k_slices(slices):
+            return weight_gradient(grad_pre, x, n)
+
+    def randn(*shape, inf_at=None):
+        t = torch.randn(*shape, device="cuda", generator=g)
+        if inf_at is not None:
+            t[inf_at] = float("inf")
+        return t
+
+    x_ahead, w_ahead = randn(2100, 264), randn(520, 264, inf_at=(7, 100))  # w split with x's rows, one launch
+    x_unaligned = randn(2100, 268)[:, 1:265]  # rows off 16 bytes: the one launch refused, w's pass then x's
+    w_conv1d = randn(264, 520, inf_at=(100, 7))  # a transposed view: w split by columns ahead
+    x_slices, w_slices = randn(300, 2056), randn(520, 2056, inf_at=(7, 2000))  # K split, w split in the kernel
+    grad_y, w_back = randn(2100, 520), randn(520, 264, inf_at=(7, 100))  # grad_x: w^T split ahead
+    grad_small, x_small = randn(1000, 200), randn(1000, 136, inf_at=(997, 5))  # grad_W, K split, w in the kernel
+    grad_wide, x_wide = randn(1000, 2056), randn(1000, 520, inf_at=(997, 5))  # grad_W, w split ahead
+    cases = {  # name: (our call, eager's product of the operands, the operands, memsets: the column split's counters,
+        # the flags of K's slices and of a transposed w's split)
+        "forward, w split with x": (lambda: forward(x_ahead, w_ahead), lambda x, w: x @ w.t(), (x_ahead, w_ahead), 0),
+        "forward, w split before x": (lambda: forward(x_unaligned, w_ahead), lambda x, w: x @ w.t(),
+                                      (x_unaligned, w_ahead), 0),
+        "forward, transposed w split ahead": (lambda: forward(x_ahead, w_conv1d.t()), lambda x, w: x @ w,
+                                              (x_ahead, w_conv1d), 1),
+        "forward, K split": (lambda: forward(x_slices, w_slices, 2), lambda x, w: x @ w.t(), (x_slices, w_slices), 1),
+        "grad_x, w^T split ahead": (lambda: grad_x(grad_y, w_back), lambda a, w: a @ w, (grad_y, w_back), 1),
+        "grad_W, K split": (lambda: grad_w(grad_small, x_small, 200, 2), lambda a, x: a.t() @ x,
+                            (grad_small, x_small), 2),
+        "grad_W, w split ahead": (lambda: grad_w(grad_wide, x_wide, 2056, 2), lambda a, x: a.t() @ x,
+                                  (grad_wide, x_wide), 2),
+    }
+    for name, (ours_of, product, operands, memsets) in cases.items():
+        eager, reference = product(*operands), product(*(t.double() for t in operands))
+        poison_free_memory_with_flags()
+        ours, launched = cuda_kernels_launched(ours_of)
+        assert sum("memset" in launch.lower() for launch in launched) == memsets, (name, launched)
+        combined = any("split_rows_and_chunks_kernel" in launch for launch in launched)
+        assert combined == (name == "forward, w split with x"), (name, launched)
+        assert torch.equal(ours.isnan(), eager.isnan()) and torch.equal(ours.isinf(), eager.isinf()), name
+        finite = torch.isfinite(eager)
+        assert finite.sum() > 0.9 * finite.numel(), name  # one non-finite row or column of the output at most
+        assert allclose(ours[finite], eager[finite]), name
+        assert relative_error(ours, reference) <= max(relative_error(eager, reference), SPLIT_FP16_ERROR_FLOOR), name
 
 
 def check_split_k(ours, whole, eager, reference, name):

@@ -73,6 +73,17 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
                               bool natural_order, void* hi, void* lo, std::int32_t* exponent, cudaStream_t stream,
                               bool staged = true);
 
+// launch_split_rows of x (m x k) and launch_split_chunks of w (n x k, as it is, not transposed) in one launch, in the
+// same order along K: the two passes before a product whose w is split ahead, without the second's launch and tail.
+// Takes rows the in-register kernels hold (k a multiple of 4, split length up to 16384, both 16-byte aligned, rows
+// below 2^31); cudaErrorNotSupported else (the two launchers then), launching nothing; cudaErrorInvalidValue where
+// x_hi, x_lo, w_hi or w_lo is not 4-byte aligned.
+cudaError_t launch_split_rows_and_chunks(const float* x, std::int64_t m, std::int64_t x_stride, void* x_hi, void* x_lo,
+                                         std::int32_t* x_exponent, const float* w, std::int64_t n,
+                                         std::int64_t w_stride, void* w_hi, void* w_lo,
+                                         std::int32_t* w_chunk_exponent, std::int32_t* w_flags, std::int64_t k,
+                                         bool natural_order, cudaStream_t stream);
+
 // launch_split_rows of grad_pre = grad_y * gelu'(pre) (split_numerics.cuh, gelu_backward; `gelu` kGeluErf or
 // kGeluTanh), the input gradient of a GELU that follows a product (gemm_gelu's backward), made from grad_y and pre
 // (rows x cols, rows grad_y_stride and pre_stride floats apart) as the rows are read, and written to grad_pre (dense

@@ -76,22 +76,33 @@ void check_launch(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 
-// w's split per row and chunk of 64 (launch_split_chunks) into new tensors, for `path`'s GEMM reading x's split in
-// the order split_fp16_product gives it: split_position's for split_fp16 with w as it is, else k's. w2 is w (n x k)
-// or, where w_transposed, its transpose (k x n), as split_operand returns it.
-WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
-                           cudaStream_t stream) {
+// New tensors for w's split per row and chunk of 64 (launch_split_chunks's outputs, n rows of k), not yet written.
+WeightSplit chunk_split_tensors(const at::Tensor& w2, int64_t n, int64_t k) {
   const int64_t split_k = split_row_length(k);
   const auto half = w2.options().dtype(at::kHalf);
   const auto int32 = w2.options().dtype(at::kInt);
-  WeightSplit split{at::empty({n, split_k}, half), at::empty({n, split_k}, half),
-                    at::empty({split_k / kSplitChunk, split_exponent_stride(n)}, int32), at::empty({n}, int32)};
+  return WeightSplit{at::empty({n, split_k}, half), at::empty({n, split_k}, half),
+                     at::empty({split_k / kSplitChunk, split_exponent_stride(n)}, int32), at::empty({n}, int32)};
+}
+
+// w's split (launch_split_chunks) into `split` (chunk_split_tensors), for `path`'s GEMM reading x's split in the order
+// split_fp16_product gives it: split_position's for split_fp16 with w as it is, else k's. w2 is w (n x k) or, where
+// w_transposed, its transpose (k x n), as split_operand returns it.
+void launch_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k, WeightSplit& split,
+                     cudaStream_t stream) {
   check_launch(launch_split_chunks(w2.const_data_ptr<float>(), n, k, w2.stride(0), w_transposed,
                                    /*natural_order=*/w_transposed || path == Path::kSplitFp16Sm80,
                                    split.hi.mutable_data_ptr(), split.lo.mutable_data_ptr(),
                                    split.exponent.mutable_data_ptr<int32_t>(), split.flags.mutable_data_ptr<int32_t>(),
                                    stream),
                "split (w)");
+}
+
+// w's split per row and chunk of 64 into new tensors (chunk_split_tensors, launch_w_chunks).
+WeightSplit split_w_chunks(Path path, const at::Tensor& w2, bool w_transposed, int64_t n, int64_t k,
+                           cudaStream_t stream) {
+  WeightSplit split = chunk_split_tensors(w2, n, k);
+  launch_w_chunks(path, w2, w_transposed, n, k, split, stream);
   return split;
 }
 
@@ -200,8 +211,15 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
   // applies it).
   const bool gelu_needs_w_split = path == Path::kSplitFp16 && !w_transposed && k_slices == 1 &&
                                   epilogue.activation != Activation::kLeakyReLU;
-  if (w_split == nullptr && !y_transposed && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split)) {
-    w_split_made = split_w_chunks(path, w2, w_transposed, n, k, stream);
+  // w split by a pass of this call: with x's rows in one launch where w is as it is and x is split by rows (below),
+  // else here, before x's pass.
+  const bool w_split_here =
+      w_split == nullptr && !y_transposed && (splits_w_ahead(path, m, n, k, w_transposed) || gelu_needs_w_split);
+  const bool w_split_with_x =
+      w_split_here && !w_transposed && !x_transposed && gelu_rows == nullptr && x_rows == nullptr;
+  if (w_split_here) {
+    w_split_made =
+        w_split_with_x ? chunk_split_tensors(w2, n, k) : split_w_chunks(path, w2, w_transposed, n, k, stream);
     w_split = &w_split_made;
   }
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
@@ -225,7 +243,21 @@ void split_fp16_product(Path path, const at::Tensor& x, bool x_transposed, const
                                            : reinterpret_cast<int32_t*>(base + w_flags_at);
   // The Hopper kernel reads x's split in its own order along K unless w comes transposed; the sm_80 kernel in k's.
   const bool natural_order = w_transposed || path == Path::kSplitFp16Sm80;
-  if (x_rows == nullptr) {
+  bool x_split_made = x_rows != nullptr;
+  if (w_split_with_x) {
+    const cudaError_t err = launch_split_rows_and_chunks(
+        x2.const_data_ptr<float>(), m, x2.stride(0), x_hi, x_lo, x_exponent, w2.const_data_ptr<float>(), n,
+        w2.stride(0), w_split_made.hi.mutable_data_ptr(), w_split_made.lo.mutable_data_ptr(),
+        w_split_made.exponent.mutable_data_ptr<int32_t>(), w_split_made.flags.mutable_data_ptr<int32_t>(), k,
+        natural_order, stream);
+    if (err == cudaErrorNotSupported) {  // rows the in-register kernels do not hold: w's pass, then x's
+      launch_w_chunks(path, w2, w_transposed, n, k, w_split_made, stream);
+    } else {
+      check_launch(err, "split (x and w)");
+      x_split_made = true;
+    }
+  }
+  if (!x_split_made) {
     check_launch(x_transposed ? launch_split_columns(x2.const_data_ptr<float>(), k, m, x2.stride(0), x_hi, x_lo,
                                                      x_exponent, x_column_sums, base + column_at, stream)
                  : gelu_rows != nullptr

@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <type_traits>
 
 namespace kernels::gemm {
@@ -242,6 +243,38 @@ cudaError_t launch_split_rows(const float* src, std::int64_t rows, std::int64_t 
       return launch_dependent(split_rows_in_registers_kernel<kGroup, kPacks, kNatural, MatrixRows>, dim3(blocks),
                               dim3(kSplitThreads), 0, stream, MatrixRows{src, row_stride}, rows, cols,
                               static_cast<__half*>(hi), static_cast<__half*>(lo), exponent);
+    });
+  };
+  return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});
+}
+
+cudaError_t launch_split_rows_and_chunks(const float* x, std::int64_t m, std::int64_t x_stride, void* x_hi, void* x_lo,
+                                         std::int32_t* x_exponent, const float* w, std::int64_t n,
+                                         std::int64_t w_stride, void* w_hi, void* w_lo,
+                                         std::int32_t* w_chunk_exponent, std::int32_t* w_flags, std::int64_t k,
+                                         bool natural_order, cudaStream_t stream) {
+  const auto aligned = [](const void* p, std::int64_t stride) {
+    return stride % 4 == 0 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  };
+  const std::int64_t length = split_row_length(k);
+  if (m <= 0 || n <= 0 || k <= 0 || k % 4 != 0 || length > kMaxRowInRegisters || m > 0x7fffffff ||
+      n > 0x7fffffff || !aligned(x, x_stride) || !aligned(w, w_stride))
+    return cudaErrorNotSupported;
+  for (const void* half : {x_hi, x_lo, w_hi, w_lo})
+    if (reinterpret_cast<std::uintptr_t>(half) % 4 != 0) return cudaErrorInvalidValue;
+  const auto in_order = [&](auto natural) {
+    constexpr bool kNatural = decltype(natural)::value;
+    return in_registers(length, [&](auto group, auto packs) {
+      constexpr int kGroup = decltype(group)::value, kPacks = decltype(packs)::value;
+      constexpr std::int64_t kRowsPerBlock = kSplitThreads / kGroup;
+      const std::int64_t x_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+      const std::int64_t blocks = x_blocks + (n + kRowsPerBlock - 1) / kRowsPerBlock;
+      if (blocks > 0x7fffffff) return cudaErrorNotSupported;
+      return launch_dependent(split_rows_and_chunks_kernel<kGroup, kPacks, kNatural>,
+                              dim3(static_cast<unsigned>(blocks)), dim3(kSplitThreads), 0, stream, x, m, x_stride,
+                              static_cast<__half*>(x_hi), static_cast<__half*>(x_lo), x_exponent, w, n, w_stride,
+                              static_cast<__half*>(w_hi), static_cast<__half*>(w_lo), w_chunk_exponent, w_flags, k,
+                              x_blocks);
     });
   };
   return natural_order ? in_order(std::true_type{}) : in_order(std::false_type{});

@@ -19,17 +19,18 @@ namespace {
 constexpr int kChunkPacks = kSplitChunk / 4;
 
 // Rows of up to kGroup * kPacks * 4 floats (split length included), kGroup threads per row, as
-// split_rows_in_registers_kernel: all of a thread's loads in flight together, one DRAM read.
+// split_rows_in_registers: all of a thread's loads in flight together, one DRAM read. Block `block`'s rows, for
+// split_chunks_in_registers_kernel and split_rows_and_chunks_kernel; every thread of the block calls it.
 template <int kGroup, int kPacks, bool kNatural>
-__global__ void __launch_bounds__(kSplitThreads)
-split_chunks_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
-                                 std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
-                                 std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
-  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
-  allow_next_grid();
+__device__ __forceinline__ void split_chunks_in_registers(std::int64_t block, const float* __restrict__ src,
+                                                          std::int64_t rows, std::int64_t cols,
+                                                          std::int64_t row_stride, __half* __restrict__ hi,
+                                                          __half* __restrict__ lo,
+                                                          std::int32_t* __restrict__ chunk_exponent,
+                                                          std::int32_t* __restrict__ flags) {
   static_assert(kGroup % kChunkPacks == 0, "a chunk's packs are consecutive lanes of one warp");
   const int member = threadIdx.x % kGroup;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
+  const std::int64_t row = block * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
   const bool inside = row < rows;  // the block's last rows may lie past the end; they still join its barriers
   const float4* in = reinterpret_cast<const float4*>(src + (inside ? row : 0) * row_stride);
   const int packs = static_cast<int>(cols / 4);
@@ -57,6 +58,38 @@ split_chunks_in_registers_kernel(const float* __restrict__ src, std::int64_t row
   }
   group_max<kGroup>(0.0f, non_finite);
   if (inside && member == 0) flags[row] = non_finite ? kNonFiniteRow : 0;
+}
+
+template <int kGroup, int kPacks, bool kNatural>
+__global__ void __launch_bounds__(kSplitThreads)
+split_chunks_in_registers_kernel(const float* __restrict__ src, std::int64_t rows, std::int64_t cols,
+                                 std::int64_t row_stride, __half* __restrict__ hi, __half* __restrict__ lo,
+                                 std::int32_t* __restrict__ chunk_exponent, std::int32_t* __restrict__ flags) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
+  split_chunks_in_registers<kGroup, kPacks, kNatural>(blockIdx.x, src, rows, cols, row_stride, hi, lo,
+                                                      chunk_exponent, flags);
+}
+
+// x's row split and w's chunk split in one grid (launch_split_rows_and_chunks): blocks below x_blocks split x's rows
+// as split_rows_in_registers_kernel does, the others w's as split_chunks_in_registers_kernel does; both of k floats a
+// row, so one shape of block serves both.
+template <int kGroup, int kPacks, bool kNatural>
+__global__ void __launch_bounds__(kSplitThreads)
+split_rows_and_chunks_kernel(const float* __restrict__ x, std::int64_t m, std::int64_t x_stride,
+                             __half* __restrict__ x_hi, __half* __restrict__ x_lo,
+                             std::int32_t* __restrict__ x_exponent, const float* __restrict__ w, std::int64_t n,
+                             std::int64_t w_stride, __half* __restrict__ w_hi, __half* __restrict__ w_lo,
+                             std::int32_t* __restrict__ w_chunk_exponent, std::int32_t* __restrict__ w_flags,
+                             std::int64_t k, std::int64_t x_blocks) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
+  const std::int64_t block = blockIdx.x;
+  if (block < x_blocks)
+    split_rows_in_registers<kGroup, kPacks, kNatural>(block, MatrixRows{x, x_stride}, m, k, x_hi, x_lo, x_exponent);
+  else
+    split_chunks_in_registers<kGroup, kPacks, kNatural>(block - x_blocks, w, n, k, w_stride, w_hi, w_lo,
+                                                        w_chunk_exponent, w_flags);
 }
 
 // Any row length, one block per row, a pack per thread at a time.

@@ -101,15 +101,14 @@ struct GeluBackwardRows {
 
 // Rows of up to kGroup * kPacks * 4 floats (split length included), kGroup threads per row: each thread loads its
 // packs of 4 into registers at once (all of the row's loads in flight together), and the split is made from the
-// registers: one DRAM read. Packs past the row's end (up to its split length) are written as zeros.
+// registers: one DRAM read. Packs past the row's end (up to its split length) are written as zeros. Block `block`'s
+// rows, for split_rows_in_registers_kernel and split_rows_and_chunks_kernel; every thread of the block calls it.
 template <int kGroup, int kPacks, bool kNatural, class Source>
-__global__ void __launch_bounds__(kSplitThreads)
-split_rows_in_registers_kernel(Source source, std::int64_t rows, std::int64_t cols, __half* __restrict__ hi,
-                               __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
-  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
-  allow_next_grid();
+__device__ __forceinline__ void split_rows_in_registers(std::int64_t block, Source source, std::int64_t rows,
+                                                        std::int64_t cols, __half* __restrict__ hi,
+                                                        __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
   const int member = threadIdx.x % kGroup;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
+  const std::int64_t row = block * (kSplitThreads / kGroup) + threadIdx.x / kGroup;
   const bool inside = row < rows;  // the block's last rows may lie past the end; they still join its barriers
   const int packs = static_cast<int>(cols / 4);
   const std::int64_t length = split_row_length(cols);
@@ -139,6 +138,15 @@ split_rows_in_registers_kernel(Source source, std::int64_t rows, std::int64_t co
     if (i >= split_packs) break;
     split_pack<kNatural>(v[p], scale, i, hi + row * length, lo + row * length);
   }
+}
+
+template <int kGroup, int kPacks, bool kNatural, class Source>
+__global__ void __launch_bounds__(kSplitThreads)
+split_rows_in_registers_kernel(Source source, std::int64_t rows, std::int64_t cols, __half* __restrict__ hi,
+                               __half* __restrict__ lo, std::int32_t* __restrict__ exponent) {
+  wait_for_previous_grid();  // launched by launch_dependent (common/dependent_launch.cuh)
+  allow_next_grid();
+  split_rows_in_registers<kGroup, kPacks, kNatural>(blockIdx.x, source, rows, cols, hi, lo, exponent);
 }
 
 // Any row length: pass 1 finds the row's maximum, pass 2 re-reads the row (from L1/L2) and splits it.
