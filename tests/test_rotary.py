@@ -227,6 +227,59 @@ def test_cuda_graph_replays_the_same_bits():
     assert_graph_replay_matches_eager(step, lambda: q.detach().copy_(torch.randn_like(q)))
 
 
+def offset_view(t, offset):
+    """t's values in a fresh buffer of t's layout that starts `offset` elements into its storage (offset 1: rows off
+    16 bytes)."""
+    storage = torch.empty(t.untyped_storage().nbytes() // t.element_size() + offset, device=t.device, dtype=t.dtype)
+    view = storage.as_strided(t.shape, t.stride(), offset)
+    return view.copy_(t)
+
+
+# name: (operands' shape as in SHAPES, a change of layout). The packed kernel takes the first rows; the later ones
+# fail one of its conditions and run the generic kernel.
+PACKED_CASES = {
+    "LLaMA's layout": ((2, 8, 8, 33, 128, 1), None),
+    "grouped heads, 40 rows a token": ((2, 32, 8, 9, 128, 2), None),
+    "head dim 80 (idle lanes)": ((2, 6, 2, 7, 80, 1), None),
+    "head dim 16 (many rows a pass)": ((3, 5, 3, 11, 16, 3), None),
+    "head dim 256": ((1, 3, 1, 5, 256, 1), None),
+    "rows at a 16-byte offset": ((2, 4, 2, 9, 64, 1), "offset 16 bytes"),
+    "rows off 16 bytes": ((2, 4, 2, 9, 64, 1), "offset 1"),
+    "strided head dim": ((2, 4, 2, 9, 64, 1), "strided"),
+    "head dim of too many packs": ((1, 2, 2, 3, 1024, 1), None),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PACKED_CASES.values(), ids=PACKED_CASES.keys())
+def test_packed_and_generic_kernels_give_the_same_bits(dtype, case):
+    """One arithmetic in both kernels: the packed one (rows dense along the head dim, 16-byte aligned: LLaMA's layout)
+    and the generic one forced give the same bits forward and backward, where the packed one takes the call and where
+    the launcher sends it to the generic one; and the result matches eager's."""
+    shape, change = case
+    q, k, cos, sin = operands(shape, dtype, "cuda")
+    if change is not None and change.startswith("offset"):
+        offset = 16 // q.element_size() if change == "offset 16 bytes" else 1
+        q, k, cos, sin = (offset_view(t, offset) for t in (q, k, cos, sin))
+    elif change == "strided":
+        q, k = (torch.stack((t, torch.full_like(t, float("nan"))), dim=-1)[..., 0] for t in (q, k))
+    grads = [torch.randn(t.shape, device="cuda", dtype=dtype) for t in (q, k)]
+    results = []
+    for generic in (False, True):
+        previous = torch.ops.kernels._rotary_force_generic(generic)
+        try:
+            results.append((*rotary_embedding(q, k, cos, sin),
+                            *torch.ops.kernels.rotary_embedding_backward(*grads, cos, sin)))
+        finally:
+            torch.ops.kernels._rotary_force_generic(previous)
+    for name, packed, generic in zip(("q_embed", "k_embed", "grad_q", "grad_k"), *results):
+        assert torch.equal(packed, generic), name
+    exact = eager(q.double(), k.double(), cos.double(), sin.double())
+    for name, got, theirs, reference in zip(("q_embed", "k_embed"), results[0], eager(q, k, cos, sin), exact):
+        check_accuracy(got, theirs, reference, dtype, name)
+
+
 @requires_cuda
 def test_runs_on_the_current_stream():
     q, k, cos, sin = operands((2, 8, 8, 256, 128, 2), torch.float32, "cuda")
