@@ -23,6 +23,7 @@ namespace kernels::rotary {
 namespace {
 
 using common::from_double;
+using common::vector_width;
 using common::to_opmath;
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
@@ -136,22 +137,12 @@ rotary_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, std::int64_t q_rows, std
 // ---- the packed kernel: a token's heads in groups sharing its angles, 16 bytes a load --------------------------------
 
 template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
-};
+using Pack = common::Pack<T, common::vector_width<T>()>;  // 16 bytes
 
 template <typename T>
-__device__ __forceinline__ Pack<T> load_pack(const T* p) {
-  Pack<T> pack;
-  *reinterpret_cast<uint4*>(&pack) = *reinterpret_cast<const uint4*>(p);
-  return pack;
-}
-
+__device__ __forceinline__ const Pack<T>* packed(const T* p) { return reinterpret_cast<const Pack<T>*>(p); }
 template <typename T>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T>& pack) {
-  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&pack);
-}
+__device__ __forceinline__ Pack<T>* packed(T* p) { return reinterpret_cast<Pack<T>*>(p); }
 
 constexpr int kPassesPerGroup = 4;  // rows a lane holds at once (each pass: 32 / packs-per-half rows a warp)
 
@@ -159,7 +150,7 @@ constexpr int kPassesPerGroup = 4;  // rows a lane holds at once (each pass: 32 
 struct Groups {
   std::int64_t tokens, q_heads, k_heads;
   std::int64_t groups_per_token;  // ceil((q_heads + k_heads) / rows_per_group)
-  int packs_per_half;             // half / Pack<T>::kSize, at most 32
+  int packs_per_half;             // half / vector_width<T>(), at most 32
   int rows_per_pass;              // 32 / packs_per_half
 };
 
@@ -167,7 +158,7 @@ struct Groups {
 template <typename T, bool kTransposed>
 __global__ void __launch_bounds__(kThreads)
 rotary_rows_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, Groups groups, std::int64_t items) {
-  constexpr int kPack = Pack<T>::kSize;
+  constexpr int kPack = vector_width<T>();
   const int lane = threadIdx.x % 32;
   const int slot = lane / groups.packs_per_half, pack = lane % groups.packs_per_half;
   if (slot >= groups.rows_per_pass) return;  // lanes past the last whole row of a pass (no barrier below)
@@ -181,8 +172,8 @@ rotary_rows_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, Groups groups, std:
     const std::int64_t token = bt % groups.tokens, batch = bt / groups.tokens;
     const std::int64_t angle_row =
         (angles.batch == 1 ? 0 : batch) * angles.batch_stride + token * angles.token_stride + column;
-    const Pack<T> c1 = load_pack(angles.cos + angle_row), c2 = load_pack(angles.cos + angle_row + half);
-    const Pack<T> s1 = load_pack(angles.sin + angle_row), s2 = load_pack(angles.sin + angle_row + half);
+    const Pack<T> c1 = *packed(angles.cos + angle_row), c2 = *packed(angles.cos + angle_row + half);
+    const Pack<T> s1 = *packed(angles.sin + angle_row), s2 = *packed(angles.sin + angle_row + half);
     Pack<T> x1[kPassesPerGroup], x2[kPassesPerGroup];
     T* out[kPassesPerGroup];
 #pragma unroll
@@ -196,8 +187,8 @@ rotary_rows_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, Groups groups, std:
       const T* in = rows.in + batch * rows.batch_stride + h * rows.head_stride + token * rows.token_stride + column;
       out[r] = rows.out + batch * rows.out_batch_stride + h * rows.out_head_stride + token * rows.out_token_stride +
                column;
-      x1[r] = load_pack(in);
-      x2[r] = load_pack(in + half);
+      x1[r] = *packed(in);
+      x2[r] = *packed(in + half);
     }
 #pragma unroll
     for (int r = 0; r < kPassesPerGroup; ++r) {
@@ -211,8 +202,8 @@ rotary_rows_kernel(Rows<T> q, Rows<T> k, AnglesOf<T> angles, Groups groups, std:
         y1.v[e] = from_double<T>(r1);
         y2.v[e] = from_double<T>(r2);
       }
-      store_pack(out[r], y1);
-      store_pack(out[r] + half, y2);
+      *packed(out[r]) = y1;
+      *packed(out[r] + half) = y2;
     }
   }
 }
@@ -267,7 +258,7 @@ cudaError_t launch_typed(const Heads& q, const Heads& k, const Angles& angles, c
   const AnglesOf<T> a{static_cast<const T*>(angles.cos), static_cast<const T*>(angles.sin), angles.batch,
                       angles.batch_stride, angles.token_stride, angles.dim_stride};
   if (!generic && rotary_rows_fits(sizeof(T), q, k, angles, q_out, k_out)) {
-    const int packs_per_half = static_cast<int>(q.dim / 2 / Pack<T>::kSize);
+    const int packs_per_half = static_cast<int>(q.dim / 2 / vector_width<T>());
     Groups groups{q.tokens, q.heads, k.heads, 0, packs_per_half, 32 / packs_per_half};
     const std::int64_t rows_per_group = static_cast<std::int64_t>(groups.rows_per_pass) * kPassesPerGroup;
     groups.groups_per_token = (q.heads + k.heads + rows_per_group - 1) / rows_per_group;
