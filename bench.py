@@ -904,6 +904,7 @@ def _model_gemm_shapes(model, inputs):
     patchify convolution (one GEMM: a row per output position) of one forward of `model` (patched), in call order,
     each shape once. Other patched modules (norms, MLPs, attention) are no GEMM of their own."""
     import kernels
+    from kernels.patching import _Conv1DPatch, _PatchifyConv2dPatch
 
     shapes = {}
 
@@ -916,15 +917,17 @@ def _model_gemm_shapes(model, inputs):
         shapes[(output.numel() // n, module.weight[0].numel(), n)] = None
 
     def recorder(module):
-        if isinstance(module, torch.nn.Linear) or any(c.__name__ == "Conv1D" for c in type(module).__mro__):
+        if isinstance(module, (torch.nn.Linear, _Conv1DPatch)):
             return record_linear
-        return record_convolution if isinstance(module, torch.nn.Conv2d) else None
+        return record_convolution if isinstance(module, _PatchifyConv2dPatch) else None
 
     hooks = [m.register_forward_hook(recorder(m)) for m in model.modules() if kernels.is_patched(m) and recorder(m)]
-    with torch.no_grad():
-        model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    for hook in hooks:
-        hook.remove()
+    try:
+        with torch.no_grad():
+            model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return list(shapes)
 
 

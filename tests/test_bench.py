@@ -101,3 +101,9 @@ def test_model_gemm_shapes_are_the_linear_layers_and_patchify_convolutions():
 
     model = kernels.patch(Patches())
     assert bench._model_gemm_shapes(model, torch.randn(2, 3, 16, 12)) == [(24, 48, 8), (24, 8, 5)]
+
+    # GPT-2's Conv1D layers (weights stored (in, out)): c_attn, c_proj, c_fc, the MLP's c_proj; the tied head.
+    config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100, n_positions=16)
+    gpt2 = kernels.patch(transformers.GPT2LMHeadModel(config))
+    assert bench._model_gemm_shapes(gpt2, {"input_ids": ids}) == [(16, 64, 192), (16, 64, 64), (16, 64, 256),
+                                                                  (16, 256, 64), (16, 64, 100)]
