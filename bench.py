@@ -902,15 +902,26 @@ def bench_models(rows, options):
 def _model_gemm_shapes(model, inputs):
     """The (rows, in_features, out_features) of every patched linear layer call (nn.Linear, transformers' Conv1D) and
     patchify convolution (one GEMM: a row per output position) of one forward of `model` (patched), in call order,
-    each shape once. Other patched modules (norms, MLPs, attention) are no GEMM of their own."""
+    each shape once; after a group's first projection, the one product a training call makes of the group's
+    projections (kernels/patching.py's _ProjectionGroup; self-attention's, all of them reading the parent's input).
+    Other patched modules (norms, MLPs, attention) are no GEMM of their own."""
     import kernels
     from kernels.patching import _Conv1DPatch, _PatchifyConv2dPatch
 
     shapes = {}
+    # A group's first projection -> the output features of the group's one product while training.
+    grouped = {}
+    for parent in model.modules():
+        group = parent.__dict__.get("_projection_group")
+        if group is not None and group.fuses:
+            layers = [parent._modules[name] for name in group.names]
+            grouped[layers[0]] = sum(layer.weight.shape[0] for layer in layers)
 
     def record_linear(module, args, output):
         k = args[0].shape[-1]
         shapes[(args[0].numel() // k, k, output.shape[-1])] = None
+        if module in grouped:
+            shapes[(args[0].numel() // k, k, grouped[module])] = None
 
     def record_convolution(module, args, output):
         n = output.shape[1]

@@ -74,8 +74,9 @@ def test_level3_problem_rows_include_torch_compile_where_asked(monkeypatch):
 
 
 def test_model_gemm_shapes_are_the_linear_layers_and_patchify_convolutions():
-    # Patched norms, MLPs and attention layers are no GEMM of their own: only nn.Linear, Conv1D and the patchify
-    # convolution (a row per output position) give shapes, each once, in call order.
+    # Patched norms, MLPs and attention layers are no GEMM of their own: only nn.Linear, Conv1D, the patchify
+    # convolution (a row per output position) and sibling projections' one product give shapes, each once, in call
+    # order.
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -86,8 +87,9 @@ def test_model_gemm_shapes_are_the_linear_layers_and_patchify_convolutions():
     torch.manual_seed(0)
     llama = kernels.patch(transformers.LlamaForCausalLM(config))
     ids = torch.randint(0, 100, (2, 8))
-    assert bench._model_gemm_shapes(llama, {"input_ids": ids}) == [(16, 64, 64), (16, 64, 96), (16, 96, 64),
-                                                                   (16, 64, 100)]
+    # q_proj (and k_proj, v_proj, o_proj: the same shape), then the three projections' one product while training
+    assert bench._model_gemm_shapes(llama, {"input_ids": ids}) == [(16, 64, 64), (16, 64, 192), (16, 64, 96),
+                                                                   (16, 96, 64), (16, 64, 100)]
 
     class Patches(torch.nn.Module):
         def __init__(self):

@@ -60,3 +60,11 @@ def test_cited_tools_and_subcommands_exist(where, tool, words):
     subcommand = cited_subcommand(words)
     if subcommand is not None and tool.count("/") == 1:
         assert subcommand in subcommands(Path(tool).name), f"{where}: {tool} has no subcommand {subcommand}"
+
+
+def test_sanitize_cases_groups_are_checked_before_a_build():
+    # device_check.py reads the groups from sanitize_cases.py's source: a misspelt group fails at once, naming them.
+    run = subprocess.run([sys.executable, "tools/device_check.py", "sanitize", "--cases", "rotry"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "invalid choice: 'rotry'" in run.stderr
+    assert all(f"'{group}'" in run.stderr for group in ("elementwise", "gemm", "rotary", "attention")), run.stderr

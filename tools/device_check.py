@@ -195,6 +195,19 @@ def tests(args):
     return failed
 
 
+def case_groups():
+    """The names of sanitize_cases.py's groups of cases (its CASES dict), read from its source: importing it builds the
+    library."""
+    import ast
+
+    with open(CASES) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CASES" for t in node.targets):
+            return [key.value for key in node.value.keys]
+    return []
+
+
 def sanitize(args):
     """compute-sanitizer's memcheck, racecheck, initcheck and synccheck over the cases, each into
     sanitize_<tool>.log, on a build with KERNELS_LINEINFO=1 (source lines in the reports)."""
@@ -905,8 +918,9 @@ def parse_arguments(argv):
     sub.add_argument("--time-limit", type=int, default=900, help="seconds (900)")
     sub.add_argument("--test-timeout", type=int, default=600, help="seconds for one test, 0: none (600)")
     sub = add("sanitize", sanitize, "compute-sanitizer's four tools over the cases")
-    sub.add_argument("--cases", nargs="+", default=[], metavar="GROUP",
-                     help="only these groups of tools/checks/sanitize_cases.py (default: all)")
+    sub.add_argument("--cases", nargs="+", default=[], metavar="GROUP", choices=case_groups(),
+                     help=f"only these groups of tools/checks/sanitize_cases.py: {', '.join(case_groups())} (default: "
+                          "all)")
     add("cases", cases, "every CUDA kernel once on small shapes against eager (the smoke test)")
     sub = add("bench", bench, "bench.py with JSON, chart and Markdown; other arguments go to it", extra="BENCH_ARGS")
     add_bench_options(sub)
