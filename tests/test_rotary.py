@@ -7,7 +7,8 @@ larger than eager's and allclose(1e-4) to it; float16 and bfloat16 within 2x eag
 import pytest
 import torch
 
-from conftest import assert_graph_replay_matches_eager, check_accuracy, poison_allocator, requires_cuda
+from conftest import (assert_graph_replay_matches_eager, check_accuracy, cuda_kernels_launched, poison_allocator,
+                      requires_cuda)
 from kernels.functional import rotary_embedding
 from kernels.precision import ALLCLOSE_TOLERANCE, gradient_atol
 
@@ -107,8 +108,8 @@ def test_empty(device, shape):
     q, k, cos, sin = operands(shape, torch.float32, device)
     q_embed, k_embed = rotary_embedding(q, k, cos, sin)
     assert q_embed.shape == q.shape and k_embed.shape == k.shape
-    if k.numel():
-        torch.testing.assert_close(k_embed, eager(q, k, cos, sin)[1])
+    for got, expected in zip((q_embed, k_embed), eager(q, k, cos, sin)):
+        torch.testing.assert_close(got, expected)
 
 
 def test_gradcheck_float64(device):
@@ -225,6 +226,87 @@ def test_cuda_graph_replays_the_same_bits():
         return (*outputs, *torch.autograd.grad(outputs, (q, k), grads))
 
     assert_graph_replay_matches_eager(step, lambda: q.detach().copy_(torch.randn_like(q)))
+
+
+def offset_view(t, offset):
+    """t's values in a fresh buffer of t's layout (its strides; t's own storage offset is not kept) that starts
+    `offset` elements into its storage (offset 1: rows off 16 bytes)."""
+    storage = torch.empty(t.untyped_storage().nbytes() // t.element_size() + offset, device=t.device, dtype=t.dtype)
+    view = storage.as_strided(t.shape, t.stride(), offset)
+    return view.copy_(t)
+
+
+# name: (operands' shape as in SHAPES, a change of layout). Which kernel takes each is packed_kernel_takes's rule.
+PACKED_CASES = {
+    "LLaMA's layout": ((2, 8, 8, 33, 128, 1), None),
+    "grouped heads, 40 rows a token": ((2, 32, 8, 9, 128, 2), None),
+    "head dim 80 (idle lanes)": ((2, 6, 2, 7, 80, 1), None),
+    "head dim 72 (a half of 9 float32 packs, 4.5 of 2-byte types)": ((2, 3, 1, 5, 72, 1), None),
+    "head dim 16 (many rows a pass)": ((3, 5, 3, 11, 16, 3), None),
+    "head dim 256": ((1, 3, 1, 5, 256, 1), None),
+    "no k heads": ((2, 4, 0, 9, 64, 1), None),
+    "rows at a 16-byte offset": ((2, 4, 2, 9, 64, 1), "offset 16 bytes"),
+    "rows off 16 bytes": ((2, 4, 2, 9, 64, 1), "offset 1"),
+    "angles off 16 bytes": ((2, 4, 2, 9, 64, 1), "angles offset 1"),
+    "k's rows 3 elements apart": ((2, 4, 2, 9, 64, 1), "k wider"),
+    "strided head dim": ((2, 4, 2, 9, 64, 1), "strided"),
+    "head dim of too many packs": ((1, 2, 2, 3, 1024, 1), None),
+}
+
+
+def packed_kernel_takes(dtype, dim, change):
+    """The launcher's rule (rotary.cu, rotary_rows_fits) for these cases: halves of whole 16-byte packs, at most 32,
+    and every row of every operand dense along the head dim and 16-byte aligned."""
+    pack = 16 // torch.empty((), dtype=dtype).element_size()
+    half = dim // 2
+    return change in (None, "offset 16 bytes") and half % pack == 0 and half // pack <= 32
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PACKED_CASES.values(), ids=PACKED_CASES.keys())
+def test_packed_and_generic_kernels_give_the_same_bits(dtype, case):
+    """One arithmetic in both kernels: the packed one (rows dense along the head dim, 16-byte aligned: LLaMA's layout)
+    and the generic one forced give the same bits forward and backward, where the launcher takes the packed one and
+    where it sends the call to the generic one (each case's kernel checked by name); and the result matches eager's."""
+    shape, change = case
+    q, k, cos, sin = operands(shape, dtype, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grads = [torch.randn(t.shape, device="cuda", dtype=dtype, generator=g) for t in (q, k)]
+    if change in ("offset 16 bytes", "offset 1"):
+        offset = 16 // q.element_size() if change == "offset 16 bytes" else 1
+        q, k, cos, sin, *grads = (offset_view(t, offset) for t in (q, k, cos, sin, *grads))
+    elif change == "angles offset 1":
+        cos, sin = (offset_view(t, 1) for t in (cos, sin))
+    elif change == "k wider":
+        k, grads[1] = (torch.cat((t, torch.full_like(t[..., :3], float("nan"))), dim=-1)[..., :-3]
+                       for t in (k, grads[1]))
+    elif change == "strided":
+        q, k, *grads = (torch.stack((t, torch.full_like(t, float("nan"))), dim=-1)[..., 0] for t in (q, k, *grads))
+    expected_kernel = "rotary_rows_kernel" if packed_kernel_takes(dtype, shape[4], change) else "rotary_kernel"
+    results = []
+    for generic in (False, True):
+        previous = torch.ops.kernels._rotary_force_generic(generic)
+        try:
+            def run():
+                poison_allocator(q.shape, dtype, "cuda")
+                embedded = rotary_embedding(q, k, cos, sin)
+                poison_allocator(q.shape, dtype, "cuda")
+                return (*embedded, *torch.ops.kernels.rotary_embedding_backward(*grads, cos, sin))
+
+            outputs, ran = cuda_kernels_launched(run)
+        finally:
+            torch.ops.kernels._rotary_force_generic(previous)
+        kernel = "rotary_kernel" if generic else expected_kernel
+        assert any(kernel + "<" in name for name in ran) and not any(
+            other + "<" in name for name in ran for other in {"rotary_kernel", "rotary_rows_kernel"} - {kernel}), ran
+        results.append(outputs)
+    for name, packed, generic in zip(("q_embed", "k_embed", "grad_q", "grad_k"), *results):
+        assert torch.equal(packed, generic), name
+    exact = eager(q.double(), k.double(), cos.double(), sin.double())
+    for name, got, theirs, reference in zip(("q_embed", "k_embed"), results[0], eager(q, k, cos, sin), exact):
+        if got.numel():
+            check_accuracy(got, theirs, reference, dtype, name)
 
 
 @requires_cuda

@@ -5,13 +5,15 @@
 //
 // Ops: rotary_embedding(q, k, cos, sin) = (q * cos + rotate_half(q) * sin, the same of k), cos and sin unsqueezed at
 // dim 1 (transformers' apply_rotary_pos_emb, LLaMA's); rotary_embedding_backward(grad_q_embed, grad_k_embed, cos, sin)
-// = (grad_q, grad_k).
+// = (grad_q, grad_k). _rotary_force_generic(generic) -> the previous setting: every call on the generic kernel (any
+// strides) where the packed one would take it, for tests.
 //
 // Built with KERNELS_WITH_CUDA where torch has CUDA and a GPU is visible; without it, the library is CPU-only.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <string>
 #include <tuple>
 
@@ -32,6 +34,10 @@ using common::check_float_tensor;
 using common::check_same;
 using common::element_type;
 using common::shape_str;
+
+std::atomic<bool> forced_generic{false};
+
+bool force_generic(bool generic) { return forced_generic.exchange(generic); }
 
 // q and k (batch, heads, tokens, dim; k's heads may be fewer), cos and sin (batch or 1, tokens, dim), dim even, all
 // of one dtype and device. q_name and k_name: the op's names for its two head operands.
@@ -76,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> rotate_cuda(const char* op, const at::Tensor&
   at::Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);
   const cudaError_t err =
       launch_rotary_embedding(element_type(q.scalar_type()), heads_of(q), heads_of(k), angles, heads_of(q_out),
-                              heads_of(k_out), transposed,
+                              heads_of(k_out), transposed, forced_generic.load(),
                               c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "kernels: the ", op, " kernel failed to launch: ", cudaGetErrorString(err));
   return {q_out, k_out};
@@ -115,6 +121,9 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("rotary_embedding_backward(Tensor grad_q_embed, Tensor grad_k_embed, Tensor cos, Tensor sin) -> "
         "(Tensor, Tensor)");
+  m.def("_rotary_force_generic(bool generic) -> bool");
+  m.impl("_rotary_force_generic",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &kernels::rotary::force_generic));
 }
 
 // The same functions serve both devices: each picks the CUDA kernel or the ATen formulas by the tensors' device.

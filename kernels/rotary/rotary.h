@@ -37,8 +37,11 @@ struct Angles {
 
 // q_out and k_out: the results, of q's and k's sizes (any strides that do not overlap), written through their data.
 // transposed: the gradient's map (from the outputs' gradients to the inputs'). k may have fewer heads than q
-// (grouped heads); batch, tokens and dim equal, dim even.
+// (grouped heads); batch, tokens and dim equal, dim even. The launcher takes the packed kernel where the operands'
+// layout allows (rows dense along the head dim, 16-byte aligned) and the generic one elsewhere, or always where
+// `generic` (for tests: both give the same bits).
 cudaError_t launch_rotary_embedding(ElementType type, const Heads& q, const Heads& k, const Angles& angles,
-                                    const Heads& q_out, const Heads& k_out, bool transposed, cudaStream_t stream);
+                                    const Heads& q_out, const Heads& k_out, bool transposed, bool generic,
+                                    cudaStream_t stream);
 
 }  // namespace kernels::rotary

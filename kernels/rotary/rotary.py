@@ -6,6 +6,7 @@ Ops (schemas in rotary.cpp):
       heads may be fewer), cos and sin (batch or 1, tokens, head dim), the head dim even, all of one dtype; computed in
       double, then rounded to the dtype, the results laid out as q and k (empty_like).
   rotary_embedding_backward(grad_q_embed, grad_k_embed, cos, sin) -> (grad_q, grad_k), the same way.
+  _rotary_force_generic(generic) -> previous: every CUDA call on the generic kernel (any strides), for tests.
 Autograd of both ops is C++ (rotary_autograd.cpp): the backward kernel for a first-order backward, ATen's formulas
 (rotary_op.h) for higher orders, forward mode and angles that need a gradient.
 """

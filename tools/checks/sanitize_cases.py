@@ -214,23 +214,33 @@ def silu_mul_cases():
 
 
 def rotary_cases():
-    # The rotary embedding, forward and backward: q as the projections' transposed view, fewer kv heads, angles of
-    # one batch, each dtype. Against the formula in float64.
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        q = torch.randn(2, 33, 4, 64, device="cuda", dtype=dtype).transpose(1, 2)
-        k = torch.randn(2, 2, 33, 64, device="cuda", dtype=dtype)
-        cos, sin = (torch.randn(1, 33, 64, device="cuda", dtype=dtype) for _ in range(2))
-        tol = 1e-4 if dtype == torch.float32 else 1e-2
-        leaves = [t.double().requires_grad_(True) for t in (q, k)]
-        c64, s64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
-        exact = [x * c64 + torch.cat((-x[..., 32:], x[..., :32]), -1) * s64 for x in leaves]
-        for part, got, expected in zip(("q", "k"), rotary_embedding(q, k, cos, sin), exact):
-            check(f"rotary_embedding {dtype} {part}", got, expected, tol=tol)
-        grads = [torch.randn(t.shape, device="cuda", dtype=dtype) for t in (q, k)]
-        ours = torch.ops.kernels.rotary_embedding_backward(*grads, cos, sin)
-        for part, got, expected in zip(("grad q", "grad k"), ours,
-                                       torch.autograd.grad(exact, leaves, [g.double() for g in grads])):
-            check(f"rotary_embedding_backward {dtype} {part}", got, expected, tol=tol)
+    # The rotary embedding, forward and backward, on the packed kernel and the generic one forced: q as the projections'
+    # transposed view, fewer kv heads, angles of one batch, each dtype; a head dim of 80 (idle lanes in the packed
+    # kernel's passes) in float32. Against the formula in float64.
+    previous = torch.ops.kernels._rotary_force_generic(False)
+    try:
+        for generic in (False, True):
+            torch.ops.kernels._rotary_force_generic(generic)
+            kernel = "generic" if generic else "packed"
+            for dtype, dim in ((torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 64), (torch.float32, 80)):
+                half = dim // 2
+                q = torch.randn(2, 33, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)
+                k = torch.randn(2, 2, 33, dim, device="cuda", dtype=dtype)
+                cos, sin = (torch.randn(1, 33, dim, device="cuda", dtype=dtype) for _ in range(2))
+                tol = 1e-4 if dtype == torch.float32 else 1e-2
+                leaves = [t.double().requires_grad_(True) for t in (q, k)]
+                c64, s64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+                exact = [x * c64 + torch.cat((-x[..., half:], x[..., :half]), -1) * s64 for x in leaves]
+                label = f"{kernel} {dtype} head dim {dim}"
+                for part, got, expected in zip(("q", "k"), rotary_embedding(q, k, cos, sin), exact):
+                    check(f"rotary_embedding {label} {part}", got, expected, tol=tol)
+                grads = [torch.randn(t.shape, device="cuda", dtype=dtype) for t in (q, k)]
+                ours = torch.ops.kernels.rotary_embedding_backward(*grads, cos, sin)
+                for part, got, expected in zip(("grad q", "grad k"), ours,
+                                               torch.autograd.grad(exact, leaves, [g.double() for g in grads])):
+                    check(f"rotary_embedding_backward {label} {part}", got, expected, tol=tol)
+    finally:
+        torch.ops.kernels._rotary_force_generic(previous)
 
 
 def attention_cases():
