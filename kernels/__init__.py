@@ -11,7 +11,7 @@ compiler); the first use of anything above builds the library (kernels/loader.py
 """
 
 _LAZY = {"patch": "kernels.patching", "unpatch": "kernels.patching", "is_patched": "kernels.patching",
-         "split_layer_names": "kernels.patching",
+         "split_layer_names": "kernels.patching", "fused_layer_names": "kernels.patching",
          "fp32_gemm": "kernels.patching", "nn": "kernels.nn", "functional": "kernels.functional",
          "kept_split_budget": "kernels.gemm.gemm", "set_kept_split_budget": "kernels.gemm.gemm",
          "kept_split_bytes": "kernels.gemm.gemm", "clear_kept_splits": "kernels.gemm.gemm"}

@@ -378,7 +378,8 @@ def _patching_python():
 
 class ProblemPlan(collections.namedtuple("ProblemPlan", "layers functional_products trial", defaults=(None,))):
     """What a problem file's candidate applies: layers, the names of the Model's layers that ModelNew patches
-    (kernels.split_layer_names at get_inputs()'s shapes), or None for every layer patch() knows; functional_products,
+    (kernels.split_layer_names and kernels.fused_layer_names at get_inputs()'s shapes), or None for every layer
+    patch() knows; functional_products,
     whether the Model's forward makes products through functions that fp32_gemm() routes (matmul, @, mm, addmm, einsum,
     F.linear) at shapes where a split may pay (kernels.patching.functional_products_split), which ModelNew's forward
     then runs under fp32_gemm(); trial, what exact_output_trial found where it ran (None where nothing was routed)."""
@@ -520,7 +521,7 @@ def problem_plan(path, namespace=None):
     own rounding fails KernelBench's check, the plan routes nothing: ProblemPlan([], False, why)."""
     import torch
 
-    from kernels.patching import functional_products_split, split_layer_names
+    from kernels.patching import functional_products_split, fused_layer_names, split_layer_names
 
     code = None
     if namespace is None:
@@ -543,7 +544,8 @@ def problem_plan(path, namespace=None):
                     model = model_class(*init)
             except Exception:  # noqa: BLE001
                 model = model_class(*init).to("meta")
-            plan = ProblemPlan(split_layer_names(model, *inputs), functional_products_split(model, *inputs))
+            layers = sorted({*split_layer_names(model, *inputs), *fused_layer_names(model, *inputs)})
+            plan = ProblemPlan(layers, functional_products_split(model, *inputs))
             if not plan.layers and not plan.functional_products:
                 return plan
             parameters = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
@@ -584,8 +586,8 @@ def problem_model_new(model_class, plan):
 def problem_file_candidate(path):
     """The text of a candidate for the KernelBench problem file at `path`: the problem's Model, get_inputs and
     get_init_inputs as the file defines them (docstrings dropped, `pass` as `...`), and ModelNew, the Model with the
-    library applied (kernels.patch on the layers a split takes at get_inputs()'s shapes, problem_plan: those
-    run on the GEMM family's FusedLinear; everything else runs as in the Model), built in the Model's own RNG order.
+    library applied (kernels.patch on the layers a split or a fused op takes at get_inputs()'s shapes,
+    problem_plan: those run on the GEMM family's FusedLinear or the fused op; everything else runs as in the Model), built in the Model's own RNG order.
     A comment after its docstring carries the static rules' verdict."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
@@ -606,7 +608,7 @@ def problem_file_candidate(path):
     # A problem that rebinds a builtin the library reads (`type = ...`, `from torch import *`'s any) changes it too.
     for name in _builtins_read(library_source):
         library_bindings.setdefault(name, set()).add(f"builtins.{name}")
-    library_bindings.update(ModelNew={""}, SPLIT_LAYERS={""})  # the names the candidate adds to the problem's
+    library_bindings.update(ModelNew={""}, PATCHED_LAYERS={""})  # the names the candidate adds to the problem's
     # A name both bind clashes unless both import the same module under it (torch, F).
     shared = (bindings.keys() - {"Model", "get_inputs", "get_init_inputs"}) & library_bindings.keys()
     clashes = sorted(name for name in shared
@@ -621,13 +623,14 @@ def problem_file_candidate(path):
     else:
         trial = "" if plan.trial is None else "".join(
             f"# {line}\n" for line in textwrap.wrap(f"At export, {plan.trial}.", 112))
-        preamble = ("# The layers a split takes at get_inputs()'s shapes (split_layer_names, run at export on the\n"
-                    "# meta device): the others gain nothing from the library there and stay PyTorch's.\n"
-                    f"{trial}SPLIT_LAYERS = {layers!r}\n\n\n")
-        patching_lines = ("        # other init inputs may name other layers: those patch() turns, of SPLIT_LAYERS\n"
+        preamble = ("# The layers a split takes at get_inputs()'s shapes and those a fused op takes (split_layer_names\n"
+                    "# and fused_layer_names, run at export on the meta device): the others gain nothing from the\n"
+                    "# library there and stay PyTorch's.\n"
+                    f"{trial}PATCHED_LAYERS = {layers!r}\n\n\n")
+        patching_lines = ("        # other init inputs may name other layers: those patch() turns, of PATCHED_LAYERS\n"
                           "        names = {name for name, module in self.named_modules(remove_duplicate=False)\n"
                           "                 if _patch_base(module)}\n"
-                          "        patch(self, layers=[name for name in SPLIT_LAYERS if name in names])  # draws no "
+                          "        patch(self, layers=[name for name in PATCHED_LAYERS if name in names])  # draws no "
                           "random numbers\n")
     forward_lines = ("" if not plan.functional_products else
                      "\n    def forward(self, *args, **kwargs):\n"

@@ -13,6 +13,7 @@ a subclass of that class); the kept weight split (FusedLinear) follows the weigh
 through `.data` do not advance: after one, call the layer's clear_weight_split().
 """
 
+import builtins
 import contextlib
 import functools
 import math
@@ -29,9 +30,10 @@ from torch._prims_common import suggest_memory_format
 from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
+from kernels.causal_softmax.causal_softmax import causal_softmax
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, _tracing_state, gemm_multiply_leaky_relu
-from kernels.gemm.gemm import _has_hooks, _tf32_allowed, gemm_paths, linear
+from kernels.gemm.gemm import _has_hooks, _rewritten_uncounted, _tf32_allowed, gemm_paths, linear
 from kernels.gemm.gemm import split_may_pay, plain_linear_suffices, plain_product_suffices
 from kernels.layer_norm.layer_norm import add_layer_norm, layer_norm
 from kernels.rms_norm.rms_norm import rms_norm
@@ -163,6 +165,53 @@ class _NewGELUPatch:
 _GELU_TANH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+class _CausalSelfAttentionPatch:
+    """minGPT's CausalSelfAttention and the modules whose forward is its code: the scores' scale, causal mask and
+    softmax in one sweep over memory (kernels.causal_softmax: eager's three passes over the scores and their
+    writes), where `bias` is the causal mask and the scores are float32 CUDA tensors outside autocast (whose float32
+    policy for softmax eager follows) and tracing (the mask's check reads its values); its own forward otherwise."""
+
+    def forward(self, x):
+        if not _causal_softmax_takes(self, x):
+            return super().forward(x)
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1)
+        if scores.dtype != torch.float32:  # c_attn's output in another dtype (its weight's): eager's formula
+            att = F.softmax((scores * (1.0 / math.sqrt(k.size(-1)))).masked_fill(
+                self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        else:
+            att = causal_softmax(scores, 1.0 / math.sqrt(k.size(-1)))
+        att = self.attn_dropout(att)
+        y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def _causal_softmax_takes(attention, x):
+    """Whether _CausalSelfAttentionPatch's route takes attention(x): x a plain float32 CUDA tensor of (batch, tokens,
+    channels) outside autocast, torch.compile, tracing and torch.func's transforms, and attention.bias a (1, 1, S, S)
+    buffer on x's device with S >= tokens, nonzero exactly on and below its diagonal. The mask's check is kept for
+    the buffer and its version (every call in a process with a process group, whose collectives write uncounted)."""
+    mask = attention.__dict__.get("_buffers", {}).get("bias")
+    if not (type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32 and x.dim() == 3
+            and type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
+            and mask.shape[2] == mask.shape[3] >= x.shape[1] and mask.device == x.device
+            and not torch.is_autocast_enabled("cuda") and not _is_compiling() and _tracing_state() is None
+            and not torch._C._are_functorch_transforms_active()):
+        return False
+    seen = attention.__dict__.get("_causal_mask_seen")
+    if seen is not None and seen[0] is mask and seen[1] == mask._version and not _rewritten_uncounted():
+        return True
+    size = mask.shape[-1]
+    causal = bool(torch.equal(mask[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()))
+    attention.__dict__["_causal_mask_seen"] = (mask, mask._version) if causal else None
+    return causal
+
+
 def _llama_rms_norm_forward(self, hidden_states):
     # transformers' LlamaRMSNorm.forward, token for token: a norm class whose forward compiles to this code computes
     # this formula (Mistral's, Qwen2's and others are copies of it), so patch() may put rms_norm in its place.
@@ -186,6 +235,37 @@ def _matmul_linear_forward(self, input):
     if self.bias is None:
         return hidden_states
     return hidden_states + self.bias
+
+
+def _mingpt_new_gelu_forward(self, x):
+    # minGPT's NewGELU.forward (karpathy/minGPT; KernelBench's level-3 GPT problems copy it), token for token:
+    # transformers' NewGELUActivation's formula, which _NewGELUPatch computes.
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _mingpt_causal_self_attention_forward(self, x):
+    # minGPT's CausalSelfAttention.forward (KernelBench's 43_MinGPTCausalAttention, 44_MiniGPTBlock), token for token.
+    B, T, C = x.size()
+    q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+    k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    att = self.attn_dropout(att)
+    y = att @ v
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    y = self.resid_dropout(self.c_proj(y))
+    return y
+
+
+def _reads_real_globals(cls, *names):
+    """Whether the global `names` cls.forward reads (of torch, math, F and float) are the objects the reference
+    forwards read: a module that rebinds one computes something else with the same code."""
+    namespace = getattr(cls.forward, "__globals__", {})
+    real = {"torch": torch, "math": math, "F": F, "float": float}
+    return all(namespace.get(name, getattr(builtins, name, None)) is real[name] for name in names)
 
 
 def _forward_compiles_to(cls, reference):
@@ -809,6 +889,12 @@ def _base_for_class(cls):
         return _AddNormOutputPatch
     if issubclass(cls, nn.Module) and _applies_llama_rotary(cls):
         return _RotaryAttentionPatch
+    if (issubclass(cls, nn.Module) and _forward_compiles_to(cls, _mingpt_new_gelu_forward)
+            and _reads_real_globals(cls, "torch", "math")):
+        return _NewGELUPatch
+    if (issubclass(cls, nn.Module) and _forward_compiles_to(cls, _mingpt_causal_self_attention_forward)
+            and _reads_real_globals(cls, "math", "F", "float")):
+        return _CausalSelfAttentionPatch
     return None
 
 
@@ -1219,6 +1305,27 @@ def split_layer_names(model, *inputs):
     return sorted(taking)
 
 
+def fused_layer_names(model, *inputs):
+    """The qualified names (as split_layer_names gives them) of the layers of `model` that patch() puts on one of the
+    library's fused element-wise ops and that model(*inputs) calls on a float32 tensor: minGPT's NewGELU (gelu_tanh)
+    and CausalSelfAttention (causal_softmax). One op in place of eager's several gains at any size, host-bound
+    calls included. Run as split_layer_names runs it (once, no gradients, eval mode, shapes only)."""
+    taking = set()
+
+    def record(name, module):
+        def hook(module, args):
+            if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+                taking.add(name)
+        return module.register_forward_pre_hook(hook)
+
+    with _probe_run(model, inputs) as restore:
+        for name, module in model.named_modules(remove_duplicate=False):
+            if _patch_base(module) in (_NewGELUPatch, _CausalSelfAttentionPatch):
+                restore.callback(record(name, module).remove)
+        model(*inputs)
+    return sorted(taking)
+
+
 def functional_products_split(model, *inputs):
     """Whether model(*inputs) makes a float32 product through a function fp32_gemm() routes (F.linear, matmul, @, mm,
     addmm, einsum) outside the layers patch() turns, at a shape where a split may pay: shapes only, so `model` and
@@ -1258,7 +1365,7 @@ def unpatch(model):
     for module in model.modules():
         cls = type(module)
         original = originals.get(cls)
-        for name in ("_next_block", "_pending_norm1"):
+        for name in ("_next_block", "_pending_norm1", "_causal_mask_seen"):
             module.__dict__.pop(name, None)
         over_patched = (original is None and _parametrize.is_parametrized(module)
                         and any(base in originals for base in cls.__bases__))

@@ -465,7 +465,7 @@ def test_problem_file_candidate(name, tmp_path):
     linear_layers = {"mlp": 1, "conv": 0, "attention": 0, "branching": 2, "matmul": 0, "einsum": 0,
                      "cancellation": 0}[name]
     assert f"[{linear_layers}, {linear_layers}]" in result.stdout, result.stdout
-    assert ("SPLIT_LAYERS" not in source) == (name == "branching")
+    assert ("PATCHED_LAYERS" not in source) == (name == "branching")
     # A product through a function at a size a split takes (the matmul problem's 2048 x 1024 x 2048; the attention
     # problem's q @ k^T is batched, and small): ModelNew's forward runs under fp32_gemm(). The cancellation problem's
     # products are as large, but eager's own rounding fails the harness's check there: the library is left off.
@@ -478,7 +478,7 @@ def test_problem_file_candidate_refuses_a_clash(tmp_path):
     from kernels.export import problem_file_candidate
 
     problem = tmp_path / "clash.py"
-    for name, text in (("patch", "def patch(model):\n    return model\n"), ("SPLIT_LAYERS", "SPLIT_LAYERS = []\n"),
+    for name, text in (("patch", "def patch(model):\n    return model\n"), ("PATCHED_LAYERS", "PATCHED_LAYERS = []\n"),
                        ("patch", "image_size, patch = 32, 8\n"), ("patch", "patch: int = 8\n"),
                        ("layer_norm", "from torch.nn.functional import layer_norm\n"),
                        ("F", "import numpy as F\n"),
@@ -659,3 +659,22 @@ def test_problem_plan_takes_a_namespace_already_run(tmp_path):
     problem.write_text("raise RuntimeError('the file ran again')\n")  # run again, the probe would give None
     assert problem_plan(str(problem)) == (None, False, None)
     assert problem_plan(str(problem), namespace) == plan
+
+
+def test_problem_plan_names_the_fused_layers(tmp_path):
+    """A minGPT block (KernelBench's 44_MiniGPTBlock, small and host-bound: no split takes its layers): the plan
+    patches its attention and NewGELU, which the fused ops take at any size, and the candidate names them."""
+    import inspect
+
+    import reference
+    from kernels.export import problem_file_candidate, problem_plan
+
+    classes = "\n\n".join(inspect.getsource(cls) for cls in (reference.NewGELU, reference.CausalSelfAttention))
+    block = inspect.getsource(reference.MiniGPTBlockModel).replace("class MiniGPTBlockModel(", "class Model(")
+    problem = tmp_path / "mini_gpt_block.py"
+    problem.write_text("import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\n"
+                       f"{classes}\n\n{block}\n\n"
+                       "def get_inputs():\n    return [torch.rand(2, 32, 64)]\n\n\n"
+                       "def get_init_inputs():\n    return [64, 4, 0.0, 0.0, 32]\n")
+    assert problem_plan(str(problem)).layers == ["attn", "mlp.act"]
+    assert "PATCHED_LAYERS = ['attn', 'mlp.act']" in problem_file_candidate(str(problem))

@@ -2289,3 +2289,145 @@ def test_out_of_memory_while_making_a_kept_split_goes_on_without():
             del fillers
     assert layer._weight_split is None and kept._weight_split is None and kept_split_bytes() == 0
     torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)
+
+
+# ---- minGPT's NewGELU and CausalSelfAttention --------------------------------------------------------------------
+
+def _mingpt_attention(device, tokens=32, max_seqlen=48, embed=64, heads=4):
+    import reference
+
+    torch.manual_seed(0)
+    attention = reference.CausalSelfAttention(embed, heads, 0.0, 0.0, max_seqlen).to(device)
+    x = torch.randn(3, tokens, embed, device=device, requires_grad=True)
+    return attention, x
+
+
+def _attention_gradients(module, x, grad):
+    return torch.autograd.grad(module(x), (x, *module.parameters()), grad)
+
+
+def test_mingpt_causal_self_attention_patch(device):
+    """minGPT's CausalSelfAttention (KernelBench's level-3 GPT problems): the scale, causal mask and softmax on
+    causal_softmax on CUDA (the op ran), eager's bits on the CPU; outputs within the fp32 tolerance of eager's and no
+    less accurate against a float64 copy, at fewer tokens than the mask holds too; gradients alike; unpatch gives the
+    class back."""
+    import reference
+
+    for tokens in (48, 29):
+        attention, x = _mingpt_attention(device, tokens=tokens)
+        patched = kernels.patch(copy.deepcopy(attention))
+        assert kernels.is_patched(patched) and isinstance(patched, reference.CausalSelfAttention)
+        names = ops_called(lambda: patched(x))
+        assert ("kernels.causal_softmax.default" in names) == (device == "cuda"), names
+        y, y_patched = attention(x), patched(x)
+        if device == "cpu":
+            assert torch.equal(y_patched, y)
+        torch.testing.assert_close(y_patched, y, atol=TOL, rtol=TOL)
+        y64 = copy.deepcopy(attention).double()(x.detach().double())
+        assert relative_error(y_patched, y64) <= relative_error(y, y64)
+        grad = torch.randn_like(y)
+        for got, expected in zip(_attention_gradients(patched, x, grad), _attention_gradients(attention, x, grad)):
+            torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
+    kernels.unpatch(patched)
+    assert type(patched) is reference.CausalSelfAttention and "_causal_mask_seen" not in vars(patched)
+
+
+@requires_cuda
+def test_mingpt_attention_route_follows_its_mask_and_mode():
+    """The route leaves to the module's own forward: a mask that is not causal (also when it changes in place after
+    a call the route took), autocast (whose float32 softmax eager's output dtype shows), torch.func's transforms,
+    float64, and more tokens than the mask (eager's error). Each gives eager's result."""
+    attention, x = _mingpt_attention("cuda")
+    patched = kernels.patch(copy.deepcopy(attention))
+    x = x.detach()
+
+    def route_taken():
+        return "kernels.causal_softmax.default" in ops_called(lambda: patched(x))
+
+    assert route_taken()
+    with torch.no_grad():
+        patched.bias[0, 0, 0, 1] = 1.0  # not causal any more: seen by the buffer's version
+        attention.bias[0, 0, 0, 1] = 1.0
+    assert not route_taken()
+    torch.testing.assert_close(patched(x), attention(x), atol=TOL, rtol=TOL)
+    with torch.no_grad():
+        patched.bias[0, 0, 0, 1] = 0.0
+        attention.bias[0, 0, 0, 1] = 0.0
+    assert route_taken()
+    patched.bias = patched.bias.bool()  # a boolean mask: the same mask
+    assert route_taken()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, expected = patched(x), attention(x)
+        assert not route_taken()
+    assert y.dtype == expected.dtype
+    torch.testing.assert_close(y, expected, atol=TOL, rtol=TOL)
+    per_sample = torch.func.vmap(lambda t: patched(t.unsqueeze(0)).squeeze(0))(x)
+    torch.testing.assert_close(per_sample, attention(x), atol=TOL, rtol=TOL)
+    double = copy.deepcopy(patched).double()
+    assert "kernels.causal_softmax.default" not in ops_called(lambda: double(x.double()))
+    too_long = torch.randn(1, attention.bias.shape[-1] + 1, 64, device="cuda")
+    with pytest.raises(RuntimeError) as eager_error:
+        attention(too_long)
+    with pytest.raises(RuntimeError, match=re.escape(str(eager_error.value))):
+        patched(too_long)
+
+
+def test_mingpt_new_gelu_patch(device):
+    """minGPT's NewGELU on gelu_tanh (transformers' NewGELUActivation's formula): eager's result within 1e-6, no less
+    accurate against float64, gradients alike."""
+    import reference
+
+    activation = reference.NewGELU()
+    patched = kernels.patch(copy.deepcopy(activation))
+    assert kernels.is_patched(patched) and isinstance(patched, reference.NewGELU)
+    x = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4).to(device).requires_grad_()
+    y, y_patched = activation(x), patched(x)
+    torch.testing.assert_close(y_patched, y, atol=1e-6, rtol=1e-6)
+    assert relative_error(y_patched, activation(x.detach().double())) <= relative_error(
+        y, activation(x.detach().double()))
+    grad = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y_patched, x, grad)[0], torch.autograd.grad(y, x, grad)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_mingpt_code_in_a_module_that_rebinds_its_globals_is_left():
+    """The same forward code reading other objects under torch's, math's or F's names computes something else:
+    patch() leaves it."""
+    import reference
+
+    for rebinding in ("math = types.SimpleNamespace(sqrt=lambda v: 1.0, pi=3.0)\n",
+                      "F = types.SimpleNamespace(softmax=lambda t, dim: t)\n", "float = str\n"):
+        namespace = {}
+        source = ("import math, types\nimport torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
+                  + rebinding + "\n" + _class_source(reference.NewGELU) + "\n" + _class_source(
+                      reference.CausalSelfAttention))
+        exec(compile(source, "<rebinding>", "exec"), namespace)
+        gelu_patched = kernels.is_patched(kernels.patch(namespace["NewGELU"]()))
+        attention_patched = kernels.is_patched(kernels.patch(namespace["CausalSelfAttention"](64, 4, 0.0, 0.0, 8)))
+        assert gelu_patched == rebinding.startswith(("F", "float")), rebinding
+        assert not attention_patched, rebinding
+    # The same source with nothing rebound is patched: the check above fails for the rebinding only.
+    namespace = {}
+    exec(compile("import math\nimport torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
+                 + _class_source(reference.CausalSelfAttention), "<plain>", "exec"), namespace)
+    assert kernels.is_patched(kernels.patch(namespace["CausalSelfAttention"](64, 4, 0.0, 0.0, 8)))
+
+
+def _class_source(cls):
+    import inspect
+    import textwrap
+
+    return textwrap.dedent(inspect.getsource(cls))
+
+
+def test_fused_layer_names_on_the_meta_device():
+    """fused_layer_names: minGPT's attention and NewGELU that the model calls on float32 tensors (KernelBench's
+    44_MiniGPTBlock, at any size), none in float64; split_layer_names keeps to the linear layers."""
+    import reference
+
+    with torch.device("meta"):
+        block = reference.MiniGPTBlockModel(64, 4, 0.0, 0.0, 32)
+        x = torch.randn(2, 32, 64)
+    assert kernels.fused_layer_names(block, x) == ["attn", "mlp.act"]
+    assert kernels.fused_layer_names(block.double(), x.double()) == []
+    assert kernels.split_layer_names(block.float(), x) == []
