@@ -4,7 +4,7 @@ nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attenti
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm, patchify Conv2d; Conv1D, NewGELU,
                                   # LLaMA's norms, MLP, rotary embedding, BERT's MLP and add-norms; timm's LayerNorm,
-                                  # Attention, Mlp, PatchEmbed and Block
+                                  # Attention, Mlp, PatchEmbed and Block; minGPT's NewGELU and attention
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -179,12 +179,7 @@ class _CausalSelfAttentionPatch:
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        scores = q @ k.transpose(-2, -1)
-        if scores.dtype != torch.float32:  # c_attn's output in another dtype (its weight's): eager's formula
-            att = F.softmax((scores * (1.0 / math.sqrt(k.size(-1)))).masked_fill(
-                self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
-        else:
-            att = causal_softmax(scores, 1.0 / math.sqrt(k.size(-1)))
+        att = causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(k.size(-1)))
         att = self.attn_dropout(att)
         y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -196,7 +191,7 @@ def _causal_softmax_takes(attention, x):
     channels) outside autocast, torch.compile, tracing and torch.func's transforms, and attention.bias a (1, 1, S, S)
     buffer on x's device with S >= tokens, nonzero exactly on and below its diagonal. The mask's check is kept for
     the buffer and its version (every call in a process with a process group, whose collectives write uncounted)."""
-    mask = attention.__dict__.get("_buffers", {}).get("bias")
+    mask = attention._buffers.get("bias")
     if not (type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32 and x.dim() == 3
             and type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
             and mask.shape[2] == mask.shape[3] >= x.shape[1] and mask.device == x.device
@@ -854,8 +849,9 @@ def _base_for_class(cls):
     (those with a patchify convolution's settings: _patch_base), nn.Sequential (those holding timm Blocks),
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and PatchEmbed and the subclasses that
     keep their forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul
-    and add), the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's or timm's
-    Mlp's code, and those whose forward applies LLaMA's rotary embedding."""
+    and add), the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's, timm's
+    Mlp's, or minGPT's NewGELU's or CausalSelfAttention's code, and those whose forward applies LLaMA's rotary
+    embedding."""
     if (issubclass(cls, nn.Linear) and _parameters_are_its_own(cls, nn.Linear)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
@@ -957,7 +953,8 @@ def patch(model, layers=None):
     """Turns every nn.Linear, nn.MultiheadAttention and nn.LayerNorm of `model` (itself included), every nn.Conv2d
     whose kernel is its stride (a patch embedding: _PatchifyConv2dPatch), every transformers Conv1D,
     NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with one of their
-    forwards) and every timm LayerNorm, Attention, Mlp (by its forward), PatchEmbed and ViT Block into the library's,
+    forwards), every timm LayerNorm, Attention, Mlp (by its forward), PatchEmbed and ViT Block, and every module with
+    the forward of minGPT's NewGELU or CausalSelfAttention into the library's,
     in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
     residual adds (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them) and BertOutput's one op each
