@@ -190,7 +190,8 @@ def _causal_softmax_takes(attention, x):
     """Whether _CausalSelfAttentionPatch's route takes attention(x): x a plain float32 CUDA tensor of (batch, tokens,
     channels) outside autocast, torch.compile, tracing and torch.func's transforms, and attention.bias a (1, 1, S, S)
     buffer on x's device with S >= tokens, nonzero exactly on and below its diagonal. The mask's check is kept for
-    the buffer and its version (every call in a process with a process group, whose collectives write uncounted)."""
+    the buffer and its version (every call in a process with a process group, whose collectives write uncounted); a
+    CUDA graph's capture takes the route where the check was kept before it."""
     mask = attention._buffers.get("bias")
     if not (type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32 and x.dim() == 3
             and type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
@@ -201,6 +202,8 @@ def _causal_softmax_takes(attention, x):
     seen = attention.__dict__.get("_causal_mask_seen")
     if seen is not None and seen[0] is mask and seen[1] == mask._version and not _rewritten_uncounted():
         return True
+    if torch.cuda.is_current_stream_capturing():  # the check reads the mask back to the host: not in a graph's capture
+        return False
     size = mask.shape[-1]
     causal = bool(torch.equal(mask[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()))
     attention.__dict__["_causal_mask_seen"] = (mask, mask._version) if causal else None

@@ -2372,6 +2372,31 @@ def test_mingpt_attention_route_follows_its_mask_and_mode():
         patched(too_long)
 
 
+@requires_cuda
+def test_mingpt_attention_route_in_a_cuda_graph():
+    """A CUDA graph of a patched minGPT attention: captured after warm-up, the route (its mask's check kept) is in
+    the graph and a replay on new inputs gives eager's bits; captured first, eager's formula is."""
+    from conftest import assert_graph_replay_matches_eager
+
+    attention, x = _mingpt_attention("cuda")
+    patched = kernels.patch(copy.deepcopy(attention))
+    x = x.detach()
+
+    def step():
+        with torch.no_grad():
+            return (patched(x),)
+
+    assert_graph_replay_matches_eager(step, lambda: x.copy_(torch.randn_like(x)))
+    assert "kernels.causal_softmax.default" in ops_called(step)
+    fresh = kernels.patch(copy.deepcopy(attention))  # no check kept: the capture runs eager's formula
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = fresh(x)
+    graph.replay()
+    torch.testing.assert_close(captured, attention(x), atol=TOL, rtol=TOL)
+
+
 def test_mingpt_new_gelu_patch(device):
     """minGPT's NewGELU on gelu_tanh (transformers' NewGELUActivation's formula): eager's result within 1e-6, no less
     accurate against float64, gradients alike."""
