@@ -646,7 +646,8 @@ def linear_host(args):
     """Host time alone of a host-bound linear layer's call (bench.py's host-bound sizes): nn.Linear, a second
     nn.Linear with the same weights, kernels.nn.Linear, F.linear, and the two layers' forward() called directly (the
     module call's own cost left out), while the GPU is kept busy (the calls' kernels queue behind a sleep), all
-    interleaved call by call; medians over rounds."""
+    interleaved call by call; medians over rounds. --cpu (no GPU needed): the same calls on CPU tensors of 4 x 16 ->
+    16, whose product is negligible, so each call's Python and dispatch cost; minima over rounds against F.linear's."""
     import statistics
     import time
 
@@ -655,29 +656,39 @@ def linear_host(args):
 
     import kernels
 
-    print(torch.cuda.get_device_name())
-    for m, k, n in ((394, 512, 512), (64, 1024, 1024)):
+    on_cpu = args.cpu
+    if on_cpu:
+        torch.set_num_threads(1)
+    print("CPU" if on_cpu else torch.cuda.get_device_name(), sys.version.split()[0], torch.__version__)
+    device = "cpu" if on_cpu else "cuda"
+    for m, k, n in ((4, 16, 16),) if on_cpu else ((394, 512, 512), (64, 1024, 1024)):
         torch.manual_seed(0)
-        eager, twin = torch.nn.Linear(k, n).cuda(), torch.nn.Linear(k, n).cuda()
-        ours = kernels.nn.Linear(k, n).cuda()
+        eager, twin = torch.nn.Linear(k, n).to(device), torch.nn.Linear(k, n).to(device)
+        ours = kernels.nn.Linear(k, n).to(device)
         twin.load_state_dict(eager.state_dict())
         ours.load_state_dict(eager.state_dict())
-        x = torch.randn(m, k, device="cuda")
+        x = torch.randn(m, k, device=device)
         calls = {"nn.Linear": lambda: eager(x), "nn.Linear, a second copy": lambda: twin(x),
                  "kernels.nn.Linear": lambda: ours(x), "F.linear": lambda: F.linear(x, eager.weight, eager.bias),
                  "nn.Linear.forward": lambda: eager.forward(x), "kernels.nn.Linear.forward": lambda: ours.forward(x)}
         # Not kernels.timing's time_each_ms: the GPU must stay busy under the calls (its sleep), else the slower of
         # host and GPU would be timed.
         times = {label: [] for label in calls}
-        for round_index in range(300):
-            if round_index % 20 == 0:
+        calls_per_round = 2000 if on_cpu else 20
+        for round_index in range(40 if on_cpu else 300):
+            if not on_cpu and round_index % 20 == 0:
                 torch.cuda.synchronize()
                 torch.cuda._sleep(400_000_000)  # the calls below queue: their host time alone is timed
             for label, call in calls.items():
                 start = time.perf_counter()
-                for _ in range(20):
+                for _ in range(calls_per_round):
                     call()
-                times[label].append((time.perf_counter() - start) / 20 * 1e6)
+                times[label].append((time.perf_counter() - start) / calls_per_round * 1e6)
+        if on_cpu:
+            base = min(times["F.linear"])
+            print(f"{m} x {k} -> {n}, over F.linear's {base:.3f} us (minima): "
+                  + ", ".join(f"{label} {min(t) - base:+.3f} us" for label, t in times.items() if label != "F.linear"))
+            continue
         torch.cuda.synchronize()
         print(f"{m} x {k} -> {n}: " + ", ".join(f"{label} {statistics.median(t):.2f} us" for label, t in times.items()))
     return []
@@ -940,7 +951,8 @@ def parse_arguments(argv):
     sub = add("silu-mul", silu_mul, "the SwiGLU gate family against a copy's rate and eager's, and its error")
     sub.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (float32,bfloat16)")
     add("attention", attention, "the attention op at ViT-B/16's and BERT-large's shapes, ViT-B/16's forward, a digest")
-    add("linear-host", linear_host, "host time of host-bound linear calls: nn.Linear against kernels.nn.Linear")
+    sub = add("linear-host", linear_host, "host time of host-bound linear calls: nn.Linear against kernels.nn.Linear")
+    sub.add_argument("--cpu", action="store_true", help="CPU tensors of 4 x 16 -> 16: each call's Python cost")
     add("architectures", architectures, "kernels.patch() on transformers architectures against eager and float64",
         extra="CHECK_ARGS")
     add("kernelbench-timing", kernelbench_timing, "the level-3 MLPs' KB ms against their median: host latency, clocks")

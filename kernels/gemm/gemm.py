@@ -245,6 +245,7 @@ _is_compiling = torch.compiler.is_compiling  # Dynamo knows the function itself,
 # torch.jit.trace's state, None outside it (Dynamo folds the call to None). Under that tracer x.numel() and x.shape
 # are traced tensors: a size check would record ops (and fail on a bound beyond int64), so calls take the plain product.
 _tracing_state = torch._C._get_tracing_state
+_Tensor = torch.Tensor  # (a module global: one lookup less in the plain call's checks)
 
 
 # split_pays_off's thresholds (gemm_path.cpp): [min_side, min_outputs, min_reduction, min_outputs_short_reduction,
@@ -350,14 +351,15 @@ class FusedLinear(nn.Linear):
         x = input  # nn.Linear's parameter name, for callers that pass it by keyword
         # A host-bound layer's plain call, its checks in one expression (such a call is all host time): the weight
         # noted with the bound below is the registered parameter, no instance attribute hides it or the bias, no parent
-        # left a shared product, and x has fewer elements than any split needs. The bound is kept per weight object; a
+        # left a shared product, and x has fewer elements than any split needs (under torch.jit.trace numel() is a
+        # traced tensor, not an int: such calls take the checks below). The bound is kept per weight object; a
         # shape changed through .data leaves it stale, which costs speed only: F.linear is always right.
         parameters, attributes = self._parameters, self.__dict__
         weight = parameters.get("weight")
         noted_weight, plain_numel = self._plain_numel_below
         if (noted_weight() is weight and weight is not None and "bias" in parameters and "weight" not in attributes
-                and "bias" not in attributes and "_shared_product" not in attributes and type(x) is torch.Tensor
-                and _tracing_state() is None and x.numel() < plain_numel and _forced_path == "auto"
+                and "bias" not in attributes and "_shared_product" not in attributes and type(x) is _Tensor
+                and type(numel := x.numel()) is int and numel < plain_numel and _forced_path == "auto"
                 and multiplier == 1.0 and negative_slope == 1.0):
             return F.linear(x, weight, parameters["bias"])
         # A parent that computes its sibling layers' products as one (kernels.patch) leaves, for the length of its own
@@ -386,7 +388,7 @@ class FusedLinear(nn.Linear):
         weight, bias = self._weight_and_bias()
         noted_weight, plain_numel = self._plain_numel_below  # as in forward()
         noted_weight = noted_weight()
-        if (noted_weight is weight and type(x) is torch.Tensor and _tracing_state() is None and x.numel() < plain_numel
+        if (noted_weight is weight and type(x) is _Tensor and type(numel := x.numel()) is int and numel < plain_numel
                 and _forced_path == "auto"):
             return _gelu_of(F.linear(x, weight, bias), approximate)
         if noted_weight is not weight:
