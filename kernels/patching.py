@@ -4,7 +4,8 @@ nn.MultiheadAttention's projections) to it, and its F.scaled_dot_product_attenti
 
     kernels.patch(model)          # nn.Linear, MultiheadAttention, LayerNorm, patchify Conv2d; Conv1D, NewGELU,
                                   # LLaMA's norms, MLP, rotary embedding, BERT's MLP and add-norms; timm's LayerNorm,
-                                  # Attention, Mlp, PatchEmbed and Block; minGPT's NewGELU and attention
+                                  # Attention, Mlp, PatchEmbed and Block; minGPT's NewGELU and attention,
+                                  # nanoGPT's MLP
     with kernels.fp32_gemm():     # F.linear, torch.matmul, @, mm, addmm, einsum, multi_head_attention_forward, sdpa
         loss = model(x).sum()
 
@@ -419,6 +420,26 @@ class _GeluMLPPatch:
         if hidden is None:
             return super().forward(x)
         return self.drop2(self.fc2(self.norm(self.drop1(hidden))))
+
+
+def _nanogpt_mlp_forward(self, x):
+    # nanoGPT's MLP.forward (karpathy/nanoGPT, model.py), token for token.
+    x = self.c_fc(x)
+    x = self.gelu(x)
+    x = self.c_proj(x)
+    x = self.dropout(x)
+    return x
+
+
+class _NanoGPTMLPPatch:
+    """nanoGPT's MLP (c_fc, gelu, c_proj, dropout) and the modules whose forward is its code, with nn.GELU: c_fc and
+    its activation in one op (_linear_gelu); its own forward otherwise."""
+
+    def forward(self, x):
+        hidden = _linear_gelu(self.c_fc, self.gelu, x)
+        if hidden is None:
+            return super().forward(x)
+        return self.dropout(self.c_proj(hidden))
 
 
 def _bert_intermediate_forward(self, hidden_states):
@@ -853,8 +874,8 @@ def _base_for_class(cls):
     transformers' Conv1D and NewGELUActivation, timm's LayerNorm, Attention and PatchEmbed and the subclasses that
     keep their forward (a subclass with a forward of its own computes something else, but for FalconLinear's matmul
     and add), the modules whose forward is LlamaRMSNorm's, LlamaMLP's, BertIntermediate's, BertOutput's, timm's
-    Mlp's, or minGPT's NewGELU's or CausalSelfAttention's code, and those whose forward applies LLaMA's rotary
-    embedding."""
+    Mlp's, nanoGPT's MLP's, or minGPT's NewGELU's or CausalSelfAttention's code, and those whose forward applies
+    LLaMA's rotary embedding."""
     if (issubclass(cls, nn.Linear) and _parameters_are_its_own(cls, nn.Linear)
             and (cls.forward is nn.Linear.forward or _forward_compiles_to(cls, _matmul_linear_forward))):
         return FusedLinear
@@ -882,6 +903,8 @@ def _base_for_class(cls):
         return _GatedMLPPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _timm_mlp_forward):
         return _GeluMLPPatch
+    if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _nanogpt_mlp_forward):
+        return _NanoGPTMLPPatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_intermediate_forward):
         return _GeluIntermediatePatch
     if issubclass(cls, nn.Module) and _forward_compiles_to(cls, _bert_output_forward):
@@ -957,7 +980,7 @@ def patch(model, layers=None):
     whose kernel is its stride (a patch embedding: _PatchifyConv2dPatch), every transformers Conv1D,
     NewGELUActivation, LlamaRMSNorm, LlamaMLP, BertIntermediate and BertOutput (or a module with one of their
     forwards), every timm LayerNorm, Attention, Mlp (by its forward), PatchEmbed and ViT Block, and every module with
-    the forward of minGPT's NewGELU or CausalSelfAttention into the library's,
+    the forward of nanoGPT's MLP or minGPT's NewGELU or CausalSelfAttention into the library's,
     in place, and returns `model`; a module's linear children that read its input become one product while training
     (_ProjectionGroup), an MLP's first layer and its GELU (the erf form) one op (_linear_gelu), and a ViT Block's
     residual adds (_TimmBlockPatch; _BlockSequencePatch for an nn.Sequential of them) and BertOutput's one op each

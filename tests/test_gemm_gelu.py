@@ -416,11 +416,32 @@ class TimmStyleMlp(nn.Module):
         return x
 
 
+class NanoGPTStyleMlp(nn.Module):
+    """nanoGPT's MLP (model.py) as it is written: patch() knows it by its forward's code."""
+
+    def __init__(self, features, hidden, act_layer=nn.GELU):
+        super().__init__()
+        self.c_fc = nn.Linear(features, hidden)
+        self.gelu = act_layer()
+        self.c_proj = nn.Linear(hidden, features)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        x = self.c_proj(x)
+        x = self.dropout(x)
+        return x
+
+
+@pytest.mark.parametrize("mlp_class", [TimmStyleMlp, NanoGPTStyleMlp])
 @pytest.mark.parametrize("act_layer,fused", [(nn.GELU, True), (nn.ReLU, False)])
-def test_timm_style_mlp_fuses_its_gelu(act_layer, fused, device, monkeypatch):
+def test_mlp_fuses_its_gelu(mlp_class, act_layer, fused, device, monkeypatch):
+    """timm's Mlp and nanoGPT's MLP: the first layer and its GELU (the erf form) one op, forward and training, with
+    eager's results and gradients; another activation left as it is."""
     torch.manual_seed(0)
-    eager = TimmStyleMlp(64, 256, act_layer).to(device)
-    patched = kernels.patch(TimmStyleMlp(64, 256, act_layer).to(device))
+    eager = mlp_class(64, 256, act_layer).to(device)
+    patched = kernels.patch(mlp_class(64, 256, act_layer).to(device))
     patched.load_state_dict(eager.state_dict())
     assert kernels.is_patched(patched)
     calls = _count_forward_gelu(monkeypatch)
@@ -434,10 +455,10 @@ def test_timm_style_mlp_fuses_its_gelu(act_layer, fused, device, monkeypatch):
     patched(x).backward(grad)
     eager(x_eager).backward(grad)
     torch.testing.assert_close(x.grad, x_eager.grad)
-    torch.testing.assert_close(patched.fc1.weight.grad, eager.fc1.weight.grad)
-    torch.testing.assert_close(patched.fc1.bias.grad, eager.fc1.bias.grad)
+    for got, expected in zip(patched.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)
     kernels.unpatch(patched)
-    assert type(patched) is TimmStyleMlp
+    assert type(patched) is mlp_class
 
 
 def test_plain_gelus_only_are_fused():
