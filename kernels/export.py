@@ -517,8 +517,9 @@ def problem_plan(path, namespace=None):
     file's globals where the caller has run it already (bench.py), else the file is run here. ProblemPlan(None,
     False) where the Model cannot run on the meta device (an op without a meta kernel, control flow on the data) or
     the file does not run here: every layer patched, each choosing per call, and no mode around the forward. Where
-    the plan routes anything, exact_output_trial runs the Model for real (on a GPU where there is one); where eager's
-    own rounding fails KernelBench's check, the plan routes nothing: ProblemPlan([], False, why)."""
+    the plan routes a product, exact_output_trial runs the Model for real (on a GPU where there is one); where eager's
+    own rounding fails KernelBench's check, the plan routes nothing: ProblemPlan([], False, why). A plan of fused
+    layers alone (element-wise ops, each rounded once) runs no trial."""
     import torch
 
     from kernels.patching import functional_products_split, fused_layer_names, split_layer_names
@@ -544,9 +545,10 @@ def problem_plan(path, namespace=None):
                     model = model_class(*init)
             except Exception:  # noqa: BLE001
                 model = model_class(*init).to("meta")
-            layers = sorted({*split_layer_names(model, *inputs), *fused_layer_names(model, *inputs)})
-            plan = ProblemPlan(layers, functional_products_split(model, *inputs))
-            if not plan.layers and not plan.functional_products:
+            split = split_layer_names(model, *inputs)
+            plan = ProblemPlan(sorted({*split, *fused_layer_names(model, *inputs)}),
+                               functional_products_split(model, *inputs))
+            if not split and not plan.functional_products:  # no product routed: nothing for the trial to try
                 return plan
             parameters = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
             verdict, why = exact_output_trial(model_class, init, namespace["get_inputs"],

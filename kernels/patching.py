@@ -20,6 +20,7 @@ import functools
 import math
 import sys
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -158,12 +159,29 @@ class _NewGELUPatch:
     rounded once."""
 
     def forward(self, input):
-        if type(input) is torch.Tensor and input.dtype in _GELU_TANH_DTYPES:
+        if _gelu_tanh_takes(input):
             return gelu_tanh(input)
-        return super().forward(input)  # other dtypes (integers: eager's formula promotes them) and subclasses
+        return super().forward(input)
+
+
+class _MinGPTNewGELUPatch:
+    """minGPT's NewGELU and the modules whose forward is its code (NewGELUActivation's formula): as _NewGELUPatch,
+    under the name of minGPT's argument (callers may pass it by keyword)."""
+
+    def forward(self, x):
+        if _gelu_tanh_takes(x):
+            return gelu_tanh(x)
+        return super().forward(x)
 
 
 _GELU_TANH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _gelu_tanh_takes(x):
+    """Whether gelu_tanh gives what the formula gives eager: x a plain tensor of a float dtype (integers: the formula
+    promotes them), and no 16-bit one under autocast (whose float32 policy for pow makes eager's result float32)."""
+    return type(x) is torch.Tensor and x.dtype in _GELU_TANH_DTYPES and not (
+        x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type))
 
 
 class _CausalSelfAttentionPatch:
@@ -186,28 +204,40 @@ class _CausalSelfAttentionPatch:
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
+    def __getstate__(self):
+        state = self.__dict__.copy()  # the mask's check is not pickled or copied: a copy's mask counts its own writes
+        state.pop("_causal_mask_seen", None)
+        return state
+
+
+_CAUSAL_SOFTMAX_DEVICE_TYPES = ("cuda",)  # where the route runs (tests add "cpu", where the op runs ATen's formula)
+
 
 def _causal_softmax_takes(attention, x):
     """Whether _CausalSelfAttentionPatch's route takes attention(x): x a plain float32 CUDA tensor of (batch, tokens,
-    channels) outside autocast, torch.compile, tracing and torch.func's transforms, and attention.bias a (1, 1, S, S)
-    buffer on x's device with S >= tokens, nonzero exactly on and below its diagonal. The mask's check is kept for
-    the buffer and its version (every call in a process with a process group, whose collectives write uncounted); a
-    CUDA graph's capture takes the route where the check was kept before it."""
-    mask = attention._buffers.get("bias")
-    if not (type(x) is torch.Tensor and x.is_cuda and x.dtype == torch.float32 and x.dim() == 3
-            and type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
-            and mask.shape[2] == mask.shape[3] >= x.shape[1] and mask.device == x.device
-            and not torch.is_autocast_enabled("cuda") and not _is_compiling() and _tracing_state() is None
-            and not torch._C._are_functorch_transforms_active()):
+    channels) outside autocast, torch.compile, tracing and torch.func's transforms, in a process without a process
+    group (whose collectives write buffers uncounted: DDP broadcasts them), and attention.bias a (1, 1, S, S) buffer
+    on x's device with S >= tokens, counting its writes (not an inference tensor), nonzero exactly on and below its
+    diagonal. That check reads the mask back to the host: its verdict is kept for the buffer (by a weak reference),
+    its version and its data, and it is not made in a CUDA graph's capture or where syncs are flagged
+    (torch.cuda.set_sync_debug_mode), which then run the module's own forward."""
+    if (_is_compiling() or _tracing_state() is not None or torch._C._are_functorch_transforms_active()
+            or type(x) is not torch.Tensor or x.dtype != torch.float32
+            or x.device.type not in _CAUSAL_SOFTMAX_DEVICE_TYPES or torch.is_autocast_enabled(x.device.type)
+            or x.dim() != 3 or _rewritten_uncounted()):
         return False
-    seen = attention.__dict__.get("_causal_mask_seen")
-    if seen is not None and seen[0] is mask and seen[1] == mask._version and not _rewritten_uncounted():
-        return True
-    if torch.cuda.is_current_stream_capturing():  # the check reads the mask back to the host: not in a graph's capture
+    mask = attention._buffers.get("bias")
+    if not (type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
+            and mask.shape[2] == mask.shape[3] >= x.shape[1] and mask.device == x.device and not mask.is_inference()):
+        return False
+    seen = attention.__dict__.get("_causal_mask_seen")  # (weak reference, version, data pointer, causal)
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version and seen[2] == mask.data_ptr():
+        return seen[3]
+    if x.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0):
         return False
     size = mask.shape[-1]
     causal = bool(torch.equal(mask[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()))
-    attention.__dict__["_causal_mask_seen"] = (mask, mask._version) if causal else None
+    attention.__dict__["_causal_mask_seen"] = (weakref.ref(mask), mask._version, mask.data_ptr(), causal)
     return causal
 
 
@@ -238,7 +268,7 @@ def _matmul_linear_forward(self, input):
 
 def _mingpt_new_gelu_forward(self, x):
     # minGPT's NewGELU.forward (karpathy/minGPT; KernelBench's level-3 GPT problems copy it), token for token:
-    # transformers' NewGELUActivation's formula, which _NewGELUPatch computes.
+    # transformers' NewGELUActivation's formula, which _MinGPTNewGELUPatch computes.
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
@@ -913,7 +943,7 @@ def _base_for_class(cls):
         return _RotaryAttentionPatch
     if (issubclass(cls, nn.Module) and _forward_compiles_to(cls, _mingpt_new_gelu_forward)
             and _reads_real_globals(cls, "torch", "math")):
-        return _NewGELUPatch
+        return _MinGPTNewGELUPatch
     if (issubclass(cls, nn.Module) and _forward_compiles_to(cls, _mingpt_causal_self_attention_forward)
             and _reads_real_globals(cls, "math", "F", "float")):
         return _CausalSelfAttentionPatch
@@ -1336,14 +1366,15 @@ def fused_layer_names(model, *inputs):
     taking = set()
 
     def record(name, module):
-        def hook(module, args):
-            if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("x")
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
                 taking.add(name)
-        return module.register_forward_pre_hook(hook)
+        return module.register_forward_pre_hook(hook, with_kwargs=True)
 
     with _probe_run(model, inputs) as restore:
         for name, module in model.named_modules(remove_duplicate=False):
-            if _patch_base(module) in (_NewGELUPatch, _CausalSelfAttentionPatch):
+            if _patch_base(module) in (_MinGPTNewGELUPatch, _CausalSelfAttentionPatch):
                 restore.callback(record(name, module).remove)
         model(*inputs)
     return sorted(taking)

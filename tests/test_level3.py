@@ -160,6 +160,28 @@ def test_mini_gpt_block_mask_changed_through_pytorch_is_followed(device):
             assert allclose(y, y_ref), (change, (y - y_ref).nan_to_num().abs().max())
 
 
+def test_mini_gpt_block_mask_verdict_is_not_copied(device):
+    """A copy made after a call (deepcopy, pickle) checks its own mask again: changed in place there, the reference's
+    masked_fill takes over. A mask made in inference mode (no version counter) takes it too, without error."""
+    import copy
+    import pickle
+
+    init, shape = SMALL["mini_gpt_block"]
+    model, model_new = make_pair("mini_gpt_block", init, device)
+    x = torch.randn(*shape, device=device)
+    with torch.no_grad():
+        model_new(x)  # the verdict kept
+        model.attn.bias[0, 0, 0, 1] = 1.0  # not causal
+        for copied in (copy.deepcopy(model_new), pickle.loads(pickle.dumps(model_new))):
+            copied.attn.bias[0, 0, 0, 1] = 1.0
+            assert allclose(copied(x), model(x))
+        model.attn.bias[0, 0, 0, 1] = 0.0
+    with torch.inference_mode():
+        model_new.attn.bias = model_new.attn.bias.clone()
+        assert model_new.attn.bias.is_inference()
+        assert allclose(model_new(x), model(x))
+
+
 def test_mini_gpt_block_dropout_in_training_follows_the_reference(device):
     """With dropout on and in training mode, the same seed draws the same dropout masks in the same order."""
     model, model_new = make_pair("mini_gpt_block", [64, 4, 0.25, 0.25, 32], device)
