@@ -2514,3 +2514,13 @@ def test_fused_layer_names_on_the_meta_device():
     assert kernels.fused_layer_names(block, x) == ["attn", "mlp.act"]
     assert kernels.fused_layer_names(block.double(), x.double()) == []
     assert kernels.split_layer_names(block.float(), x) == []
+
+
+def test_mingpt_attention_patch_under_torch_compile(route_device):
+    """torch.compile (fullgraph; Dynamo's tracing with the eager backend) of a patched minGPT attention traces the
+    module's own forward and gives eager's result."""
+    attention, x = _mingpt_attention(route_device)
+    patched = kernels.patch(copy.deepcopy(attention))
+    compiled = torch.compile(patched, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), attention(x), atol=TOL, rtol=TOL)
