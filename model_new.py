@@ -5,12 +5,12 @@ its class.
 """
 
 import math
-import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.causal_softmax.causal_softmax import causal_mask_verdict, without_mask_verdict
 from kernels.functional import causal_softmax, leaky_relu
 from kernels.gemm.gemm import FusedLinear, _has_hooks, _rewritten_uncounted
 from kernels.nn import GELUTanh
@@ -96,27 +96,13 @@ class CausalSelfAttentionNew(nn.Module):
         self.register_buffer("bias", torch.tril(torch.ones(max_seqlen, max_seqlen)).view(1, 1, max_seqlen, max_seqlen))
         self.n_head = n_head
         self.n_embd = n_embd
-        self._causal_mask_seen = None  # the mask's last verdict: see _mask_is_causal
 
     def _mask_is_causal(self):
-        mask = self.bias
-        if mask.is_inference():  # no version counter: a verdict could not see writes in inference mode
-            return False
-        seen = self._causal_mask_seen  # (weak reference, version, data pointer, causal)
         # Collectives write buffers uncounted (DDP broadcasts them each call): with a process group, checked each call.
-        if (seen is not None and seen[0]() is mask and seen[1] == mask._version and seen[2] == mask.data_ptr()
-                and not _rewritten_uncounted()):
-            return seen[3]
-        size = mask.shape[-1]
-        causal = mask.shape == (1, 1, size, size) and bool(torch.equal(
-            mask[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()))
-        self._causal_mask_seen = (weakref.ref(mask), mask._version, mask.data_ptr(), causal)
-        return causal
+        return causal_mask_verdict(self, self.bias, keep=not _rewritten_uncounted())
 
     def __getstate__(self):
-        state = self.__dict__.copy()  # the mask's verdict is not pickled or copied: a copy's mask counts its own writes
-        state["_causal_mask_seen"] = None
-        return state
+        return without_mask_verdict(self.__dict__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()

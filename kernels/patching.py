@@ -20,7 +20,6 @@ import functools
 import math
 import sys
 import types
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ from torch._prims_common import suggest_memory_format
 from torch.overrides import TorchFunctionMode
 
 from kernels.attention.attention import attention
-from kernels.causal_softmax.causal_softmax import causal_softmax
+from kernels.causal_softmax.causal_softmax import causal_mask_verdict, causal_softmax, without_mask_verdict
 from kernels.gelu_tanh.gelu_tanh import gelu_tanh
 from kernels.gemm.gemm import _NO_PLAIN_BOUND, FusedLinear, _is_compiling, _tracing_state, gemm_multiply_leaky_relu
 from kernels.gemm.gemm import _has_hooks, _rewritten_uncounted, _tf32_allowed, gemm_paths, linear
@@ -205,9 +204,7 @@ class _CausalSelfAttentionPatch:
         return self.resid_dropout(self.c_proj(y))
 
     def __getstate__(self):
-        state = self.__dict__.copy()  # the mask's check is not pickled or copied: a copy's mask counts its own writes
-        state.pop("_causal_mask_seen", None)
-        return state
+        return without_mask_verdict(self.__dict__)
 
 
 _CAUSAL_SOFTMAX_DEVICE_TYPES = ("cuda",)  # where the route runs (tests add "cpu", where the op runs ATen's formula)
@@ -217,28 +214,18 @@ def _causal_softmax_takes(attention, x):
     """Whether _CausalSelfAttentionPatch's route takes attention(x): x a plain float32 CUDA tensor of (batch, tokens,
     channels) outside autocast, torch.compile, tracing and torch.func's transforms, in a process without a process
     group (whose collectives write buffers uncounted: DDP broadcasts them), and attention.bias a (1, 1, S, S) buffer
-    on x's device with S >= tokens, counting its writes (not an inference tensor), nonzero exactly on and below its
-    diagonal. That check reads the mask back to the host: its verdict is kept for the buffer (by a weak reference),
-    its version and its data, and it is not made in a CUDA graph's capture or where syncs are flagged
-    (torch.cuda.set_sync_debug_mode), which then run the module's own forward."""
+    on x's device with S >= tokens that is the causal mask (causal_mask_verdict: checked once per buffer, version
+    and data; an inference tensor, a CUDA graph's capture or flagged syncs without a kept verdict run the module's
+    own forward)."""
     if (_is_compiling() or _tracing_state() is not None or torch._C._are_functorch_transforms_active()
             or type(x) is not torch.Tensor or x.dtype != torch.float32
             or x.device.type not in _CAUSAL_SOFTMAX_DEVICE_TYPES or torch.is_autocast_enabled(x.device.type)
             or x.dim() != 3 or _rewritten_uncounted()):
         return False
     mask = attention._buffers.get("bias")
-    if not (type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
-            and mask.shape[2] == mask.shape[3] >= x.shape[1] and mask.device == x.device and not mask.is_inference()):
-        return False
-    seen = attention.__dict__.get("_causal_mask_seen")  # (weak reference, version, data pointer, causal)
-    if seen is not None and seen[0]() is mask and seen[1] == mask._version and seen[2] == mask.data_ptr():
-        return seen[3]
-    if x.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0):
-        return False
-    size = mask.shape[-1]
-    causal = bool(torch.equal(mask[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()))
-    attention.__dict__["_causal_mask_seen"] = (weakref.ref(mask), mask._version, mask.data_ptr(), causal)
-    return causal
+    return (type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[:2] == (1, 1)
+            and mask.shape[2] == mask.shape[3] >= x.shape[1] and mask.device == x.device
+            and causal_mask_verdict(attention, mask))
 
 
 def _llama_rms_norm_forward(self, hidden_states):
@@ -1419,7 +1406,7 @@ def unpatch(model):
     for module in model.modules():
         cls = type(module)
         original = originals.get(cls)
-        for name in ("_next_block", "_pending_norm1", "_causal_mask_seen"):
+        for name in ("_next_block", "_pending_norm1", "_causal_mask_verdict"):
             module.__dict__.pop(name, None)
         over_patched = (original is None and _parametrize.is_parametrized(module)
                         and any(base in originals for base in cls.__bases__))

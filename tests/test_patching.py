@@ -2328,8 +2328,9 @@ def test_mingpt_causal_self_attention_patch(device):
         grad = torch.randn_like(y)
         for got, expected in zip(_attention_gradients(patched, x, grad), _attention_gradients(attention, x, grad)):
             torch.testing.assert_close(got, expected, atol=gradient_atol(expected), rtol=1e-4)
+    assert ("_causal_mask_verdict" in vars(patched)) == (device == "cuda")
     kernels.unpatch(patched)
-    assert type(patched) is reference.CausalSelfAttention and "_causal_mask_seen" not in vars(patched)
+    assert type(patched) is reference.CausalSelfAttention and "_causal_mask_verdict" not in vars(patched)
 
 
 @pytest.fixture
@@ -2403,8 +2404,9 @@ def test_mingpt_attention_route_kept_check_and_copies(route_device):
         patched(x)
     gc.collect()
     assert replaced() is None
+    assert "_causal_mask_verdict" in vars(patched)
     copied = copy.deepcopy(patched)
-    assert "_causal_mask_seen" not in vars(copied)
+    assert "_causal_mask_verdict" not in vars(copied)
     with torch.no_grad():
         copied.bias[0, 0, 0, 1] = 1.0
         attention.bias[0, 0, 0, 1] = 1.0

@@ -8,6 +8,8 @@ Ops (schemas in causal_softmax.cpp):
 Autograd of both ops is C++ (causal_softmax_autograd.cpp): reverse mode to any order and forward mode.
 """
 
+import weakref
+
 import torch
 
 from kernels import loader
@@ -42,6 +44,38 @@ def causal_softmax(scores, scale):
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"kernels.causal_softmax: scores must be a torch.Tensor, got {type(scores).__name__}")
     return torch.ops.kernels.causal_softmax.default(scores, scale)
+
+
+_MASK_VERDICT = "_causal_mask_verdict"  # the attribute of the owner that keeps causal_mask_verdict's verdict
+
+
+def causal_mask_verdict(owner, mask, keep=True):
+    """Whether `mask` is a (1, 1, S, S) tensor nonzero exactly on and below its diagonal: the causal mask, as
+    `masked_fill(mask == 0, -inf)` applies it, so causal_softmax computes what that formula computes. The check reads
+    the mask back to the host; its verdict is kept in owner.__dict__ (keep) for that tensor (a weak reference), its
+    version and its data, so a change made through PyTorch is seen, and the owner's __getstate__ drops it
+    (without_mask_verdict). False, not checked, for an inference tensor (no version counter) and, where no verdict is
+    kept, in a CUDA graph's capture or where torch.cuda.set_sync_debug_mode flags syncs."""
+    if mask.is_inference():
+        return False
+    seen = owner.__dict__.get(_MASK_VERDICT)  # (weak reference, version, data pointer, verdict)
+    if keep and seen is not None and seen[0]() is mask and seen[1] == mask._version and seen[2] == mask.data_ptr():
+        return seen[3]
+    if mask.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0):
+        return False
+    size = mask.shape[-1]
+    causal = mask.shape == (1, 1, size, size) and bool(torch.equal(
+        mask[0, 0] != 0, torch.ones(size, size, dtype=torch.bool, device=mask.device).tril()))
+    owner.__dict__[_MASK_VERDICT] = (weakref.ref(mask), mask._version, mask.data_ptr(), causal)
+    return causal
+
+
+def without_mask_verdict(state):
+    """An owner's state for pickling and copying (__getstate__) without causal_mask_verdict's verdict: a copy's mask
+    counts its own writes."""
+    state = dict(state)
+    state.pop(_MASK_VERDICT, None)
+    return state
 
 
 # ---- torch.func.vmap -------------------------------------------------------------------------------------------------
