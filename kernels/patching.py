@@ -165,7 +165,7 @@ class _NewGELUPatch:
 
 class _MinGPTNewGELUPatch:
     """minGPT's NewGELU and the modules whose forward is its code (NewGELUActivation's formula): as _NewGELUPatch,
-    under the name of minGPT's argument (callers may pass it by keyword)."""
+    under the name of minGPT's argument (a caller may name it)."""
 
     def forward(self, x):
         if _gelu_tanh_takes(x):
