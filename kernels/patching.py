@@ -180,7 +180,8 @@ def _gelu_tanh_takes(x):
     """Whether gelu_tanh gives what the formula gives eager: x a plain tensor of a float dtype (integers: the formula
     promotes them), and no 16-bit one under autocast (whose float32 policy for pow makes eager's result float32)."""
     return type(x) is torch.Tensor and x.dtype in _GELU_TANH_DTYPES and not (
-        x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type))
+        x.dtype in (torch.float16, torch.bfloat16) and x.device.type in ("cpu", "cuda")  # the devices autocast serves
+        and torch.is_autocast_enabled(x.device.type))
 
 
 class _CausalSelfAttentionPatch:

@@ -2472,6 +2472,8 @@ def test_mingpt_new_gelu_patch(device):
         y_half, expected = patched(half), activation(half)
     assert y_half.dtype == expected.dtype
     torch.testing.assert_close(y_half, expected)
+    meta = torch.empty(8, dtype=torch.bfloat16, device="meta")  # a device autocast does not serve: the op's shapes
+    assert patched(meta).shape == meta.shape and patched(meta).dtype == torch.bfloat16
 
 
 def test_mingpt_code_in_a_module_that_rebinds_its_globals_is_left():
