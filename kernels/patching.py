@@ -1108,10 +1108,11 @@ def _training_call(x):
     outside autocast and torch.func's transforms, and outside activation checkpointing (its recomputation must save
     what the first run saved; the run in a backward and saved-tensor hooks mark it). An inference tensor has no version
     counter to watch, and eager could not save it: its calls run as they are."""
+    # (autocast's check on the devices it serves: it raises for others, the meta device's shape runs among them)
     return (x.dtype == torch.float32 and not x.is_inference() and torch.is_grad_enabled()
             and not torch.is_inference_mode_enabled()
-            and not torch.is_autocast_enabled(x.device.type) and not torch._C._are_functorch_transforms_active()
-            and _outside_recomputation())
+            and not (x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type))
+            and not torch._C._are_functorch_transforms_active() and _outside_recomputation())
 
 
 def _outside_recomputation():

@@ -388,6 +388,19 @@ def test_transformers_models_trace_as_eager(name, device):
         torch.testing.assert_close(traced(ids), expected, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_transformers_models_patched_run_on_the_meta_device(name):
+    """A model built on the meta device and patched runs a training forward there (shapes only), as eager's does."""
+    cls, config = tiny_transformers_models()[name]
+    with torch.device("meta"):
+        model = cls(config)
+        ids = torch.zeros(2, 9, dtype=torch.long)
+    expected = model(input_ids=ids).logits
+    patched = kernels.patch(model)
+    logits = patched(input_ids=ids).logits
+    assert logits.device.type == "meta" and logits.shape == expected.shape and logits.dtype == expected.dtype
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "falcon"])
 def test_transformers_models_patch_round_trip(name, device):
     cls, config = tiny_transformers_models()[name]
