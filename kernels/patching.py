@@ -254,6 +254,14 @@ def _matmul_linear_forward(self, input):
     return hidden_states + self.bias
 
 
+def _matmul_linear_patched_forward(self, input):
+    """A patched FalconLinear-style layer's forward: FusedLinear's, but under autocast its class's own matmul and add,
+    whose float32 bias promotes the autocast product back to float32 (F.linear's result stays in autocast's dtype)."""
+    if input.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(input.device.type):
+        return _matmul_linear_forward(self, input)
+    return FusedLinear.forward(self, input)
+
+
 def _mingpt_new_gelu_forward(self, x):
     # minGPT's NewGELU.forward (karpathy/minGPT; KernelBench's level-3 GPT problems copy it), token for token:
     # transformers' NewGELUActivation's formula, which _MinGPTNewGELUPatch computes.
@@ -971,6 +979,8 @@ def _patched_class(cls, base):
     if patched is None:
         name = _class_name(cls)
         namespace = base.patched_namespace(cls) if hasattr(base, "patched_namespace") else {}
+        if base is FusedLinear and cls.forward is not nn.Linear.forward:  # FalconLinear's code (_base_for_class)
+            namespace = {**namespace, "forward": _matmul_linear_patched_forward}
         patched = type(cls.__name__, (base, cls), {**namespace, "__module__": __name__, "__qualname__": name})
         _PATCHED_CLASSES[cls] = patched
         globals()[name] = patched

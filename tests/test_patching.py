@@ -388,6 +388,34 @@ def test_transformers_models_trace_as_eager(name, device):
         torch.testing.assert_close(traced(ids), expected, atol=TOL, rtol=TOL)
 
 
+def test_falcon_linear_patch_follows_autocast(device):
+    """FalconLinear (nn.Linear's product as a matmul and an add) under autocast: eager's product in bfloat16, its
+    float32 bias promoting the sum back to float32; the patched layers give the same dtypes and values, each layer's
+    output and the logits."""
+    cls, config = tiny_transformers_models()["falcon"]
+    torch.manual_seed(0)
+    model = cls(config).to(device)
+    patched = kernels.patch(copy.deepcopy(model))
+    ids = torch.randint(0, config.vocab_size, (2, 9), device=device)
+
+    def layer_outputs(m):
+        seen = []
+        hooks = [layer.register_forward_hook(lambda module, args, out: seen.append(out))
+                 for layer in m.modules() if type(layer).__name__ == "FalconLinear"]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits = m(input_ids=ids).logits
+        for hook in hooks:
+            hook.remove()
+        return seen, logits
+
+    (outputs, logits), (outputs_patched, logits_patched) = layer_outputs(model), layer_outputs(patched)
+    assert outputs and [t.dtype for t in outputs_patched] == [t.dtype for t in outputs]
+    assert logits_patched.dtype == logits.dtype
+    torch.testing.assert_close(logits_patched, logits)
+    with torch.no_grad():  # outside autocast: the library's layer, eager's result
+        torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_transformers_models_patched_run_on_the_meta_device(name):
     """A model built on the meta device and patched runs a training forward there (shapes only), as eager's does."""
