@@ -1299,10 +1299,12 @@ def _split_may_take(x, n, k):
     return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and k > 0 and split_may_pay(x.numel() // k, n, k)
 
 
-def _patchable_layers(model):
-    # (qualified name, module) of every layer patch() turns, shared layers under each of their names.
+def _patchable_layers(model, bases=None):
+    # (qualified name, module) of every layer patch() turns with one of `bases` (default: the layers a split may take),
+    # shared layers under each of their names.
+    bases = bases or (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch, _PatchifyConv2dPatch)
     return [(name, module) for name, module in model.named_modules(remove_duplicate=False)
-            if _patch_base(module) in (FusedLinear, _MultiheadAttentionPatch, _Conv1DPatch, _PatchifyConv2dPatch)]
+            if _patch_base(module) in bases]
 
 
 @contextlib.contextmanager
@@ -1332,29 +1334,19 @@ def split_layer_names(model, *inputs):
     `model` and `inputs` may live on the meta device. The layers it leaves out would run PyTorch's product anyway (a
     host-bound model's small layers). It runs model(*inputs) once, without gradients and in eval mode, and leaves
     the model's modes, its hooks and the random states of the CPU and of the GPUs it uses as they were."""
-    taking = set()
+    def takes(module, x):
+        if isinstance(module, nn.MultiheadAttention):
+            weight = module.in_proj_weight if module._qkv_same_embed_dim else module.q_proj_weight
+            n, k = weight.shape
+        elif isinstance(module, nn.Linear):
+            n, k = module.weight.shape
+        elif isinstance(module, nn.Conv2d):  # a patchify convolution: a row of in channels x kernel values a patch
+            n, k = module.weight.shape[0], module.weight[0].numel()
+        else:  # Conv1D: its weight stored as (in, out)
+            k, n = module.weight.shape
+        return _split_may_take(x, n, k)
 
-    def record(name, module):
-        def hook(module, args, kwargs):
-            x = args[0] if args else kwargs.get("query", kwargs.get("input", kwargs.get("x")))
-            if isinstance(module, nn.MultiheadAttention):
-                weight = module.in_proj_weight if module._qkv_same_embed_dim else module.q_proj_weight
-                n, k = weight.shape
-            elif isinstance(module, nn.Linear):
-                n, k = module.weight.shape
-            elif isinstance(module, nn.Conv2d):  # a patchify convolution: a row of in channels x kernel values a patch
-                n, k = module.weight.shape[0], module.weight[0].numel()
-            else:  # Conv1D: its weight stored as (in, out)
-                k, n = module.weight.shape
-            if _split_may_take(x, n, k):
-                taking.add(name)
-        return module.register_forward_pre_hook(hook, with_kwargs=True)
-
-    with _probe_run(model, inputs) as restore:
-        for name, module in _patchable_layers(model):
-            restore.callback(record(name, module).remove)
-        model(*inputs)
-    return sorted(taking)
+    return _layers_taking(model, inputs, None, takes)
 
 
 def fused_layer_names(model, *inputs):
@@ -1362,19 +1354,26 @@ def fused_layer_names(model, *inputs):
     library's fused element-wise ops and that model(*inputs) calls on a float32 tensor: minGPT's NewGELU (gelu_tanh)
     and CausalSelfAttention (causal_softmax). One op in place of eager's several gains at any size, host-bound
     calls included. Run as split_layer_names runs it (once, no gradients, eval mode, shapes only)."""
+    return _layers_taking(model, inputs, (_MinGPTNewGELUPatch, _CausalSelfAttentionPatch),
+                          lambda module, x: isinstance(x, torch.Tensor) and x.dtype == torch.float32)
+
+
+def _layers_taking(model, inputs, bases, takes):
+    """The sorted qualified names of `model`'s layers that patch() turns with one of `bases` (_patchable_layers) and
+    for which takes(layer, x) holds on a call of model(*inputs) (_probe_run's one run), x the layer's first
+    argument."""
     taking = set()
 
     def record(name, module):
         def hook(module, args, kwargs):
-            x = args[0] if args else kwargs.get("x")
-            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+            x = args[0] if args else kwargs.get("query", kwargs.get("input", kwargs.get("x")))
+            if takes(module, x):
                 taking.add(name)
         return module.register_forward_pre_hook(hook, with_kwargs=True)
 
     with _probe_run(model, inputs) as restore:
-        for name, module in model.named_modules(remove_duplicate=False):
-            if _patch_base(module) in (_MinGPTNewGELUPatch, _CausalSelfAttentionPatch):
-                restore.callback(record(name, module).remove)
+        for name, module in _patchable_layers(model, bases):
+            restore.callback(record(name, module).remove)
         model(*inputs)
     return sorted(taking)
 
